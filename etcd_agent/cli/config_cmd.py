@@ -1,0 +1,40 @@
+"""`etcd-agent config sample | validate [PATH]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..errors import ConfigError
+from .main import Context, Output
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("config", help="print a sample config or validate one")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    s = csub.add_parser("sample", help="print a commented sample config that validates")
+    s.set_defaults(func=cmd_sample)
+    v = csub.add_parser("validate", help="report every problem of a config (PATH, or - for stdin)")
+    v.add_argument("path", nargs="?", help="config file (default: -c / /etc/etcd-agent/agent.toml)")
+    v.set_defaults(func=cmd_validate)
+
+
+def cmd_sample(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..sample import SAMPLE
+
+    return Output({"sample": SAMPLE}, SAMPLE)
+
+
+def cmd_validate(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..config import load, parse_text
+
+    path = args.path or ctx.config_path
+    if path == "-":
+        cfg, errors = parse_text(sys.stdin.read(), path="<stdin>")
+        if errors or cfg is None:
+            raise ConfigError(f"<stdin>: {len(errors)} problem{'s' if len(errors) != 1 else ''} in the config", details=errors)
+    else:
+        cfg = load(path)
+    text = f"{path}: valid ({len(cfg.members)} members, bootstrap {cfg.cluster.bootstrap}, service manager {cfg.etcd.service_manager})"
+    return Output({"path": path, "valid": True, "members": [m.name for m in cfg.members]}, text)

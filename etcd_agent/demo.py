@@ -1,0 +1,207 @@
+"""The one-host demo: N members on 127.0.0.1, bootstrapped incrementally through the agent's own
+code path (seed, then member add + start with state=existing), supervised until Ctrl-C.
+
+It writes ``DIR/agent.toml`` so every other command works against it with ``-c DIR/agent.toml``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from .config import Config, load, with_local
+from .errors import Interrupted, RefusedError, UsageError
+from .etcd.client import EtcdClient
+from .member.local import LocalMember
+from .member.process import ProcessBackend
+
+log = logging.getLogger(__name__)
+
+MAX_MEMBERS = 6  # client ports 2379, 22379, 32379, ... 62379
+
+
+def ports(i: int) -> Tuple[int, int]:
+    """Client and peer port of member i (0-based) as the seed document lays them out:
+    2379/2380, then 22379/22380, 32379/32380, ..."""
+    base = 0 if i == 0 else 10000 * (i + 1)
+    return 2379 + base, 2380 + base
+
+
+def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: str) -> str:
+    d = os.path.abspath(directory)
+    out = [
+        "# One-host demo cluster written by `etcd-agent demo`. Use it with: etcd-agent -c THIS_FILE ...",
+        "[cluster]",
+        'name = "demo"',
+        'token = "etcd-agent-demo"',
+        'bootstrap = "incremental"',
+        "",
+        "[etcd]",
+        f'binary = "{etcd_binary}"',
+        f'etcdctl = "{etcdctl}"',
+        'service_manager = "process"',
+        f'data_dir = "{d}/data/{{name}}.etcd"',
+        f'conf_file = "{d}/conf/{{name}}.conf"',
+        f'unit_file = "{d}/conf/etcd.service"',
+        f'run_dir = "{d}/run"',
+        "",
+        "[backup]",
+        f'dir = "{d}/backups"',
+        "",
+    ]
+    for i in range(members):
+        c, p = ports(i)
+        out += [
+            "[[member]]",
+            f'name = "s{i + 1}"',
+            'host = "127.0.0.1"',
+            f'client_url = "http://127.0.0.1:{c}"',
+            f'peer_url = "http://127.0.0.1:{p}"',
+            "",
+        ]
+    return "\n".join(out)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class DemoResult:
+    config_path: str
+    members: List[str]
+    seconds_to_healthy: float
+    resumed: bool
+
+
+class Demo:
+    """Owns the demo members' etcd processes from start to clean stop."""
+
+    def __init__(self, directory: str, members: int, etcd_binary: str, etcdctl: str) -> None:
+        if not 1 <= members <= MAX_MEMBERS:
+            raise UsageError(f"--members must be 1..{MAX_MEMBERS} (ports 2379, 22379, ... 62379)")
+        self.dir = os.path.abspath(directory)
+        self.n = members
+        self.config_path = os.path.join(self.dir, "agent.toml")
+        self.etcd_binary = etcd_binary
+        self.etcdctl = etcdctl
+        self.cfg: Optional[Config] = None
+        self.locals: List[LocalMember] = []
+        self._stop = threading.Event()
+
+    def prepare(self) -> bool:
+        """Write (or reuse) DIR/agent.toml; True when an earlier demo's data is resumed."""
+        for i in range(self.n):
+            for port in ports(i):
+                if not port_free(port):
+                    raise RefusedError(
+                        f"port {port} on 127.0.0.1 is in use (another etcd or demo?); stop it first"
+                    )
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        for sub in ("data", "conf", "run", "backups"):
+            os.makedirs(os.path.join(self.dir, sub), mode=0o700, exist_ok=True)
+        text = demo_config_text(self.dir, self.n, self.etcd_binary, self.etcdctl)
+        resumed = False
+        if os.path.exists(self.config_path):
+            old = load(self.config_path)
+            if len(old.members) != self.n:
+                raise RefusedError(
+                    f"{self.config_path} describes {len(old.members)} members, not {self.n}; "
+                    "use another --dir or the same --members"
+                )
+            resumed = any(os.path.isdir(os.path.join(old.data_dir(m.name), "member")) for m in old.members)
+        from .hosts.local import write_atomic
+
+        write_atomic(self.config_path, text.encode(), mode=0o600)
+        self.cfg = load(self.config_path)
+        self.locals = [
+            LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members
+        ]
+        return resumed
+
+    def bootstrap(self, progress: Callable[[str], None]) -> float:
+        """Start the cluster; returns seconds until every member was healthy."""
+        assert self.cfg is not None
+        t0 = time.monotonic()
+        timeout = self.cfg.etcd.start_timeout
+        if all(lm.has_data() for lm in self.locals):
+            for lm in self.locals:
+                progress(f"{lm.member.name}: starting from its data dir")
+                lm.start_existing()
+            for lm in self.locals:
+                lm.wait_healthy(timeout)
+            return time.monotonic() - t0
+        if any(lm.has_data() for lm in self.locals):
+            raise RefusedError(
+                f"{self.dir}/data holds data for some members only; remove {self.dir} to start a fresh demo"
+            )
+        seed = self.locals[0]
+        progress(f"{seed.member.name}: seed member, state=new")
+        seed.start_seed()
+        seed.wait_healthy(timeout)
+        with EtcdClient.from_config(self.cfg, [seed.member.client_url], timeout=5.0) as client:
+            for lm in self.locals[1:]:
+                self._check_stop()
+                progress(f"{lm.member.name}: member add, then start with state=existing")
+                info = lm.join(client)
+                lm.wait_healthy(timeout)
+                progress(f"{lm.member.name}: joined as {info.hex_id}")
+                client.endpoints = [m.member.client_url for m in self.locals if m.backend.is_active()]
+        return time.monotonic() - t0
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise Interrupted("interrupted while bootstrapping")
+
+    def supervise(self, report: Callable[[str], None], interval: float = 1.0) -> None:
+        """Keep the members running until asked to stop: a crashed etcd is started again, like
+        systemd's Restart=on-failure, at most once per 5 s per member."""
+        last_restart = {lm.member.name: 0.0 for lm in self.locals}
+        while not self._stop.wait(interval):
+            for lm in self.locals:
+                if lm.backend.is_active():
+                    continue
+                now = time.monotonic()
+                if now - last_restart[lm.member.name] < 5:
+                    continue
+                last_restart[lm.member.name] = now
+                if not lm.has_data():
+                    report(f"{lm.member.name}: etcd is down and its data dir is gone; not restarting")
+                    continue
+                report(f"{lm.member.name}: etcd exited; restarting it")
+                try:
+                    lm.start_existing()
+                except Exception as exc:  # keep supervising the others
+                    report(f"{lm.member.name}: restart failed: {exc}")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop_all(self) -> None:
+        for lm in reversed(self.locals):
+            try:
+                lm.backend.stop()
+            except Exception as exc:
+                log.error("stopping %s failed: %s", lm.member.name, exc)
+
+
+def install_signal_handlers(demo: Demo) -> None:
+    """SIGINT/SIGTERM only set the stop flag; the main thread does the stopping."""
+
+    def handler(signum: int, _frame: object) -> None:
+        demo.request_stop()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,112 @@
+"""One exception hierarchy for the whole agent.
+
+Every error carries the exit code the CLI maps it to, and a one-line message meant for an
+operator. Library code raises; only ``etcd_agent.cli.main`` turns errors into exit codes.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+EXIT_BUSY = 4
+
+
+class AgentError(Exception):
+    """Base of every error the agent raises on purpose."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, *, details: Optional[Sequence[str]] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = list(details or [])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": type(self).__name__, "message": self.message, "details": self.details}
+
+
+class UsageError(AgentError):
+    """Bad command line or arguments."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(AgentError):
+    """The configuration is unreadable or invalid; ``details`` lists every problem found."""
+
+    exit_code = EXIT_USAGE
+
+
+class RefusedError(AgentError):
+    """A pre-check refused the operation; nothing was touched."""
+
+    exit_code = EXIT_REFUSED
+
+
+class BusyError(AgentError):
+    """Another operation holds the lock."""
+
+    exit_code = EXIT_BUSY
+
+
+class OperationFailed(AgentError):
+    """An operation failed; what it touched was rolled back or can be resumed."""
+
+    exit_code = EXIT_FAILED
+
+
+class CommandError(OperationFailed):
+    """An external command failed (non-zero exit, could not start, or timed out)."""
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class CommandTimedOut(CommandError):
+    """An external command did not finish within its timeout."""
+
+
+class HostUnreachable(OperationFailed):
+    """A host could not be reached (connect, auth or host key failure)."""
+
+
+class HostKeyRejected(HostUnreachable):
+    """An SSH host key was unknown or did not match known_hosts."""
+
+
+class EtcdError(OperationFailed):
+    """An etcd call failed."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No etcd endpoint answered in time."""
+
+
+class EtcdUnhealthyCluster(EtcdError):
+    """etcd refused a membership change because the cluster is not (yet) healthy."""
+
+
+class EtcdPeerExists(EtcdError):
+    """``member add`` refused: the peer URL is already a member's."""
+
+
+class EtcdMemberNotFound(EtcdError):
+    """The member named or numbered does not exist."""
+
+
+class BackupError(OperationFailed):
+    """A backup could not be written or read."""
+
+
+class BackupCorrupt(BackupError):
+    """A backup failed verification; ``details`` says exactly what."""
+
+
+class Interrupted(AgentError):
+    """The operator interrupted the command (Ctrl-C / SIGTERM)."""
+
+    exit_code = 130

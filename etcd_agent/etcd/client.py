@@ -1,0 +1,378 @@
+"""The etcd client: the only module that imports etcd3/grpc; plain dataclasses out, our errors up.
+
+Maintenance and cluster RPCs go through gRPC channels kept per endpoint (so one dead member never
+poisons calls to the others, and a restarted etcd is reconnected within a second: reconnect
+backoff is capped low). Messages whose etcd3 stubs are stale (status, member list/add with learner
+fields) are encoded/decoded with ``wire``. KV and locks use etcd3's client, built as a
+multi-endpoint client with a short retry window (a single-endpoint etcd3 client refuses every call
+for 300 s after one failure).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
+
+from ..errors import (
+    EtcdError,
+    EtcdMemberNotFound,
+    EtcdPeerExists,
+    EtcdUnavailable,
+    EtcdUnhealthyCluster,
+)
+from . import wire
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import Config, TlsSection
+
+log = logging.getLogger(__name__)
+
+# gRPC reconnect backoff grows to 120 s by default; an agent polling a restarted etcd wants ~1 s.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    id: int
+    name: str
+    peer_urls: Tuple[str, ...]
+    client_urls: Tuple[str, ...]
+    is_learner: bool = False
+
+    @property
+    def started(self) -> bool:
+        """A member added but never started has no name and no client URLs yet."""
+        return bool(self.name)
+
+    @property
+    def hex_id(self) -> str:
+        return f"{self.id:x}"
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    endpoint: str
+    member_id: int
+    cluster_id: int
+    revision: int
+    version: str
+    db_size: int
+    db_size_in_use: int
+    leader: int
+    is_learner: bool
+    raft_term: int
+    raft_index: int
+    raft_applied_index: int
+    errors: Tuple[str, ...]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader != 0 and self.leader == self.member_id
+
+
+def parse_endpoint(url: str) -> Tuple[str, int, bool]:
+    """``https://10.0.0.1:2379`` -> (host, port, secure)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+        raise EtcdError(f"bad etcd endpoint {url!r}")
+    return parts.hostname, parts.port, parts.scheme == "https"
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def map_grpc_error(exc: Exception, what: str) -> EtcdError:
+    """Translate a grpc/etcd3 exception into the agent's own error."""
+    import grpc
+
+    code = exc.code() if isinstance(exc, grpc.RpcError) else None  # type: ignore[attr-defined]
+    details = ""
+    if isinstance(exc, grpc.RpcError):
+        details = exc.details() or ""  # type: ignore[attr-defined]
+    text = details or str(exc) or type(exc).__name__
+    low = text.lower()
+    if "unhealthy cluster" in low:
+        return EtcdUnhealthyCluster(f"{what}: etcd refused: unhealthy cluster")
+    if "peer urls already exists" in low or "peerurl exists" in low:
+        return EtcdPeerExists(f"{what}: {text}")
+    if "member not found" in low:
+        return EtcdMemberNotFound(f"{what}: {text}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or type(exc).__name__ in (
+        "ConnectionFailedError",
+        "ConnectionTimeoutError",
+    ):
+        return EtcdUnavailable(f"{what}: etcd not reachable ({text.splitlines()[0] if text else code})")
+    return EtcdError(f"{what}: {text}")
+
+
+class EtcdClient:
+    """Talks to one cluster through a list of client URLs."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        tls: "Optional[TlsSection]" = None,
+        timeout: float = 5.0,
+    ) -> None:
+        if not endpoints:
+            raise EtcdError("no etcd endpoints given")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self._tls = tls
+        self._channels: Dict[str, Any] = {}
+        self._kvc: Any = None
+        self._lock = threading.Lock()
+        self._preferred = 0
+
+    @classmethod
+    def from_config(
+        cls, cfg: "Config", endpoints: Optional[Sequence[str]] = None, timeout: float = 5.0
+    ) -> "EtcdClient":
+        return cls(endpoints or cfg.client_urls, tls=cfg.tls, timeout=timeout)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _credentials(self) -> Any:
+        import grpc
+
+        t = self._tls
+        if t is None or not t.client_ca:
+            raise EtcdError("https endpoint but no [tls] client_ca configured")
+
+        def read(p: Optional[str]) -> Optional[bytes]:
+            if not p:
+                return None
+            with open(p, "rb") as fh:
+                return fh.read()
+
+        return grpc.ssl_channel_credentials(read(t.client_ca), read(t.client_key), read(t.client_cert))
+
+    def _channel(self, endpoint: str) -> Any:
+        import grpc
+
+        with self._lock:
+            ch = self._channels.get(endpoint)
+            if ch is None:
+                host, port, secure = parse_endpoint(endpoint)
+                if secure:
+                    ch = grpc.secure_channel(_target(host, port), self._credentials(), options=_CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.insecure_channel(_target(host, port), options=_CHANNEL_OPTIONS)
+                self._channels[endpoint] = ch
+            return ch
+
+    def _call(self, endpoint: str, method: str, request: bytes, timeout: Optional[float] = None) -> bytes:
+        import grpc
+
+        fn = self._channel(endpoint).unary_unary(
+            method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            return fn(request, timeout=timeout or self.timeout)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            raise map_grpc_error(exc, f"{method.rsplit('/', 1)[-1]} on {endpoint}") from None
+
+    def _call_any(self, method: str, request: bytes, timeout: Optional[float] = None) -> bytes:
+        """Call on the first endpoint that answers; membership errors are not retried elsewhere."""
+        last: Optional[EtcdError] = None
+        n = len(self.endpoints)
+        for i in range(n):
+            ep = self.endpoints[(self._preferred + i) % n]
+            try:
+                out = self._call(ep, method, request, timeout)
+                self._preferred = (self._preferred + i) % n
+                return out
+            except EtcdUnavailable as exc:
+                last = exc
+        assert last is not None
+        raise EtcdUnavailable(f"no etcd endpoint answered ({', '.join(self.endpoints)}): {last.message}")
+
+    # ------------------------------------------------------------ cluster
+
+    def members(self, endpoint: Optional[str] = None) -> List[MemberInfo]:
+        """The member list as etcd sees it (from ``endpoint``, or any that answers)."""
+        method = "/etcdserverpb.Cluster/MemberList"
+        raw = self._call(endpoint, method, b"") if endpoint else self._call_any(method, b"")
+        return [_member(m) for m in wire.fields(raw).get(2, []) if isinstance(m, bytes)]
+
+    def add_member(self, peer_urls: Sequence[str], *, learner: bool = False) -> MemberInfo:
+        req = b"".join(wire.encode_field(1, u) for u in peer_urls)
+        if learner:
+            req += wire.encode_field(2, 1)
+        raw = self._call_any("/etcdserverpb.Cluster/MemberAdd", req)
+        m = wire.get_bytes(wire.fields(raw), 2)
+        info = _member(m)
+        log.info("added member %s with peer URLs %s%s", info.hex_id, ",".join(peer_urls), " as learner" if learner else "")
+        return info
+
+    def remove_member(self, member_id: int) -> None:
+        self._call_any("/etcdserverpb.Cluster/MemberRemove", wire.encode_field(1, member_id))
+        log.info("removed member %x", member_id)
+
+    def promote_member(self, member_id: int) -> None:
+        self._call_any("/etcdserverpb.Cluster/MemberPromote", wire.encode_field(1, member_id))
+        log.info("promoted learner %x", member_id)
+
+    # ------------------------------------------------------------ maintenance
+
+    def status(self, endpoint: str, timeout: Optional[float] = None) -> EndpointStatus:
+        raw = self._call(endpoint, "/etcdserverpb.Maintenance/Status", b"", timeout)
+        f = wire.fields(raw)
+        hdr = wire.fields(wire.get_bytes(f, 1))
+        return EndpointStatus(
+            endpoint=endpoint,
+            member_id=wire.get_int(hdr, 2),
+            cluster_id=wire.get_int(hdr, 1),
+            revision=wire.get_int(hdr, 3),
+            version=wire.get_bytes(f, 2).decode(),
+            db_size=wire.get_int(f, 3),
+            leader=wire.get_int(f, 4),
+            raft_index=wire.get_int(f, 5),
+            raft_term=wire.get_int(f, 6),
+            raft_applied_index=wire.get_int(f, 7),
+            errors=tuple(wire.get_strings(f, 8)),
+            db_size_in_use=wire.get_int(f, 9),
+            is_learner=bool(wire.get_int(f, 10)),
+        )
+
+    def healthy(self, endpoint: str, timeout: Optional[float] = None) -> Tuple[bool, str]:
+        """Health as ``etcdctl endpoint health`` judges it: a linearizable read goes through raft."""
+        # RangeRequest{key: "health"}; a linearizable read needs a leader and a quorum.
+        try:
+            self._call(endpoint, "/etcdserverpb.KV/Range", wire.encode_field(1, b"health"), timeout)
+        except EtcdError as exc:
+            if "permission denied" in exc.message:
+                return True, ""
+            return False, exc.message
+        try:
+            st = self.status(endpoint, timeout)
+        except EtcdError as exc:
+            return False, exc.message
+        if st.errors:
+            return False, "; ".join(st.errors)
+        return True, ""
+
+    def snapshot_chunks(self, endpoint: str, timeout: float = 3600.0) -> Iterator[bytes]:
+        """Stream the backend database of ``endpoint`` (Maintenance.Snapshot), chunk by chunk."""
+        import grpc
+
+        fn = self._channel(endpoint).unary_stream(
+            "/etcdserverpb.Maintenance/Snapshot", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            for raw in fn(b"", timeout=timeout):
+                # SnapshotResponse{header=1, remaining_bytes=2, blob=3}
+                f = wire.fields(raw)
+                yield wire.get_bytes(f, 3)
+        except grpc.RpcError as exc:
+            raise map_grpc_error(exc, f"snapshot from {endpoint}") from None
+
+    def defragment(self, endpoint: str, timeout: float = 600.0) -> None:
+        self._call(endpoint, "/etcdserverpb.Maintenance/Defragment", b"", timeout)
+
+    # ------------------------------------------------------------ kv and locks
+
+    def _kv_client(self) -> Any:
+        if self._kvc is None:
+            import etcd3
+            from etcd3.client import Endpoint, MultiEndpointEtcd3Client
+
+            eps = []
+            for url in self.endpoints:
+                host, port, secure = parse_endpoint(url)
+                creds = self._credentials() if secure else None
+                eps.append(Endpoint(host, port, secure=secure, creds=creds, time_retry=0.5))
+            self._kvc = MultiEndpointEtcd3Client(eps, timeout=self.timeout, failover=True)
+            del etcd3
+        return self._kvc
+
+    def _kv(self, what: str, fn: str, *args: Any, **kw: Any) -> Any:
+        try:
+            return getattr(self._kv_client(), fn)(*args, **kw)
+        except Exception as exc:  # etcd3 raises its own and grpc errors
+            if isinstance(exc, EtcdError):
+                raise
+            raise map_grpc_error(exc, what) from None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._kv(f"put {key}", "put", key, value)
+
+    def get(self, key: str) -> Optional[bytes]:
+        value, _meta = self._kv(f"get {key}", "get", key)
+        return value  # type: ignore[no-any-return]
+
+    def count_prefix(self, prefix: str, endpoint: Optional[str] = None) -> int:
+        """How many keys start with ``prefix`` ("" = all keys), counted by etcd (count_only)."""
+        key = prefix.encode() or b"\0"
+        req = wire.encode_field(1, key) + wire.encode_field(2, prefix_end(prefix.encode())) + wire.encode_field(9, 1)
+        method = "/etcdserverpb.KV/Range"
+        raw = self._call(endpoint, method, req) if endpoint else self._call_any(method, req)
+        return wire.get_int(wire.fields(raw), 4)
+
+    @contextlib.contextmanager
+    def locked(self, name: str, ttl: int, timeout: Optional[float] = None) -> Iterator[None]:
+        """Hold etcd lock ``name`` (lease ``ttl`` seconds) around the body; EtcdError if not acquired."""
+        lock = self._kv(f"lock {name}", "lock", name, ttl)
+        try:
+            acquired = lock.acquire(timeout=timeout)
+        except Exception as exc:
+            raise map_grpc_error(exc, f"acquire lock {name}") from None
+        if not acquired:
+            raise EtcdError(f"lock {name} is held by another agent")
+        try:
+            yield
+        finally:
+            try:
+                lock.release()
+            except Exception as exc:  # the lease expires anyway
+                log.warning("releasing lock %s failed (the lease will expire): %s", name, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+        if self._kvc is not None:
+            try:
+                self._kvc.close()
+            except Exception:  # closing a dead channel
+                pass
+            self._kvc = None
+
+    def __enter__(self) -> "EtcdClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that selects every key starting with ``prefix`` (b"\\0": all keys)."""
+    b = bytearray(prefix)
+    while b:
+        if b[-1] < 0xFF:
+            b[-1] += 1
+            return bytes(b)
+        b.pop()
+    return b"\0"
+
+
+def _member(raw: bytes) -> MemberInfo:
+    f = wire.fields(raw)
+    return MemberInfo(
+        id=wire.get_int(f, 1),
+        name=wire.get_bytes(f, 2).decode("utf-8", "replace"),
+        peer_urls=tuple(wire.get_strings(f, 3)),
+        client_urls=tuple(wire.get_strings(f, 4)),
+        is_learner=bool(wire.get_int(f, 5)),
+    )

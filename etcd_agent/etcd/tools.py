@@ -1,0 +1,93 @@
+"""argv builders for etcdctl / etcdutl, and the few commands the agent runs through them.
+
+Only argv lists leave this module; every value that comes from config has been validated by
+``config.validate`` (paths, names, URLs), and nothing is ever joined into a shell string.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from ..errors import BackupCorrupt, CommandError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import Config
+    from ..hosts.base import Host
+
+# etcdctl v3 API; 3.4 defaults to it already, being explicit keeps 3.3-era environments honest.
+ETCDCTL_ENV = {"ETCDCTL_API": "3"}
+
+
+def etcdctl_argv(cfg: "Config", args: Sequence[str], endpoints: Optional[Sequence[str]] = None) -> List[str]:
+    """``etcdctl --endpoints=... [TLS flags] ARGS`` for the configured cluster."""
+    argv = [cfg.etcd.etcdctl, f"--endpoints={','.join(endpoints or cfg.client_urls)}"]
+    t = cfg.tls
+    if t.client_enabled:
+        argv += [f"--cacert={t.client_ca}", f"--cert={t.client_cert}", f"--key={t.client_key}"]
+    return argv + list(args)
+
+
+def snapshot_tool(cfg: "Config") -> List[str]:
+    """The argv prefix for offline snapshot work: etcdutl when configured (3.5+), else etcdctl."""
+    return [cfg.etcd.etcdutl] if cfg.etcd.etcdutl else [cfg.etcd.etcdctl]
+
+
+def snapshot_status(host: "Host", cfg: "Config", path: str, timeout: float = 300.0) -> Dict[str, Any]:
+    """``snapshot status -w json`` of a snapshot file: hash, revision, totalKey, totalSize.
+
+    Raises BackupCorrupt when the tool rejects the file (bad checksum, not a bolt db).
+    """
+    argv = snapshot_tool(cfg) + ["snapshot", "status", path, "-w", "json"]
+    try:
+        res = host.run(argv, timeout=timeout, env=ETCDCTL_ENV)
+    except CommandError as exc:
+        detail = ""
+        if exc.result is not None:
+            detail = (exc.result.stderr or exc.result.stdout).strip().splitlines()[-1:] or [""]
+            detail = detail[0]
+        raise BackupCorrupt(f"snapshot {path} failed `snapshot status`: {detail or exc.message}") from None
+    try:
+        data = json.loads(res.stdout)
+    except ValueError:
+        raise BackupCorrupt(f"snapshot status of {path} printed no JSON: {res.stdout[:200]!r}") from None
+    if not isinstance(data, dict) or "revision" not in data:
+        raise BackupCorrupt(f"snapshot status of {path} is incomplete: {data!r}")
+    return data
+
+
+def snapshot_restore_argv(
+    cfg: "Config",
+    *,
+    snapshot: str,
+    name: str,
+    initial_cluster: str,
+    token: str,
+    peer_url: str,
+    data_dir: str,
+    bump_revision: Optional[int] = None,
+) -> List[str]:
+    """``snapshot restore`` with one member's identity; etcdutl also gets the k8s-safe flags."""
+    argv = snapshot_tool(cfg) + [
+        "snapshot",
+        "restore",
+        snapshot,
+        f"--name={name}",
+        f"--initial-cluster={initial_cluster}",
+        f"--initial-cluster-token={token}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--data-dir={data_dir}",
+    ]
+    if bump_revision is not None and cfg.etcd.etcdutl:
+        argv += [f"--bump-revision={bump_revision}", "--mark-compacted"]
+    return argv
+
+
+def version_of(host: "Host", binary: str, timeout: float = 30.0) -> str:
+    """The version a binary reports (``etcd --version`` / ``etcdctl version``)."""
+    flag = ["version"] if binary.endswith(("etcdctl", "etcdutl")) else ["--version"]
+    res = host.run([binary] + flag, timeout=timeout, env=ETCDCTL_ENV)
+    for line in res.stdout.splitlines():
+        low = line.lower()
+        if "version:" in low and "api" not in low and "git" not in low and "go " not in low:
+            return line.split(":", 1)[1].strip()
+    raise CommandError(f"cannot read a version from `{binary}`: {res.stdout.strip()[:200]!r}", res)

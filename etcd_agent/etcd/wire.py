@@ -1,0 +1,87 @@
+"""A minimal protobuf wire-format reader for the few etcd messages whose generated stubs are stale.
+
+The etcd3 stubs predate fields the agent needs (``StatusResponse.errors``/``isLearner``/
+``dbSizeInUse``, ``Member.isLearner``). Decoding those messages from their raw bytes with the
+field numbers of etcd's ``rpc.proto`` is simpler and safer than regenerating stubs. Pure code.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple, Union
+
+Value = Union[int, bytes]
+
+
+def _varint(buf: bytes, pos: int) -> Tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def fields(buf: bytes) -> Dict[int, List[Value]]:
+    """Field number -> values in order (varints as int, length-delimited as bytes)."""
+    out: Dict[int, List[Value]] = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        num, wtype = key >> 3, key & 7
+        if wtype == 0:
+            val, pos = _varint(buf, pos)
+            out.setdefault(num, []).append(val)
+        elif wtype == 2:
+            ln, pos = _varint(buf, pos)
+            if pos + ln > len(buf):
+                raise ValueError("truncated field")
+            out.setdefault(num, []).append(buf[pos : pos + ln])
+            pos += ln
+        elif wtype == 1:
+            pos += 8
+        elif wtype == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wtype}")
+    return out
+
+
+def get_int(f: Dict[int, List[Value]], num: int, default: int = 0) -> int:
+    vals = f.get(num)
+    v = vals[-1] if vals else default
+    return v if isinstance(v, int) else default
+
+
+def get_bytes(f: Dict[int, List[Value]], num: int) -> bytes:
+    vals = f.get(num)
+    v = vals[-1] if vals else b""
+    return v if isinstance(v, bytes) else b""
+
+
+def get_strings(f: Dict[int, List[Value]], num: int) -> List[str]:
+    return [v.decode("utf-8", "replace") for v in f.get(num, []) if isinstance(v, bytes)]
+
+
+def encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_field(num: int, value: Union[int, bytes, str]) -> bytes:
+    """Encode one field (int as varint, bytes/str as length-delimited)."""
+    if isinstance(value, int):
+        return encode_varint(num << 3) + encode_varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return encode_varint((num << 3) | 2) + encode_varint(len(data)) + data

@@ -1,0 +1,164 @@
+"""The local member: bootstrap, join and health of the etcd member this host runs.
+
+Backend-agnostic: a ``backend`` (process or systemd) writes the conf and runs etcd; the etcd
+client talks to the cluster. The order of a join is the one etcd documents: ``member add`` first,
+then start the new member with state=existing from an *empty* data dir (a leftover ``member/``
+dir silently overrides every --initial-cluster flag).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import List, Optional, Protocol
+
+from ..config import Config, Member
+from ..errors import EtcdPeerExists, OperationFailed, RefusedError
+from ..etcd.client import EtcdClient, MemberInfo
+from ..retrying import membership_change
+from ..topology import Bootstrap, join_bootstrap, render_conf, render_unit, seed_bootstrap, static_bootstrap
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """How etcd is run on this host: ``process`` (the agent's child) or ``systemd`` (a unit)."""
+
+    kind: str
+
+    def write_conf(self, text: str) -> bool: ...
+    def write_unit(self, text: str) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 15.0) -> None: ...
+    def restart(self) -> None: ...
+    def is_active(self) -> bool: ...
+    def describe(self) -> str: ...
+
+
+def backend_for(cfg: Config, member: str) -> Backend:
+    if cfg.etcd.service_manager == "process":
+        from .process import ProcessBackend
+
+        return ProcessBackend(cfg, member)
+    from .systemd import SystemdBackend
+
+    return SystemdBackend(cfg, member)
+
+
+class LocalMember:
+    """One member on this host."""
+
+    def __init__(self, cfg: Config, member: Member, backend: Optional[Backend] = None) -> None:
+        self.cfg = cfg
+        self.member = member
+        self.backend = backend or backend_for(cfg, member.name)
+        self.data_dir = cfg.data_dir(member.name)
+
+    # ------------------------------------------------------------ state
+
+    def has_data(self) -> bool:
+        """True when the data dir holds an etcd member (etcd would ignore --initial-cluster)."""
+        return os.path.isdir(os.path.join(self.data_dir, "member"))
+
+    def render(self, boot: Bootstrap) -> bool:
+        """Write etcd.conf (and the unit, for systemd) for ``boot``; True when anything changed."""
+        changed = self.backend.write_conf(render_conf(self.cfg, self.member, boot))
+        changed = self.backend.write_unit(render_unit(self.cfg, self.member)) or changed
+        return changed
+
+    def client(self, timeout: float = 5.0) -> EtcdClient:
+        return EtcdClient.from_config(self.cfg, timeout=timeout)
+
+    def healthy(self, timeout: float = 3.0) -> bool:
+        with EtcdClient.from_config(self.cfg, [self.member.client_url], timeout=timeout) as c:
+            ok, _why = c.healthy(self.member.client_url, timeout=timeout)
+            return ok
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with EtcdClient.from_config(self.cfg, [self.member.client_url], timeout=2.0) as c:
+            why = ""
+            while time.monotonic() < deadline:
+                ok, why = c.healthy(self.member.client_url, timeout=2.0)
+                if ok:
+                    return
+                if not self.backend.is_active():
+                    raise OperationFailed(f"{self.member.name}: etcd exited while starting ({self.backend.describe()})")
+                time.sleep(0.2)
+        raise OperationFailed(f"{self.member.name}: not healthy after {timeout:.0f}s: {why}")
+
+    # ------------------------------------------------------------ bootstrap
+
+    def start_static(self) -> None:
+        """Static bootstrap: render the full initial cluster (state=new) and start."""
+        self._refuse_stale_data_for_new()
+        self.render(static_bootstrap(self.cfg, self.member))
+        self.backend.start()
+
+    def start_seed(self) -> None:
+        """Incremental bootstrap, first member: a one-member cluster."""
+        self._refuse_stale_data_for_new()
+        self.render(seed_bootstrap(self.cfg, self.member))
+        self.backend.start()
+
+    def start_existing(self) -> None:
+        """Start from the data dir that is there (the initial-cluster flags do not matter then)."""
+        if not self.has_data():
+            raise RefusedError(f"{self.member.name}: no member data in {self.data_dir} to start from")
+        self.backend.start()
+
+    def _refuse_stale_data_for_new(self) -> None:
+        if self.has_data():
+            raise RefusedError(
+                f"{self.member.name}: {self.data_dir} already holds member data; "
+                "start it as it is, or move it aside to bootstrap anew"
+            )
+
+    def join(self, client: EtcdClient, *, learner: bool = False) -> MemberInfo:
+        """Incremental join: ``member add`` (idempotent), render state=existing, start."""
+        if self.has_data():
+            raise RefusedError(
+                f"{self.member.name}: {self.data_dir} already holds member data; a joining member "
+                "must start from an empty data dir (move the old one aside first)"
+            )
+        info = add_member_idempotent(client, self.member, learner=learner)
+        pairs = [(m.name, m.peer_urls[0]) for m in client.members() if m.peer_urls and m.id != info.id]
+        boot = join_bootstrap(self.cfg, self.member, pairs)
+        self.render(boot)
+        self.backend.start()
+        return info
+
+
+def find_member(members: List[MemberInfo], member: Member) -> Optional[MemberInfo]:
+    """The etcd member for a configured one: by peer URL (names are empty until first start)."""
+    for m in members:
+        if member.peer_url in m.peer_urls:
+            return m
+    for m in members:
+        if m.name and m.name == member.name:
+            return m
+    return None
+
+
+def add_member_idempotent(client: EtcdClient, member: Member, *, learner: bool = False) -> MemberInfo:
+    """``member add`` that tolerates an earlier half-done attempt ("Peer URLs already exists")."""
+
+    @membership_change()
+    def _add() -> MemberInfo:
+        existing = find_member(client.members(), member)
+        if existing is not None:
+            if existing.started and existing.name != member.name:
+                raise RefusedError(
+                    f"peer URL {member.peer_url} already belongs to member {existing.name!r} ({existing.hex_id})"
+                )
+            log.info("member %s already in the member list as %s; not adding again", member.name, existing.hex_id)
+            return existing
+        try:
+            return client.add_member([member.peer_url], learner=learner)
+        except EtcdPeerExists:
+            found = find_member(client.members(), member)
+            if found is None:
+                raise
+            return found
+
+    return _add()

@@ -1,0 +1,215 @@
+"""The process backend: the agent itself starts, watches and stops etcd (demo, dev, containers).
+
+etcd gets exactly the ``ETCD_*`` variables of the rendered conf file, as systemd's
+EnvironmentFile= would give it. The pid file records pid *and* start time; before any signal the
+process is checked to be that same etcd (psutil: create time, executable, ETCD_NAME), so a stale
+pid file can never make the agent kill an unrelated process. Stop escalates TERM -> wait -> KILL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Dict, Optional
+
+from ..config import Config
+from ..errors import OperationFailed
+from ..hosts.local import write_atomic
+from ..topology import parse_conf
+
+log = logging.getLogger(__name__)
+
+# Variables of the agent's own environment that etcd may inherit; ETCD_* come from the conf only.
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "GOMAXPROCS")
+
+
+class ProcessBackend:
+    """One etcd member supervised as a child process of the agent."""
+
+    kind = "process"
+
+    def __init__(self, cfg: Config, member: str) -> None:
+        self.cfg = cfg
+        self.member = member
+        self.run_dir = cfg.etcd.run_dir
+        self.conf_file = cfg.conf_file(member)
+        self.pid_file = os.path.join(self.run_dir, f"{member}.pid")
+        self.log_file = os.path.join(self.run_dir, f"{member}.log")
+        self._child: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
+
+    # ------------------------------------------------------------ files
+
+    def write_conf(self, text: str) -> bool:
+        """Write the conf file atomically; True when it changed."""
+        return _write_if_changed(self.conf_file, text, 0o644)
+
+    def write_unit(self, text: str) -> bool:
+        """The process backend has no unit to install; kept so both backends share one interface."""
+        return False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _env(self) -> Dict[str, str]:
+        try:
+            with open(self.conf_file, encoding="utf-8") as fh:
+                conf = parse_conf(fh.read())
+        except FileNotFoundError:
+            raise OperationFailed(f"{self.member}: conf file {self.conf_file} missing; render it first") from None
+        env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        env.update({k: v for k, v in conf.items() if k.startswith("ETCD_")})
+        return env
+
+    def start(self) -> None:
+        """Start etcd unless this member's etcd already runs."""
+        if self.pid() is not None:
+            log.debug("%s: etcd already running", self.member)
+            return
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        env = self._env()
+        data_dir = env.get("ETCD_DATA_DIR", self.cfg.data_dir(self.member))
+        os.makedirs(os.path.dirname(data_dir.rstrip("/")) or "/", mode=0o700, exist_ok=True)
+        logfh = open(self.log_file, "ab")
+        try:
+            # own session: a Ctrl-C in the operator's terminal reaches the agent, which then
+            # stops etcd in order, instead of every etcd dying at once mid-write
+            self._child = subprocess.Popen(
+                [self.cfg.etcd.binary],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logfh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise OperationFailed(f"{self.member}: cannot start {self.cfg.etcd.binary}: {exc}") from None
+        finally:
+            logfh.close()
+        import psutil
+
+        created = psutil.Process(self._child.pid).create_time()
+        write_atomic(
+            self.pid_file,
+            json.dumps({"pid": self._child.pid, "create_time": created, "binary": self.cfg.etcd.binary}).encode(),
+            mode=0o600,
+        )
+        log.info("%s: started etcd pid %d (log %s)", self.member, self._child.pid, self.log_file)
+
+    def pid(self) -> Optional[int]:
+        """PID of this member's etcd if it runs and is provably ours, else None."""
+        proc = self._process()
+        return proc.pid if proc is not None else None
+
+    def _process(self):  # type: ignore[no-untyped-def]
+        import psutil
+
+        try:
+            with open(self.pid_file, encoding="utf-8") as fh:
+                rec = json.load(fh)
+            pid, created = int(rec["pid"]), float(rec["create_time"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        self._reap()
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            cmd = proc.cmdline()
+            if not cmd or os.path.basename(cmd[0]) != os.path.basename(rec.get("binary", self.cfg.etcd.binary)):
+                return None
+            env_name = proc.environ().get("ETCD_NAME")
+            if env_name is not None and env_name != self.member:
+                return None
+            return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+
+    def _reap(self) -> None:
+        if self._child is not None and self._child.poll() is not None:
+            self._child = None
+
+    def is_active(self) -> bool:
+        return self.pid() is not None
+
+    def exit_code(self) -> Optional[int]:
+        """Exit code of the etcd this backend started, if it has exited (None: running or unknown)."""
+        if self._child is None:
+            return None
+        return self._child.poll()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """TERM, wait up to ``timeout``, then KILL; only the process proven to be ours."""
+        proc = self._process()
+        if proc is None:
+            self._cleanup_pidfile()
+            return
+        import psutil
+
+        log.info("%s: stopping etcd pid %d", self.member, proc.pid)
+        try:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                if self._child is not None and self._child.pid == proc.pid:
+                    self._child.wait(timeout)
+                else:
+                    proc.wait(timeout)
+            except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
+                log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", self.member, proc.pid, timeout)
+                proc.kill()
+                if self._child is not None and self._child.pid == proc.pid:
+                    self._child.wait(5)
+                else:
+                    proc.wait(5)
+        except psutil.NoSuchProcess:
+            pass
+        self._child = None
+        self._cleanup_pidfile()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL our etcd (tests and fault drills)."""
+        proc = self._process()
+        if proc is not None:
+            proc.kill()
+            proc.wait(5)
+            self._reap()
+
+    def _cleanup_pidfile(self) -> None:
+        try:
+            os.unlink(self.pid_file)
+        except FileNotFoundError:
+            pass
+
+    def describe(self) -> str:
+        pid = self.pid()
+        return f"running (pid {pid})" if pid else "stopped"
+
+
+def _write_if_changed(path: str, text: str, mode: int) -> bool:
+    data = text.encode()
+    try:
+        with open(path, "rb") as fh:
+            if fh.read() == data:
+                return False
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomic(path, data, mode=mode)
+    return True
+
+
+def wait_for(pred, timeout: float, interval: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred()`` until true or ``timeout``; True if it became true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,94 @@
+"""The commented sample config (``etcd-agent config sample``; also shipped as conf/agent.toml)."""
+
+SAMPLE = """\
+# /etc/etcd-agent/agent.toml - etcd-agent configuration.
+# The same file goes on every master. Check it with: etcd-agent config validate
+# Every key below shows its default; uncomment to change it.
+
+[cluster]
+name = "k8s-etcd"
+# Token of a *new* cluster (static bootstrap, restore). Letters, digits, _ . -
+token = "k8s-etcd-1"
+# "static": every member starts at once with the full --initial-cluster (state=new).
+# "incremental": the first member starts alone, the others `member add` + start one at a time.
+bootstrap = "static"
+
+# One [[member]] per master. client_url / peer_url default to http(s)://host:2379 / :2380
+# (https when [tls] is set); ssh_host defaults to host.
+[[member]]
+name = "master1"
+host = "10.0.0.11"
+
+[[member]]
+name = "master2"
+host = "10.0.0.12"
+
+[[member]]
+name = "master3"
+host = "10.0.0.13"
+# client_url = "https://10.0.0.13:2379"
+# peer_url = "https://10.0.0.13:2380"
+# ssh_host = "master3.example.internal"
+
+[local]
+# Which member this machine is. Default: the member whose name or host matches this machine's
+# host name or one of its IP addresses.
+# name = "master1"
+
+[etcd]
+# binary = "/usr/bin/etcd"
+# etcdctl = "/usr/bin/etcdctl"
+# etcdutl = "/usr/bin/etcdutl"        # etcd >= 3.5: offline snapshot status/restore
+# data_dir = "/var/lib/etcd/default.etcd"
+# conf_file = "/etc/etcd/etcd.conf"
+# unit = "etcd.service"
+# unit_file = "/etc/systemd/system/etcd.service"
+# user = "etcd"
+# group = "etcd"
+# service_manager = "systemd"         # or "process": the agent runs etcd itself
+# client_port = 2379
+# peer_port = 2380
+# start_timeout = 60.0
+
+[tls]
+# Client TLS (https client URLs, --client-cert-auth) and peer TLS. Set all three of a kind.
+# client_ca = "/etc/etcd/pki/ca.crt"
+# client_cert = "/etc/etcd/pki/server.crt"
+# client_key = "/etc/etcd/pki/server.key"
+# client_cert_auth = true
+# peer_ca = "/etc/etcd/pki/ca.crt"
+# peer_cert = "/etc/etcd/pki/peer.crt"
+# peer_key = "/etc/etcd/pki/peer.key"
+# peer_client_cert_auth = true
+
+[backup]
+# dir = "/var/lib/etcd_backup"       # created 0700; backups are 0600 (they hold every Secret)
+# keep_last = 7                       # the newest N always stay
+# keep_hourly = 24                    # plus the newest of each of the last N hours
+# keep_daily = 7                      # plus the newest of each of the last N days
+# compression = "none"                # "gzip" or "zstd": .tar.gz / .tar.zst
+# utc = true                          # file names in UTC
+# space_margin = 0.2                  # free space needed: expected size x (1 + margin)
+
+[ssh]
+# How restore/upgrade reach the other masters. Host keys are checked against known_hosts only.
+# user = "root"
+# port = 22
+# identity_file = "/root/.ssh/id_ed25519"
+# known_hosts = "/etc/etcd-agent/known_hosts"
+# connect_timeout = 10.0
+# command_timeout = 600.0
+# agent_path = "/usr/bin/etcd-agent"
+
+[kubernetes]
+# How restore keeps the apiserver away from etcd: "none", "unit" (stop/start apiserver_unit),
+# or "manifest" (move the static-pod manifest to manifest_aside_dir and back).
+# fence = "none"
+# apiserver_unit = "kube-apiserver.service"
+# manifest = "/etc/kubernetes/manifests/kube-apiserver.yaml"
+# manifest_aside_dir = "/etc/kubernetes/manifests-aside"
+
+[daemon]
+# interval = 10.0                     # seconds between two convergence cycles
+# lock_ttl = 60                       # lease of the cluster-wide membership lock
+"""
