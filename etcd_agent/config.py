@@ -404,12 +404,15 @@ def validate(
     for m in cfg.members:
         if not NAME_RE.match(m.name):
             errs.append(f"member {m.name!r}: name is not a safe identifier (letters, digits, _ . -; max 63)")
-        if not valid_host(m.host):
+        bad_host = not valid_host(m.host)
+        if bad_host:
             errs.append(f"member {m.name!r}: host {m.host!r} is not a valid IP address or host name")
-        if not valid_host(m.ssh_host):
+        if m.ssh_host != m.host and not valid_host(m.ssh_host):
             errs.append(f"member {m.name!r}: ssh_host {m.ssh_host!r} is not a valid IP address or host name")
         for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
             url = getattr(m, attr)
+            if bad_host and m.host in url:
+                continue  # derived from the bad host: one error is enough
             problem = url_problem(url)
             if problem:
                 errs.append(f"member {m.name!r}: {attr}: {problem}")

@@ -140,22 +140,23 @@ class Demo:
                 progress(f"{lm.member.name}: starting from its data dir")
                 lm.start_existing()
             for lm in self.locals:
-                lm.wait_healthy(timeout)
+                lm.wait_healthy(timeout, cancel=self._stop.is_set)
             return time.monotonic() - t0
         if any(lm.has_data() for lm in self.locals):
             raise RefusedError(
                 f"{self.dir}/data holds data for some members only; remove {self.dir} to start a fresh demo"
             )
         seed = self.locals[0]
+        self._check_stop()
         progress(f"{seed.member.name}: seed member, state=new")
         seed.start_seed()
-        seed.wait_healthy(timeout)
+        seed.wait_healthy(timeout, cancel=self._stop.is_set)
         with EtcdClient.from_config(self.cfg, [seed.member.client_url], timeout=5.0) as client:
             for lm in self.locals[1:]:
                 self._check_stop()
                 progress(f"{lm.member.name}: member add, then start with state=existing")
                 info = lm.join(client)
-                lm.wait_healthy(timeout)
+                lm.wait_healthy(timeout, cancel=self._stop.is_set)
                 progress(f"{lm.member.name}: joined as {info.hex_id}")
                 client.endpoints = [m.member.client_url for m in self.locals if m.backend.is_active()]
         return time.monotonic() - t0
@@ -188,6 +189,10 @@ class Demo:
     def request_stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
     def stop_all(self) -> None:
         for lm in reversed(self.locals):
             try:
@@ -197,11 +202,14 @@ class Demo:
 
 
 def install_signal_handlers(demo: Demo) -> None:
-    """SIGINT/SIGTERM only set the stop flag; the main thread does the stopping."""
+    """SIGINT/SIGTERM set the stop flag; the main thread notices it between steps and stops every
+    member in order. Raising from the handler could land between starting an etcd and recording
+    its pid, leaving an untracked etcd behind; only a second signal interrupts at once."""
 
     def handler(signum: int, _frame: object) -> None:
+        if demo.stop_requested:
+            raise KeyboardInterrupt
         demo.request_stop()
-        raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol
 
 from ..config import Config, Member
-from ..errors import EtcdPeerExists, OperationFailed, RefusedError
+from ..errors import EtcdPeerExists, Interrupted, OperationFailed, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..retrying import membership_change
 from ..topology import Bootstrap, join_bootstrap, render_conf, render_unit, seed_bootstrap, static_bootstrap
@@ -74,11 +74,14 @@ class LocalMember:
             ok, _why = c.healthy(self.member.client_url, timeout=timeout)
             return ok
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, cancel: Optional[Callable[[], bool]] = None) -> None:
+        """Wait until this member answers a linearizable read; ``cancel()`` true aborts the wait."""
         deadline = time.monotonic() + timeout
         with EtcdClient.from_config(self.cfg, [self.member.client_url], timeout=2.0) as c:
             why = ""
             while time.monotonic() < deadline:
+                if cancel is not None and cancel():
+                    raise Interrupted(f"{self.member.name}: interrupted while waiting for health")
                 ok, why = c.healthy(self.member.client_url, timeout=2.0)
                 if ok:
                     return

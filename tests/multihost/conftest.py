@@ -1,0 +1,58 @@
+"""Fixtures for the multihost tier: network-namespace hosts with their own IP and sshd."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator, List
+
+import pytest
+
+from etcd_agent.config import SshSection
+from tests.harness.netns import NetnsBed
+
+# this tier's own bed; other suites use other prefixes and subnets so beds can coexist
+BED_PREFIX = "ea"
+BED_SUBNET = "10.213.1"
+CONNECT_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="session")
+def netns_bed() -> Iterator[NetnsBed]:
+    """Three hosts ea1..ea3 (10.213.1.11-13), each with sshd on :22; torn down at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("multihost tests need root (network namespaces, sshd)")
+    bed = NetnsBed(3, prefix=BED_PREFIX, subnet=BED_SUBNET)
+    try:
+        bed.up()
+        bed.start_sshd()
+        yield bed
+    finally:
+        bed.down()
+
+
+@pytest.fixture
+def ssh_cfg(netns_bed: NetnsBed) -> SshSection:
+    """SSH settings that reach the bed: its client key and known_hosts, short connect timeout."""
+    return SshSection(
+        user="root",
+        identity_file=netns_bed.client_key,
+        known_hosts=netns_bed.known_hosts,
+        connect_timeout=CONNECT_TIMEOUT,
+        command_timeout=30.0,
+    )
+
+
+@pytest.fixture
+def open_ssh(ssh_cfg: SshSection) -> Iterator[Callable[..., object]]:
+    """Factory for SshHost objects that are all closed after the test."""
+    from etcd_agent.hosts.ssh import SshHost
+
+    opened: List[SshHost] = []
+
+    def make(name: str, address: str, cfg: SshSection = ssh_cfg) -> SshHost:
+        h = SshHost(name, address, cfg)
+        opened.append(h)
+        return h
+
+    yield make
+    for h in opened:
+        h.close()

@@ -1,0 +1,134 @@
+"""Config parsing and validation: every problem at once, never a silent default."""
+import dataclasses
+
+import pytest
+
+from etcd_agent.config import MachineIdentity, load, local_member, parse_text
+from etcd_agent.errors import ConfigError
+from etcd_agent.sample import SAMPLE
+
+GOOD = """
+[cluster]
+name = "c"
+token = "t1"
+[[member]]
+name = "a"
+host = "10.0.0.1"
+[[member]]
+name = "b"
+host = "10.0.0.2"
+"""
+
+
+def test_sample_validates_and_matches_shipped_default():
+    cfg, errors = parse_text(SAMPLE)
+    assert errors == []
+    assert [m.name for m in cfg.members] == ["master1", "master2", "master3"]
+    with open("conf/agent.toml") as fh:
+        assert fh.read() == SAMPLE, "conf/agent.toml drifted from `etcd-agent config sample`"
+
+
+def test_defaults_resolve_urls():
+    cfg, errors = parse_text(GOOD)
+    assert errors == []
+    a = cfg.member("a")
+    assert (a.client_url, a.peer_url, a.ssh_host) == ("http://10.0.0.1:2379", "http://10.0.0.1:2380", "10.0.0.1")
+    assert cfg.etcd.data_dir == "/var/lib/etcd/default.etcd"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cluster.name = "x"  # type: ignore[misc]
+
+
+def test_five_mistakes_are_all_reported():
+    text = """
+[cluster]
+name = "c"
+bootstrap = "sometimes"
+colour = "blue"
+[[member]]
+name = "a;rm -rf /"
+host = "10.0.0.1"
+[[member]]
+name = "b"
+host = "10.0.0.999"
+[[member]]
+name = "c"
+host = "10.0.0.3"
+peer_url = "http://10.0.0.1:2380"
+[tls]
+client_ca = "/nonexistent/ca.crt"
+client_cert = "/nonexistent/c.crt"
+client_key = "/nonexistent/c.key"
+"""
+    cfg, errors = parse_text(text)
+    joined = "\n".join(errors)
+    assert "unknown key 'colour'" in joined
+    assert "bootstrap must be one of static, incremental" in joined
+    assert "not a safe identifier" in joined
+    assert "'10.0.0.999' is not a valid IP address" in joined
+    assert "duplicate peer_url" in joined
+    assert "tls.client_ca: file /nonexistent/ca.crt does not exist" in joined
+    assert len(errors) >= 5
+
+
+def test_wrong_types_and_unknown_sections():
+    cfg, errors = parse_text('[cluster]\nname = 3\n[clutser]\nx=1\n[[member]]\nname="a"\nhost="h"\n[etcd]\nclient_port="2379"\n')
+    assert cfg is None
+    assert "cluster.name: expected a string, got 3" in errors
+    assert "unknown section [clutser]" in errors
+    assert any("etcd.client_port: expected an integer" in e for e in errors)
+
+
+def test_missing_member_keys_and_no_members():
+    _, errors = parse_text("[cluster]\nname='c'\n")
+    assert any("no [[member]]" in e for e in errors)
+    _, errors = parse_text("[[member]]\nname='a'\n")
+    assert any("missing required key 'host'" in e for e in errors)
+
+
+def test_url_scheme_must_match_tls(tmp_path):
+    for f in ("ca", "crt", "key"):
+        (tmp_path / f).write_text("x")
+    text = GOOD + f'[tls]\nclient_ca="{tmp_path}/ca"\nclient_cert="{tmp_path}/crt"\nclient_key="{tmp_path}/key"\n'
+    cfg, errors = parse_text(text)
+    assert errors == []
+    assert cfg.member("a").client_url == "https://10.0.0.1:2379"
+    _, errors = parse_text(text.replace('host = "10.0.0.2"', 'host = "10.0.0.2"\nclient_url = "http://10.0.0.2:2379"'))
+    assert any("must use https" in e for e in errors)
+
+
+def test_malformed_urls():
+    for url, why in (("10.0.0.1:2380", "must start with http"), ("http://10.0.0.1", "no port"), ("http://:2380", "no valid host"), ("http://h:2380/x", "scheme://host:port only")):
+        _, errors = parse_text(GOOD.replace('host = "10.0.0.2"', f'host = "10.0.0.2"\npeer_url = "{url}"'))
+        assert any(why in e for e in errors), (url, errors)
+
+
+def test_shell_metacharacters_in_paths_are_refused():
+    _, errors = parse_text(GOOD + '[etcd]\ndata_dir = "/var/lib/etcd; rm -rf /"\n')
+    assert any("etcd.data_dir" in e for e in errors)
+
+
+def test_shared_host_needs_name_placeholder():
+    text = GOOD.replace("10.0.0.2", "10.0.0.1").replace('name = "b"\nhost = "10.0.0.1"', 'name = "b"\nhost = "10.0.0.1"\nclient_url="http://10.0.0.1:3379"\npeer_url="http://10.0.0.1:3380"')
+    _, errors = parse_text(text)
+    assert any("{name} placeholder" in e for e in errors)
+
+
+def test_local_member_resolution():
+    cfg, _ = parse_text(GOOD)
+    me = MachineIdentity(("node-x",), ("127.0.0.1", "10.0.0.2"))
+    assert local_member(cfg, me).name == "b"
+    assert local_member(cfg, MachineIdentity(("a",), ())).name == "a"
+    with pytest.raises(ConfigError, match="local member not found"):
+        local_member(cfg, MachineIdentity(("z",), ("192.0.2.1",)))
+    _, errors = parse_text(GOOD + '[local]\nname = "zz"\n')
+    assert any("local member not found" in e for e in errors)
+
+
+def test_load_errors_are_one_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load(str(tmp_path / "missing.toml"))
+    p = tmp_path / "bad.toml"
+    p.write_text("[cluster\n")
+    with pytest.raises(ConfigError) as ei:
+        load(str(p))
+    assert "not valid TOML" in ei.value.details[0]
