@@ -178,6 +178,8 @@ class KubernetesSection:
 class DaemonSection:
     interval: float = 10.0
     lock_ttl: int = 60
+    # what the agent remembers between runs (e.g. that this host has bootstrapped a member)
+    state_dir: str = "/var/lib/etcd-agent"
     metrics_address: Optional[str] = None
 
 
@@ -509,6 +511,8 @@ def validate(
         errs.append("daemon.interval must be > 0 seconds")
     if d.lock_ttl < 5:
         errs.append("daemon.lock_ttl must be >= 5 seconds")
+    if not PATH_RE.match(d.state_dir):
+        errs.append(f"daemon.state_dir {d.state_dir!r} must be an absolute path of plain characters")
     return errs
 
 

@@ -91,4 +91,5 @@ host = "10.0.0.13"
 [daemon]
 # interval = 10.0                     # seconds between two convergence cycles
 # lock_ttl = 60                       # lease of the cluster-wide membership lock
+# state_dir = "/var/lib/etcd-agent"   # remembers that this host has run a member
 """

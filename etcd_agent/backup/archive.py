@@ -1,0 +1,367 @@
+"""The backup archive: ``etcd-YYYY-MM-DD-HH-MM-SS.tar[.gz|.zst]`` and its manifest.
+
+Members: ``etcd.conf``, ``etcd.service`` (each only if it existed; the manifest says when not),
+``etcd_snapshot.db`` and ``manifest.json`` (every other file's size and sha256).
+
+Plain ``.tar`` is written in a single pass: the snapshot member's header goes out with a
+placeholder size, the snapshot streams from etcd straight into the file (hashed and checked on
+the way, see ``snapcheck``), then the header is rewritten in place with the real size and
+checksum. Memory stays flat whatever the db size; the data is written exactly once. The manifest
+comes last (it holds the snapshot's sha256).
+
+Every archive is written under a hidden temporary name in the backup dir (``.NAME.partial``),
+fsynced, linked to its final name (never overwriting) and the dir fsynced: a crash leaves only a
+hidden partial file, which the next run removes and which no reader ever lists.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from ..errors import BackupCorrupt, BackupError
+from ..hosts.local import fsync_dir
+from .snapcheck import SnapshotFacts, StreamCheck, last_revision
+
+log = logging.getLogger(__name__)
+
+FORMAT = "etcd-agent-backup"
+FORMAT_VERSION = 1
+CONF = "etcd.conf"
+UNIT = "etcd.service"
+SNAPSHOT = "etcd_snapshot.db"
+MANIFEST = "manifest.json"
+MEMBER_NAMES = (CONF, UNIT, SNAPSHOT, MANIFEST)
+MAX_MANIFEST = 1 << 20
+EXTENSIONS = {"none": ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}
+NAME_RE = re.compile(r"^etcd-(\d{4})-(\d\d)-(\d\d)-(\d\d)-(\d\d)-(\d\d)\.tar(\.gz|\.zst)?$")
+PARTIAL_RE = re.compile(r"^\.etcd-.*\.partial$")
+BLOCK = 512
+RECORD = 20 * BLOCK
+COPY_CHUNK = 1 << 20
+
+
+# ---------------------------------------------------------------- names
+
+
+def archive_name(when: datetime, compression: str = "none") -> str:
+    return when.strftime("etcd-%Y-%m-%d-%H-%M-%S") + EXTENSIONS[compression]
+
+
+def parse_name(name: str) -> Optional[Tuple[datetime, str]]:
+    """(naive timestamp from the name, compression) or None if it is not a backup name."""
+    m = NAME_RE.match(name)
+    if not m:
+        return None
+    try:
+        when = datetime(*(int(x) for x in m.groups()[:6]))
+    except ValueError:
+        return None
+    comp = {None: "none", ".gz": "gzip", ".zst": "zstd"}[m.group(7)]
+    return when, comp
+
+
+def compression_of(path: str) -> str:
+    if path.endswith(".tar.gz"):
+        return "gzip"
+    if path.endswith(".tar.zst"):
+        return "zstd"
+    return "none"
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str
+    size: int
+    manifest: Dict[str, Any]
+    facts: SnapshotFacts
+    revision: Optional[int]
+
+
+def _header(name: str, size: int, mtime: int) -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = mtime
+    ti.mode = 0o600
+    ti.uname = ti.gname = "root"
+    # GNU format: sizes >= 8 GiB go base-256 in the same 12 bytes, so the header is always 512
+    buf = ti.tobuf(format=tarfile.GNU_FORMAT)
+    if len(buf) != BLOCK:
+        raise BackupError(f"tar header for {name} is {len(buf)} bytes, expected {BLOCK}")
+    return buf
+
+
+def _pad(size: int) -> bytes:
+    return b"\0" * (-size % BLOCK)
+
+
+def _member(name: str, data: bytes, mtime: int) -> bytes:
+    return _header(name, len(data), mtime) + data + _pad(len(data))
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+ManifestBuilder = Callable[[Dict[str, FileInfo], SnapshotFacts, Optional[int], Optional[Dict[str, Any]]], Dict[str, Any]]
+
+
+def write_archive(
+    directory: str,
+    name: str,
+    *,
+    chunks: Iterable[bytes],
+    files: Dict[str, bytes],
+    build_manifest: ManifestBuilder,
+    mtime: int,
+    status_of_file: Optional[Callable[[str], Dict[str, Any]]] = None,
+) -> Written:
+    """Stream ``chunks`` (the snapshot) and ``files`` into ``directory/name`` atomically.
+
+    ``build_manifest(files, snapshot facts, revision, status)`` returns the manifest dict once
+    the snapshot is in. ``status_of_file(path)`` (``snapshot status``) is only run when the
+    snapshot exists as a file of its own anyway (compressed archives); plain archives rely on the
+    stream checks. Raises BackupCorrupt / BackupError; never leaves a visible file on failure.
+    """
+    compression = compression_of(name)
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.partial")
+    infos = {n: FileInfo(len(d), _sha256(d)) for n, d in files.items()}
+    spool: Optional[str] = None
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "wb", buffering=COPY_CHUNK) as out:
+            if compression == "none":
+                facts, revision, manifest = _write_plain(out, chunks, files, infos, build_manifest, mtime)
+            else:
+                # Compressed: the manifest (which needs the snapshot's sha256) goes first so that
+                # listing reads one member, and tar headers cannot be patched inside a compressed
+                # stream - so the snapshot is spooled to a 0600 temp file first (one extra write).
+                spool = os.path.join(directory, f".{name}.snapshot.partial")
+                facts, revision, status = _spool(spool, chunks)
+                if status_of_file is not None:
+                    status = status_of_file(spool)
+                infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256)
+                manifest = build_manifest(infos, facts, revision, status)
+                _write_compressed(out, compression, manifest, files, spool, mtime)
+            out.flush()
+            os.fsync(out.fileno())
+        # link, not rename: never replace an existing backup of the same name
+        os.link(tmp, final)
+        os.unlink(tmp)
+        fsync_dir(directory)
+    except BaseException as exc:
+        _unlink_quietly(tmp)
+        if isinstance(exc, OSError):
+            raise BackupError(f"writing {final} failed: {exc.strerror or exc}; partial file removed") from exc
+        raise
+    finally:
+        if spool is not None:
+            _unlink_quietly(spool)
+    size = os.stat(final).st_size
+    return Written(final, size, manifest, facts, revision)
+
+
+def _write_plain(
+    out: BinaryIO,
+    chunks: Iterable[bytes],
+    files: Dict[str, bytes],
+    infos: Dict[str, FileInfo],
+    build_manifest: ManifestBuilder,
+    mtime: int,
+) -> Tuple[SnapshotFacts, Optional[int], Dict[str, Any]]:
+    for n in (CONF, UNIT):
+        if n in files:
+            out.write(_member(n, files[n], mtime))
+    header_at = out.tell()
+    out.write(_header(SNAPSHOT, 0, mtime))  # placeholder size, patched below
+    check = StreamCheck()
+    for chunk in chunks:
+        check.update(chunk)
+        out.write(chunk)
+    out.write(_pad(check.size))
+    out.flush()
+    facts = check.finish()
+    fd = out.fileno()
+    data_at = header_at + BLOCK
+    revision = last_revision(lambda off, n: os.pread(fd, n, data_at + off), facts)
+    os.pwrite(fd, _header(SNAPSHOT, check.size, mtime), header_at)
+    infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256)
+    manifest = build_manifest(infos, facts, revision, None)
+    out.write(_member(MANIFEST, _manifest_bytes(manifest), mtime))
+    end = out.tell() + 2 * BLOCK
+    out.write(b"\0" * (2 * BLOCK + (-end % RECORD)))
+    return facts, revision, manifest
+
+
+def _spool(path: str, chunks: Iterable[bytes]) -> Tuple[SnapshotFacts, Optional[int], Optional[Dict[str, Any]]]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "r+b", buffering=COPY_CHUNK) as fh:
+        check = StreamCheck()
+        for chunk in chunks:
+            check.update(chunk)
+            fh.write(chunk)
+        fh.flush()
+        facts = check.finish()
+        revision = last_revision(lambda off, n: os.pread(fd, n, off), facts)
+    return facts, revision, None
+
+
+def _write_compressed(
+    out: BinaryIO, compression: str, manifest: Dict[str, Any], files: Dict[str, bytes], spool: str, mtime: int
+) -> None:
+    stream: Any
+    if compression == "gzip":
+        stream = gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=mtime)
+    else:
+        stream = _zstd().ZstdCompressor(level=3).stream_writer(out, closefd=False)
+    with tarfile.open(fileobj=stream, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+        for n, data in [(MANIFEST, _manifest_bytes(manifest))] + [(n, files[n]) for n in (CONF, UNIT) if n in files]:
+            tar.addfile(_info(n, len(data), mtime), io.BytesIO(data))
+        with open(spool, "rb") as src:
+            tar.addfile(_info(SNAPSHOT, os.fstat(src.fileno()).st_size, mtime), src)
+    stream.close()
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError:
+        raise BackupError("zstd archives need the Python package zstandard (pip install zstandard)") from None
+    return zstandard
+
+
+def _info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mtime, ti.mode = size, mtime, 0o600
+    ti.uname = ti.gname = "root"
+    return ti
+
+
+def _manifest_bytes(manifest: Dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # pragma: no cover - nothing better to do
+        log.warning("could not remove %s: %s", path, exc)
+
+
+def remove_partials(directory: str) -> List[str]:
+    """Remove hidden partial files left by a crashed run (call with the operation lock held)."""
+    removed = []
+    for entry in os.listdir(directory):
+        if PARTIAL_RE.match(entry):
+            _unlink_quietly(os.path.join(directory, entry))
+            removed.append(entry)
+    if removed:
+        log.info("removed %d partial file(s) left by an interrupted backup: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def ensure_dir(directory: str) -> None:
+    """The backup dir exists and is 0700 (created so, tightened if found looser)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_mode & 0o077:
+        log.warning("backup dir %s had mode %o; tightening to 0700", directory, st.st_mode & 0o777)
+        os.chmod(directory, 0o700)
+
+
+def now(utc: bool) -> datetime:
+    """The archive timestamp: UTC (default) or local wall-clock time, to the second."""
+    t = datetime.now(timezone.utc) if utc else datetime.now().astimezone()
+    return t.replace(microsecond=0)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
+    """A tarfile reader for any of our formats. ``seekable`` (plain tar only) skips data cheaply."""
+    comp = compression_of(path)
+    if comp == "none":
+        return tarfile.open(path, "r:" if seekable else "r|")
+    if comp == "gzip":
+        return tarfile.open(path, "r|gz")
+    zstandard = _zstd()
+    fh = open(path, "rb")
+    reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True)
+    tar = tarfile.open(fileobj=reader, mode="r|")
+    return tar
+
+
+def read_manifest(path: str) -> Dict[str, Any]:
+    """The archive's manifest; BackupCorrupt if there is no complete, parseable one."""
+    try:
+        tar = open_tar(path, seekable=True)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BackupCorrupt(f"{path}: not a readable tar archive ({exc})")
+    try:
+        for ti in _members(tar):
+            if ti.name == MANIFEST and ti.isreg():
+                if ti.size > MAX_MANIFEST:
+                    raise BackupCorrupt(f"{path}: manifest.json is {ti.size} bytes, larger than any real one")
+                fh = tar.extractfile(ti)
+                data = fh.read() if fh is not None else b""
+                if len(data) != ti.size:
+                    raise BackupCorrupt(f"{path}: manifest.json truncated ({len(data)} of {ti.size} bytes)")
+                return parse_manifest(data, path)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BackupCorrupt(f"{path}: archive unreadable before its manifest ({exc})")
+    finally:
+        tar.close()
+    raise BackupCorrupt(f"{path}: no manifest.json (incomplete or not an etcd-agent backup)")
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    while True:
+        ti = tar.next()
+        if ti is None:
+            return
+        yield ti
+
+
+def parse_manifest(data: bytes, where: str) -> Dict[str, Any]:
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BackupCorrupt(f"{where}: manifest.json is not valid JSON ({exc})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BackupCorrupt(f"{where}: manifest.json is not an {FORMAT} manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported (max {FORMAT_VERSION})")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or SNAPSHOT not in files:
+        raise BackupCorrupt(f"{where}: manifest.json lists no {SNAPSHOT}")
+    for n, f in files.items():
+        if n not in MEMBER_NAMES or not isinstance(f, dict):
+            raise BackupCorrupt(f"{where}: manifest.json lists an unexpected file {n!r}")
+        if not isinstance(f.get("size"), int) or not isinstance(f.get("sha256"), str):
+            raise BackupCorrupt(f"{where}: manifest.json entry for {n} lacks size/sha256")
+    return manifest

@@ -1,0 +1,102 @@
+"""Retention policy: which backups to keep and why. Pure: no I/O, no clock.
+
+Rules, each applied independently to the whole list (a backup is kept when any rule keeps it):
+
+- the last ``keep_last`` backups;
+- the newest backup of each of the ``keep_hourly`` newest hours that hold a backup;
+- the newest backup of each of the ``keep_daily`` newest days that hold a backup;
+- the newest *verified* backup, whatever the rules above say (a restore must always have one).
+
+Buckets count hours/days that actually hold backups (as Borg does), so a cron that stopped for a
+week does not make the next prune throw every old backup away.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, Dict, List, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class BackupRef:
+    """What the policy needs to know about one backup."""
+
+    name: str
+    time: datetime
+    verified: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    name: str
+    keep: bool
+    reasons: Tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _hour(t: datetime) -> str:
+    return t.strftime("%Y-%m-%d %H:00")
+
+
+def _day(t: datetime) -> str:
+    return t.strftime("%Y-%m-%d")
+
+
+def plan(
+    backups: Sequence[BackupRef], *, keep_last: int, keep_hourly: int, keep_daily: int
+) -> List[Decision]:
+    """One decision per backup, newest first, each with the reasons behind it."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    ordered = sorted(backups, key=lambda b: (b.time, b.name), reverse=True)
+    keep: Dict[str, List[str]] = {b.name: [] for b in ordered}
+    drop: Dict[str, List[str]] = {b.name: [] for b in ordered}
+
+    for i, b in enumerate(ordered):
+        if i < keep_last:
+            keep[b.name].append(f"one of the last {keep_last} (#{i + 1})")
+    if len(ordered) > keep_last:
+        for b in ordered[keep_last:]:
+            drop[b.name].append(f"not among the last {keep_last}")
+
+    _buckets(ordered, keep_hourly, _hour, "hour", "hourly", keep, drop)
+    _buckets(ordered, keep_daily, _day, "day", "daily", keep, drop)
+
+    newest_verified = next((b for b in ordered if b.verified), None)
+    if newest_verified is not None:
+        keep[newest_verified.name].append("newest verified backup (never deleted)")
+
+    out = []
+    for b in ordered:
+        if keep[b.name]:
+            out.append(Decision(b.name, True, tuple(keep[b.name])))
+        else:
+            out.append(Decision(b.name, False, tuple(drop[b.name]) or ("matched no keep rule",)))
+    return out
+
+
+def _buckets(
+    ordered: Sequence[BackupRef],
+    slots: int,
+    key: Callable[[datetime], str],
+    unit: str,
+    label: str,
+    keep: Dict[str, List[str]],
+    drop: Dict[str, List[str]],
+) -> None:
+    """Keep the newest backup of each of the ``slots`` newest buckets that hold one."""
+    if slots == 0:  # rule switched off: it neither keeps nor explains anything
+        return
+    seen: Dict[str, str] = {}
+    for b in ordered:  # newest first: the first one met in a bucket is its newest
+        k = key(b.time)
+        if k in seen:
+            drop[b.name].append(f"{unit} {k} already kept by {seen[k]}")
+        elif len(seen) < slots:
+            seen[k] = b.name
+            keep[b.name].append(f"newest of {unit} {k} ({label} {len(seen)}/{slots})")
+        else:
+            drop[b.name].append(f"{unit} {k} is older than the {slots} {label} buckets kept")

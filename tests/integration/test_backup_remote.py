@@ -1,0 +1,352 @@
+"""Off-host copies against a real S3-compatible server (moto's standalone server) on loopback."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import stat
+import tarfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from etcd_agent.backup import remote
+from etcd_agent.config import Config, parse_text
+from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
+from tests.harness.s3server import S3Server
+
+pytestmark = pytest.mark.integration
+
+ACCESS = "AKIA" + uuid.uuid4().hex[:16].upper()
+SECRET = "sEcReT" + uuid.uuid4().hex
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(str(tmp_path_factory.mktemp("s3") / "moto.log"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def _raw_client(s3: S3Server) -> Any:
+    """The test's own client: plays the operator or an attacker, outside the code under test."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    return boto3.session.Session(aws_access_key_id="tester", aws_secret_access_key="tester").client(
+        "s3", endpoint_url=s3.endpoint, region_name="us-east-1",
+        # moto 5.1 returns composite checksums without "-N"; botocore would misread them as full ones
+        config=BotoConfig(s3={"addressing_style": "path"}, response_checksum_validation="when_required"),
+    )
+
+
+@pytest.fixture
+def cfg(s3: S3Server) -> Config:
+    bucket = "etcd-" + uuid.uuid4().hex[:12]
+    _raw_client(s3).create_bucket(Bucket=bucket)
+    text = f"""
+[cluster]
+name = "prod1"
+[[member]]
+name = "m1"
+host = "127.0.0.1"
+[backup.remote]
+enabled = true
+endpoint = "{s3.endpoint}"
+bucket = "{bucket}"
+access_key = "{ACCESS}"
+secret_key = "{SECRET}"
+addressing_style = "path"
+part_size_mb = 5
+"""
+    c, errors = parse_text(text)
+    assert not errors and c is not None
+    return c
+
+
+def _with(cfg: Config, **remote_fields: Any) -> Config:
+    r = dataclasses.replace(cfg.backup.remote, **remote_fields)
+    return dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, remote=r))
+
+
+def _archive(directory: Path, name: str, size: int) -> Path:
+    """A real tar holding ``size`` random bytes (the archive format itself is not under test)."""
+    payload = directory / "etcd_snapshot.db"
+    with open(payload, "wb") as fh:
+        left = size
+        while left > 0:
+            fh.write(os.urandom(min(MiB, left)))
+            left -= MiB
+    path = directory / name
+    with tarfile.open(path, "w") as tar:
+        tar.add(str(payload), arcname="etcd_snapshot.db")
+    payload.unlink()
+    os.chmod(path, 0o600)
+    return path
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(MiB), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tamper(cfg: Config, s3: S3Server, name: str, *, with_checksum: bool) -> None:
+    """Overwrite the object with different bytes of the same size, keeping our sha256 metadata."""
+    r = cfg.backup.remote
+    raw = _raw_client(s3)
+    key = f"etcd-backup/{cfg.cluster.name}/{name}"
+    head = raw.head_object(Bucket=r.bucket, Key=key)
+    body = raw.get_object(Bucket=r.bucket, Key=key)["Body"].read()
+    bad = bytes([body[0] ^ 0xFF]) + body[1:]
+    extra: Dict[str, Any] = {"ChecksumAlgorithm": "SHA256"} if with_checksum else {}
+    raw.put_object(Bucket=r.bucket, Key=key, Body=bad, Metadata=head["Metadata"], **extra)
+
+
+def _keys(cfg: Config, s3: S3Server) -> List[str]:
+    resp = _raw_client(s3).list_objects_v2(Bucket=cfg.backup.remote.bucket)
+    return sorted(o["Key"] for o in resp.get("Contents", []))
+
+
+@pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
+@pytest.mark.parametrize("size", [300 * 1024, 11 * MiB], ids=["single-put", "multipart"])
+def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, mode: str, size: int) -> None:
+    cfg = _with(cfg, verify=mode)
+    path = _archive(tmp_path, "etcd-2026-03-01-10-00-00.tar", size)
+    obj = remote.upload_and_verify(cfg, str(path), {"revision": 42, "member": "m1", "cluster": {"name": "prod1", "id": "a1b2"}, "files": {"x": 1}})
+    assert obj.name == path.name and obj.key == f"etcd-backup/prod1/{path.name}"
+    assert obj.size == path.stat().st_size and obj.sha256 == _sha(path)
+    assert obj.metadata["revision"] == "42" and obj.metadata["member"] == "m1"
+    assert obj.metadata["cluster-id"] == "a1b2" and "files" not in obj.metadata
+    if size > 5 * MiB:
+        assert obj.etag.endswith("-3")  # really went up as 3 parts
+
+    listed = remote.list_remote(cfg)
+    assert [(o.name, o.size, o.sha256) for o in listed] == [(obj.name, obj.size, obj.sha256)]
+    assert remote.verify_remote(cfg, obj.name).sha256 == obj.sha256
+
+    dest = tmp_path / "restore"
+    dest.mkdir()
+    got = remote.download(cfg, obj.name, str(dest))
+    assert got == str(dest / obj.name)
+    assert _sha(Path(got)) == obj.sha256
+    assert stat.S_IMODE(os.stat(got).st_mode) == 0o600
+    assert os.listdir(dest) == [obj.name]
+
+
+@pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
+@pytest.mark.parametrize("with_checksum", [False, True], ids=["plain", "own-checksum"])
+def test_copy_corrupted_before_verification_is_deleted(
+    cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, with_checksum: bool
+) -> None:
+    cfg = _with(cfg, verify=mode)
+    path = _archive(tmp_path, "etcd-2026-03-01-11-00-00.tar", 11 * MiB)
+    real_put = remote._put_file
+
+    def put_then_tamper(*args: Any, **kwargs: Any) -> None:
+        real_put(*args, **kwargs)  # the real upload, then a real overwrite on the server
+        _tamper(cfg, s3, path.name, with_checksum=with_checksum)
+
+    monkeypatch.setattr(remote, "_put_file", put_then_tamper)
+    with pytest.raises(BackupCorrupt) as info:
+        remote.upload_and_verify(cfg, str(path), {})
+    assert "was deleted" in info.value.message
+    assert info.value.details  # says what differed
+    assert _keys(cfg, s3) == []
+
+
+def test_copy_corrupted_later_fails_verify_and_download(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+    path = _archive(tmp_path, "etcd-2026-03-01-12-00-00.tar", 200 * 1024)
+    remote.upload_and_verify(cfg, str(path), {})
+    _tamper(cfg, s3, path.name, with_checksum=False)
+    with pytest.raises(BackupCorrupt) as info:
+        remote.verify_remote(cfg, path.name)
+    assert any("sha256" in d for d in info.value.details)
+    dest = tmp_path / "restore"
+    dest.mkdir()
+    with pytest.raises(BackupCorrupt):
+        remote.download(cfg, path.name, str(dest))
+    assert os.listdir(dest) == []  # no partial or bad file left behind
+    # verify only reports: the operator decides what to do with the bad copy
+    assert len(_keys(cfg, s3)) == 1
+
+
+@pytest.mark.parametrize("change", ["overwritten", "truncated"])
+def test_file_changing_during_upload_leaves_nothing(
+    cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    path = _archive(tmp_path, "etcd-2026-03-01-13-00-00.tar", 11 * MiB)
+    real_digests = remote._local_digests
+
+    def digests_then_change(p: str, part_size: int) -> Any:
+        d = real_digests(p, part_size)
+        with open(p, "r+b") as fh:  # the file changes after hashing, in its second part
+            if change == "truncated":
+                fh.truncate(7 * MiB)  # the server refuses to complete: part 2 is too small
+            else:
+                fh.seek(6 * MiB)
+                fh.write(b"\x00" * 16)
+        return d
+
+    monkeypatch.setattr(remote, "_local_digests", digests_then_change)
+    with pytest.raises(BackupError) as info:
+        remote.upload_and_verify(cfg, str(path), {})
+    if change == "truncated":
+        assert "cannot complete the upload" in info.value.message
+    else:
+        assert "did not verify and was deleted" in info.value.message
+    assert _keys(cfg, s3) == []
+    pending = _raw_client(s3).list_multipart_uploads(Bucket=cfg.backup.remote.bucket)
+    assert not pending.get("Uploads")  # aborted: no orphaned parts
+
+
+def test_prune_remote_with_reasons(
+    cfg: Config, s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _with(cfg, keep_last=2, keep_hourly=0, keep_daily=3)
+    names = [
+        "etcd-2026-03-01-01-00-00.tar",
+        "etcd-2026-03-01-13-00-00.tar",
+        "etcd-2026-03-02-02-00-00.tar",
+        "etcd-2026-03-03-03-00-00.tar",
+        "etcd-2026-03-03-15-00-00.tar",
+        "etcd-2026-03-04-04-00-00.tar",
+        "etcd-2026-03-04-16-00-00.tar",
+    ]
+    for n in names:
+        remote.upload_and_verify(cfg, str(_archive(tmp_path, n, 1024)), {})
+    # an object that is not a backup, under the same prefix: never touched
+    _raw_client(s3).put_object(Bucket=cfg.backup.remote.bucket, Key="etcd-backup/prod1/README.txt", Body=b"hi")
+    assert [o.name for o in remote.list_remote(cfg)] == sorted(names, reverse=True)
+
+    with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
+        dry = remote.prune_remote(cfg, dry_run=True)
+    kept = {d.name for d in dry if d.keep}
+    assert kept == {
+        "etcd-2026-03-04-16-00-00.tar",  # last 2 + newest of 03-04
+        "etcd-2026-03-04-04-00-00.tar",  # last 2
+        "etcd-2026-03-03-15-00-00.tar",  # newest of 03-03
+        "etcd-2026-03-02-02-00-00.tar",  # newest of 03-02
+    }
+    assert all(d.reasons for d in dry)
+    assert "would delete" in caplog.text and "etcd-2026-03-01-01-00-00.tar" in caplog.text
+    assert len(_keys(cfg, s3)) == len(names) + 1  # dry run deleted nothing
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
+        real = remote.prune_remote(cfg, dry_run=False)
+    assert [(d.name, d.keep) for d in real] == [(d.name, d.keep) for d in dry]
+    assert {o.name for o in remote.list_remote(cfg)} == kept
+    assert "etcd-backup/prod1/README.txt" in _keys(cfg, s3)
+    deleted = [r for r in caplog.records if r.getMessage().startswith("deleted ")]
+    assert len(deleted) == 3 and all(": " in r.getMessage() for r in deleted)
+
+
+def test_credentials_never_logged_nor_shown(
+    cfg: Config, s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert ACCESS not in repr(cfg) and SECRET not in repr(cfg)
+    assert ACCESS not in repr(cfg.backup.remote) and SECRET not in repr(cfg.backup.remote)
+    path = _archive(tmp_path, "etcd-2026-03-05-00-00-00.tar", 6 * MiB)
+    caplog.set_level(logging.DEBUG)  # root at DEBUG: botocore would log request headers
+    obj = remote.upload_and_verify(cfg, str(path), {})
+    remote.list_remote(cfg)
+    remote.prune_remote(cfg, dry_run=True)
+    remote.download(cfg, obj.name, str(tmp_path / "copy.tar"))
+    with pytest.raises(BackupError) as info:
+        remote.list_remote(_with(cfg, bucket="no-such-bucket-here"))
+    assert "NoSuchBucket" in info.value.message
+    text = caplog.text + info.value.message + repr(info.value.details)
+    assert caplog.records and obj.name in caplog.text
+    assert ACCESS not in text and SECRET not in text
+
+
+def test_credentials_file(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+    creds = tmp_path / "s3.ini"
+    creds.write_text(f"[backup]\naws_access_key_id = {ACCESS}\naws_secret_access_key = {SECRET}\n")
+    os.chmod(creds, 0o644)
+    fcfg = _with(cfg, access_key=None, secret_key=None, credentials_file=str(creds), credentials_profile="backup")
+    with pytest.raises(ConfigError) as info:
+        remote.list_remote(fcfg)
+    assert "0644" in info.value.message and SECRET not in info.value.message
+    os.chmod(creds, 0o600)
+
+    # the keys from the file are the ones that sign the requests
+    b = remote._Bucket(fcfg)
+    seen: List[str] = []
+    b.client.meta.events.register("before-send.s3", lambda request, **_: seen.append(request.headers["Authorization"].decode()))
+    b.client.list_objects_v2(Bucket=fcfg.backup.remote.bucket)
+    assert seen and f"Credential={ACCESS}/" in seen[0]
+
+    creds.write_text("[other]\naws_access_key_id = x\n")
+    with pytest.raises(ConfigError, match=r"no \[backup\] profile"):
+        remote.list_remote(fcfg)
+
+
+def test_config_validation_for_remote() -> None:
+    text = """
+[[member]]
+name = "m1"
+host = "127.0.0.1"
+[backup.remote]
+enabled = true
+endpoint = "https://user:pw@oss.example.com/x"
+access_key = "AKIAONLY"
+addressing_style = "sideways"
+verify = "hope"
+part_size_mb = 1
+keep_last = 0
+"""
+    _, errors = parse_text(text)
+    joined = "\n".join(errors)
+    for expected in (
+        "backup.remote.endpoint", "backup.remote.bucket is required", "given together",
+        "addressing_style", "backup.remote.verify", "part_size_mb", "backup.remote.keep_last",
+    ):
+        assert expected in joined, (expected, errors)
+    assert "pw" not in joined and "AKIAONLY" not in joined
+    _, errors = parse_text(text.replace("part_size_mb = 1", "part_size_mb = 1\nsecret_key = 7\nbogus = 1"))
+    assert "backup.remote.secret_key: expected a string, got <hidden>" in errors
+    assert "backup.remote: unknown key 'bogus'" in errors
+
+
+def test_big_upload_memory_stays_flat(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+    import psutil
+
+    proc = psutil.Process()
+    # warm up every code path (imports, client, multipart) before taking the baseline
+    remote.upload_and_verify(cfg, str(_archive(tmp_path, "etcd-2026-03-06-00-00-00.tar", 11 * MiB)), {})
+    big = _archive(tmp_path, "etcd-2026-03-06-01-00-00.tar", 50 * MiB)
+    baseline = proc.memory_info().rss
+    peak = baseline
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        obj = remote.upload_and_verify(cfg, str(big), {})
+    finally:
+        done.set()
+        sampler.join(timeout=5)
+    growth = peak - baseline
+    parts = -(-big.stat().st_size // (5 * MiB))  # 50 MiB plus tar headers: 11 parts
+    print(f"50 MiB upload in {parts} parts: RSS growth {growth / MiB:.1f} MiB")
+    assert obj.etag.endswith(f"-{parts}")
+    # the whole file would be 50 MiB; parts of 5 MiB keep the growth to a few parts
+    assert growth < 25 * MiB, f"RSS grew by {growth / MiB:.1f} MiB"
