@@ -26,6 +26,7 @@ COMMAND_MODULES: List[str] = [
     "render",
     "demo",
     "status",
+    "run",
     "backup",
 ]
 

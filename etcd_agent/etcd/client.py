@@ -297,12 +297,16 @@ class EtcdClient:
         return self._kvc
 
     def _kv(self, what: str, fn: str, *args: Any, **kw: Any) -> Any:
-        try:
-            return getattr(self._kv_client(), fn)(*args, **kw)
-        except Exception as exc:  # etcd3 raises its own and grpc errors
-            if isinstance(exc, EtcdError):
-                raise
-            raise map_grpc_error(exc, what) from None
+        # etcd3's multi-endpoint client marks a dead endpoint failed and raises; the next call
+        # goes to another one. So an unavailable error is retried once per endpoint.
+        for attempt in range(len(self.endpoints)):
+            try:
+                return getattr(self._kv_client(), fn)(*args, **kw)
+            except Exception as exc:  # etcd3 raises its own and grpc errors
+                err = exc if isinstance(exc, EtcdError) else map_grpc_error(exc, what)
+                if not isinstance(err, EtcdUnavailable) or attempt == len(self.endpoints) - 1:
+                    raise err from None
+        raise AssertionError("unreachable")
 
     def put(self, key: str, value: bytes) -> None:
         self._kv(f"put {key}", "put", key, value)
@@ -323,10 +327,15 @@ class EtcdClient:
     def locked(self, name: str, ttl: int, timeout: Optional[float] = None) -> Iterator[None]:
         """Hold etcd lock ``name`` (lease ``ttl`` seconds) around the body; EtcdError if not acquired."""
         lock = self._kv(f"lock {name}", "lock", name, ttl)
-        try:
-            acquired = lock.acquire(timeout=timeout)
-        except Exception as exc:
-            raise map_grpc_error(exc, f"acquire lock {name}") from None
+        acquired = False
+        for attempt in range(len(self.endpoints)):
+            try:
+                acquired = lock.acquire(timeout=timeout)
+                break
+            except Exception as exc:
+                err = map_grpc_error(exc, f"acquire lock {name}")
+                if not isinstance(err, EtcdUnavailable) or attempt == len(self.endpoints) - 1:
+                    raise err from None
         if not acquired:
             raise EtcdError(f"lock {name} is held by another agent")
         try:

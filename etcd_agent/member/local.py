@@ -20,6 +20,9 @@ from ..topology import Bootstrap, join_bootstrap, render_conf, render_unit, seed
 
 log = logging.getLogger(__name__)
 
+# the etcd lock every agent takes around a membership change (join, replace, scale)
+MEMBERSHIP_LOCK = "/etcd-agent/locks/membership"
+
 
 class Backend(Protocol):
     """How etcd is run on this host: ``process`` (the agent's child) or ``systemd`` (a unit)."""
@@ -32,6 +35,7 @@ class Backend(Protocol):
     def stop(self, timeout: float = 15.0) -> None: ...
     def restart(self) -> None: ...
     def is_active(self) -> bool: ...
+    def state(self) -> str: ...
     def describe(self) -> str: ...
 
 
@@ -59,6 +63,20 @@ class LocalMember:
     def has_data(self) -> bool:
         """True when the data dir holds an etcd member (etcd would ignore --initial-cluster)."""
         return os.path.isdir(os.path.join(self.data_dir, "member"))
+
+    def set_aside(self, tag: str) -> Optional[str]:
+        """Move the data dir to ``<data_dir>.<tag>-<UTC time>`` (never delete); None if absent."""
+        if not os.path.exists(self.data_dir):
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = f"{self.data_dir.rstrip('/')}.{tag}-{stamp}"
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{self.data_dir.rstrip('/')}.{tag}-{stamp}.{n}"
+        os.rename(self.data_dir, target)
+        log.warning("%s: data dir %s set aside as %s", self.member.name, self.data_dir, target)
+        return target
 
     def render(self, boot: Bootstrap) -> bool:
         """Write etcd.conf (and the unit, for systemd) for ``boot``; True when anything changed."""

@@ -128,17 +128,25 @@ class ProcessBackend:
             return None
 
     def _reap(self) -> None:
-        if self._child is not None and self._child.poll() is not None:
-            self._child = None
+        if self._child is not None:
+            self._child.poll()  # collect a zombie; the exit code stays readable
 
     def is_active(self) -> bool:
         return self.pid() is not None
+
+    def state(self) -> str:
+        """active | failed (our child exited non-zero) | inactive, as systemd would say it."""
+        if self.pid() is not None:
+            return "active"
+        code = self.exit_code()
+        return "failed" if code not in (None, 0) else "inactive"
 
     def exit_code(self) -> Optional[int]:
         """Exit code of the etcd this backend started, if it has exited (None: running or unknown)."""
         if self._child is None:
             return None
         return self._child.poll()
+
 
     def stop(self, timeout: float = 15.0) -> None:
         """TERM, wait up to ``timeout``, then KILL; only the process proven to be ours."""

@@ -20,6 +20,10 @@ def can_add(voters: int, healthy_voters: int, *, learner: bool = False) -> Tuple
         return False, f"the cluster has no quorum ({healthy_voters} of {voters} voting members healthy)"
     if learner:
         return True, "a learner does not vote: quorum is unchanged"
+    if voters == 1 and healthy_voters == 1:
+        # etcd's own exception: a one-member cluster may grow to two (it cannot commit again
+        # until the new member has started, which is the very next step of a join)
+        return True, "second member of a one-member cluster: etcd allows it; the join starts it next"
     need = quorum(voters + 1)
     if healthy_voters < need:
         return False, (

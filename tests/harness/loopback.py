@@ -16,6 +16,7 @@ from etcd_agent.config import Config, load, with_local
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
+from etcd_agent.topology import NEW, Bootstrap, initial_cluster, member_pairs
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -97,10 +98,18 @@ class LoopbackCluster:
             LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members
         ]
 
-    def start_static(self) -> None:
-        for lm in self.members:
-            lm.start_static()
-        for lm in self.members:
+    def start_static(self, count: Optional[int] = None) -> None:
+        """Static bootstrap of all members, or of the first ``count`` only (the others stay
+        configured but unstarted: the scale tests add them later)."""
+        if count is None:
+            for lm in self.members:
+                lm.start_static()
+        else:
+            first = self.cfg.members[:count]
+            for lm in self.members[:count]:
+                lm.render(Bootstrap(lm.member.name, NEW, initial_cluster(member_pairs(first)), self.cfg.cluster.token))
+                lm.backend.start()
+        for lm in self.members[: count or len(self.members)]:
             lm.wait_healthy(30)
 
     def start_incremental(self) -> None:

@@ -12,6 +12,7 @@ def test_add():
     assert not ok and "need 3 healthy" in why
     assert can_add(3, 2, learner=True)[0]
     assert not can_add(3, 1, learner=True)[0]
+    assert can_add(1, 1)[0] and not can_add(2, 1)[0]
 
 
 def test_remove():

@@ -1,0 +1,120 @@
+"""The daemon's decision: a pure function from what one cycle observed to one action and a reason.
+
+Rules, in the order they are checked:
+- a member with data whose etcd runs is left alone (healthy, starting, or waiting for quorum);
+- a member with data whose etcd is down is restarted — restarting is how a cluster that lost
+  quorum gets it back, so this is allowed without quorum; after repeated failures with the
+  cluster holding quorum without us, the data is treated as corrupt and the member replaced;
+- a member without data joins, replaces its stale entry, or bootstraps — all of which change
+  membership or create a cluster, so they need a reachable cluster with quorum (or, for the very
+  first bootstrap, a host that has never bootstrapped before). Without that it reports and waits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..member.quorum import has_quorum, quorum
+
+# after this many restarts that did not bring etcd back while the others keep quorum, the local
+# data is considered corrupt and the member is replaced
+MAX_RESTARTS = 3
+
+NONE = "none"  # healthy or nothing to do
+WAIT = "wait"  # something is wrong that the agent must not fix by itself now
+RESTART = "restart"
+START_STATIC = "start_static"
+START_SEED = "start_seed"
+JOIN = "join"
+REPLACE = "replace"
+RENDER = "render"
+
+ACTIONS = (NONE, WAIT, RESTART, START_STATIC, START_SEED, JOIN, REPLACE, RENDER)
+
+
+@dataclass(frozen=True)
+class Observation:
+    member: str
+    bootstrap: str  # static | incremental
+    is_seed: bool  # first member in the config: the one that creates an incremental cluster
+    has_data: bool  # the data dir holds member/
+    conf_present: bool
+    unit_state: str  # active | activating | deactivating | failed | inactive | unknown
+    local_healthy: bool
+    cluster_reachable: bool  # another member answered the member list
+    voters: int  # voting members in etcd's member list (0 when unknown)
+    healthy_voters: int  # of those, healthy (including us)
+    self_listed: bool  # our peer URL is in the member list
+    self_started: bool  # ... and that member has run (it has a name)
+    failures: int  # consecutive restarts by this daemon that did not bring etcd back
+    ever_bootstrapped: bool  # this host ran a member of this cluster before (state file)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    reason: str
+
+
+def others_have_quorum(o: Observation) -> bool:
+    """Quorum without counting us: what a change that takes us down must still have."""
+    healthy_others = o.healthy_voters - (1 if o.local_healthy else 0)
+    return o.voters > 0 and healthy_others >= quorum(o.voters)
+
+
+def decide(o: Observation) -> Decision:
+    running = o.unit_state in ("active", "activating", "reloading")
+    if o.has_data:
+        if not o.conf_present:
+            return Decision(RENDER, "etcd.conf is missing; rendering it from the config and the member list")
+        if running:
+            if o.local_healthy:
+                return Decision(NONE, "healthy")
+            if o.cluster_reachable and not has_quorum(o.voters, o.healthy_voters):
+                return Decision(
+                    WAIT, f"etcd runs but the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); waiting"
+                )
+            if o.cluster_reachable and o.voters and not o.self_listed:
+                return Decision(
+                    WAIT,
+                    "this member was removed from the cluster; its data is kept: "
+                    "`etcd-agent leave` or `etcd-agent reset` to clean up",
+                )
+            return Decision(NONE, f"etcd is {o.unit_state} but not healthy yet; giving it time")
+        if o.cluster_reachable and o.voters and not o.self_listed:
+            return Decision(
+                WAIT,
+                "this member was removed from the cluster; not restarting it on its old data "
+                "(`etcd-agent leave` or `etcd-agent reset`, then it rejoins)",
+            )
+        if o.failures >= MAX_RESTARTS and o.self_listed and others_have_quorum(o):
+            return Decision(
+                REPLACE,
+                f"etcd failed {o.failures} restarts on its data while the cluster keeps quorum; "
+                "treating the data as corrupt: setting it aside and replacing the member",
+            )
+        return Decision(RESTART, f"etcd is {o.unit_state} with its data in place; restarting it")
+
+    # no data from here on
+    if o.cluster_reachable:
+        if not has_quorum(o.voters, o.healthy_voters - (1 if o.local_healthy else 0)):
+            return Decision(
+                WAIT,
+                f"no local data and the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); "
+                "not changing membership now",
+            )
+        if o.self_listed and o.self_started:
+            return Decision(REPLACE, "local data is gone but the cluster lists this member; replacing it")
+        if o.self_listed and o.bootstrap == "static" and not o.ever_bootstrapped:
+            return Decision(START_STATIC, "listed in the forming static cluster; starting with state=new")
+        return Decision(JOIN, "the cluster runs without this member; member add, then start with state=existing")
+    if o.ever_bootstrapped:
+        return Decision(
+            WAIT,
+            "local data is gone and no other member answers; not bootstrapping a second cluster: "
+            "waiting for the others (or restore from a backup)",
+        )
+    if o.bootstrap == "static":
+        return Decision(START_STATIC, "static bootstrap: starting with the full initial cluster, state=new")
+    if o.is_seed:
+        return Decision(START_SEED, "incremental bootstrap: no cluster answers; this seed member creates it")
+    return Decision(WAIT, "incremental bootstrap: waiting for the seed member to create the cluster")

@@ -1,0 +1,280 @@
+"""``etcd-agent run``: observe, decide (pure), act, log one sentence; repeat.
+
+Signal handlers only set flags: SIGTERM/SIGINT stop the loop after the current cycle, SIGHUP
+reloads the config before the next one (a config that fails validation is logged and the old
+one kept). Membership changes (join, replace) happen under etcd's own lock so only one agent of
+the cluster changes membership at a time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..config import Config, Member, load, local_member, with_local
+from ..errors import AgentError, ConfigError, EtcdError, RefusedError
+from ..etcd.client import EtcdClient, MemberInfo
+from ..hosts.local import machine_identity, write_atomic
+from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
+from ..member.quorum import can_add, can_remove
+from ..topology import join_bootstrap, static_bootstrap
+from . import health
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CycleReport:
+    observation: health.Observation
+    decision: health.Decision
+    outcome: str
+
+    def sentence(self) -> str:
+        return f"member {self.observation.member}: {self.decision.reason} -> {self.decision.action}: {self.outcome}"
+
+
+class Daemon:
+    """Converges this host's member to the config, one cycle at a time."""
+
+    def __init__(self, config_path: str, member: Optional[str] = None, cfg: Optional[Config] = None) -> None:
+        self.config_path = config_path
+        self.member_override = member
+        self._stop = False
+        self._reload = False
+        self._wake = threading.Event()
+        self.failures = 0
+        self._last_action = health.NONE
+        self._apply(cfg or load(config_path))
+
+    # ------------------------------------------------------------ config
+
+    def _apply(self, cfg: Config) -> None:
+        name = self.member_override or local_member(cfg, machine_identity()).name
+        cfg = with_local(cfg, name)
+        self.cfg = cfg
+        self.me: Member = cfg.member(name)
+        self.local = LocalMember(cfg, self.me)
+
+    def reload(self) -> None:
+        try:
+            cfg = load(self.config_path)
+            self._apply(cfg)
+            log.info("config %s reloaded", self.config_path)
+        except ConfigError as exc:
+            log.error("config reload refused, keeping the running config: %s %s", exc.message, "; ".join(exc.details))
+
+    # ------------------------------------------------------------ signals
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, _frame: object) -> None:
+            self._stop = True
+            self._wake.set()
+
+        def hup(signum: int, _frame: object) -> None:
+            self._reload = True
+            self._wake.set()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, hup)
+
+    def request_stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    # ------------------------------------------------------------ state file
+
+    @property
+    def state_file(self) -> str:
+        return os.path.join(self.cfg.daemon.state_dir, f"{self.me.name}.json")
+
+    def ever_bootstrapped(self) -> bool:
+        return os.path.exists(self.state_file)
+
+    def remember_bootstrap(self, cluster_id: int, member_id: int) -> None:
+        os.makedirs(self.cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+        rec = {"cluster": self.cfg.cluster.name, "cluster_id": f"{cluster_id:x}", "member_id": f"{member_id:x}",
+               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_atomic(self.state_file, (json.dumps(rec) + "\n").encode(), mode=0o600)
+
+    # ------------------------------------------------------------ observe
+
+    def observe(self) -> health.Observation:
+        cfg, me, lm = self.cfg, self.me, self.local
+        state = lm.backend.state()
+        running = state in ("active", "activating", "reloading")
+        local_healthy = False
+        local_status = None
+        if running:
+            with EtcdClient.from_config(cfg, [me.client_url], timeout=2.0) as c:
+                local_healthy, _ = c.healthy(me.client_url, timeout=2.0)
+                if local_healthy:
+                    try:
+                        local_status = c.status(me.client_url, timeout=2.0)
+                    except EtcdError:
+                        pass
+        if local_healthy and local_status is not None and not self.ever_bootstrapped():
+            self.remember_bootstrap(local_status.cluster_id, local_status.member_id)
+        if local_healthy:
+            self.failures = 0
+        elif self._last_action == health.RESTART and not running:
+            self.failures += 1
+
+        members = self._member_list(local_healthy)
+        voters = healthy_voters = 0
+        self_info: Optional[MemberInfo] = None
+        if members is not None:
+            self_info = find_member(members, me)
+            voting = [m for m in members if not m.is_learner]
+            voters = len(voting)
+            healthy_voters = self._count_healthy(voting, me, local_healthy)
+        return health.Observation(
+            member=me.name,
+            bootstrap=cfg.cluster.bootstrap,
+            is_seed=cfg.members[0].name == me.name,
+            has_data=lm.has_data(),
+            conf_present=os.path.exists(cfg.conf_file(me.name)),
+            unit_state=state,
+            local_healthy=local_healthy,
+            cluster_reachable=members is not None,
+            voters=voters,
+            healthy_voters=healthy_voters,
+            self_listed=self_info is not None,
+            self_started=bool(self_info and self_info.started),
+            failures=self.failures,
+            ever_bootstrapped=self.ever_bootstrapped(),
+        )
+
+    def _others(self) -> List[str]:
+        return [m.client_url for m in self.cfg.members if m.name != self.me.name]
+
+    def _member_list(self, local_healthy: bool) -> Optional[List[MemberInfo]]:
+        endpoints = ([self.me.client_url] if local_healthy else []) + self._others()
+        if not endpoints:
+            return None
+        with EtcdClient.from_config(self.cfg, endpoints, timeout=2.0) as c:
+            try:
+                return c.members()
+            except EtcdError:
+                return None
+
+    def _answers(self, url: str) -> bool:
+        with EtcdClient.from_config(self.cfg, [url], timeout=2.0) as c:
+            return c.healthy(url, timeout=2.0)[0]
+
+    def _count_healthy(self, voting: List[MemberInfo], me: Member, local_healthy: bool) -> int:
+        def probe(m: MemberInfo) -> bool:
+            if me.peer_url in m.peer_urls:
+                return local_healthy
+            if not m.client_urls:
+                return False  # added, never started
+            with EtcdClient.from_config(self.cfg, list(m.client_urls), timeout=2.0) as c:
+                return any(c.healthy(u, timeout=2.0)[0] for u in m.client_urls)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(voting))) as pool:
+            return sum(1 for ok in pool.map(probe, voting) if ok)
+
+    # ------------------------------------------------------------ act
+
+    def act(self, obs: health.Observation, d: health.Decision) -> str:
+        lm = self.local
+        a = d.action
+        if a in (health.NONE, health.WAIT):
+            return "nothing done"
+        if a == health.RESTART:
+            lm.backend.start()
+            return f"started {lm.backend.kind} etcd (attempt {self.failures + 1})"
+        if a == health.START_STATIC:
+            lm.start_static()
+            return "started with state=new"
+        if a == health.START_SEED:
+            lm.start_seed()
+            return "seed started with state=new"
+        if a == health.RENDER:
+            return self._render_existing()
+        if a in (health.JOIN, health.REPLACE):
+            return self._membership_change(obs, a)
+        raise AssertionError(f"unknown action {a}")
+
+    def _render_existing(self) -> str:
+        cfg, me = self.cfg, self.me
+        if cfg.cluster.bootstrap == "static":
+            boot = static_bootstrap(cfg, me)
+        else:
+            members = self._member_list(False) or []
+            boot = join_bootstrap(cfg, me, [(m.name, m.peer_urls[0]) for m in members if m.peer_urls])
+        self.local.render(boot)
+        return f"rendered {cfg.conf_file(me.name)} (etcd reads its data dir; the initial-cluster flags no longer matter)"
+
+    def _membership_change(self, obs: health.Observation, action: str) -> str:
+        lm, me = self.local, self.me
+        # talk to the members that answer: a dead endpoint first in line would fail the lock
+        endpoints = [u for u in self._others() if self._answers(u)] or self._others() or [me.client_url]
+        with EtcdClient.from_config(self.cfg, endpoints, timeout=5.0) as c:
+            with c.locked(MEMBERSHIP_LOCK, ttl=self.cfg.daemon.lock_ttl, timeout=30):
+                members = c.members()  # fresh, under the lock
+                info = find_member(members, me)
+                voting = [m for m in members if not m.is_learner]
+                healthy = self._count_healthy(voting, me, False)
+                done = []
+                if action == health.REPLACE:
+                    lm.backend.stop()
+                    aside = lm.set_aside("replaced")
+                    if aside:
+                        done.append(f"old data moved to {aside}")
+                    if info is not None:
+                        ok, why = can_remove(len(voting), healthy, target_is_voter=not info.is_learner, target_healthy=False)
+                        if not ok:
+                            raise RefusedError(f"not removing stale member {info.hex_id}: {why}")
+                        c.remove_member(info.id)
+                        done.append(f"stale member {info.hex_id} removed")
+                        voting = [m for m in voting if m.id != info.id]
+                    info = None
+                if info is None:
+                    ok, why = can_add(len(voting), healthy)
+                    if not ok:
+                        raise RefusedError(f"not adding this member: {why}")
+                new = lm.join(c)
+                done.append(f"joined as {new.hex_id} with state=existing")
+        return "; ".join(done)
+
+    # ------------------------------------------------------------ loop
+
+    def cycle(self) -> CycleReport:
+        obs = self.observe()
+        d = health.decide(obs)
+        try:
+            outcome = self.act(obs, d)
+        except AgentError as exc:
+            outcome = f"failed: {exc.message}"
+        self._last_action = d.action
+        report = CycleReport(obs, d, outcome)
+        level = logging.DEBUG if d.action == health.NONE else logging.INFO
+        if outcome.startswith("failed"):
+            level = logging.WARNING
+        log.log(level, "%s", report.sentence())
+        return report
+
+    def run(self) -> None:
+        log.info("etcd-agent daemon for member %s (%s backend, every %.0fs)", self.me.name,
+                 self.local.backend.kind, self.cfg.daemon.interval)
+        while not self._stop:
+            if self._reload:
+                self._reload = False
+                self.reload()
+            try:
+                self.cycle()
+            except Exception:  # one bad cycle must not kill the daemon; the next one retries
+                log.exception("cycle failed")
+            self._wake.wait(self.cfg.daemon.interval)
+            self._wake.clear()
+        if self.local.backend.kind == "process":
+            # the process backend's etcd is our child: it stops with us (systemd's etcd does not)
+            self.local.backend.stop()
+        log.info("etcd-agent daemon for member %s stopped", self.me.name)

@@ -1,0 +1,99 @@
+"""The systemd backend: etcd runs as ``etcd.service`` reading the rendered ``/etc/etcd/etcd.conf``.
+
+The unit's ``Restart=on-failure`` is the first line of healing; the daemon is the second. Starts
+use ``--no-block``: with ``Type=notify`` a member of a forming cluster reports ready only once a
+quorum is up, and the agent must not sit inside ``systemctl start`` while the others wait for it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Optional
+
+from ..config import Config
+from ..errors import CommandError
+from ..hosts.base import Host
+from ..hosts.local import LocalHost
+
+log = logging.getLogger(__name__)
+
+SYSTEMCTL = "systemctl"
+
+
+class SystemdBackend:
+    """One etcd member as a systemd unit on ``host`` (this machine by default)."""
+
+    kind = "systemd"
+
+    def __init__(self, cfg: Config, member: str, host: Optional[Host] = None) -> None:
+        self.cfg = cfg
+        self.member = member
+        self.host: Host = host or LocalHost()
+        self.unit = cfg.etcd.unit
+        self.conf_file = cfg.conf_file(member)
+        self.unit_file = cfg.etcd.unit_file
+
+    def _systemctl(self, *args: str, timeout: float = 60.0, check: bool = True) -> str:
+        return self.host.run([SYSTEMCTL, *args], timeout=timeout, check=check).stdout
+
+    def _write_if_changed(self, path: str, text: str, mode: int) -> bool:
+        data = text.encode()
+        try:
+            if self.host.read(path) == data:
+                return False
+        except FileNotFoundError:
+            pass
+        directory = os.path.dirname(path)
+        if directory and not self.host.exists(directory):
+            self.host.run(["mkdir", "-p", "-m", "0755", directory], timeout=30)
+        self.host.write_atomic(path, data, mode=mode)
+        log.info("%s: wrote %s", self.member, path)
+        return True
+
+    def write_conf(self, text: str) -> bool:
+        # readable by the etcd user; it holds paths and URLs, no secrets
+        return self._write_if_changed(self.conf_file, text, 0o644)
+
+    def write_unit(self, text: str) -> bool:
+        changed = self._write_if_changed(self.unit_file, text, 0o644)
+        if changed:
+            self._systemctl("daemon-reload")
+        return changed
+
+    def start(self) -> None:
+        # a unit that hit its start limit or failed stays "failed" until reset
+        self._systemctl("reset-failed", self.unit, check=False)
+        self._systemctl("start", "--no-block", self.unit)
+
+    def stop(self, timeout: float = 90.0) -> None:
+        self._systemctl("stop", self.unit, timeout=timeout)
+
+    def restart(self) -> None:
+        self._systemctl("reset-failed", self.unit, check=False)
+        self._systemctl("restart", "--no-block", self.unit)
+
+    def show(self) -> Dict[str, str]:
+        out = self._systemctl(
+            "show", self.unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus,ExecMainPID,LoadState",
+            check=False,
+        )
+        props: Dict[str, str] = {}
+        for line in out.splitlines():
+            if "=" in line:
+                k, v = line.split("=", 1)
+                props[k] = v
+        return props
+
+    def state(self) -> str:
+        """active | activating | deactivating | failed | inactive | unknown."""
+        try:
+            return self.show().get("ActiveState", "unknown") or "unknown"
+        except CommandError:
+            return "unknown"
+
+    def is_active(self) -> bool:
+        return self.state() in ("active", "activating", "reloading")
+
+    def describe(self) -> str:
+        p = self.show()
+        return f"{self.unit} {p.get('ActiveState', '?')}/{p.get('SubState', '?')} (restarts {p.get('NRestarts', '?')}, last exit {p.get('ExecMainStatus', '?')})"

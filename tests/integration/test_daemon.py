@@ -1,0 +1,135 @@
+"""The daemon on real etcd (process backend, one daemon per member on loopback): bootstrap both
+ways, heal a killed etcd, replace a member whose data dir vanished, stop cleanly."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from etcd_agent.daemon import health
+from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.status import cluster_status
+from tests.harness.loopback import LoopbackCluster
+
+pytestmark = pytest.mark.integration
+
+
+class Daemons:
+    def __init__(self, cluster: LoopbackCluster):
+        self.c = cluster
+        self.procs = {}
+
+    def start(self, name):
+        log = open(os.path.join(self.c.dir, f"daemon-{name}.log"), "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "etcd_agent.cli.main", "-c", self.c.config_path, "run", "--member", name],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def log(self, name):
+        with open(os.path.join(self.c.dir, f"daemon-{name}.log")) as fh:
+            return fh.read()
+
+
+def wait_healthy(cfg, n, timeout=60):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        rows = cluster_status(cfg, timeout=1.0)
+        if len(rows) == n and all(r.healthy for r in rows):
+            return time.monotonic() - t0
+        time.sleep(0.3)
+    raise AssertionError(f"not healthy after {timeout}s: {[(r.name, r.errors) for r in cluster_status(cfg)]}")
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    made = []
+
+    def make(bootstrap):
+        c = LoopbackCluster(str(tmp_path / bootstrap), 3, bootstrap=bootstrap,
+                            extra=f'[daemon]\ninterval = 1.0\nlock_ttl = 10\nstate_dir = "{tmp_path}/{bootstrap}/state"\n')
+        d = Daemons(c)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+        d.c.stop()  # any etcd a failed test left behind
+
+
+@pytest.mark.parametrize("bootstrap", ["incremental", "static"])
+def test_daemons_bootstrap_heal_and_replace(daemons, bootstrap):
+    d = daemons(bootstrap)
+    cfg = d.c.cfg
+    t0 = time.monotonic()
+    for m in ("m3", "m2", "m1"):  # seed last: the others must wait for it, not bootstrap alone
+        d.start(m)
+    took = wait_healthy(cfg, 3, 90)
+    print(f"\n{bootstrap}: 3 daemons -> healthy cluster in {time.monotonic() - t0:.1f}s")
+    with EtcdClient.from_config(cfg) as c:
+        ids = {m.name: m.id for m in c.members()}
+        c.put("/k", b"v")
+    assert sorted(ids) == ["m1", "m2", "m3"]
+
+    # a killed etcd comes back (the daemon restarts it on its data: same member id)
+    victim = d.c.members[1].backend
+    old_pid = victim.pid()
+    victim.kill()
+    t = time.monotonic()
+    while victim.pid() in (None, old_pid) and time.monotonic() - t < 60:
+        time.sleep(0.1)
+    wait_healthy(cfg, 3, 60)
+    assert victim.pid() not in (None, old_pid)
+    print(f"{bootstrap}: killed etcd back to healthy in {time.monotonic() - t:.1f}s")
+    with EtcdClient.from_config(cfg) as c:
+        assert {m.name: m.id for m in c.members()}["m2"] == ids["m2"]
+
+    # a lost data dir: the member is removed, re-added and rejoins with a new id; no key lost
+    lost = d.c.members[2]
+    shutil.rmtree(lost.data_dir)
+    t = time.monotonic()
+    deadline = t + 60
+    while time.monotonic() < deadline:
+        with EtcdClient.from_config(cfg, timeout=1.0) as c:
+            try:
+                now = {m.name: m.id for m in c.members()}
+            except Exception:
+                now = {}
+        if now.get("m3") not in (None, ids["m3"]) and len(now) == 3:
+            break
+        time.sleep(0.3)
+    wait_healthy(cfg, 3, 60)
+    print(f"{bootstrap}: lost data dir -> member replaced and healthy in {time.monotonic() - t:.1f}s")
+    with EtcdClient.from_config(cfg) as c:
+        members = {m.name: m.id for m in c.members()}
+        assert members["m3"] != ids["m3"], "member was not replaced"
+        assert c.get("/k") == b"v"
+    log = d.log("m3")
+    assert "-> replace: " in log and "stale member" in log and "joined as" in log, log
+
+    d.stop()
+    assert not any(lm.backend.is_active() for lm in d.c.members), "daemon stop left etcd running"
+
+
+def test_decide_never_bootstraps_twice():
+    """A host that ran a member and lost its data with nobody answering waits; it does not seed."""
+    o = health.Observation(member="m1", bootstrap="incremental", is_seed=True, has_data=False, conf_present=True,
+                           unit_state="inactive", local_healthy=False, cluster_reachable=False, voters=0,
+                           healthy_voters=0, self_listed=False, self_started=False, failures=0,
+                           ever_bootstrapped=True)
+    assert health.decide(o).action == health.WAIT

@@ -1,0 +1,68 @@
+"""Fixtures of the systemd tier: nspawn containers booting real systemd (root only).
+
+The base tree is built once and cached (tests/harness/rootfs.py); each test module gets a fresh
+3-container bed that is torn down afterwards, also when a test fails.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Dict, Iterator, List
+
+import pytest
+
+from tests.harness import rootfs
+from tests.harness.nspawn import NspawnBed
+
+# Timings and sizes the tests measure, printed at the end of the run (also under -q).
+METRICS: Dict[str, str] = {}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("systemd tier needs root (overlay mounts, cgroups, systemd-nspawn)")
+    missing: List[str] = [t for t in ("systemd-nspawn", "debootstrap", "nsenter", "etcdctl")
+                          if shutil.which(t) is None]
+    if missing:
+        # CI runs as root with these installed: a missing tool is a broken machine, not a skip
+        pytest.fail(f"systemd tier: missing {', '.join(missing)} "
+                    "(apt-get install -y systemd-container debootstrap etcd-client)")
+
+
+@pytest.fixture(scope="session")
+def base_tree() -> str:
+    """The cached bookworm tree; built here when missing or outdated."""
+    _require_root()
+    t0 = time.monotonic()
+    info = rootfs.ensure_base()
+    if info.built:
+        METRICS["base tree"] = (f"built in {time.monotonic() - t0:.1f} s, "
+                                f"{info.size_bytes / 1e6:.0f} MB")
+    else:
+        METRICS["base tree"] = f"cached (recipe {info.recipe}), {info.size_bytes / 1e6:.0f} MB"
+    return info.path
+
+
+@pytest.fixture(scope="module")
+def bed(base_tree: str) -> Iterator[NspawnBed]:
+    """Three containers es1..es3 at 10.213.2.11-13, booted to running; stopped after the module."""
+    b = NspawnBed(3, prefix="es", subnet="10.213.2", base=base_tree)
+    try:
+        b.up()
+        boots = ", ".join(f"{c.name} {c.boot_seconds:.1f} s" for c in b.containers)
+        METRICS["bed up"] = (f"{b.timings['up']:.1f} s (netns {b.timings['netns_up']:.1f} s, "
+                             f"clones+keys {b.timings['prepare']:.1f} s, boot {boots})")
+        yield b
+    finally:
+        b.down()
+        if "down" in b.timings:
+            METRICS["bed teardown"] = f"{b.timings['down']:.1f} s"
+
+
+def pytest_terminal_summary(terminalreporter: "pytest.TerminalReporter") -> None:
+    if METRICS:
+        terminalreporter.write_sep("-", "systemd tier measurements")
+        for key, value in METRICS.items():
+            terminalreporter.write_line(f"{key}: {value}")
