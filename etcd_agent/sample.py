@@ -69,6 +69,23 @@ host = "10.0.0.13"
 # compression = "none"                # "gzip" or "zstd": .tar.gz / .tar.zst
 # utc = true                          # file names in UTC
 # space_margin = 0.2                  # free space needed: expected size x (1 + margin)
+# metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom"
+#                                     # node_exporter textfile: last success time, size, failures
+
+[backup.remote]
+# An off-host copy of every backup in S3-compatible storage (AWS S3, MinIO, Ceph RGW, Aliyun OSS),
+# uploaded and verified after each backup, with its own retention.
+# enabled = false
+# endpoint = "https://minio.example.internal:9000"   # none: AWS in `region`
+# bucket = "etcd-backups"
+# prefix = "etcd-backup/{cluster}/"
+# region = "us-east-1"
+# credentials_file = "/etc/etcd-agent/s3-credentials"  # AWS-style INI, mode 0600
+# credentials_profile = "default"
+# addressing_style = "auto"           # "path" for MinIO/Ceph RGW, "virtual" for OSS
+# verify = "checksum"                 # "etag" where the server has no SHA-256 checksums (OSS)
+# keep_last = 7
+# keep_daily = 30
 
 [ssh]
 # How restore/upgrade reach the other masters. Host keys are checked against known_hosts only.

@@ -83,18 +83,27 @@ def take_backup(
     except AgentError:
         _record_metrics(cfg, False, None, 0, time.monotonic() - start, None)
         raise
-    _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
-    remote_cfg = getattr(cfg.backup, "remote", None)
-    if remote_cfg is not None and getattr(remote_cfg, "enabled", False):
-        from . import remote  # imported only when [backup.remote] is enabled
+    remote_cfg = cfg.backup.remote
+    if not remote_cfg.enabled:
+        _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
+        return result
+    from . import remote  # imported only when [backup.remote] is enabled
 
+    try:
+        remote.upload_and_verify(cfg, result.path, archive.read_manifest(result.path))
+    except AgentError as exc:
+        # the local backup stands; the run still fails so cron / the timer reports it
+        _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=False)
+        raise BackupError(
+            f"backup {result.path} written, but the off-host copy failed: {exc.message}", details=exc.details
+        ) from exc
+    _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=True)
+    if prune:
         try:
-            remote.upload_and_verify(cfg, result.path, archive.read_manifest(result.path))
+            result.pruned += [f"remote:{d.name}" for d in remote.prune_remote(cfg, dry_run=False) if not d.keep]
         except AgentError as exc:
-            # the local backup stands; the run still fails so cron / the timer reports it
-            raise BackupError(
-                f"backup {result.path} written, but the off-host copy failed: {exc.message}", details=exc.details
-            ) from exc
+            result.warnings.append(f"remote prune failed: {exc.message}")
+            log.warning("remote prune after backup failed: %s", exc.message)
     return result
 
 
@@ -262,15 +271,18 @@ def prune_locked(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:
         return prune_backups(cfg, dry_run=False)
 
 
-def _record_metrics(cfg: Config, ok: bool, path: Optional[str], size: int, duration: float, revision: Optional[int]) -> None:
+def _record_metrics(
+    cfg: Config,
+    ok: bool,
+    path: Optional[str],
+    size: int,
+    duration: float,
+    revision: Optional[int],
+    remote_ok: Optional[bool] = None,
+) -> None:
     if not cfg.backup.metrics_file:
         return
-    try:
-        from . import metrics
-    except ImportError as exc:  # the metrics module ships separately
-        log.warning("backup metrics not written: %s", exc)
-        return
-    try:
-        metrics.record_backup(cfg, ok, path, size, duration, revision)
-    except Exception as exc:  # metrics must never turn a good backup into a failed one
-        log.warning("writing backup metrics to %s failed: %s", cfg.backup.metrics_file, exc)
+    from . import metrics
+
+    # record_backup never raises: metrics must not turn a good backup into a failed one
+    metrics.record_backup(cfg, ok, path, size, duration, revision, remote_ok)

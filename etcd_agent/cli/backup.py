@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any, List, Optional
 
-from ..errors import EXIT_FAILED, EXIT_OK
+from ..errors import EXIT_FAILED, EXIT_OK, UsageError
 from .main import Context, Output
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ def register(sub: Any) -> None:
     bsub = p.add_subparsers(dest="backup_command", metavar="SUBCOMMAND")
 
     pl = bsub.add_parser("list", help="backups in the backup dir, newest first")
+    pl.add_argument("--remote", action="store_true", help="list the off-host copies ([backup.remote]) instead")
     pl.set_defaults(func=cmd_list)
 
     pv = bsub.add_parser("verify", help="check an archive: manifest, every sha256, snapshot status, cluster id")
@@ -34,6 +35,7 @@ def register(sub: Any) -> None:
 
     pp = bsub.add_parser("prune", help="apply the retention policy; every decision is printed with its reason")
     pp.add_argument("--dry-run", action="store_true", help="decide and print, delete nothing")
+    pp.add_argument("--remote", action="store_true", help="apply the remote retention to the off-host copies instead")
     pp.set_defaults(func=cmd_prune)
 
 
@@ -59,6 +61,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     from ..backup.catalog import list_backups
 
     cfg = ctx.config()
+    if args.remote:
+        return _list_remote(cfg)
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc)
     rows: List[str] = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10} {'REVISION':>10}  VERIFIED"]
     for e in entries:
@@ -69,6 +73,24 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
     return Output({"dir": cfg.backup.dir, "backups": [e.to_json() for e in entries]}, "\n".join(rows))
+
+
+def _require_remote(cfg: Any) -> None:
+    if not cfg.backup.remote.enabled:
+        raise UsageError("no off-host copies configured: set [backup.remote] enabled = true")
+
+
+def _list_remote(cfg: Any) -> Output:
+    from ..backup.remote import list_remote
+
+    _require_remote(cfg)
+    objs = list_remote(cfg)
+    rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  SHA256"]
+    for o in objs:
+        rows.append(f"{o.name:<32} {o.time.isoformat():<25} {_size(o.size):>10}  {(o.sha256 or '-')[:16]}")
+    if not objs:
+        rows.append("(no off-host copies)")
+    return Output({"remote": True, "backups": [o.to_json() for o in objs]}, "\n".join(rows))
 
 
 def _expected_cluster_id(ctx: Context, given: Optional[str]) -> Optional[str]:
@@ -119,7 +141,14 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
 def cmd_prune(args: argparse.Namespace, ctx: Context) -> Output:
     from ..backup.service import prune_locked
 
-    decisions = prune_locked(ctx.config(), dry_run=args.dry_run)
+    cfg = ctx.config()
+    if args.remote:
+        from ..backup.remote import prune_remote
+
+        _require_remote(cfg)
+        decisions = prune_remote(cfg, dry_run=args.dry_run)
+    else:
+        decisions = prune_locked(cfg, dry_run=args.dry_run)
     lines = []
     for d in decisions:
         verb = "keep  " if d.keep else ("would delete" if args.dry_run else "delete")

@@ -350,3 +350,40 @@ def test_big_upload_memory_stays_flat(cfg: Config, s3: S3Server, tmp_path: Path)
     assert obj.etag.endswith(f"-{parts}")
     # the whole file would be 50 MiB; parts of 5 MiB keep the growth to a few parts
     assert growth < 25 * MiB, f"RSS grew by {growth / MiB:.1f} MiB"
+
+
+def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any, s3: S3Server, tmp_path: Path) -> None:
+    """End to end on a real etcd: `etcd-agent backup` writes, uploads, verifies, prunes the
+    remote copies and records the remote success in the textfile metrics."""
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    bucket = "etcd-" + uuid.uuid4().hex[:12]
+    _raw_client(s3).create_bucket(Bucket=bucket)
+    prom = tmp_path / "etcd_agent_backup.prom"
+    extra = (
+        f'metrics_file = "{prom}"\n'
+        "[backup.remote]\nenabled = true\n"
+        f'endpoint = "{s3.endpoint}"\nbucket = "{bucket}"\naccess_key = "{ACCESS}"\nsecret_key = "{SECRET}"\n'
+        'addressing_style = "path"\nkeep_last = 1\nkeep_daily = 0\n'
+    )
+    c = cluster_factory(1, extra=extra)
+    c.start_static()
+    base = [sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path]
+    for _ in range(2):
+        res = subprocess.run(base + ["backup", "--member", "m1"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert SECRET not in res.stderr and ACCESS not in res.stderr
+        time.sleep(1.1)  # backup names have one-second resolution
+    res = subprocess.run(base + ["--json", "backup", "list", "--remote"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    listed = json.loads(res.stdout)["backups"]
+    assert len(listed) == 1, "remote retention keep_last=1 was not applied after the upload"
+    assert listed[0]["sha256"]
+    values = {s.name: s.value for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
+    assert values["etcd_agent_backup_remote_last_success_timestamp_seconds"] > time.time() - 300
+    assert values["etcd_agent_backup_last_success_timestamp_seconds"] > time.time() - 300
