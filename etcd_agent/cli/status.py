@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Dict, Optional
 
 from ..errors import EXIT_FAILED, EXIT_OK
 from .main import Context, Output
@@ -20,8 +20,42 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     cfg = ctx.config()
     rows = cluster_status(cfg, timeout=args.timeout)
     healthy = all(r.healthy for r in rows)
-    data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows]}
+    last = _last_backup(cfg)
+    data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
+    if last is None:
+        summary += f"\nlast backup: none in {cfg.backup.dir}"
+    elif "error" in last:
+        summary += f"\nlast backup: cannot read {cfg.backup.dir}: {last['error']}"
+    else:
+        summary += f"\nlast backup: {last['name']} ({_age(last['age_seconds'])} ago, revision {last['revision']})"
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
+
+
+def _last_backup(cfg: Any) -> Optional[Dict[str, Any]]:
+    """The newest complete backup in this host's backup dir, with its age."""
+    import time
+
+    from ..backup.catalog import list_backups
+
+    try:
+        entries = [e for e in list_backups(cfg.backup.dir, utc=cfg.backup.utc) if e.complete]
+    except OSError as exc:
+        return {"error": exc.strerror or str(exc)}
+    if not entries:
+        return None
+    e = entries[0]
+    return {"name": e.name, "path": e.path, "revision": e.revision, "age_seconds": round(time.time() - e.time.timestamp())}
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600}h"

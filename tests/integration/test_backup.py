@@ -369,3 +369,24 @@ def test_lock_busy_direct(base: str) -> None:
         with pytest.raises(BusyError, match="restore"):
             OperationLock(lock_path_for(d), "backup").acquire()
     OperationLock(lock_path_for(d), "backup").acquire().release()
+
+
+def test_status_reports_the_last_backup(tmp_path):
+    """`status` ends with the newest complete backup and its age (what an operator checks first)."""
+    import subprocess
+    import sys
+
+    from tests.harness.loopback import LoopbackCluster
+
+    c = LoopbackCluster(str(tmp_path / "st"), 1)
+    try:
+        c.start_static()
+        base = [sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path]
+        made = subprocess.run(base + ["backup", "--member", "m1"], capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        res = subprocess.run(base + ["status"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        name = os.path.basename(made.stdout.strip())
+        assert f"last backup: {name} (" in res.stdout
+    finally:
+        c.stop()
