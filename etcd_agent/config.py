@@ -86,6 +86,8 @@ class EtcdSection:
     client_port: int = 2379
     peer_port: int = 2380
     start_timeout: float = 60.0
+    # etcd releases side by side, one dir per version: <versions_dir>/<version>/{etcd,etcdctl,etcdutl}
+    versions_dir: str = "/opt/etcd"
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,21 @@ class DaemonSection:
 
 
 @dataclass(frozen=True)
+class MaintenanceSection:
+    """``[maintenance]``: defragmentation and alarm handling (``etcd-agent defrag`` / ``alarms``)."""
+
+    # defragment a member when 1 - db_size_in_use/db_size exceeds this percentage
+    defrag_threshold_percent: float = 50.0
+    # ... and its db is at least this big (defragmenting a tiny db is pointless churn)
+    defrag_min_db_bytes: int = 16 * 1024 * 1024
+    # the daemon defragments on its own when true; otherwise only the command does
+    auto_defrag: bool = False
+    # the daemon clears a NOSPACE alarm (compact, defrag, disarm) on its own when true
+    auto_disarm_nospace: bool = False
+    defrag_timeout: float = 600.0
+
+
+@dataclass(frozen=True)
 class Member:
     """A member with every URL resolved."""
 
@@ -205,6 +222,7 @@ class Config:
     ssh: SshSection = field(default_factory=SshSection)
     kubernetes: KubernetesSection = field(default_factory=KubernetesSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
+    maintenance: MaintenanceSection = field(default_factory=MaintenanceSection)
     path: Optional[str] = None
 
     def member(self, name: str) -> Member:
@@ -233,6 +251,7 @@ SECTIONS: Dict[str, type] = {
     "ssh": SshSection,
     "kubernetes": KubernetesSection,
     "daemon": DaemonSection,
+    "maintenance": MaintenanceSection,
 }
 
 
@@ -436,7 +455,7 @@ def validate(
     e = cfg.etcd
     if e.service_manager not in SERVICE_MANAGERS:
         errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
-    for key in ("binary", "etcdctl", "etcdutl", "data_dir", "conf_file", "unit_file", "run_dir"):
+    for key in ("binary", "etcdctl", "etcdutl", "data_dir", "conf_file", "unit_file", "run_dir", "versions_dir"):
         value = getattr(e, key)
         if value is not None and not PATH_RE.match(value):
             errs.append(f"etcd.{key} {value!r} must be an absolute path of plain characters")
@@ -513,7 +532,26 @@ def validate(
         errs.append("daemon.lock_ttl must be >= 5 seconds")
     if not PATH_RE.match(d.state_dir):
         errs.append(f"daemon.state_dir {d.state_dir!r} must be an absolute path of plain characters")
+    if d.metrics_address is not None and not _loopback_address_ok(d.metrics_address):
+        errs.append(f"daemon.metrics_address {d.metrics_address!r} must be host:port (e.g. 127.0.0.1:9479)")
+    mt = cfg.maintenance
+    if not 0 < mt.defrag_threshold_percent < 100:
+        errs.append("maintenance.defrag_threshold_percent must be between 0 and 100 (exclusive)")
+    if mt.defrag_min_db_bytes < 0:
+        errs.append("maintenance.defrag_min_db_bytes must be >= 0")
+    if mt.defrag_timeout <= 0:
+        errs.append("maintenance.defrag_timeout must be > 0 seconds")
     return errs
+
+
+def _loopback_address_ok(addr: str) -> bool:
+    """``host:port`` or ``[v6]:port`` with a valid host and a TCP port."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return bool(host) and valid_host(host)
 
 
 def _validate_remote(r: RemoteSection) -> List[str]:

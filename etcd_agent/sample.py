@@ -49,6 +49,7 @@ host = "10.0.0.13"
 # client_port = 2379
 # peer_port = 2380
 # start_timeout = 60.0
+# versions_dir = "/opt/etcd"          # releases side by side: <versions_dir>/<version>/{etcd,etcdctl,etcdutl}
 
 [tls]
 # Client TLS (https client URLs, --client-cert-auth) and peer TLS. Set all three of a kind.
@@ -109,4 +110,12 @@ host = "10.0.0.13"
 # interval = 10.0                     # seconds between two convergence cycles
 # lock_ttl = 60                       # lease of the cluster-wide membership lock
 # state_dir = "/var/lib/etcd-agent"   # remembers that this host has run a member
+# metrics_address = "127.0.0.1:9479"  # Prometheus endpoint of the daemon; loopback: it has no auth
+
+[maintenance]
+# defrag_threshold_percent = 50.0     # defragment a member when more of its db is free space
+# defrag_min_db_bytes = 16777216      # ... and its db is at least this big
+# defrag_timeout = 600.0
+# auto_defrag = false                 # the daemon defragments its member by itself
+# auto_disarm_nospace = false         # the daemon clears a NOSPACE alarm by itself
 """

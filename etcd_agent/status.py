@@ -87,6 +87,10 @@ def cluster_status(cfg: Config, timeout: float = 2.0) -> List[MemberStatus]:
                 if r.name and not r.reachable and set(m.peer_urls) & {cfg.member(r.name).peer_url}:
                     r.id = m.hex_id
                     r.errors.append("added to the cluster but never started")
+    if members:  # duplicates, name mismatches, drifted etcd.conf (see drift.py)
+        from .drift import flag_rows
+
+        flag_rows(cfg, rows, members)
     return rows
 
 

@@ -162,7 +162,11 @@ def _take(
                         }
                         for x in members
                     ],
-                    "revision": revision if revision is not None else (status or {}).get("revision", st.revision),
+                    # as `snapshot status` counts it: the newest revision in the key bucket, 0
+                    # when the snapshot holds no key (a fresh or fully compacted-away keyspace)
+                    "revision": revision if revision is not None else (status or {}).get("revision", 0),
+                    # the member's store revision when the snapshot began (header of Status)
+                    "store_revision": st.revision,
                     "etcd_version": st.version,
                     "agent_version": __version__,
                     "db_size": st.db_size,

@@ -28,6 +28,9 @@ COMMAND_MODULES: List[str] = [
     "status",
     "run",
     "backup",
+    "member",
+    "upgrade",
+    "maintenance",
 ]
 
 

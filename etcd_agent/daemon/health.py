@@ -47,6 +47,7 @@ class Observation:
     self_started: bool  # ... and that member has run (it has a name)
     failures: int  # consecutive restarts by this daemon that did not bring etcd back
     ever_bootstrapped: bool  # this host ran a member of this cluster before (state file)
+    left: bool = False  # `etcd-agent leave` took this member out on purpose
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ def decide(o: Observation) -> Decision:
         return Decision(RESTART, f"etcd is {o.unit_state} with its data in place; restarting it")
 
     # no data from here on
+    if o.left:
+        return Decision(
+            WAIT, "this member left the cluster on purpose (`etcd-agent leave`); `etcd-agent join` brings it back"
+        )
     if o.cluster_reachable:
         if not has_quorum(o.voters, o.healthy_voters - (1 if o.local_healthy else 0)):
             return Decision(

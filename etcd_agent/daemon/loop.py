@@ -18,15 +18,19 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..config import Config, Member, load, local_member, with_local
-from ..errors import AgentError, ConfigError, EtcdError, RefusedError
+from ..errors import AgentError, BusyError, ConfigError, EtcdError, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..hosts.local import machine_identity, write_atomic
 from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
 from ..member.quorum import can_add, can_remove
-from ..topology import join_bootstrap, static_bootstrap
+from ..topology import EXISTING, join_bootstrap, parse_conf, static_bootstrap
 from . import health
 
 log = logging.getLogger(__name__)
+
+# automatic defrag / NOSPACE handling runs at most this often, one agent of the cluster at a time
+MAINTENANCE_EVERY = 60.0
+MAINTENANCE_LOCK = "/etcd-agent/locks/maintenance"
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Daemon:
         self._wake = threading.Event()
         self.failures = 0
         self._last_action = health.NONE
+        self._last_maintenance = -MAINTENANCE_EVERY
         self._apply(cfg or load(config_path))
 
     # ------------------------------------------------------------ config
@@ -149,6 +154,7 @@ class Daemon:
             self_started=bool(self_info and self_info.started),
             failures=self.failures,
             ever_bootstrapped=self.ever_bootstrapped(),
+            left=lm.has_left(),
         )
 
     def _others(self) -> List[str]:
@@ -208,9 +214,34 @@ class Daemon:
             boot = static_bootstrap(cfg, me)
         else:
             members = self._member_list(False) or []
-            boot = join_bootstrap(cfg, me, [(m.name, m.peer_urls[0]) for m in members if m.peer_urls])
+            boot = join_bootstrap(cfg, me, [(m.name, m.peer_urls[0]) for m in members if m.peer_urls and m.name])
         self.local.render(boot)
         return f"rendered {cfg.conf_file(me.name)} (etcd reads its data dir; the initial-cluster flags no longer matter)"
+
+    def settle_conf(self) -> Optional[str]:
+        """Once the member runs healthy, rewrite a state=new conf as state=existing.
+
+        A conf that still says state=new is a trap after bootstrap: if the data dir is lost and
+        systemd's Restart= (or a boot with the data disk unmounted) starts etcd before this
+        daemon notices, a seed creates a second one-member cluster and a static member a fresh
+        raft log under the old member id. With state=existing such an etcd refuses to start
+        ("already bootstrapped"), and the next cycle replaces the member. etcd ignores the
+        initial-cluster flags while its data dir exists, so the rewrite needs no restart.
+        """
+        path = self.cfg.conf_file(self.me.name)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                state = parse_conf(fh.read()).get("ETCD_INITIAL_CLUSTER_STATE")
+        except OSError:
+            return None
+        if state == EXISTING or not self.local.has_data():
+            return None
+        members = self._member_list(True)
+        if not members or find_member(members, self.me) is None:
+            return None
+        pairs = [(m.name, m.peer_urls[0]) for m in members if m.peer_urls and m.name]
+        self.local.render(join_bootstrap(self.cfg, self.me, pairs))
+        return f"{path} switched to state=existing (a restart on an empty data dir must not bootstrap anew)"
 
     def _membership_change(self, obs: health.Observation, action: str) -> str:
         lm, me = self.local, self.me
@@ -253,6 +284,15 @@ class Daemon:
             outcome = self.act(obs, d)
         except AgentError as exc:
             outcome = f"failed: {exc.message}"
+        if d.action == health.NONE and obs.local_healthy:
+            try:
+                settled = self.settle_conf()
+            except AgentError as exc:
+                settled = f"switching etcd.conf to state=existing failed: {exc.message}"
+            if settled:
+                log.info("member %s: %s", obs.member, settled)
+        if d.action == health.NONE and obs.local_healthy:
+            self.maintain()
         self._last_action = d.action
         report = CycleReport(obs, d, outcome)
         level = logging.DEBUG if d.action == health.NONE else logging.INFO
@@ -261,9 +301,49 @@ class Daemon:
         log.log(level, "%s", report.sentence())
         return report
 
+    def maintain(self, now: Optional[float] = None) -> Optional[str]:
+        """``[maintenance] auto_disarm_nospace`` / ``auto_defrag``: at most once per
+        MAINTENANCE_EVERY seconds, under the cluster-wide maintenance lock, so one agent of the
+        cluster does it at a time (defragmenting blocks the member it runs on)."""
+        mt = self.cfg.maintenance
+        if not (mt.auto_defrag or mt.auto_disarm_nospace):
+            return None
+        now = time.monotonic() if now is None else now
+        if now - self._last_maintenance < MAINTENANCE_EVERY:
+            return None
+        self._last_maintenance = now
+        from .. import maintenance
+
+        done: List[str] = []
+        try:
+            with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
+                alarms = [a for a in maintenance.list_alarms(self.cfg, c) if a["alarm"] == "NOSPACE"]
+                wanted = bool(alarms) and mt.auto_disarm_nospace
+                if not wanted and mt.auto_defrag:
+                    wanted = any(it.defrag for it in maintenance.defrag(self.cfg, c, dry_run=True))
+                if not wanted:
+                    return None
+                with c.locked(MAINTENANCE_LOCK, ttl=max(self.cfg.daemon.lock_ttl, int(mt.defrag_timeout)), timeout=1):
+                    if alarms and mt.auto_disarm_nospace:
+                        done += maintenance.clear_nospace(self.cfg, c).actions
+                    elif mt.auto_defrag:
+                        done += [f"defragmented {i.name}: {i.db_size} -> {i.size_after} bytes"
+                                 for i in maintenance.defrag(self.cfg, c) if i.defrag]
+        except BusyError:
+            return None  # another agent is doing it
+        except AgentError as exc:
+            log.warning("member %s: automatic maintenance failed: %s", self.me.name, exc.message)
+            return f"failed: {exc.message}"
+        if done:
+            log.info("member %s: automatic maintenance: %s", self.me.name, "; ".join(done))
+        return "; ".join(done) or None
+
     def run(self) -> None:
         log.info("etcd-agent daemon for member %s (%s backend, every %.0fs)", self.me.name,
                  self.local.backend.kind, self.cfg.daemon.interval)
+        from . import metrics  # Prometheus endpoint on [daemon] metrics_address; no-op when unset
+
+        metrics.start(self)
         while not self._stop:
             if self._reload:
                 self._reload = False

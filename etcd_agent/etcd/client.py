@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 from urllib.parse import urlsplit
 
 from ..errors import (
+    BusyError,
     EtcdError,
     EtcdMemberNotFound,
     EtcdPeerExists,
@@ -280,6 +281,37 @@ class EtcdClient:
     def defragment(self, endpoint: str, timeout: float = 600.0) -> None:
         self._call(endpoint, "/etcdserverpb.Maintenance/Defragment", b"", timeout)
 
+    def move_leader(self, leader_endpoint: str, target_id: int, timeout: Optional[float] = None) -> None:
+        """Hand leadership to ``target_id`` (MoveLeaderRequest{targetID=1}); must go to the leader."""
+        self._call(leader_endpoint, "/etcdserverpb.Maintenance/MoveLeader", wire.encode_field(1, target_id), timeout)
+        log.info("leadership moved to %x", target_id)
+
+    def alarms(self, endpoint: Optional[str] = None) -> List[Tuple[int, str]]:
+        """Active alarms as (member id, "NOSPACE" | "CORRUPT" | ...) (AlarmRequest{action=GET})."""
+        method = "/etcdserverpb.Maintenance/Alarm"
+        req = wire.encode_field(1, ALARM_GET)
+        raw = self._call(endpoint, method, req) if endpoint else self._call_any(method, req)
+        out = []
+        for am in wire.fields(raw).get(2, []):
+            if isinstance(am, bytes):
+                f = wire.fields(am)
+                kind = wire.get_int(f, 2)
+                out.append((wire.get_int(f, 1), ALARM_NAMES.get(kind, str(kind))))
+        return out
+
+    def disarm(self, member_id: int, alarm: str) -> None:
+        """Deactivate one alarm (AlarmRequest{action=DEACTIVATE, memberID, alarm})."""
+        code = {v: k for k, v in ALARM_NAMES.items()}[alarm]
+        req = wire.encode_field(1, ALARM_DEACTIVATE) + wire.encode_field(2, member_id) + wire.encode_field(3, code)
+        self._call_any("/etcdserverpb.Maintenance/Alarm", req)
+        log.info("disarmed %s alarm of member %x", alarm, member_id)
+
+    def compact(self, revision: int, *, physical: bool = True, timeout: Optional[float] = None) -> None:
+        """Compact the keyspace up to ``revision`` (CompactionRequest{revision=1, physical=2})."""
+        req = wire.encode_field(1, revision) + (wire.encode_field(2, 1) if physical else b"")
+        self._call_any("/etcdserverpb.KV/Compact", req, timeout)
+        log.info("compacted to revision %d", revision)
+
     # ------------------------------------------------------------ kv and locks
 
     def _kv_client(self) -> Any:
@@ -325,7 +357,8 @@ class EtcdClient:
 
     @contextlib.contextmanager
     def locked(self, name: str, ttl: int, timeout: Optional[float] = None) -> Iterator[None]:
-        """Hold etcd lock ``name`` (lease ``ttl`` seconds) around the body; EtcdError if not acquired."""
+        """Hold etcd lock ``name`` (lease ``ttl`` seconds) around the body; BusyError when another
+        holder keeps it past ``timeout``, EtcdError when etcd cannot be asked."""
         lock = self._kv(f"lock {name}", "lock", name, ttl)
         acquired = False
         for attempt in range(len(self.endpoints)):
@@ -337,7 +370,7 @@ class EtcdClient:
                 if not isinstance(err, EtcdUnavailable) or attempt == len(self.endpoints) - 1:
                     raise err from None
         if not acquired:
-            raise EtcdError(f"lock {name} is held by another agent")
+            raise BusyError(f"lock {name} is held by another agent (waited {timeout}s)")
         try:
             yield
         finally:
@@ -363,6 +396,11 @@ class EtcdClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# AlarmRequest.AlarmAction and AlarmType of etcd's rpc.proto
+ALARM_GET, ALARM_ACTIVATE, ALARM_DEACTIVATE = 0, 1, 2
+ALARM_NAMES = {0: "NONE", 1: "NOSPACE", 2: "CORRUPT"}
 
 
 def prefix_end(prefix: bytes) -> bytes:

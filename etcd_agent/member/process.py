@@ -163,14 +163,14 @@ class ProcessBackend:
                 if self._child is not None and self._child.pid == proc.pid:
                     self._child.wait(timeout)
                 else:
-                    proc.wait(timeout)
+                    _wait_gone(proc, timeout)
             except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
                 log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", self.member, proc.pid, timeout)
                 proc.kill()
                 if self._child is not None and self._child.pid == proc.pid:
                     self._child.wait(5)
                 else:
-                    proc.wait(5)
+                    _wait_gone(proc, 5)
         except psutil.NoSuchProcess:
             pass
         self._child = None
@@ -197,6 +197,23 @@ class ProcessBackend:
     def describe(self) -> str:
         pid = self.pid()
         return f"running (pid {pid})" if pid else "stopped"
+
+
+def _wait_gone(proc, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    """Wait for a process that is not our child to exit. Its parent (a daemon or demo that started
+    it) may reap it only later: a zombie has exited, so it counts as gone (psutil's wait would
+    time out on it)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise psutil.TimeoutExpired(timeout, proc.pid)
 
 
 def _write_if_changed(path: str, text: str, mode: int) -> bool:

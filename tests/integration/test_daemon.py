@@ -133,3 +133,26 @@ def test_decide_never_bootstraps_twice():
                            healthy_voters=0, self_listed=False, self_started=False, failures=0,
                            ever_bootstrapped=True)
     assert health.decide(o).action == health.WAIT
+
+
+def test_daemon_respects_leave_until_join(daemons):
+    """`leave` with the daemon still running: the daemon must not bring the member back by
+    itself; `join` hands it back to the daemon."""
+    d = daemons("static")
+    cfg = d.c.cfg
+    for m in ("m1", "m2", "m3"):
+        d.start(m)
+    wait_healthy(cfg, 3, 90)
+    base = [sys.executable, "-m", "etcd_agent.cli.main", "-c", d.c.config_path]
+    res = subprocess.run(base + ["leave", "--member", "m3", "--yes"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    time.sleep(5)  # five daemon cycles
+    with EtcdClient.from_config(cfg) as c:
+        assert sorted(m.name for m in c.members()) == ["m1", "m2"]
+    assert "left the cluster on purpose" in d.log("m3")
+    res = subprocess.run(base + ["join", "--member", "m3"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    wait_healthy(cfg, 3, 60)
+    time.sleep(3)  # and the daemon keeps it (no fight over the member it now sees running)
+    with EtcdClient.from_config(cfg) as c:
+        assert sorted(m.name for m in c.members()) == ["m1", "m2", "m3"]

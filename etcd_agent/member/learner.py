@@ -1,0 +1,74 @@
+"""Learner joins: add a new member as a non-voting learner, promote it once it has caught up.
+
+A learner receives the log but does not count toward quorum, so a slow catch-up (a big db over
+a thin link) never leaves the cluster with an even, fragile voter count. etcd refuses the
+promotion ("can only promote a learner member which is in sync with leader") until the learner is
+close enough to the leader; the agent retries that refusal, and only that, within a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ..config import Config
+from ..errors import EtcdError, EtcdMemberNotFound, EtcdUnavailable, OperationFailed
+from ..etcd.client import EtcdClient, MemberInfo
+from .local import LocalMember, find_member
+
+log = logging.getLogger(__name__)
+
+_NOT_READY = ("in sync with leader", "not ready", "learner member which is in sync")
+
+
+def _find(cfg: Config, client: EtcdClient, name: str) -> MemberInfo:
+    members = client.members()
+    try:
+        hit = find_member(members, cfg.member(name))
+    except Exception:  # not in the config: by name or hex id as etcd lists it
+        hit = next((m for m in members if m.name == name or m.hex_id == name.lower()), None)
+    if hit is None:
+        raise EtcdMemberNotFound(f"no member {name!r} in etcd's member list")
+    return hit
+
+
+def promote_when_ready(cfg: Config, client: EtcdClient, name: str, timeout: float = 120.0) -> MemberInfo:
+    """Promote learner ``name``; retries etcd's "not in sync yet" refusal until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        info = _find(cfg, client, name)
+        if not info.is_learner:
+            return info
+        try:
+            client.promote_member(info.id)
+            return _find(cfg, client, name)
+        except EtcdUnavailable as exc:
+            last = exc.message
+        except EtcdError as exc:
+            if not any(s in exc.message.lower() for s in _NOT_READY):
+                raise
+            last = exc.message
+        if time.monotonic() >= deadline:
+            raise OperationFailed(f"learner {name} not promoted within {timeout:.0f}s: {last}")
+        log.info("learner %s not caught up yet (%s); retrying", name, last)
+        time.sleep(0.5)
+
+
+def join_as_learner(lm: LocalMember, client: EtcdClient, timeout: float = 120.0) -> MemberInfo:
+    """``member add --learner``, start this member, wait until it answers, promote it."""
+    info = lm.join(client, learner=True)
+    deadline = time.monotonic() + timeout
+    # a learner refuses linearizable reads: "started" means it answers status
+    while time.monotonic() < deadline:
+        try:
+            with EtcdClient.from_config(lm.cfg, [lm.member.client_url], timeout=2.0) as c:
+                c.status(lm.member.client_url, timeout=2.0)
+            break
+        except EtcdError:
+            if not lm.backend.is_active():
+                raise OperationFailed(f"{lm.member.name}: etcd exited while starting as a learner ({lm.backend.describe()})")
+            time.sleep(0.2)
+    promoted = promote_when_ready(lm.cfg, client, lm.member.name, timeout=max(1.0, deadline - time.monotonic()))
+    lm.wait_healthy(max(5.0, deadline - time.monotonic()))
+    log.info("%s joined as learner %s and was promoted", lm.member.name, info.hex_id)
+    return promoted

@@ -1,0 +1,96 @@
+"""Which etcd binary a member runs after a rolling upgrade: the version pin.
+
+Releases live side by side in ``<versions_dir>/<version>/{etcd,etcdctl,etcdutl}``. An upgrade
+does not edit the operator's agent.toml; it records per member ``<state_dir>/<member>.binary.json``
+(``{"version", "binary", "etcdctl", "etcdutl", "previous"}``). ``pinned_config`` applies it, so
+every later render of the unit (ExecStart=) and every start by the process backend or the daemon
+uses the upgraded binary, and a reboot never silently downgrades a member. A pin whose binary has
+gone missing is ignored with a warning (the configured binary is the fallback the operator set).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
+
+from ..config import Config, merged
+from ..hosts.local import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def pin_path(cfg: Config, member: str) -> str:
+    return os.path.join(cfg.daemon.state_dir, f"{member}.binary.json")
+
+
+def release_dir(cfg: Config, version: str) -> str:
+    return os.path.join(cfg.etcd.versions_dir, version)
+
+
+def release_tools(cfg: Config, version: str) -> Dict[str, Optional[str]]:
+    """``binary``/``etcdctl``/``etcdutl`` paths of one installed release (etcdutl only if present)."""
+    d = release_dir(cfg, version)
+    etcdutl = os.path.join(d, "etcdutl")
+    return {
+        "binary": os.path.join(d, "etcd"),
+        "etcdctl": os.path.join(d, "etcdctl"),
+        "etcdutl": etcdutl if os.path.exists(etcdutl) else None,
+    }
+
+
+def read_pin(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(pin_path(cfg, member), encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable version pin %s (%s): using the configured binary", member, pin_path(cfg, member), exc)
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("binary"), str):
+        log.warning("%s: malformed version pin %s: using the configured binary", member, pin_path(cfg, member))
+        return None
+    return rec
+
+
+def write_pin(cfg: Config, member: str, version: str, tools: Dict[str, Optional[str]], previous: str) -> None:
+    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    rec = {
+        "version": version,
+        "binary": tools["binary"],
+        "etcdctl": tools.get("etcdctl"),
+        "etcdutl": tools.get("etcdutl"),
+        "previous": previous,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_atomic(pin_path(cfg, member), (json.dumps(rec, indent=1) + "\n").encode(), mode=0o600)
+
+
+def restore_pin(cfg: Config, member: str, old: Optional[Dict[str, Any]]) -> None:
+    """Put back the pin as it was before a failed step (None: no pin, the configured binary)."""
+    if old is None:
+        try:
+            os.unlink(pin_path(cfg, member))
+        except FileNotFoundError:
+            pass
+        return
+    write_atomic(pin_path(cfg, member), (json.dumps(old, indent=1) + "\n").encode(), mode=0o600)
+
+
+def pinned_config(cfg: Config, member: str) -> Config:
+    """``cfg`` with the member's pinned binaries, or ``cfg`` itself when there is no usable pin."""
+    rec = read_pin(cfg, member)
+    if rec is None:
+        return cfg
+    binary = rec["binary"]
+    if not os.path.isfile(binary):
+        log.warning("%s: pinned etcd %s is missing: using the configured %s", member, binary, cfg.etcd.binary)
+        return cfg
+    repl: Dict[str, Any] = {"binary": binary}
+    for tool in ("etcdctl", "etcdutl"):
+        path = rec.get(tool)
+        if isinstance(path, str) and os.path.isfile(path):
+            repl[tool] = path
+    return merged(cfg, etcd=repl)
