@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY39   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3) $(shell command -v python3.9))
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-py39 venv deps-demo deps-test clean
+.PHONY: demo test test-py39 venv deps-demo deps-test clean rpm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-py39:
 	.venv39/bin/pip install -q -e '.[test]' && \
 	.venv39/bin/python -m pytest -q tests/unit; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-py39: no tests collected" >&2; exit 1; fi; exit $$rc
+
+# The RPM (self-contained venv under /opt/etcd-agent) into dist/; RPM_RELEASE=N bumps the release.
+# Build on a builder of the target release (EL9 -> Python 3.9): see packaging/build-rpm.sh.
+rpm:
+	packaging/build-rpm.sh
 
 clean:
 	rm -rf $(VENV) .venv39 build dist *.egg-info

@@ -31,6 +31,8 @@ COMMAND_MODULES: List[str] = [
     "member",
     "upgrade",
     "maintenance",
+    "restore",
+    "node",
 ]
 
 

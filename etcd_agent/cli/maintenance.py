@@ -19,6 +19,7 @@ def register(sub: Any) -> None:
     a = sub.add_parser("alarms", help="list etcd alarms; --disarm clears NOSPACE (compact, defrag, disarm)")
     a.add_argument("--disarm", action="store_true", help="clear a NOSPACE alarm")
     a.add_argument("--dry-run", action="store_true", help="with --disarm: print the steps only")
+    a.add_argument("--yes", action="store_true", help="with --disarm: do not ask (compaction drops old revisions)")
     a.set_defaults(func=cmd_alarms)
 
     r = sub.add_parser("repair", help="fix safe drift (never-started zombie members, drifted etcd.conf); explain the rest")
@@ -57,6 +58,14 @@ def cmd_alarms(args: argparse.Namespace, ctx: Context) -> Output:
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:
+        if args.disarm and not args.dry_run:
+            # compaction is destructive (history before the current revision is gone): show the plan, ask
+            plan = clear_nospace(cfg, client, dry_run=True)
+            if any(a["alarm"] == "NOSPACE" for a in plan.alarms):
+                for step in plan.actions:
+                    sys.stderr.write(f"  {step}\n")
+                if not ctx.confirm("compact, defragment and disarm as above?", args.yes):
+                    raise RefusedError("alarms --disarm not confirmed; nothing changed")
         rep = clear_nospace(cfg, client, dry_run=args.dry_run) if args.disarm else AlarmReport(list_alarms(cfg, client))
     lines = [f"{a['alarm']} on {a['member']} ({a['member_id']})" for a in rep.alarms] or ["no alarms"]
     lines += rep.actions

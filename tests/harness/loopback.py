@@ -31,13 +31,20 @@ def _free(port: int) -> bool:
             return False
 
 
+# Below the kernel's ephemeral range (32768-60999 by default): a port from that range, free when
+# it was picked, can be taken by any outgoing connection (a gRPC client, say) before etcd binds it
+# seconds later - seen as an etcd that "exited while starting" mid-test. Also clear of the demo's
+# fixed ports (2379/2380, 22379/22380, 32379/32380 ...).
+PORT_RANGE = (10000, 21998)
+
+
 def free_port_pairs(n: int) -> List[Tuple[int, int]]:
     """n (client, peer) port pairs, all free right now."""
     rng = random.Random()
     out: List[Tuple[int, int]] = []
     used = set()
     while len(out) < n:
-        c = rng.randrange(40000, 59990, 2)
+        c = rng.randrange(PORT_RANGE[0], PORT_RANGE[1], 2)
         if c in used or not (_free(c) and _free(c + 1)):
             continue
         used |= {c, c + 1}

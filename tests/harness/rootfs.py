@@ -33,6 +33,8 @@ SUITE = "bookworm"
 PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "iproute2", "etcd-server", "etcd-client",
     "openssh-server", "python3", "python3-venv", "ca-certificates", "cron", "tar",
+    # `rpm -ivh --nodeps` of the product RPM inside a host, scriptlets against its own systemd
+    "rpm",
 )
 # The agent's runtime dependencies, installed into a venv inside the tree; `wheel` lets
 # `pip install --no-build-isolation` build the project's own source offline in the container.

@@ -17,6 +17,7 @@ from typing import Dict, Iterator, List
 import pytest
 
 from etcd_agent.backup import archive, catalog
+from tests.harness.loopback import free_port_pairs
 from etcd_agent.backup.lock import OperationLock, lock_path_for
 from etcd_agent.backup.service import take_backup
 from etcd_agent.backup.verify import verify
@@ -30,18 +31,12 @@ pytestmark = pytest.mark.integration
 ETCD = "/usr/bin/etcd"
 ETCDCTL = "/usr/bin/etcdctl"
 if not os.path.exists(ETCD):  # pragma: no cover
-    pytest.skip("etcd not installed", allow_module_level=True)
+    pytest.fail("etcd is not installed (apt-get install etcd-server etcd-client)", pytrace=False)
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on (and that we could bind right now)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port != 2379 and port != 2380:
-            return port
-    raise RuntimeError("no free port")
+    """A loopback port nobody listens on, outside the kernel's ephemeral range (see loopback.py)."""
+    return free_port_pairs(1)[0][0]
 
 
 class Etcd:

@@ -111,7 +111,9 @@ def test_nospace_alarm_detected_and_cleared(cluster_factory):
     assert listed.returncode == 1 and "NOSPACE" in listed.stdout
     dry = cli(c, "alarms", "--disarm", "--dry-run")
     assert "would compact" in dry.stdout
-    res = cli(c, "--json", "alarms", "--disarm")
+    refused = cli(c, "alarms", "--disarm")  # no terminal to ask on, no --yes: refuse, touch nothing
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    res = cli(c, "--json", "alarms", "--disarm", "--yes")
     assert res.returncode == 0, res.stdout + res.stderr
     rep = json.loads(res.stdout)
     assert rep["cleared"] and rep["alarms"][0]["alarm"] == "NOSPACE"

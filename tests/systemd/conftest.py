@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List
 
 import pytest
 
 from tests.harness import rootfs
 from tests.harness.nspawn import NspawnBed
+from tests.harness.rpmbuild import BuiltRpm, build_rpm
 
 # Timings and sizes the tests measure, printed at the end of the run (also under -q).
 METRICS: Dict[str, str] = {}
@@ -59,6 +60,24 @@ def bed(base_tree: str) -> Iterator[NspawnBed]:
         b.down()
         if "down" in b.timings:
             METRICS["bed teardown"] = f"{b.timings['down']:.1f} s"
+
+
+@pytest.fixture(scope="session")
+def rpm_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], BuiltRpm]:
+    """build(release) -> the RPM of this checkout, built once per release and session."""
+    if shutil.which("rpmbuild") is None:
+        pytest.fail("rpmbuild missing (apt-get install -y rpm): the RPM tests cannot run")
+    dist = str(tmp_path_factory.mktemp("rpm-dist"))
+    built: Dict[str, BuiltRpm] = {}
+
+    def build(release: str = "1") -> BuiltRpm:
+        if release not in built:
+            rpm = built[release] = build_rpm(release, dist)
+            METRICS[f"rpm build (release {release})"] = (
+                f"{rpm.seconds:.1f} s, {rpm.size_bytes / 1e6:.1f} MB, Python {rpm.python}")
+        return built[release]
+
+    return build
 
 
 def pytest_terminal_summary(terminalreporter: "pytest.TerminalReporter") -> None:

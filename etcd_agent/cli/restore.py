@@ -1,0 +1,88 @@
+"""`etcd-agent restore --from NAME|PATH|DATE|latest [--dry-run] [--yes] [--new-token T] [--new-cluster]`,
+`restore rollback` and `restore cleanup [--dry-run] [--keep N]`.
+
+Progress goes to stderr as it happens; the plan (dry run) or the outcome goes to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, List
+
+from ..errors import EXIT_REFUSED, UsageError
+from .main import Context, Output
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("restore", help="restore the whole cluster from a backup (all hosts, all or nothing)")
+    p.add_argument("--from", dest="spec", metavar="BACKUP", help="a path, a file name in the backup dir, a date like 2019-08-07, or latest")
+    p.add_argument("--dry-run", action="store_true", help="print the plan per host and run the pre-checks; change nothing")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--new-token", metavar="TOKEN", help="initial cluster token of the restored cluster (default: a new one)")
+    p.add_argument(
+        "--new-cluster", action="store_true",
+        help="seed the cluster of this config from the backup even though the backup is of another cluster "
+             "(other members, addresses or cluster id)",
+    )
+    p.set_defaults(func=cmd_restore)
+    rsub = p.add_subparsers(dest="restore_command", metavar="SUBCOMMAND")
+    pc = rsub.add_parser("cleanup", help="list / remove set-aside data dirs (<data dir>.pre-restore-*), keeping the newest")
+    pc.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    pc.add_argument("--keep", type=int, default=1, metavar="N", help="set-aside dirs to keep per member (default 1)")
+    pc.set_defaults(func=cmd_cleanup)
+    pr = rsub.add_parser("rollback", help="roll back an unfinished (crashed) restore journaled on the hosts")
+    pr.set_defaults(func=cmd_rollback)
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} restore: {line}\n")
+    sys.stderr.flush()
+
+
+def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..restore.orchestrate import Options, restore
+    from ..restore.plan import render_plan
+
+    if not args.spec:
+        raise UsageError("restore needs --from BACKUP (a path, a file name, a date like 2019-08-07, or latest)")
+
+    def confirm(text: str) -> bool:
+        sys.stderr.write(text)
+        return ctx.confirm("Restore the whole cluster as planned above?", args.yes)
+
+    opts = Options(
+        spec=args.spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
+        confirm=None if args.yes else confirm, progress=_progress,
+    )
+    out = restore(ctx.config(), opts)
+    text = render_plan(out.plan)
+    if args.dry_run:
+        return Output(out.to_json(), text + ("dry run: nothing changed\n" if out.plan.ok else "dry run: pre-checks FAILED\n"),
+                      exit_code=0 if out.plan.ok else EXIT_REFUSED)
+    return Output(out.to_json(), f"restored from {out.plan.backup} in {out.duration:.1f}s (op {out.plan.op})")
+
+
+def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..restore.orchestrate import cleanup
+
+    if args.keep < 0:
+        raise UsageError("--keep must be >= 0")
+    rows = cleanup(ctx.config(), args.keep, args.dry_run)
+    lines: List[str] = []
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['member']}: ERROR {r['error']}")
+        for d in r["decisions"]:
+            verb = "keep" if d["keep"] else ("would remove" if args.dry_run else "removed")
+            lines.append(f"{r['member']}: {verb:<12} {d['path']}  ({d['reason']})")
+        if not r["decisions"] and not r.get("error"):
+            lines.append(f"{r['member']}: no set-aside data dirs")
+    return Output({"members": rows, "dry_run": args.dry_run}, "\n".join(lines), exit_code=1 if any(r.get("error") for r in rows) else 0)
+
+
+def cmd_rollback(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..restore.orchestrate import rollback_open
+
+    res = rollback_open(ctx.config(), _progress)
+    return Output(res, res.get("note") or "rolled back: " + ", ".join(res.get("rolled_back", {})))

@@ -1,0 +1,495 @@
+"""Pure restore logic: the plan per host, the pre-check rules, journal resume, conf rewriting.
+
+No I/O here. ``node precheck`` on each host reports ``NodeFacts``; the rules below turn facts,
+the config and the archive's manifest into a list of problems (empty: go) and into the plan the
+operator sees (every step, the exact ``snapshot restore`` argv).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..config import NAME_RE, Config, Member
+from ..etcd.tools import snapshot_restore_argv
+from ..topology import NEW, Bootstrap, conf_vars, initial_cluster, member_pairs
+
+# Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
+NODE_PROTOCOL = 1
+# What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.
+BUMP_REVISION = 1_000_000_000
+# The journaled steps of one member, in order. Orchestrated in phases (see orchestrate.py).
+STEPS: Tuple[str, ...] = (
+    "begin", "fence", "stop", "aside", "receive", "restore", "chown", "repair", "start", "unfence", "finish",
+)
+FINAL_STATES = ("done", "rolled-back")
+# ETCD_* keys that carry a member's identity or the cluster it believes in: rewritten on repair.
+REWRITE_KEYS = (
+    "ETCD_NAME",
+    "ETCD_DATA_DIR",
+    "ETCD_LISTEN_PEER_URLS",
+    "ETCD_LISTEN_CLIENT_URLS",
+    "ETCD_INITIAL_ADVERTISE_PEER_URLS",
+    "ETCD_ADVERTISE_CLIENT_URLS",
+    "ETCD_INITIAL_CLUSTER",
+    "ETCD_INITIAL_CLUSTER_STATE",
+    "ETCD_INITIAL_CLUSTER_TOKEN",
+)
+ASIDE_TAGS = ("pre-restore", "failed-restore")
+ASIDE_RE = re.compile(r"^(?P<base>.+)\.(?P<tag>pre-restore|failed-restore)-(?P<stamp>\d{8}T\d{6}Z)(?:\.(?P<n>\d+))?$")
+
+
+# ---------------------------------------------------------------- facts from `node precheck`
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one host reported about itself for one member."""
+
+    member: str
+    protocol: int
+    agent_version: str
+    etcd_version: Optional[str]
+    etcdctl_version: Optional[str]
+    etcdutl_version: Optional[str]
+    free_bytes: int
+    data_dir: str
+    data_dir_state: str  # absent | empty | member | other
+    work_dir: str
+    conf_file: str
+    conf_present: bool
+    unit_present: Optional[bool]  # None: the process backend has no unit
+    backend: str
+    running: bool
+    fence_ok: bool
+    fence_detail: str
+    identity_match: bool
+    tls_missing: Tuple[str, ...] = ()
+    journal: Optional[Dict[str, Any]] = None
+    peer_url: str = ""
+    client_url: str = ""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "NodeFacts":
+        return cls(
+            member=str(d["member"]),
+            protocol=int(d["protocol"]),
+            agent_version=str(d.get("agent_version", "?")),
+            etcd_version=d.get("etcd_version"),
+            etcdctl_version=d.get("etcdctl_version"),
+            etcdutl_version=d.get("etcdutl_version"),
+            free_bytes=int(d.get("free_bytes", 0)),
+            data_dir=str(d["data_dir"]),
+            data_dir_state=str(d.get("data_dir_state", "absent")),
+            work_dir=str(d["work_dir"]),
+            conf_file=str(d.get("conf_file", "")),
+            conf_present=bool(d.get("conf_present")),
+            unit_present=d.get("unit_present"),
+            backend=str(d.get("backend", "?")),
+            running=bool(d.get("running")),
+            fence_ok=bool(d.get("fence_ok")),
+            fence_detail=str(d.get("fence_detail", "")),
+            identity_match=bool(d.get("identity_match")),
+            tls_missing=tuple(d.get("tls_missing") or ()),
+            journal=d.get("journal"),
+            peer_url=str(d.get("peer_url", "")),
+            client_url=str(d.get("client_url", "")),
+        )
+
+
+def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    """``"3.4.23"`` -> (3, 4, 23); None when unreadable."""
+    if not text:
+        return None
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def can_bump(facts_or_version: Optional[str]) -> bool:
+    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5+ (etcdctl 3.4 has neither)."""
+    v = parse_version(facts_or_version)
+    return v is not None and v[:2] >= (3, 5)
+
+
+def work_dir_for(data_dir: str, member: str) -> str:
+    """Where one member's restore keeps its journal and shipped files: beside the data dir, so the
+    restored db lands on the same filesystem (the final step is a rename)."""
+    base = data_dir.rstrip("/")
+    parent = base.rsplit("/", 1)[0] or "/"
+    return f"{parent.rstrip('/')}/.etcd-agent-restore-{member}"
+
+
+# ---------------------------------------------------------------- pre-check rules
+
+
+def required_free(snapshot_size: int) -> int:
+    """Bytes needed beside the data dir: the shipped snapshot plus the restored db (about the
+    snapshot's size again), plus 10% and 64 MiB for the WAL. The old data dir is renamed, not
+    copied, so it costs nothing."""
+    return int(snapshot_size * 2 * 1.1) + 64 * 1024 * 1024
+
+
+# Written into the restored cluster: the ids of the clusters its data came from. A restore makes a
+# new cluster id; this is how the next in-place restore knows older backups are still this cluster's.
+LINEAGE_KEY = "/etcd-agent/restore/lineage"
+
+
+def check_manifest(
+    cfg: Config,
+    manifest: Mapping[str, Any],
+    current_cluster_id: Optional[str],
+    new_cluster: bool,
+    lineage: Sequence[str] = (),
+) -> List[str]:
+    """Problems of the archive against the config: foreign cluster, members the config lacks."""
+    problems: List[str] = []
+    if new_cluster:
+        return problems  # the operator seeds a different cluster from this data, on purpose
+    arch = [m for m in (manifest.get("members") or []) if isinstance(m, dict)]
+    by_name = {m.name: m for m in cfg.members}
+    by_peer = {m.peer_url: m for m in cfg.members}
+    for am in arch:
+        name = str(am.get("name") or "")
+        peers = [str(u) for u in (am.get("peer_urls") or [])]
+        known = by_name.get(name) or next((by_peer[u] for u in peers if u in by_peer), None)
+        if known is None:
+            problems.append(
+                f"archive member {name or '(unstarted)'} ({', '.join(peers) or 'no peer URL'}) is not in the config: "
+                "this backup is from another cluster layout (use --new-cluster to seed a new cluster from it)"
+            )
+        elif peers and known.peer_url not in peers:
+            problems.append(
+                f"archive member {name} has peer URL {', '.join(peers)}, the config says {known.peer_url} "
+                "(use --new-cluster to restore into a cluster with other addresses)"
+            )
+    arch_names = {str(am.get("name") or "") for am in arch}
+    missing = [m.name for m in cfg.members if m.name not in arch_names]
+    if arch and missing:
+        problems.append(
+            f"config member(s) {', '.join(missing)} were not in the backed-up cluster "
+            "(use --new-cluster to seed a cluster of this config's members)"
+        )
+    arch_id = str((manifest.get("cluster") or {}).get("id") or "")
+    ancestors = {x.lower() for x in lineage}
+    if (current_cluster_id is not None and arch_id and arch_id.lower() != current_cluster_id.lower()
+            and arch_id.lower() not in ancestors):
+        problems.append(
+            f"foreign cluster: the archive is from cluster id {arch_id}, the running cluster's id is "
+            f"{current_cluster_id} (use --new-cluster to replace it with the archive's data anyway)"
+        )
+    return problems
+
+
+def check_host(
+    cfg: Config,
+    member: Member,
+    facts: NodeFacts,
+    *,
+    snapshot_size: int,
+    snapshot_version: Optional[str],
+    agent_version: str,
+    resuming: bool,
+) -> List[str]:
+    """Everything that must hold on one host before anything is touched there."""
+    p: List[str] = []
+    if facts.protocol != NODE_PROTOCOL:
+        p.append(f"agent {facts.agent_version} speaks node protocol {facts.protocol}, this one {NODE_PROTOCOL} ({agent_version}): upgrade the agents")
+    if facts.data_dir != cfg.data_dir(member.name):
+        p.append(f"the host's config puts the data dir at {facts.data_dir}, this config at {cfg.data_dir(member.name)}: configs differ")
+    if facts.peer_url and facts.peer_url != member.peer_url:
+        p.append(f"the host's config gives {member.name} peer URL {facts.peer_url}, this config {member.peer_url}: configs differ")
+    if facts.client_url and facts.client_url != member.client_url:
+        p.append(f"the host's config gives {member.name} client URL {facts.client_url}, this config {member.client_url}: configs differ")
+    if not facts.identity_match:
+        p.append(f"host {member.host} of member {member.name} is not this machine's address or name (wrong ssh_host?)")
+    tool = facts.etcdutl_version or facts.etcdctl_version
+    if tool is None:
+        p.append("neither etcdutl nor etcdctl runs on this host")
+    if facts.etcd_version is None:
+        p.append("etcd does not run on this host (etcd --version failed)")
+    want = parse_version(snapshot_version)
+    for label, have in (("snapshot tool", tool), ("etcd", facts.etcd_version)):
+        hv = parse_version(have)
+        if want is not None and hv is not None and hv[:2] < want[:2]:
+            p.append(f"{label} {have} is older than the snapshot's etcd {snapshot_version}: it cannot restore/run it")
+    need = required_free(snapshot_size)
+    if facts.free_bytes < need and not resuming:
+        p.append(f"{facts.free_bytes} bytes free beside {facts.data_dir}, the restore needs {need}")
+    if facts.data_dir_state == "other" and not resuming:
+        p.append(f"{facts.data_dir} exists but is not a directory")
+    if not facts.fence_ok:
+        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
+    for f in facts.tls_missing:
+        p.append(f"TLS file {f} is missing")
+    j = facts.journal
+    if j is not None and j.get("state") not in FINAL_STATES and not resuming:
+        p.append(f"an unfinished restore {j.get('op')} (from {j.get('backup')}) is journaled in {facts.work_dir}")
+    return p
+
+
+def resume_decision(journals: Mapping[str, Optional[Mapping[str, Any]]], sha256: str) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+    """Given each member's journal (None: none), whether this run resumes an earlier one.
+
+    Returns (the journal to resume - op, token, ... - or None for a fresh restore, problems). An
+    unfinished restore of *another* backup, or two different unfinished ones, must be settled
+    first: resuming it with different data would mix clusters.
+    """
+    open_ = {m: j for m, j in journals.items() if j is not None and j.get("state") not in FINAL_STATES}
+    if not open_:
+        return None, []
+    ops = {str(j.get("op")) for j in open_.values()}
+    if len(ops) > 1:
+        return None, [f"members are journaled in different unfinished restores ({', '.join(sorted(ops))}): "
+                      "roll them back with `etcd-agent restore rollback` first"]
+    first = next(iter(open_.values()))
+    if first.get("sha256") != sha256:
+        return None, [f"an unfinished restore {first.get('op')} from {first.get('backup')} is journaled; re-run "
+                      f"`restore --from {first.get('backup')}` to resume it, or `etcd-agent restore rollback`"]
+    return dict(first), []
+
+
+def pending_steps(journal: Optional[Mapping[str, Any]]) -> List[str]:
+    """The steps a member still has to do (all of them without a journal)."""
+    done = set((journal or {}).get("steps", {}).keys())
+    return [s for s in STEPS if s not in done]
+
+
+def default_token(cluster_name: str, stamp: str) -> str:
+    """A new cluster token per restore: members of the old cluster can never talk to the new one."""
+    return f"{cluster_name}-restore-{stamp}"[:63]
+
+
+def token_problem(token: str) -> Optional[str]:
+    if not NAME_RE.match(token):
+        return f"--new-token {token!r} is not a safe token (letters, digits, _ . -; max 63)"
+    return None
+
+
+# ---------------------------------------------------------------- conf rewriting
+
+
+def rewrite_conf(text: str, values: Mapping[str, str]) -> str:
+    """``text`` (an EnvironmentFile) with the given keys set to ``values``; other lines (tuning,
+    comments) kept as they are; keys not present are appended."""
+    out: List[str] = []
+    done = set()
+    for raw in text.splitlines():
+        line = raw.strip()
+        key = line.split("=", 1)[0].strip() if "=" in line and not line.startswith(("#", ";")) else ""
+        if key.startswith("export "):
+            key = key[len("export "):].strip()
+        if key in values:
+            if key not in done:
+                out.append(f"{key}={values[key]}")
+                done.add(key)
+            continue  # a duplicate assignment would override ours: drop it
+        out.append(raw)
+    missing = [k for k in values if k not in done]
+    if missing:
+        out.append("# set by etcd-agent restore")
+        out += [f"{k}={values[k]}" for k in missing]
+    return "\n".join(out) + "\n"
+
+
+def restore_conf_values(cfg: Config, member: Member, ic: str, token: str) -> Dict[str, str]:
+    """The ETCD_* identity values of ``member`` in the restored cluster (plus TLS files)."""
+    v = conf_vars(cfg, member, Bootstrap(member.name, NEW, ic, token))
+    return {k: val for k, val in v.items() if k in REWRITE_KEYS or k.endswith("_FILE") or k.endswith("_AUTH")}
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    text: str
+    argv: Optional[Tuple[str, ...]] = None
+
+
+@dataclass
+class HostPlan:
+    member: str
+    host: str  # "local" or the ssh address
+    steps: List[Step] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    op: str
+    backup: str
+    token: str
+    initial_cluster: str
+    revision: Optional[int]
+    bump: bool
+    bump_note: str
+    new_cluster: bool
+    resuming: bool
+    hosts: List[HostPlan] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)  # cluster-wide
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not any(h.problems for h in self.hosts)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "op": self.op,
+            "backup": self.backup,
+            "token": self.token,
+            "initial_cluster": self.initial_cluster,
+            "revision": self.revision,
+            "bump_revision": self.bump,
+            "bump_note": self.bump_note,
+            "new_cluster": self.new_cluster,
+            "resuming": self.resuming,
+            "ok": self.ok,
+            "problems": self.problems,
+            "hosts": [
+                {
+                    "member": h.member,
+                    "host": h.host,
+                    "problems": h.problems,
+                    "steps": [{"step": s.name, "text": s.text, "argv": list(s.argv) if s.argv else None} for s in h.steps],
+                }
+                for h in self.hosts
+            ],
+        }
+
+
+def fence_owners(cfg: Config, host_of: Mapping[str, str]) -> Dict[str, bool]:
+    """One member per host fences the apiserver (a host may run several members: the demo)."""
+    seen: Dict[str, str] = {}
+    out: Dict[str, bool] = {}
+    for m in cfg.members:
+        h = host_of[m.name]
+        out[m.name] = h not in seen
+        seen.setdefault(h, m.name)
+    return out
+
+
+def build_plan(
+    cfg: Config,
+    *,
+    op: str,
+    backup: str,
+    manifest: Mapping[str, Any],
+    token: str,
+    host_of: Mapping[str, str],
+    facts: Mapping[str, NodeFacts],
+    new_cluster: bool,
+    resuming: bool,
+) -> Plan:
+    """The whole restore, per host, with every argument; problems filled in by the caller."""
+    ic = initial_cluster(member_pairs(cfg.members))
+    tool_versions = [f.etcdutl_version for f in facts.values()]
+    bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
+    if bump:
+        note = f"etcdutl 3.5+: revision bumped by {BUMP_REVISION} and marked compacted (apiserver watch caches stay valid)"
+    else:
+        note = ("revision NOT bumped: restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted; "
+                "restart every kube-apiserver after the restore so their watch caches start over")
+    plan = Plan(op, backup, token, ic, manifest.get("revision"), bump, note, new_cluster, resuming)
+    owners = fence_owners(cfg, host_of)
+    k = cfg.kubernetes
+    for m in cfg.members:
+        f = facts.get(m.name)
+        data_dir = cfg.data_dir(m.name)
+        wd = f.work_dir if f else work_dir_for(data_dir, m.name)
+        snap = f"{wd}/etcd_snapshot.db"
+        tmp = f"{data_dir.rstrip('/')}.restoring"
+        argv = snapshot_restore_argv(
+            cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
+            data_dir=tmp, bump_revision=BUMP_REVISION if bump else None,
+        )
+        hp = HostPlan(m.name, host_of[m.name])
+        add = hp.steps.append
+        add(Step("lock", f"take the operation lock {cfg.backup.dir}/.etcd-agent.lock (held until the end)"))
+        add(Step("begin", f"journal in {wd}/journal.json (0700 dir)"))
+        if k.fence == "none" or not owners[m.name]:
+            add(Step("fence", "no apiserver fencing" if k.fence == "none" else "apiserver fenced by this host's first member"))
+        elif k.fence == "unit":
+            add(Step("fence", f"stop {k.apiserver_unit} (started again at the end if it was running)"))
+        else:
+            add(Step("fence", f"move {k.manifest} into {k.manifest_aside_dir} (moved back at the end)"))
+        add(Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''})"))
+        add(Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"))
+        add(Step("receive", f"ship the snapshot to {snap} (0600), sha256 {str(manifest.get('files', {}).get('etcd_snapshot.db', {}).get('sha256', '?'))[:16]}... checked on arrival"))
+        add(Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)))
+        if cfg.etcd.service_manager == "systemd":
+            add(Step("chown", f"chown -R {cfg.etcd.user}:{cfg.etcd.group} {data_dir}", ("chown", "-R", f"{cfg.etcd.user}:{cfg.etcd.group}", data_dir)))
+        else:
+            add(Step("chown", "skipped: the process backend runs etcd as the agent's own user"))
+        conf_text = f"{cfg.conf_file(m.name)}: "
+        if f is not None and not f.conf_present:
+            conf_text += "missing, repaired from the archive's etcd.conf with this member's own addresses"
+        else:
+            conf_text += "identity and cluster keys (ETCD_NAME, *_URLS, INITIAL_CLUSTER*) set to the restored cluster's"
+        if cfg.etcd.service_manager == "systemd":
+            unit_state = "missing: repaired from the archive" if f is not None and f.unit_present is False else "kept"
+            conf_text += f"; {cfg.etcd.unit_file} {unit_state}"
+        add(Step("repair", conf_text))
+        tls = [x for x in (cfg.tls.peer_cert, cfg.tls.peer_key, cfg.tls.peer_ca, cfg.tls.client_cert, cfg.tls.client_key, cfg.tls.client_ca) if x]
+        add(Step("start", "start etcd (all members at once)" + (f"; TLS files {', '.join(tls)}" if tls else "")))
+        add(Step("wait", f"wait until every member is healthy at the same revision (>= {manifest.get('revision')}); "
+                         f"record the archive's cluster id under {LINEAGE_KEY}"))
+        if owners[m.name] and k.fence != "none":
+            add(Step("unfence", "start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back"))
+        add(Step("finish", f"journal done, remove {wd}; release the lock"))
+        plan.hosts.append(hp)
+    return plan
+
+
+def render_plan(plan: Plan) -> str:
+    """The plan as the operator reads it (``--dry-run`` and before the confirmation)."""
+    lines = [
+        f"restore {plan.op}{' (resuming)' if plan.resuming else ''} from {plan.backup}"
+        f"{' into a NEW cluster' if plan.new_cluster else ''}",
+        f"  snapshot revision {plan.revision}; token {plan.token}",
+        f"  initial cluster {plan.initial_cluster}",
+        f"  {plan.bump_note}",
+    ]
+    for p in plan.problems:
+        lines.append(f"  REFUSED: {p}")
+    for h in plan.hosts:
+        lines.append(f"member {h.member} on {h.host}:")
+        for p in h.problems:
+            lines.append(f"  REFUSED: {p}")
+        for i, s in enumerate(h.steps, 1):
+            lines.append(f"  {i:2}. {s.name:<8} {s.text}")
+            if s.argv:
+                lines.append("      $ " + " ".join(s.argv))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- cleanup
+
+
+@dataclass(frozen=True)
+class AsideDecision:
+    path: str
+    keep: bool
+    reason: str
+
+
+def cleanup_plan(data_dir: str, entries: Sequence[str], keep: int) -> List[AsideDecision]:
+    """Which set-aside dirs of ``data_dir`` (names in its parent) to keep: the newest ``keep``."""
+    base = data_dir.rstrip("/")
+    parent, name = base.rsplit("/", 1) if "/" in base else (".", base)
+    found = []
+    for e in entries:
+        m = ASIDE_RE.match(e)
+        if m and m.group("base") == name:
+            found.append((m.group("stamp"), int(m.group("n") or 1), e, m.group("tag")))
+    found.sort(reverse=True)
+    out = []
+    for i, (stamp, _n, e, tag) in enumerate(found):
+        path = f"{parent}/{e}"
+        if i < keep:
+            out.append(AsideDecision(path, True, f"{tag} from {stamp}: among the newest {keep}"))
+        else:
+            out.append(AsideDecision(path, False, f"{tag} from {stamp}: older than the newest {keep}"))
+    return out

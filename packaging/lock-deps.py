@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Refresh packaging/requirements.lock: the exact wheels the RPM's virtualenv is built from.
+
+    packaging/lock-deps.py [PYTHON ...]     (default: every python3.9 / python3.11 found)
+
+For each interpreter the runtime dependencies of pyproject.toml are resolved by that
+interpreter's own pip (so environment markers such as `tomli; python_version < "3.11"` are
+evaluated for the right version), binary wheels only, restricted to manylinux tags that run on
+glibc <= 2.28 (EL8; EL9 has 2.34). The results are merged into one file: a pin shared by every
+version is written plainly, the others carry a `python_version` marker. Needs network (or a
+mirror configured for pip); the RPM build itself only reads the lock.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LOCK = os.path.join(HERE, "requirements.lock")
+GLIBC_MAX_MINOR = 28  # EL8's glibc 2.28; wheels for newer glibc would not load there
+
+
+def platform_args(arch: str) -> List[str]:
+    """--platform flags for every manylinux tag up to GLIBC_MAX_MINOR (pip widens only 2014)."""
+    args: List[str] = []
+    for minor in range(GLIBC_MAX_MINOR, 16, -1):
+        args += ["--platform", f"manylinux_2_{minor}_{arch}"]
+    return args + ["--platform", f"manylinux2014_{arch}"]
+
+
+def project_deps() -> List[str]:
+    """[project].dependencies of pyproject.toml."""
+    try:
+        import tomllib  # type: ignore[import-not-found]
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return list(tomllib.load(f)["project"]["dependencies"])
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def resolve(python: str, deps: Sequence[str]) -> Dict[str, str]:
+    """name -> version that `python`'s pip picks for deps (nothing is installed)."""
+    tmp = tempfile.mkdtemp(prefix="etcd-agent-lock-")
+    try:
+        venv = os.path.join(tmp, "venv")
+        subprocess.run([python, "-m", "venv", venv], check=True)
+        report = os.path.join(tmp, "report.json")
+        ver = subprocess.run([os.path.join(venv, "bin/python"), "-c",
+                              "import sys; print('%d%d' % sys.version_info[:2])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        subprocess.run([os.path.join(venv, "bin/python"), "-m", "pip", "install", "-q",
+                        "--dry-run", "--ignore-installed", "--report", report,
+                        "--only-binary=:all:", "--target", os.path.join(tmp, "t"),
+                        "--implementation", "cp", "--python-version", ver[0] + "." + ver[1:],
+                        "--abi", "cp" + ver, *platform_args(platform.machine()), *deps],
+                       check=True)
+        with open(report, encoding="utf-8") as f:
+            doc = json.load(f)
+        return {normalize(item["metadata"]["name"]): item["metadata"]["version"]
+                for item in doc["install"]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def version_of(python: str) -> str:
+    out = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def merge(per_version: Dict[str, Dict[str, str]]) -> List[str]:
+    """One requirement line per pin; markers only where the versions disagree."""
+    versions = sorted(per_version, key=lambda v: tuple(int(x) for x in v.split(".")))
+    names = sorted({n for pins in per_version.values() for n in pins})
+    lines: List[str] = []
+    for name in names:
+        pins = {v: per_version[v].get(name) for v in versions}
+        distinct = {p for p in pins.values() if p is not None}
+        if len(distinct) == 1 and all(pins.values()):
+            lines.append(f"{name}=={distinct.pop()}")
+            continue
+        for v in versions:
+            if pins[v] is not None:
+                lines.append(f'{name}=={pins[v]} ; python_version == "{v}"')
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    pythons = list(argv) or [p for p in (shutil.which("python3.9"), shutil.which("python3.11"))
+                             if p]
+    if not pythons:
+        print("lock-deps: no python3.9/python3.11 found; name interpreters as arguments",
+              file=sys.stderr)
+        return 2
+    deps = project_deps()
+    per_version = {version_of(py): resolve(py, deps) for py in pythons}
+    versions = ", ".join(sorted(per_version, key=lambda v: tuple(int(x) for x in v.split("."))))
+    header = [
+        "# Pinned runtime dependencies of the RPM's virtualenv (/opt/etcd-agent).",
+        "# Generated by packaging/lock-deps.py for Python "
+        + versions + f", manylinux <= glibc 2.{GLIBC_MAX_MINOR}.",
+        "# Refresh: packaging/lock-deps.py [PYTHON ...]; then rebuild (packaging/build-rpm.sh).",
+    ]
+    with open(LOCK + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(header + merge(per_version)) + "\n")
+    os.replace(LOCK + ".tmp", LOCK)
+    print(f"lock-deps: wrote {LOCK} (Python {versions})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,233 @@
+"""`etcd-agent restore` on loopback clusters: real etcd, real etcdctl, the agent's own node steps.
+
+All members are local (LocalHost, process backend, three members on one host) - the rehearsal
+path of the demo. Every restore goes through ``etcd-agent node ...`` subprocesses exactly as it
+would over SSH.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List
+
+import pytest
+
+from etcd_agent.backup.lock import OperationLock, lock_path_for
+from etcd_agent.backup.service import take_backup
+from etcd_agent.cli.main import main
+from etcd_agent.errors import OperationFailed
+from etcd_agent.restore.orchestrate import Options, restore
+from etcd_agent.restore.plan import work_dir_for
+from tests.harness.loopback import LoopbackCluster
+
+pytestmark = pytest.mark.integration
+
+AGENT = os.path.join(os.path.dirname(sys.executable), "etcd-agent")
+EXTRA = f'[ssh]\nagent_path = "{AGENT}"\n'
+
+
+def put_many(c: LoopbackCluster, prefix: str, n: int, workers: int = 4) -> None:
+    def chunk(k: int) -> None:
+        with c.client() as cl:
+            for i in range(k, n, workers):
+                cl.put(f"{prefix}{i:06d}", b"x" * 64)
+
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(chunk, range(workers)))
+
+
+def counts(c: LoopbackCluster, *prefixes: str) -> List[int]:
+    with c.client() as cl:
+        return [cl.count_prefix(p) for p in prefixes]
+
+
+def revisions(c: LoopbackCluster) -> List[int]:
+    with c.client() as cl:
+        return [cl.status(m.client_url).revision for m in c.cfg.members]
+
+
+def cli(c: LoopbackCluster, *args: str) -> int:
+    return main(["-c", c.config_path, *args])
+
+
+def make(cluster_factory, **kw) -> LoopbackCluster:  # type: ignore[no-untyped-def]
+    c = cluster_factory(3, extra=EXTRA, **kw)
+    c.start_static()
+    return c
+
+
+def test_disaster_restore_then_new_cluster_then_cleanup(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    c = make(cluster_factory)
+    t = time.monotonic()
+    put_many(c, "/k/", 10_000)
+    put_s = time.monotonic() - t
+    b = take_backup(c.cfg, member="m1")
+    put_many(c, "/later/", 200)
+    c.stop()
+    for m in c.cfg.members:
+        shutil.rmtree(c.cfg.data_dir(m.name))
+    t = time.monotonic()
+    rc = cli(c, "restore", "--from", b.path, "--yes")
+    wall = time.monotonic() - t
+    assert rc == 0, capsys.readouterr().err
+    assert counts(c, "/k/", "/later/") == [10_000, 0]
+    revs = revisions(c)
+    assert len(set(revs)) == 1 and revs[0] == b.revision + 1  # + the lineage record
+    with capsys.disabled():
+        print(f"\nFIGURE restore-loopback-3: 10,000 keys (put {put_s:.1f}s), restore --yes wall time {wall:.2f}s, revision {revs[0]}")
+
+    # the same backup seeds a second cluster with another config (other ports and token)
+    c2 = cluster_factory(3, extra=EXTRA)  # never started: no data, no conf
+    capsys.readouterr()
+    assert cli(c2, "restore", "--from", b.path, "--yes") == 3, "foreign layout must be refused without --new-cluster"
+    assert "--new-cluster" in capsys.readouterr().err
+    t = time.monotonic()
+    assert cli(c2, "restore", "--from", b.path, "--yes", "--new-cluster", "--new-token", "seeded-1") == 0
+    with capsys.disabled():
+        print(f"FIGURE restore-new-cluster: {time.monotonic() - t:.2f}s")
+    assert counts(c2, "/k/", "/later/") == [10_000, 0]
+    with open(c2.cfg.conf_file("m2")) as fh:
+        conf = fh.read()
+    assert "ETCD_INITIAL_CLUSTER_TOKEN=seeded-1" in conf and c2.cfg.member("m2").peer_url in conf
+
+    # restore once more in place (data present now) -> a set-aside dir per member; cleanup keeps the newest
+    assert cli(c, "restore", "--from", b.path, "--yes") == 0
+    assert cli(c, "restore", "--from", b.path, "--yes") == 0
+    data = os.path.dirname(c.cfg.data_dir("m1"))
+    aside = sorted(e for e in os.listdir(data) if ".pre-restore-" in e)
+    assert len(aside) == 6, aside
+    capsys.readouterr()
+    assert cli(c, "restore", "cleanup", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert out.count("would remove") == 3 and out.count("keep") == 3
+    assert sorted(e for e in os.listdir(data) if ".pre-restore-" in e) == aside
+    assert cli(c, "restore", "cleanup") == 0
+    left = sorted(e for e in os.listdir(data) if ".pre-restore-" in e)
+    assert len(left) == 3 and set(left) <= set(aside)
+    assert counts(c, "/k/") == [10_000]
+
+
+def test_dry_run_busy_and_hostile_tarball_change_nothing(cluster_factory, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = make(cluster_factory)
+    put_many(c, "/k/", 100)
+    b = take_backup(c.cfg, member="m1")
+    put_many(c, "/later/", 10)
+    before = {m.name: sorted(os.listdir(c.cfg.data_dir(m.name))) for m in c.cfg.members}
+    pids = [lm.backend.pid() for lm in c.members]
+
+    capsys.readouterr()
+    assert cli(c, "restore", "--from", b.path, "--dry-run") == 0
+    out = capsys.readouterr().out
+    for m in c.cfg.members:
+        assert f"--name={m.name}" in out and f"--initial-advertise-peer-urls={m.peer_url}" in out
+    assert "--initial-cluster=m1=" in out and "--initial-cluster-token=test-restore-" in out
+    assert "--data-dir=" in out and "revision NOT bumped" in out
+    with capsys.disabled():
+        print("\nDRY-RUN OUTPUT (first member):\n" + out.split("member m2")[0])
+
+    # a concurrent operation holds the lock: busy, nothing touched
+    with OperationLock(lock_path_for(c.cfg.backup.dir), "backup"):
+        assert cli(c, "restore", "--from", b.path, "--yes") == 4
+
+    # tar-slip: a member escaping the work dir, next to a plausible manifest
+    evil = tmp_path / "etcd-2020-01-01-00-00-00.tar"
+    escape = tmp_path / "escaped"
+    with tarfile.open(b.path) as src, tarfile.open(evil, "w") as dst:
+        for ti in src.getmembers():
+            dst.addfile(ti, src.extractfile(ti))
+        ti = tarfile.TarInfo("../../escaped")
+        ti.size = 4
+        dst.addfile(ti, io.BytesIO(b"pwnd"))
+    assert cli(c, "restore", "--from", str(evil), "--yes") == 3
+    link = tmp_path / "etcd-2020-01-01-00-00-01.tar"
+    with tarfile.open(b.path) as src, tarfile.open(link, "w") as dst:
+        for ti in src.getmembers():  # the real manifest, but the snapshot is a symlink
+            if ti.name == "etcd_snapshot.db":
+                ti = tarfile.TarInfo("etcd_snapshot.db")
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = "/etc/passwd"
+                dst.addfile(ti)
+            else:
+                dst.addfile(ti, src.extractfile(ti))
+    assert cli(c, "restore", "--from", str(link), "--yes") == 3
+    assert not escape.exists() and not (tmp_path.parent / "escaped").exists()
+
+    assert [lm.backend.pid() for lm in c.members] == pids
+    assert {m.name: sorted(os.listdir(c.cfg.data_dir(m.name))) for m in c.cfg.members} == before
+    assert counts(c, "/k/", "/later/") == [100, 10]
+    assert not any(os.path.exists(work_dir_for(c.cfg.data_dir(m.name), m.name)) for m in c.cfg.members)
+
+
+def test_failure_mid_restore_rolls_every_member_back(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    c = make(cluster_factory)
+    put_many(c, "/k/", 100)
+    b = take_backup(c.cfg, member="m1")
+    put_many(c, "/later/", 10)
+
+    def inject(member: str, step: str) -> None:
+        # real damage: m3's shipped snapshot is truncated after it arrived, before `snapshot restore`
+        if member == "m3" and step == "restore":
+            snap = os.path.join(work_dir_for(c.cfg.data_dir("m3"), "m3"), "etcd_snapshot.db")
+            os.truncate(snap, 4096)
+
+    with pytest.raises(OperationFailed) as ei:
+        restore(c.cfg, Options(spec=b.path, before_step=inject))
+    assert "every member rolled back" in ei.value.message
+    for lm in c.members:
+        lm.wait_healthy(30)
+    # old data back and serving: the keys written after the backup are there
+    assert counts(c, "/k/", "/later/") == [100, 10]
+    for m in c.cfg.members:
+        with open(os.path.join(work_dir_for(c.cfg.data_dir(m.name), m.name), "journal.json")) as fh:
+            assert json.load(fh)["state"] == "rolled-back"
+    # a new restore afterwards is a fresh one and succeeds
+    assert cli(c, "restore", "--from", b.path, "--yes") == 0
+    assert counts(c, "/k/", "/later/") == [100, 0]
+
+
+def test_killed_orchestrator_resumes(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    c = make(cluster_factory)
+    put_many(c, "/k/", 100)
+    b = take_backup(c.cfg, member="m1")
+    put_many(c, "/later/", 10)
+    journal = os.path.join(work_dir_for(c.cfg.data_dir("m2"), "m2"), "journal.json")
+    proc = subprocess.Popen(
+        [AGENT, "-c", c.config_path, "restore", "--from", b.path, "--yes"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # kill it once m2 has moved its data aside
+            try:
+                with open(journal) as fh:
+                    if "aside" in json.load(fh).get("steps", {}):
+                        break
+            except (FileNotFoundError, ValueError):
+                pass
+            assert proc.poll() is None, "restore finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    # a concurrent *other* restore is refused while the first one's journals are open
+    capsys.readouterr()
+    t = time.monotonic()
+    assert cli(c, "restore", "--from", b.path, "--yes") == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "(resuming)" in err or "already done" in err
+    with capsys.disabled():
+        print(f"\nFIGURE resume after kill: {time.monotonic() - t:.2f}s")
+    assert counts(c, "/k/", "/later/") == [100, 0]
+    assert len(set(revisions(c))) == 1

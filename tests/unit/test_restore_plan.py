@@ -1,0 +1,181 @@
+"""Pure restore logic: plan and argv per host, pre-check rules, journal resume, conf rewrite, cleanup."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from etcd_agent.config import parse_text
+from etcd_agent.restore import plan as P
+from etcd_agent.topology import parse_conf
+
+CFG_TEXT = """
+[cluster]
+name = "k8s"
+[etcd]
+data_dir = "/var/lib/etcd/default.etcd"
+[kubernetes]
+fence = "unit"
+[[member]]
+name = "master1"
+host = "10.0.0.1"
+[[member]]
+name = "master2"
+host = "10.0.0.2"
+[[member]]
+name = "master3"
+host = "10.0.0.3"
+"""
+
+
+def cfg(text: str = CFG_TEXT) -> Any:
+    c, errors = parse_text(text)
+    assert not errors, errors
+    return c
+
+
+def manifest(**kw: Any) -> Dict[str, Any]:
+    m = {
+        "revision": 10001,
+        "etcd_version": "3.4.23",
+        "cluster": {"name": "k8s", "id": "abc"},
+        "files": {"etcd_snapshot.db": {"sha256": "f" * 64, "size": 1000}},
+        "members": [
+            {"name": f"master{i}", "peer_urls": [f"http://10.0.0.{i}:2380"]} for i in (1, 2, 3)
+        ],
+    }
+    m.update(kw)
+    return m
+
+
+def facts(c: Any, name: str, **kw: Any) -> P.NodeFacts:
+    m = c.member(name)
+    d = dict(
+        member=name, protocol=P.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
+        etcdctl_version="3.4.23", etcdutl_version=None, free_bytes=10**10, data_dir=c.data_dir(name),
+        data_dir_state="member", work_dir=P.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
+        conf_present=True, unit_present=True, backend="systemd", running=True, fence_ok=True,
+        fence_detail="", identity_match=True, peer_url=m.peer_url, client_url=m.client_url,
+    )
+    d.update(kw)
+    return P.NodeFacts.from_json(d)
+
+
+def check(c: Any, name: str, **kw: Any) -> list:
+    return P.check_host(c, c.member(name), facts(c, name, **kw), snapshot_size=1000,
+                        snapshot_version="3.4.23", agent_version="0.1.0", resuming=False)
+
+
+def test_plan_argv_per_host() -> None:
+    c = cfg()
+    host_of = {m.name: m.ssh_host for m in c.members}
+    plan = P.build_plan(c, op="op1", backup="/b/etcd-x.tar", manifest=manifest(), token="tok-1", host_of=host_of,
+                        facts={m.name: facts(c, m.name) for m in c.members}, new_cluster=False, resuming=False)
+    ic = "master1=http://10.0.0.1:2380,master2=http://10.0.0.2:2380,master3=http://10.0.0.3:2380"
+    assert plan.initial_cluster == ic and plan.ok
+    h2 = plan.hosts[1]
+    restore = next(s for s in h2.steps if s.name == "restore")
+    assert restore.argv == (
+        "/usr/bin/etcdctl", "snapshot", "restore", "/var/lib/etcd/.etcd-agent-restore-master2/etcd_snapshot.db",
+        "--name=master2", f"--initial-cluster={ic}", "--initial-cluster-token=tok-1",
+        "--initial-advertise-peer-urls=http://10.0.0.2:2380", "--data-dir=/var/lib/etcd/default.etcd.restoring",
+    )
+    names = [s.name for s in h2.steps]
+    assert names.index("fence") < names.index("stop") < names.index("aside") < names.index("restore") < names.index("start")
+    chown = next(s for s in h2.steps if s.name == "chown")
+    assert chown.argv == ("chown", "-R", "etcd:etcd", "/var/lib/etcd/default.etcd")
+    assert not plan.bump and "etcd 3.4" in plan.bump_note
+    text = P.render_plan(plan)
+    assert "kube-apiserver.service" in text and "--name=master3" in text
+
+
+def test_bump_only_with_etcdutl_35() -> None:
+    c = cfg(CFG_TEXT.replace("[etcd]", '[etcd]\netcdutl = "/usr/bin/etcdutl"'))
+    fs = {m.name: facts(c, m.name, etcdutl_version="3.5.9") for m in c.members}
+    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    argv = next(s for s in plan.hosts[0].steps if s.name == "restore").argv
+    assert argv is not None and argv[0] == "/usr/bin/etcdutl"
+    assert f"--bump-revision={P.BUMP_REVISION}" in argv and "--mark-compacted" in argv
+    fs["master3"] = facts(c, "master3", etcdutl_version="3.4.0")
+    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    assert not plan.bump
+
+
+def test_fence_once_per_host() -> None:
+    c = cfg()
+    assert P.fence_owners(c, {"master1": "local", "master2": "local", "master3": "h3"}) == {
+        "master1": True, "master2": False, "master3": True,
+    }
+
+
+def test_host_rules() -> None:
+    c = cfg()
+    assert check(c, "master1") == []
+    assert any("node protocol" in p for p in check(c, "master1", protocol=99))
+    assert any("bytes free" in p for p in check(c, "master1", free_bytes=10))
+    assert any("configs differ" in p for p in check(c, "master1", data_dir="/elsewhere"))
+    assert any("wrong ssh_host" in p for p in check(c, "master1", identity_match=False))
+    assert any("fencing" in p for p in check(c, "master1", fence_ok=False, fence_detail="no unit"))
+    assert any("neither etcdutl nor etcdctl" in p for p in check(c, "master1", etcdctl_version=None))
+    assert any("older than the snapshot" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
+    assert any("TLS file" in p for p in check(c, "master1", tls_missing=["/x.crt"]))
+    assert any("unfinished restore" in p for p in check(c, "master1", journal={"op": "x", "state": "running"}))
+    assert check(c, "master1", journal={"op": "x", "state": "done"}) == []
+
+
+def test_manifest_rules() -> None:
+    c = cfg()
+    assert P.check_manifest(c, manifest(), "abc", False) == []
+    assert P.check_manifest(c, manifest(), None, False) == []  # full outage: layout only
+    foreign = P.check_manifest(c, manifest(), "def", False)
+    assert any("foreign cluster" in p for p in foreign)
+    assert P.check_manifest(c, manifest(), "def", False, lineage=["abc"]) == []  # restored before
+    extra = manifest(members=manifest()["members"] + [{"name": "master4", "peer_urls": ["http://10.0.0.4:2380"]}])
+    assert any("master4" in p and "not in the config" in p for p in P.check_manifest(c, extra, None, False))
+    moved = manifest(members=[{"name": "master1", "peer_urls": ["http://10.9.9.9:2380"]}] + manifest()["members"][1:])
+    assert any("peer URL" in p for p in P.check_manifest(c, moved, None, False))
+    assert P.check_manifest(c, extra, "def", True) == []  # --new-cluster: deliberate
+
+
+def test_resume_decision() -> None:
+    assert P.resume_decision({"a": None, "b": {"op": "o", "state": "done"}}, "s") == (None, [])
+    j = {"op": "o1", "state": "running", "sha256": "s", "token": "t", "steps": ["begin", "fence"]}
+    got, problems = P.resume_decision({"a": j, "b": None}, "s")
+    assert got is not None and got["token"] == "t" and problems == []
+    got, problems = P.resume_decision({"a": j}, "other")
+    assert got is None and "resume" in problems[0]
+    got, problems = P.resume_decision({"a": j, "b": dict(j, op="o2")}, "s")
+    assert got is None and "different unfinished" in problems[0]
+    assert P.pending_steps(None) == list(P.STEPS)
+    assert P.pending_steps({"steps": {"begin": {}, "fence": {}}})[0] == "stop"
+
+
+def test_rewrite_conf_keeps_tuning() -> None:
+    c = cfg()
+    m = c.member("master2")
+    old = "# archive conf of master1\nETCD_NAME=master1\nETCD_HEARTBEAT_INTERVAL=250\nETCD_LISTEN_PEER_URLS=http://10.0.0.1:2380\nETCD_NAME=dup\n"
+    values = P.restore_conf_values(c, m, "master1=a,master2=b", "tok")
+    new = parse_conf(P.rewrite_conf(old, values))
+    assert new["ETCD_NAME"] == "master2" and new["ETCD_HEARTBEAT_INTERVAL"] == "250"
+    assert new["ETCD_LISTEN_PEER_URLS"] == m.peer_url and new["ETCD_ADVERTISE_CLIENT_URLS"] == m.client_url
+    assert new["ETCD_INITIAL_CLUSTER_TOKEN"] == "tok" and new["ETCD_INITIAL_CLUSTER"] == "master1=a,master2=b"
+    assert P.rewrite_conf(old, values).count("ETCD_NAME=") == 1
+
+
+def test_cleanup_keeps_newest() -> None:
+    entries = [
+        "default.etcd", "default.etcd.pre-restore-20240101T000000Z", "default.etcd.pre-restore-20240301T000000Z",
+        "default.etcd.failed-restore-20240201T000000Z", "other.etcd.pre-restore-20240401T000000Z", ".etcd-agent-restore-m1",
+    ]
+    d = P.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=1)
+    assert [(x.path.rsplit("/", 1)[1], x.keep) for x in d] == [
+        ("default.etcd.pre-restore-20240301T000000Z", True),
+        ("default.etcd.failed-restore-20240201T000000Z", False),
+        ("default.etcd.pre-restore-20240101T000000Z", False),
+    ]
+    assert all(not x.keep for x in P.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=0))
+
+
+def test_tokens() -> None:
+    assert P.token_problem(P.default_token("k8s", "20240101T000000Z")) is None
+    assert P.token_problem("bad token;rm") is not None
