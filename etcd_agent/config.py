@@ -7,14 +7,11 @@ a wrong type is an error, not a default.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import os
 import re
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
-from urllib.parse import urlsplit
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
@@ -346,6 +343,8 @@ def parse_text(text: str, *, path: Optional[str] = None) -> Tuple[Optional[Confi
                 member_sections.append(ms)
     if any(v is None for v in sections.values()):
         return None, errors
+    from .validation import validate  # validation imports this module's types and patterns
+
     members = _resolve_members(member_sections, sections["etcd"], sections["tls"], errors)
     cfg = Config(members=tuple(members), path=path, **sections)
     errors.extend(validate(cfg, raw_member_count=len(raw_members) if isinstance(raw_members, list) else 0))
@@ -372,246 +371,6 @@ def _resolve_members(
             )
         )
     return out
-
-
-# ---------------------------------------------------------------- validation
-
-
-def valid_host(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(HOSTNAME_RE.match(host)) and not host.replace(".", "").isdigit()
-
-
-def url_problem(url: str) -> Optional[str]:
-    """Why ``url`` is not an acceptable etcd URL, or None."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"malformed URL {url!r} ({exc})"
-    if parts.scheme not in ("http", "https"):
-        return f"URL {url!r} must start with http:// or https://"
-    if not parts.hostname or not valid_host(parts.hostname):
-        return f"URL {url!r} has no valid host"
-    if port is None:
-        return f"URL {url!r} has no port"
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        return f"URL {url!r} must be scheme://host:port only"
-    return None
-
-
-def validate(
-    cfg: Config,
-    *,
-    raw_member_count: int = -1,
-    file_exists: Callable[[str], bool] = os.path.isfile,
-) -> List[str]:
-    """Every problem with an already-typed config (empty list: valid)."""
-    errs: List[str] = []
-    c = cfg.cluster
-    if not NAME_RE.match(c.name):
-        errs.append(f"cluster.name {c.name!r} is not a safe name (letters, digits, _ . -)")
-    if not NAME_RE.match(c.token):
-        errs.append(f"cluster.token {c.token!r} is not a safe token (letters, digits, _ . -)")
-    if c.bootstrap not in BOOTSTRAP_MODES:
-        errs.append(f"cluster.bootstrap must be one of {', '.join(BOOTSTRAP_MODES)}, got {c.bootstrap!r}")
-
-    if raw_member_count == 0 or not cfg.members and raw_member_count < 0:
-        errs.append("no [[member]] defined: a cluster needs at least one")
-    seen: Dict[str, Dict[str, str]] = {"name": {}, "client_url": {}, "peer_url": {}}
-    for m in cfg.members:
-        if not NAME_RE.match(m.name):
-            errs.append(f"member {m.name!r}: name is not a safe identifier (letters, digits, _ . -; max 63)")
-        bad_host = not valid_host(m.host)
-        if bad_host:
-            errs.append(f"member {m.name!r}: host {m.host!r} is not a valid IP address or host name")
-        if m.ssh_host != m.host and not valid_host(m.ssh_host):
-            errs.append(f"member {m.name!r}: ssh_host {m.ssh_host!r} is not a valid IP address or host name")
-        for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
-            url = getattr(m, attr)
-            if bad_host and m.host in url:
-                continue  # derived from the bad host: one error is enough
-            problem = url_problem(url)
-            if problem:
-                errs.append(f"member {m.name!r}: {attr}: {problem}")
-            elif urlsplit(url).scheme != ("https" if wants_tls else "http"):
-                errs.append(
-                    f"member {m.name!r}: {attr} {url!r} must use "
-                    f"{'https (TLS is configured)' if wants_tls else 'http (no TLS configured)'}"
-                )
-        for attr in ("name", "client_url", "peer_url"):
-            value = getattr(m, attr)
-            if value in seen[attr]:
-                errs.append(f"member {m.name!r}: duplicate {attr} {value!r} (also member {seen[attr][value]!r})")
-            else:
-                seen[attr][value] = m.name
-
-    if cfg.local.name is not None and cfg.local.name not in seen["name"]:
-        errs.append(f"local.name {cfg.local.name!r}: local member not found among the [[member]] names")
-
-    e = cfg.etcd
-    if e.service_manager not in SERVICE_MANAGERS:
-        errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
-    for key in ("binary", "etcdctl", "etcdutl", "data_dir", "conf_file", "unit_file", "run_dir", "versions_dir"):
-        value = getattr(e, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"etcd.{key} {value!r} must be an absolute path of plain characters")
-    if PATH_RE.match(e.data_dir) and e.data_dir.rstrip("/") in ("", "/var", "/var/lib", "/etc", "/usr", "/tmp"):
-        errs.append(f"etcd.data_dir {e.data_dir!r} is a system directory; give etcd a dir of its own")
-    if len(cfg.members) > 1 and "{name}" not in e.data_dir:
-        hosts = [m.host for m in cfg.members]
-        if len(set(hosts)) < len(hosts):
-            errs.append("members share a host: etcd.data_dir and etcd.conf_file need a {name} placeholder")
-    if not UNIT_RE.match(e.unit):
-        errs.append(f"etcd.unit {e.unit!r} must be a systemd service name like etcd.service")
-    for key in ("user", "group"):
-        if not NAME_RE.match(getattr(e, key)):
-            errs.append(f"etcd.{key} {getattr(e, key)!r} is not a valid user/group name")
-    for key in ("client_port", "peer_port"):
-        if not 1 <= getattr(e, key) <= 65535:
-            errs.append(f"etcd.{key} must be a TCP port (1-65535)")
-
-    t = cfg.tls
-    for prefix, enabled in (("client", t.client_enabled), ("peer", t.peer_enabled)):
-        if not enabled:
-            continue
-        for kind in ("ca", "cert", "key"):
-            path = getattr(t, f"{prefix}_{kind}")
-            if not path:
-                errs.append(f"tls.{prefix}_{kind} is required when {prefix} TLS is configured")
-            elif not PATH_RE.match(path):
-                errs.append(f"tls.{prefix}_{kind} {path!r} must be an absolute path of plain characters")
-            elif not file_exists(path):
-                errs.append(f"tls.{prefix}_{kind}: file {path} does not exist")
-
-    b = cfg.backup
-    if not PATH_RE.match(b.dir):
-        errs.append(f"backup.dir {b.dir!r} must be an absolute path of plain characters")
-    if b.compression not in COMPRESSIONS:
-        errs.append(f"backup.compression must be one of {', '.join(COMPRESSIONS)}, got {b.compression!r}")
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(b, key) < 0:
-            errs.append(f"backup.{key} must be >= 0")
-    if b.keep_last < 1:
-        errs.append("backup.keep_last must be >= 1: the newest backup is always kept")
-    if b.space_margin < 0:
-        errs.append("backup.space_margin must be >= 0")
-    if b.metrics_file is not None and not PATH_RE.match(b.metrics_file):
-        errs.append(f"backup.metrics_file {b.metrics_file!r} must be an absolute path")
-    errs.extend(_validate_remote(b.remote))
-
-    s = cfg.ssh
-    if not NAME_RE.match(s.user):
-        errs.append(f"ssh.user {s.user!r} is not a valid user name")
-    if not 1 <= s.port <= 65535:
-        errs.append("ssh.port must be a TCP port (1-65535)")
-    for key in ("identity_file", "known_hosts", "agent_path"):
-        value = getattr(s, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"ssh.{key} {value!r} must be an absolute path of plain characters")
-    for key in ("connect_timeout", "command_timeout"):
-        if getattr(s, key) <= 0:
-            errs.append(f"ssh.{key} must be > 0 seconds")
-
-    k = cfg.kubernetes
-    if k.fence not in FENCE_METHODS:
-        errs.append(f"kubernetes.fence must be one of {', '.join(FENCE_METHODS)}, got {k.fence!r}")
-    if not UNIT_RE.match(k.apiserver_unit):
-        errs.append(f"kubernetes.apiserver_unit {k.apiserver_unit!r} must be a systemd service name")
-    for key in ("manifest", "manifest_aside_dir"):
-        if not PATH_RE.match(getattr(k, key)):
-            errs.append(f"kubernetes.{key} must be an absolute path of plain characters")
-
-    d = cfg.daemon
-    if d.interval <= 0:
-        errs.append("daemon.interval must be > 0 seconds")
-    if d.lock_ttl < 5:
-        errs.append("daemon.lock_ttl must be >= 5 seconds")
-    if not PATH_RE.match(d.state_dir):
-        errs.append(f"daemon.state_dir {d.state_dir!r} must be an absolute path of plain characters")
-    if d.metrics_address is not None and not _loopback_address_ok(d.metrics_address):
-        errs.append(f"daemon.metrics_address {d.metrics_address!r} must be host:port (e.g. 127.0.0.1:9479)")
-    mt = cfg.maintenance
-    if not 0 < mt.defrag_threshold_percent < 100:
-        errs.append("maintenance.defrag_threshold_percent must be between 0 and 100 (exclusive)")
-    if mt.defrag_min_db_bytes < 0:
-        errs.append("maintenance.defrag_min_db_bytes must be >= 0")
-    if mt.defrag_timeout <= 0:
-        errs.append("maintenance.defrag_timeout must be > 0 seconds")
-    return errs
-
-
-def _loopback_address_ok(addr: str) -> bool:
-    """``host:port`` or ``[v6]:port`` with a valid host and a TCP port."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return bool(host) and valid_host(host)
-
-
-def _validate_remote(r: RemoteSection) -> List[str]:
-    """Problems with ``[backup.remote]``; never quotes the credentials."""
-    errs: List[str] = []
-    w = "backup.remote"
-    if r.endpoint is not None:
-        try:
-            parts = urlsplit(r.endpoint)
-            ok = (
-                parts.scheme in ("http", "https")
-                and bool(parts.hostname)
-                and valid_host(parts.hostname or "")
-                and "@" not in parts.netloc
-                and parts.path in ("", "/")
-                and not parts.query
-                and not parts.fragment
-            )
-            parts.port  # raises on a bad port
-        except ValueError:
-            ok = False
-        if not ok:
-            # not echoed: a mistyped endpoint may carry user info
-            errs.append(f"{w}.endpoint must be http(s)://host[:port] only (no user info, path or query)")
-    if r.enabled and not r.bucket:
-        errs.append(f"{w}.bucket is required when remote copies are enabled")
-    if r.bucket and not BUCKET_RE.match(r.bucket):
-        errs.append(f"{w}.bucket {r.bucket!r} is not a valid bucket name")
-    if not PREFIX_RE.match(r.prefix) or r.prefix.startswith("/") or ".." in r.prefix:
-        errs.append(f"{w}.prefix {r.prefix!r} must be a relative key prefix of plain characters")
-    if not NAME_RE.match(r.region):
-        errs.append(f"{w}.region {r.region!r} is not a valid region name")
-    if (r.access_key is None) != (r.secret_key is None):
-        errs.append(f"{w}: access_key and secret_key must be given together")
-    if r.access_key is not None and r.credentials_file is not None:
-        errs.append(f"{w}: give either access_key/secret_key or credentials_file, not both")
-    for key in ("credentials_file", "ca_bundle"):
-        value = getattr(r, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"{w}.{key} {value!r} must be an absolute path of plain characters")
-    if not NAME_RE.match(r.credentials_profile):
-        errs.append(f"{w}.credentials_profile {r.credentials_profile!r} is not a valid profile name")
-    if r.ca_bundle is not None and not r.verify_tls:
-        errs.append(f"{w}: ca_bundle is set but verify_tls is false")
-    if r.addressing_style not in ADDRESSING_STYLES:
-        errs.append(f"{w}.addressing_style must be one of {', '.join(ADDRESSING_STYLES)}, got {r.addressing_style!r}")
-    if r.verify not in REMOTE_VERIFY_MODES:
-        errs.append(f"{w}.verify must be one of {', '.join(REMOTE_VERIFY_MODES)}, got {r.verify!r}")
-    # S3 parts are 5 MiB .. 5 GiB (the last part may be smaller)
-    if not 5 <= r.part_size_mb <= 5120:
-        errs.append(f"{w}.part_size_mb must be between 5 and 5120")
-    for key in ("connect_timeout", "read_timeout"):
-        if getattr(r, key) <= 0:
-            errs.append(f"{w}.{key} must be > 0 seconds")
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(r, key) < 0:
-            errs.append(f"{w}.{key} must be >= 0")
-    if r.keep_last < 1:
-        errs.append(f"{w}.keep_last must be >= 1: the newest remote copy is always kept")
-    return errs
 
 
 # ---------------------------------------------------------------- loading

@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
 from ..config import Config, Member, local_member

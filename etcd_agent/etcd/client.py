@@ -316,7 +316,6 @@ class EtcdClient:
 
     def _kv_client(self) -> Any:
         if self._kvc is None:
-            import etcd3
             from etcd3.client import Endpoint, MultiEndpointEtcd3Client
 
             eps = []
@@ -325,7 +324,6 @@ class EtcdClient:
                 creds = self._credentials() if secure else None
                 eps.append(Endpoint(host, port, secure=secure, creds=creds, time_retry=0.5))
             self._kvc = MultiEndpointEtcd3Client(eps, timeout=self.timeout, failover=True)
-            del etcd3
         return self._kvc
 
     def _kv(self, what: str, fn: str, *args: Any, **kw: Any) -> Any:

@@ -1,7 +1,7 @@
 """argv builders for etcdctl / etcdutl, and the few commands the agent runs through them.
 
 Only argv lists leave this module; every value that comes from config has been validated by
-``config.validate`` (paths, names, URLs), and nothing is ever joined into a shell string.
+``validation.validate`` (paths, names, URLs), and nothing is ever joined into a shell string.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import paramiko
 from paramiko.sftp import CMD_EXTENDED
 
 from ..config import SshSection
-from ..errors import CommandError, CommandTimedOut, HostKeyRejected, HostUnreachable
+from ..errors import CommandTimedOut, HostKeyRejected, HostUnreachable
 from .base import Result
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from ..config import NAME_RE, Config, Member, url_problem
+from ..config import NAME_RE, Config, Member
+from ..validation import url_problem
 from ..errors import BusyError, EtcdError, EtcdMemberNotFound, OperationFailed, RefusedError, UsageError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..retrying import membership_change
@@ -244,7 +245,7 @@ def decide_remove(cfg: Config, view: ClusterView, name: str) -> Plan:
         steps=[
             _lock_step(),
             f"etcd member remove {target.hex_id}",
-            f"the removed etcd stops by itself; its data dir on its host is stale from then on "
+            "the removed etcd stops by itself; its data dir on its host is stale from then on "
             "(`etcd-agent leave` there moves it aside)",
         ],
     )

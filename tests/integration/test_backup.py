@@ -5,14 +5,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
-from typing import Dict, Iterator, List
+from typing import Iterator
 
 import pytest
 
@@ -22,7 +20,7 @@ from etcd_agent.backup.lock import OperationLock, lock_path_for
 from etcd_agent.backup.service import take_backup
 from etcd_agent.backup.verify import verify
 from etcd_agent.config import load
-from etcd_agent.errors import BackupError, BusyError, RefusedError
+from etcd_agent.errors import BackupError, BusyError
 from etcd_agent.etcd.tools import snapshot_status
 from etcd_agent.hosts.local import LocalHost
 

@@ -79,7 +79,7 @@ def test_daemons_bootstrap_heal_and_replace(daemons, bootstrap):
     t0 = time.monotonic()
     for m in ("m3", "m2", "m1"):  # seed last: the others must wait for it, not bootstrap alone
         d.start(m)
-    took = wait_healthy(cfg, 3, 90)
+    wait_healthy(cfg, 3, 90)
     print(f"\n{bootstrap}: 3 daemons -> healthy cluster in {time.monotonic() - t0:.1f}s")
     with EtcdClient.from_config(cfg) as c:
         ids = {m.name: m.id for m in c.members()}
