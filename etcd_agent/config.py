@@ -115,7 +115,8 @@ class RemoteSection:
     # scheme://host[:port]; None = the AWS endpoint of ``region``
     endpoint: Optional[str] = None
     bucket: str = ""
-    prefix: str = "etcd-backup/{cluster}/"
+    # {cluster} and {host} are expanded: one folder per master, so copies never collide
+    prefix: str = "etcd-backup/{cluster}/{host}/"
     region: str = "us-east-1"
     # Inline keys or an AWS-style credentials file (INI, mode 0600); neither = boto3's default chain.
     access_key: Optional[str] = field(default=None, repr=False)

@@ -145,8 +145,16 @@ def parse_conf(text: str) -> Dict[str, str]:
 
 
 def render_unit(cfg: Config, member: Member) -> str:
-    """The etcd.service unit: notify type, runs as the etcd user, restarts on failure."""
+    """The etcd.service unit: notify type, runs as the etcd user, restarts on failure.
+
+    ExecStart= is the member's pinned binary after a rolling upgrade (``member.pin``), read here
+    rather than from ``cfg``: a caller holding a config from before the upgrade (a long-running
+    daemon, ``render``, a restore's repair) must not point the unit back at the old release.
+    """
+    from .member.pin import pinned_binary
+
     conf = cfg.conf_file(member.name)
+    binary = pinned_binary(cfg, member.name)
     return f"""\
 # etcd.service rendered by etcd-agent; edit /etc/etcd-agent/agent.toml, not this file.
 [Unit]
@@ -160,7 +168,7 @@ Type=notify
 User={cfg.etcd.user}
 Group={cfg.etcd.group}
 EnvironmentFile={conf}
-ExecStart={cfg.etcd.binary}
+ExecStart={binary}
 Restart=on-failure
 RestartSec=5s
 # a member of a new cluster reports ready only once a quorum is up: allow for the others

@@ -9,6 +9,8 @@ re-renders the unit's ExecStart, starts etcd and waits until it is healthy *on t
 if it is not, it stops it, restores the old pin and unit, starts the old binary, waits for health
 and the whole upgrade stops (exit 1, the cluster on a consistent, healthy mix that a re-run
 resumes). Progress is written to ``<state_dir>/upgrade.json`` (read by the metrics endpoint).
+While a member is stepped, its "upgrade in progress" marker (``member.pin``) pauses the daemon on
+that host, which would otherwise restart the etcd the step stopped on purpose.
 
 A member on another master is stepped by running ``etcd-agent upgrade-member`` there over SSH
 (the same code); a member on this host (or a one-host cluster) is stepped in this process.
@@ -23,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .config import Config, Member, local_member
-from .errors import AgentError, ConfigError, EtcdError, OperationFailed, RefusedError
+from .errors import AgentError, ConfigError, EtcdError, Interrupted, OperationFailed, RefusedError
 from .etcd.client import EndpointStatus, EtcdClient
 from .etcd.versions import check_cluster, parse
 from .hosts.local import LocalHost, machine_identity, write_atomic
-from .member.pin import read_pin, release_tools, restore_pin, write_pin
+from .member.pin import clear_upgrading, mark_upgrading, read_pin, release_tools, restore_pin, write_pin
 
 log = logging.getLogger(__name__)
 
@@ -212,25 +214,45 @@ def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict
     if old_binary == tools["binary"] and old.healthy():
         return {"member": name, "version": version, "outcome": "skipped", "binary": old_binary}
     start = time.monotonic()
-    old.backend.stop()
-    write_pin(cfg, name, version, tools, previous=old_binary)
-    new = LocalMember(cfg, m)  # now resolves the pinned binary
+    # the daemon must not restart the etcd we stop on purpose (it would start the old unit)
+    mark_upgrading(cfg, name, version, old_binary)
     try:
-        new.backend.write_unit(render_unit(new.cfg, m))
-        new.backend.start()
-        new.wait_healthy(timeout)
-        with EtcdClient.from_config(cfg, [m.client_url], timeout=3.0) as c:
-            running = c.status(m.client_url).version
-        if parse(running).key != parse(version).key:
-            raise OperationFailed(f"{name}: healthy but reports {running}, not {version}")
-    except AgentError as exc:
-        log.error("%s: etcd %s did not come back healthy (%s); rolling back to %s", name, version, exc.message, old_binary)
-        _rollback(cfg, m, old_pin, timeout)
-        raise OperationFailed(f"{name}: etcd {version} did not come back healthy: {exc.message}; "
-                              f"rolled back to {old_binary}") from None
+        old.backend.stop()
+        write_pin(cfg, name, version, tools, previous=old_binary)
+        new = LocalMember(cfg, m)  # now resolves the pinned binary
+        try:
+            new.backend.write_unit(render_unit(new.cfg, m))
+            new.backend.start()
+            try:
+                new.wait_healthy(timeout, cancel=_crash_watch(new))
+            except Interrupted:
+                raise OperationFailed(f"{name}: etcd exited while starting ({new.backend.describe()})") from None
+            with EtcdClient.from_config(cfg, [m.client_url], timeout=3.0) as c:
+                running = c.status(m.client_url).version
+            if parse(running).key != parse(version).key:
+                raise OperationFailed(f"{name}: healthy but reports {running}, not {version}")
+        except AgentError as exc:
+            log.error("%s: etcd %s did not come back healthy (%s); rolling back to %s", name, version, exc.message, old_binary)
+            _rollback(cfg, m, old_pin, timeout)
+            raise OperationFailed(f"{name}: etcd {version} did not come back healthy: {exc.message}; "
+                                  f"rolled back to {old_binary}") from None
+    finally:
+        clear_upgrading(cfg, name)
     secs = time.monotonic() - start
     log.info("%s: now on etcd %s (%.1fs)", name, version, secs)
     return {"member": name, "version": version, "outcome": "upgraded", "binary": tools["binary"], "seconds": secs}
+
+
+def _crash_watch(member: Any) -> Callable[[], bool]:
+    """For systemd: true once the new etcd exited and the unit waits to restart it
+    (Restart=on-failure keeps it "activating"): waiting longer only loops a broken binary."""
+    if getattr(member.backend, "kind", "") != "systemd":
+        return lambda: False
+
+    def crashed() -> bool:
+        return bool(member.backend.show().get("SubState") == "auto-restart")
+
+    return crashed
 
 
 def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout: float) -> None:

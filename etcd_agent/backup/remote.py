@@ -94,6 +94,18 @@ class _Digests:
         return f"{hashlib.md5(b''.join(m for m, _ in self.parts)).hexdigest()}-{len(self.parts)}"
 
 
+def expand_prefix(prefix: str, cluster: str, host: Optional[str] = None) -> str:
+    """``{cluster}`` and ``{host}`` in the key prefix. Every master backs up on its own schedule:
+    with ``{host}`` in the prefix their copies never share a key (two masters uploading in the
+    same second would otherwise overwrite each other) and each keeps its own remote retention."""
+    if host is None:
+        import socket
+
+        host = socket.gethostname()
+    safe_host = re.sub(r"[^A-Za-z0-9._-]", "_", host.split(".")[0]) or "host"
+    return prefix.replace("{cluster}", cluster).replace("{host}", safe_host)
+
+
 class _Bucket:
     """A boto3 S3 client bound to one bucket and prefix, translating SDK errors."""
 
@@ -103,7 +115,7 @@ class _Bucket:
             raise BackupError("remote copies are not enabled ([backup.remote] enabled = false)")
         self.section = r
         self.bucket = r.bucket
-        prefix = r.prefix.replace("{cluster}", cfg.cluster.name)
+        prefix = expand_prefix(r.prefix, cfg.cluster.name)
         self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         access, secret = _credentials(r)
         self._secrets = [s for s in (access, secret) if s]

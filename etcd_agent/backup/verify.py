@@ -15,7 +15,7 @@ import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackupCorrupt
 from .archive import MANIFEST, compression_of, MAX_MANIFEST, MEMBER_NAMES, SNAPSHOT, open_tar, parse_manifest, parse_name
@@ -78,8 +78,12 @@ def verify(
     status_fn: Optional[StatusFn] = None,
     expect_cluster_id: Optional[str] = None,
     tmp_parent: Optional[str] = None,
+    lineage: Sequence[str] = (),
 ) -> VerifyReport:
-    """Check ``path`` completely; problems are collected in the report, never raised."""
+    """Check ``path`` completely; problems are collected in the report, never raised.
+
+    ``lineage``: earlier ids of this cluster (a restore makes a new cluster id; its backups from
+    before the restore are still this cluster's, not foreign)."""
     report = VerifyReport(path)
     try:
         archive_size = os.stat(path).st_size
@@ -98,7 +102,9 @@ def verify(
                 _status(report, status_fn, snap)
             if expect_cluster_id is not None:
                 got = (report.manifest.get("cluster") or {}).get("id")
-                if str(got).lower() != expect_cluster_id.lower():
+                if str(got).lower() in {x.lower() for x in lineage}:
+                    report.checked.append(f"cluster id {got}: this cluster before a restore (lineage)")
+                elif str(got).lower() != expect_cluster_id.lower():
                     report.problems.append(
                         f"foreign cluster: archive is from cluster id {got} "
                         f"({(report.manifest.get('cluster') or {}).get('name')!r}), "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ..errors import EXIT_FAILED, EXIT_OK, UsageError
 from .main import Context, Output
@@ -93,23 +93,14 @@ def _list_remote(cfg: Any) -> Output:
     return Output({"remote": True, "backups": [o.to_json() for o in objs]}, "\n".join(rows))
 
 
-def _expected_cluster_id(ctx: Context, given: Optional[str]) -> Optional[str]:
+def _expected_cluster(ctx: Context, given: Optional[str]) -> Tuple[Optional[str], List[str]]:
+    """The cluster id a backup must carry (--cluster-id, else the running cluster's) and the ids
+    this cluster had before restores (its lineage)."""
     if given:
-        return given.lower()
-    from ..errors import EtcdError
-    from ..etcd.client import EtcdClient
+        return given.lower(), []
+    from ..restore.orchestrate import current_cluster
 
-    cfg = ctx.config()
-    try:
-        with EtcdClient.from_config(cfg, timeout=3.0) as client:
-            for url in cfg.client_urls:
-                try:
-                    return f"{client.status(url, timeout=3.0).cluster_id:x}"
-                except EtcdError:
-                    continue
-    except EtcdError:
-        pass
-    return None
+    return current_cluster(ctx.config())
 
 
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
@@ -123,12 +114,13 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
     if not os.path.isfile(path):
         candidate = os.path.join(cfg.backup.dir, path)
         path = candidate if os.path.isfile(candidate) else resolve(cfg.backup.dir, path, utc=cfg.backup.utc).path
-    expect = _expected_cluster_id(ctx, args.cluster_id)
+    expect, lineage = _expected_cluster(ctx, args.cluster_id)
     host = LocalHost()
     report = verify(
         path,
         status_fn=None if args.no_status else (lambda p: snapshot_status(host, cfg, p)),
         expect_cluster_id=expect,
+        lineage=lineage,
     )
     if expect is None:
         report.checked.append("cluster id not checked: no --cluster-id and no configured etcd answered")

@@ -1,5 +1,5 @@
 """`etcd-agent restore --from NAME|PATH|DATE|latest [--dry-run] [--yes] [--new-token T] [--new-cluster]`,
-`restore rollback` and `restore cleanup [--dry-run] [--keep N]`.
+`restore rollback [--dry-run] [--yes]` and `restore cleanup [--dry-run] [--keep N] [--yes]`.
 
 Progress goes to stderr as it happens; the plan (dry run) or the outcome goes to stdout.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, List
+from typing import Any, Dict, List
 
-from ..errors import EXIT_REFUSED, UsageError
+from ..errors import EXIT_REFUSED, RefusedError, UsageError
 from .main import Context, Output
 
 
@@ -30,8 +30,11 @@ def register(sub: Any) -> None:
     pc = rsub.add_parser("cleanup", help="list / remove set-aside data dirs (<data dir>.pre-restore-*), keeping the newest")
     pc.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     pc.add_argument("--keep", type=int, default=1, metavar="N", help="set-aside dirs to keep per member (default 1)")
+    pc.add_argument("--yes", action="store_true", help="do not ask before deleting")
     pc.set_defaults(func=cmd_cleanup)
     pr = rsub.add_parser("rollback", help="roll back an unfinished (crashed) restore journaled on the hosts")
+    pr.add_argument("--dry-run", action="store_true", help="show the unfinished restores; change nothing")
+    pr.add_argument("--yes", action="store_true", help="do not ask")
     pr.set_defaults(func=cmd_rollback)
 
 
@@ -68,21 +71,36 @@ def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
 
     if args.keep < 0:
         raise UsageError("--keep must be >= 0")
-    rows = cleanup(ctx.config(), args.keep, args.dry_run)
+    cfg = ctx.config()
+    if not args.dry_run:
+        # deleting old data dirs cannot be undone: show the list, then ask
+        preview = cleanup(cfg, args.keep, True)
+        doomed = [d["path"] for r in preview for d in r["decisions"] if not d["keep"]]
+        if not doomed:
+            return _cleanup_output(preview, True)
+        for path in doomed:
+            sys.stderr.write(f"  would remove {path}\n")
+        if not ctx.confirm(f"delete these {len(doomed)} set-aside data dir(s)?", args.yes):
+            raise RefusedError("cleanup not confirmed; nothing removed")
+    return _cleanup_output(cleanup(cfg, args.keep, args.dry_run), args.dry_run)
+
+
+def _cleanup_output(rows: List[Dict[str, Any]], dry_run: bool) -> Output:
     lines: List[str] = []
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['member']}: ERROR {r['error']}")
         for d in r["decisions"]:
-            verb = "keep" if d["keep"] else ("would remove" if args.dry_run else "removed")
+            verb = "keep" if d["keep"] else ("would remove" if dry_run else "removed")
             lines.append(f"{r['member']}: {verb:<12} {d['path']}  ({d['reason']})")
         if not r["decisions"] and not r.get("error"):
             lines.append(f"{r['member']}: no set-aside data dirs")
-    return Output({"members": rows, "dry_run": args.dry_run}, "\n".join(lines), exit_code=1 if any(r.get("error") for r in rows) else 0)
+    return Output({"members": rows, "dry_run": dry_run}, "\n".join(lines), exit_code=1 if any(r.get("error") for r in rows) else 0)
 
 
 def cmd_rollback(args: argparse.Namespace, ctx: Context) -> Output:
     from ..restore.orchestrate import rollback_open
 
-    res = rollback_open(ctx.config(), _progress)
+    res = rollback_open(ctx.config(), _progress, dry_run=args.dry_run,
+                        confirm=None if args.yes else (lambda q: ctx.confirm(q, False)))
     return Output(res, res.get("note") or "rolled back: " + ", ".join(res.get("rolled_back", {})))

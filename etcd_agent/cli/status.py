@@ -21,7 +21,11 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     rows = cluster_status(cfg, timeout=args.timeout)
     healthy = all(r.healthy for r in rows)
     last = _last_backup(cfg)
-    data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last}
+    from ..restore import marker
+
+    restoring = marker.read_all(cfg)  # this host's members with a restore in progress
+    data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
+            "restore_in_progress": restoring}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -31,6 +35,9 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
         summary += f"\nlast backup: cannot read {cfg.backup.dir}: {last['error']}"
     else:
         summary += f"\nlast backup: {last['name']} ({_age(last['age_seconds'])} ago, revision {last['revision']})"
+    for rec in restoring:
+        summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
+                    f"since {rec.get('started', '?')} (the daemon waits); {marker.resume_hint(rec)}")
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
 
 

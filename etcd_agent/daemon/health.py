@@ -1,6 +1,10 @@
 """The daemon's decision: a pure function from what one cycle observed to one action and a reason.
 
 Rules, in the order they are checked:
+- a restore journaled on this host (its marker in the state dir) means hands off: the restore
+  stops etcd and moves data on purpose, and one that crashed must be resumed or rolled back by
+  an operator, never "healed" by restarting or replacing the member;
+- a rolling upgrade stepping this member (its marker, live process) means hands off as well;
 - a member with data whose etcd runs is left alone (healthy, starting, or waiting for quorum);
 - a member with data whose etcd is down is restarted — restarting is how a cluster that lost
   quorum gets it back, so this is allowed without quorum; after repeated failures with the
@@ -48,6 +52,9 @@ class Observation:
     failures: int  # consecutive restarts by this daemon that did not bring etcd back
     ever_bootstrapped: bool  # this host ran a member of this cluster before (state file)
     left: bool = False  # `etcd-agent leave` took this member out on purpose
+    restore_op: str = ""  # a restore of this member is in progress (its marker): the op id
+    restore_backup: str = ""  # ... from this backup
+    upgrade_to: str = ""  # a rolling upgrade is stepping this member to this version (its marker)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,20 @@ def others_have_quorum(o: Observation) -> bool:
 
 
 def decide(o: Observation) -> Decision:
+    if o.restore_op:
+        backup = o.restore_backup or "<the same backup>"
+        return Decision(
+            WAIT,
+            f"restore {o.restore_op} (from {backup}) is in progress on this host; hands off until it "
+            f"finishes. If it crashed: `etcd-agent restore --from {backup} --yes` resumes it, "
+            "`etcd-agent restore rollback` rolls every member back",
+        )
+    if o.upgrade_to:
+        return Decision(
+            WAIT,
+            f"an upgrade is stepping this member to etcd {o.upgrade_to}; hands off: it stops and "
+            "restarts etcd on purpose (and rolls back itself on failure)",
+        )
     running = o.unit_state in ("active", "activating", "reloading")
     if o.has_data:
         if not o.conf_present:

@@ -131,6 +131,12 @@ class Daemon:
         elif self._last_action == health.RESTART and not running:
             self.failures += 1
 
+        from ..restore import marker
+
+        restore = marker.read(cfg, me.name) or {}
+        from ..member.pin import upgrading
+
+        upgrade = upgrading(cfg, me.name) or {}
         members = self._member_list(local_healthy)
         voters = healthy_voters = 0
         self_info: Optional[MemberInfo] = None
@@ -155,6 +161,9 @@ class Daemon:
             failures=self.failures,
             ever_bootstrapped=self.ever_bootstrapped(),
             left=lm.has_left(),
+            restore_op=str(restore.get("op") or ""),
+            restore_backup=str(restore.get("backup") or ""),
+            upgrade_to=str(upgrade.get("version") or ""),
         )
 
     def _others(self) -> List[str]:

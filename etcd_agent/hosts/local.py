@@ -128,11 +128,9 @@ def machine_identity() -> MachineIdentity:
     """Host names and IP addresses of this machine, for finding the local member."""
     import psutil
 
+    # no getfqdn(): it asks DNS, which may be down or unreachable exactly when this runs (an
+    # outage); each lookup then costs the resolver's full timeout (~10 s seen in a restore)
     names = {socket.gethostname()}
-    try:
-        names.add(socket.getfqdn())
-    except OSError:
-        pass
     names |= {n.split(".")[0] for n in list(names)}
     addrs = set()
     for entries in psutil.net_if_addrs().values():

@@ -41,7 +41,7 @@ def promote_when_ready(cfg: Config, client: EtcdClient, name: str, timeout: floa
             return info
         try:
             client.promote_member(info.id)
-            return _find(cfg, client, name)
+            return _wait_voter(cfg, client, name)
         except EtcdUnavailable as exc:
             last = exc.message
         except EtcdError as exc:
@@ -72,3 +72,14 @@ def join_as_learner(lm: LocalMember, client: EtcdClient, timeout: float = 120.0)
     lm.wait_healthy(max(5.0, deadline - time.monotonic()))
     log.info("%s joined as learner %s and was promoted", lm.member.name, info.hex_id)
     return promoted
+
+
+def _wait_voter(cfg: Config, client: EtcdClient, name: str, timeout: float = 10.0) -> MemberInfo:
+    """The member list as another member serves it may lag the promotion by a raft apply: wait
+    until it shows the member as a voter (seen: a list read right after the promote said learner)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = _find(cfg, client, name)
+        if not info.is_learner or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.1)

@@ -27,6 +27,7 @@ from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
 from ..hosts.local import LocalHost, write_atomic
 from ..member.local import backend_for
 from ..topology import parse_conf, render_conf, render_unit, NEW, Bootstrap
+from . import marker
 from . import plan as P
 
 log = logging.getLogger(__name__)
@@ -153,10 +154,7 @@ class NodeRestore:
             out["running"] = False
             out["backend_error"] = str(exc)
         out["fence_ok"], out["fence_detail"] = self._fence_possible()
-        from ..hosts.local import machine_identity
-
-        me = machine_identity()
-        out["identity_match"] = m.host in me.addresses or m.host in me.names
+        out["identity_match"] = _is_this_machine(m.host)
         t = cfg.tls
         out["tls_missing"] = [p for p in (t.client_ca, t.client_cert, t.client_key, t.peer_ca, t.peer_cert, t.peer_key) if p and not os.path.isfile(p)]
         out["journal"] = self.journal_summary()
@@ -196,6 +194,8 @@ class NodeRestore:
                 raise RefusedError(f"{self.member.name}: unfinished restore {j.get('op')} journaled in {self.work_dir}")
             self._clear_work_dir()
             j = None
+        # before anything is touched: the daemon must not heal what this restore stops on purpose
+        marker.write(self.cfg, self.member.name, str(self.op), backup)
         if j is None:
             j = {
                 "op": self.op, "member": self.member.name, "state": "running", "created": time.time(),
@@ -391,6 +391,7 @@ class NodeRestore:
         j["state"] = "done"
         self._save(j)
         self._drop_payload()
+        marker.clear(self.cfg, self.member.name, self.op)
         return res
 
     # ------------------------------------------------------------ rollback
@@ -399,6 +400,7 @@ class NodeRestore:
         """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as before."""
         j = self._mine()
         if j.get("state") == "rolled-back":
+            marker.clear(self.cfg, self.member.name, self.op)
             return {"step": "rollback", "member": self.member.name, "skipped": "already rolled back"}
         if j.get("state") == "done":
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
@@ -438,6 +440,7 @@ class NodeRestore:
         j["rollback"] = did
         self._save(j)
         self._drop_payload()
+        marker.clear(self.cfg, self.member.name, self.op)
         return {"step": "rollback", "member": self.member.name, "did": did}
 
     # ------------------------------------------------------------ housekeeping
@@ -475,6 +478,21 @@ class NodeRestore:
             "decisions": [{"path": d.path, "keep": d.keep, "reason": d.reason} for d in decisions],
             "removed": removed,
         }
+
+
+def _is_this_machine(host: str) -> bool:
+    """``host`` is one of this machine's addresses or names. Addresses first: resolving our own
+    name (getfqdn) can stall for the resolver's timeouts when DNS is down - during an outage,
+    when the DNS server may well run on the cluster being restored."""
+    import psutil
+
+    for entries in psutil.net_if_addrs().values():
+        if any(a.address.split("%")[0] == host for a in entries):
+            return True
+    from ..hosts.local import machine_identity
+
+    me = machine_identity()
+    return host in me.addresses or host in me.names
 
 
 def _read(path: str) -> Optional[str]:

@@ -28,7 +28,7 @@ from ..backup.catalog import resolve_from
 from ..backup.verify import member_problem, verify
 from ..config import DEFAULT_PATH, Config, Member
 from ..errors import (
-    AgentError, BusyError, CommandError, HostUnreachable, OperationFailed, RefusedError, UsageError,
+    AgentError, BusyError, CommandError, OperationFailed, RefusedError, UsageError,
 )
 from ..hosts.base import Host
 from . import plan as P
@@ -121,7 +121,8 @@ def _is_local(m: Member, cfg: Config, me: Any) -> bool:
 def open_nodes(cfg: Config) -> List[Node]:
     from ..hosts.local import LocalHost, machine_identity
 
-    me = machine_identity()
+    # with [local] name set, never resolve our own name: with DNS down (an outage) getfqdn stalls
+    me = machine_identity() if cfg.local.name is None else None
     nodes = []
     for m in cfg.members:
         if _is_local(m, cfg, me):
@@ -521,8 +522,15 @@ def restore(cfg: Config, opts: Options) -> Outcome:
 # ---------------------------------------------------------------- rollback and cleanup commands
 
 
-def rollback_open(cfg: Config, progress: Progress = lambda s: None) -> Dict[str, Any]:
-    """``restore rollback``: roll back whatever unfinished restore the hosts have journaled."""
+def rollback_open(
+    cfg: Config,
+    progress: Progress = lambda s: None,
+    *,
+    dry_run: bool = False,
+    confirm: Optional[Callable[[str], bool]] = None,
+) -> Dict[str, Any]:
+    """``restore rollback``: roll back whatever unfinished restore the hosts have journaled.
+    ``dry_run`` only reports the open journals; ``confirm(text)`` False refuses (nothing done)."""
     nodes = open_nodes(cfg)
     try:
         out: Dict[str, Any] = {}
@@ -535,6 +543,14 @@ def rollback_open(cfg: Config, progress: Progress = lambda s: None) -> Dict[str,
                 ops.add((n.member.name, j["op"]))
         if not ops:
             return {"rolled_back": [], "note": "no unfinished restore is journaled"}
+        what = ", ".join(f"{m} (op {op})" for m, op in sorted(ops))
+        if dry_run:
+            return {"would_roll_back": {m: op for m, op in sorted(ops)},
+                    "note": f"would roll back the unfinished restore of {what}: restored data moved to "
+                            "<data dir>.failed-restore-<time>, the set-aside data dir put back, etcd restarted, "
+                            "the apiserver unfenced"}
+        if confirm is not None and not confirm(f"roll back the unfinished restore of {what}?"):
+            raise RefusedError("rollback not confirmed; nothing changed")
         r = Restore(cfg, Options(spec="", progress=progress))
         r.nodes = nodes
         by_member = dict(ops)

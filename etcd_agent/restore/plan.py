@@ -107,10 +107,15 @@ def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
+# etcdutl gained --bump-revision/--mark-compacted in 3.5.10 (etcd PR 16165); 3.5.0-3.5.9 reject
+# them as unknown flags, so a plain "3.5+" check would fail every restore on those releases.
+BUMP_MIN_ETCDUTL = (3, 5, 10)
+
+
 def can_bump(facts_or_version: Optional[str]) -> bool:
-    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5+ (etcdctl 3.4 has neither)."""
+    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5.10+ (etcdctl 3.4 has neither)."""
     v = parse_version(facts_or_version)
-    return v is not None and v[:2] >= (3, 5)
+    return v is not None and v >= BUMP_MIN_ETCDUTL
 
 
 def work_dir_for(data_dir: str, member: str) -> str:
@@ -207,6 +212,9 @@ def check_host(
     tool = facts.etcdutl_version or facts.etcdctl_version
     if tool is None:
         p.append("neither etcdutl nor etcdctl runs on this host")
+    elif cfg.etcd.etcdutl and facts.etcdutl_version is None:
+        # the restore argv would name etcdutl: refuse now rather than fail and roll back later
+        p.append(f"etcdutl {cfg.etcd.etcdutl} is configured but does not run on this host")
     if facts.etcd_version is None:
         p.append("etcd does not run on this host (etcd --version failed)")
     want = parse_version(snapshot_version)
@@ -387,11 +395,16 @@ def build_plan(
     ic = initial_cluster(member_pairs(cfg.members))
     tool_versions = [f.etcdutl_version for f in facts.values()]
     bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
+    need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
     if bump:
-        note = f"etcdutl 3.5+: revision bumped by {BUMP_REVISION} and marked compacted (apiserver watch caches stay valid)"
+        note = f"etcdutl {need}+: revision bumped by {BUMP_REVISION} and marked compacted (apiserver watch caches stay valid)"
     else:
-        note = ("revision NOT bumped: restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted; "
-                "restart every kube-apiserver after the restore so their watch caches start over")
+        if cfg.etcd.etcdutl:
+            old = sorted({str(v) for v in tool_versions if v and not can_bump(v)}) or ["(not runnable)"]
+            why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
+        else:
+            why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
+        note = f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch caches start over"
     plan = Plan(op, backup, token, ic, manifest.get("revision"), bump, note, new_cluster, resuming)
     owners = fence_owners(cfg, host_of)
     k = cfg.kubernetes
@@ -438,7 +451,7 @@ def build_plan(
                          f"record the archive's cluster id under {LINEAGE_KEY}"))
         if owners[m.name] and k.fence != "none":
             add(Step("unfence", "start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back"))
-        add(Step("finish", f"journal done, remove {wd}; release the lock"))
+        add(Step("finish", f"journal marked done (kept in {wd} until the next restore); the shipped snapshot deleted; release the lock"))
         plan.hosts.append(hp)
     return plan
 

@@ -60,7 +60,12 @@ def config_text(
     token: str = "test-token",
     ports: Optional[List[Tuple[int, int]]] = None,
     extra: str = "",
+    binary: str = ETCD,
+    etcdctl: str = ETCDCTL,
+    etcdutl: Optional[str] = None,
 ) -> str:
+    """The agent.toml of an n-member loopback cluster; binary/etcdctl/etcdutl pick the etcd
+    release (Debian's 3.4 by default, no etcdutl)."""
     ports = ports or free_port_pairs(n)
     lines = [
         "[cluster]",
@@ -68,8 +73,9 @@ def config_text(
         f'token = "{token}"',
         f'bootstrap = "{bootstrap}"',
         "[etcd]",
-        f'binary = "{ETCD}"',
-        f'etcdctl = "{ETCDCTL}"',
+        f'binary = "{binary}"',
+        f'etcdctl = "{etcdctl}"',
+        f'etcdutl = "{etcdutl}"' if etcdutl else "",
         'service_manager = "process"',
         f'data_dir = "{directory}/data/{{name}}.etcd"',
         f'conf_file = "{directory}/conf/{{name}}.conf"',
@@ -94,12 +100,22 @@ def config_text(
 class LoopbackCluster:
     """n members on loopback, each a LocalMember with the process backend."""
 
-    def __init__(self, directory: str, n: int = 3, *, bootstrap: str = "static", extra: str = "") -> None:
+    def __init__(
+        self,
+        directory: str,
+        n: int = 3,
+        *,
+        bootstrap: str = "static",
+        extra: str = "",
+        binary: str = ETCD,
+        etcdctl: str = ETCDCTL,
+        etcdutl: Optional[str] = None,
+    ) -> None:
         self.dir = directory
         os.makedirs(os.path.join(directory, "conf"), exist_ok=True)
         self.config_path = os.path.join(directory, "agent.toml")
         with open(self.config_path, "w") as fh:
-            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra))
+            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra, binary=binary, etcdctl=etcdctl, etcdutl=etcdutl))
         self.cfg: Config = load(self.config_path)
         self.members = [
             LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members

@@ -105,12 +105,17 @@ def _tamper(cfg: Config, s3: S3Server, name: str, *, with_checksum: bool) -> Non
     """Overwrite the object with different bytes of the same size, keeping our sha256 metadata."""
     r = cfg.backup.remote
     raw = _raw_client(s3)
-    key = f"etcd-backup/{cfg.cluster.name}/{name}"
+    key = f"{_prefix(cfg)}{name}"
     head = raw.head_object(Bucket=r.bucket, Key=key)
     body = raw.get_object(Bucket=r.bucket, Key=key)["Body"].read()
     bad = bytes([body[0] ^ 0xFF]) + body[1:]
     extra: Dict[str, Any] = {"ChecksumAlgorithm": "SHA256"} if with_checksum else {}
     raw.put_object(Bucket=r.bucket, Key=key, Body=bad, Metadata=head["Metadata"], **extra)
+
+
+def _prefix(cfg: Config) -> str:
+    """The key prefix of this host's copies (the default one has a folder per master)."""
+    return remote.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name)
 
 
 def _keys(cfg: Config, s3: S3Server) -> List[str]:
@@ -124,7 +129,7 @@ def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, 
     cfg = _with(cfg, verify=mode)
     path = _archive(tmp_path, "etcd-2026-03-01-10-00-00.tar", size)
     obj = remote.upload_and_verify(cfg, str(path), {"revision": 42, "member": "m1", "cluster": {"name": "prod1", "id": "a1b2"}, "files": {"x": 1}})
-    assert obj.name == path.name and obj.key == f"etcd-backup/prod1/{path.name}"
+    assert obj.name == path.name and obj.key == f"{_prefix(cfg)}{path.name}"
     assert obj.size == path.stat().st_size and obj.sha256 == _sha(path)
     assert obj.metadata["revision"] == "42" and obj.metadata["member"] == "m1"
     assert obj.metadata["cluster-id"] == "a1b2" and "files" not in obj.metadata
@@ -226,7 +231,7 @@ def test_prune_remote_with_reasons(
     for n in names:
         remote.upload_and_verify(cfg, str(_archive(tmp_path, n, 1024)), {})
     # an object that is not a backup, under the same prefix: never touched
-    _raw_client(s3).put_object(Bucket=cfg.backup.remote.bucket, Key="etcd-backup/prod1/README.txt", Body=b"hi")
+    _raw_client(s3).put_object(Bucket=cfg.backup.remote.bucket, Key=f"{_prefix(cfg)}README.txt", Body=b"hi")
     assert [o.name for o in remote.list_remote(cfg)] == sorted(names, reverse=True)
 
     with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
@@ -247,7 +252,7 @@ def test_prune_remote_with_reasons(
         real = remote.prune_remote(cfg, dry_run=False)
     assert [(d.name, d.keep) for d in real] == [(d.name, d.keep) for d in dry]
     assert {o.name for o in remote.list_remote(cfg)} == kept
-    assert "etcd-backup/prod1/README.txt" in _keys(cfg, s3)
+    assert f"{_prefix(cfg)}README.txt" in _keys(cfg, s3)
     deleted = [r for r in caplog.records if r.getMessage().startswith("deleted ")]
     assert len(deleted) == 3 and all(": " in r.getMessage() for r in deleted)
 

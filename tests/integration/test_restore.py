@@ -109,10 +109,16 @@ def test_disaster_restore_then_new_cluster_then_cleanup(cluster_factory, capsys)
     out = capsys.readouterr().out
     assert out.count("would remove") == 3 and out.count("keep") == 3
     assert sorted(e for e in os.listdir(data) if ".pre-restore-" in e) == aside
-    assert cli(c, "restore", "cleanup") == 0
+    assert cli(c, "restore", "cleanup") == 2  # deleting asks; no terminal and no --yes: refused
+    assert sorted(e for e in os.listdir(data) if ".pre-restore-" in e) == aside
+    assert cli(c, "restore", "cleanup", "--yes") == 0
     left = sorted(e for e in os.listdir(data) if ".pre-restore-" in e)
     assert len(left) == 3 and set(left) <= set(aside)
     assert counts(c, "/k/") == [10_000]
+    # the restore gave the cluster a new id; its own backups from before are not "foreign"
+    capsys.readouterr()
+    assert cli(c, "backup", "verify", b.path) == 0
+    assert "lineage" in capsys.readouterr().out
 
 
 def test_dry_run_busy_and_hostile_tarball_change_nothing(cluster_factory, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]

