@@ -49,6 +49,9 @@ class ClusterSection:
     name: str = "etcd"
     token: str = "etcd-cluster"
     bootstrap: str = "static"
+    # joins (daemon and `etcd-agent join`) add the member as a non-voting learner and promote it
+    # once it has caught up: a slow catch-up never counts against quorum
+    learner_joins: bool = False
 
 
 @dataclass(frozen=True)

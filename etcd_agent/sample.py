@@ -12,6 +12,8 @@ token = "k8s-etcd-1"
 # "static": every member starts at once with the full --initial-cluster (state=new).
 # "incremental": the first member starts alone, the others `member add` + start one at a time.
 bootstrap = "static"
+# Joins add a member as a non-voting learner first and promote it once it has caught up.
+# learner_joins = false
 
 # One [[member]] per master. client_url / peer_url default to http(s)://host:2379 / :2380
 # (https when [tls] is set); ssh_host defaults to host.

@@ -51,6 +51,9 @@ def register(sub: Any) -> None:
         q.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
         if name != "join":
             q.add_argument("--yes", action="store_true", help="do not ask")
+        else:
+            q.add_argument("--learner", action="store_true",
+                           help="join as a learner, promote once caught up (default: [cluster] learner_joins)")
         q.set_defaults(func=func)
 
 
@@ -131,7 +134,7 @@ def cmd_join(args: argparse.Namespace, ctx: Context) -> Output:
         plan = plan_join(cfg, client, lm)
         if args.dry_run:
             return _dry(plan)
-        info = execute_join(cfg, client, lm)
+        info = execute_join(cfg, client, lm, learner=args.learner or cfg.cluster.learner_joins)
     return Output(
         {"plan": plan.to_json(), "executed": True, "member_id": info.hex_id},
         f"{lm.member.name} joined as {info.hex_id} and is healthy",

@@ -31,8 +31,9 @@ START_SEED = "start_seed"
 JOIN = "join"
 REPLACE = "replace"
 RENDER = "render"
+PROMOTE = "promote"
 
-ACTIONS = (NONE, WAIT, RESTART, START_STATIC, START_SEED, JOIN, REPLACE, RENDER)
+ACTIONS = (NONE, WAIT, RESTART, START_STATIC, START_SEED, JOIN, REPLACE, RENDER, PROMOTE)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Observation:
     failures: int  # consecutive restarts by this daemon that did not bring etcd back
     ever_bootstrapped: bool  # this host ran a member of this cluster before (state file)
     left: bool = False  # `etcd-agent leave` took this member out on purpose
+    self_learner: bool = False  # etcd lists this member as a (not yet promoted) learner
     restore_op: str = ""  # a restore of this member is in progress (its marker): the op id
     restore_backup: str = ""  # ... from this backup
     upgrade_to: str = ""  # a rolling upgrade is stepping this member to this version (its marker)
@@ -91,6 +93,9 @@ def decide(o: Observation) -> Decision:
         if running:
             if o.local_healthy:
                 return Decision(NONE, "healthy")
+            if o.self_learner and o.self_listed:
+                # a learner refuses linearizable reads, so it never looks "healthy" until promoted
+                return Decision(PROMOTE, "this member is a learner; promoting it once it has caught up")
             if o.cluster_reachable and not has_quorum(o.voters, o.healthy_voters):
                 return Decision(
                     WAIT, f"etcd runs but the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); waiting"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..config import Config, Member, load, local_member, with_local
-from ..errors import AgentError, BusyError, ConfigError, EtcdError, RefusedError
+from ..errors import AgentError, BusyError, ConfigError, EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..hosts.local import machine_identity, write_atomic
 from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
@@ -158,6 +158,7 @@ class Daemon:
             healthy_voters=healthy_voters,
             self_listed=self_info is not None,
             self_started=bool(self_info and self_info.started),
+            self_learner=bool(self_info and self_info.is_learner),
             failures=self.failures,
             ever_bootstrapped=self.ever_bootstrapped(),
             left=lm.has_left(),
@@ -213,6 +214,16 @@ class Daemon:
             return "seed started with state=new"
         if a == health.RENDER:
             return self._render_existing()
+        if a == health.PROMOTE:
+            from ..member.learner import promote_when_ready
+
+            endpoints = [u for u in self._others() if self._answers(u)] or self._others()
+            with EtcdClient.from_config(self.cfg, endpoints, timeout=5.0) as c:
+                try:
+                    info = promote_when_ready(self.cfg, c, self.me.name, timeout=5.0)
+                except OperationFailed as exc:
+                    return f"not promoted yet: {exc.message}"  # still catching up: next cycle
+            return f"promoted to a voting member ({info.hex_id})"
         if a in (health.JOIN, health.REPLACE):
             return self._membership_change(obs, a)
         raise AssertionError(f"unknown action {a}")
@@ -276,12 +287,19 @@ class Daemon:
                         done.append(f"stale member {info.hex_id} removed")
                         voting = [m for m in voting if m.id != info.id]
                     info = None
+                learner = self.cfg.cluster.learner_joins
                 if info is None:
-                    ok, why = can_add(len(voting), healthy)
+                    ok, why = can_add(len(voting), healthy, learner=learner)
                     if not ok:
                         raise RefusedError(f"not adding this member: {why}")
-                new = lm.join(c)
-                done.append(f"joined as {new.hex_id} with state=existing")
+                if learner:
+                    from ..member.learner import join_as_learner
+
+                    new = join_as_learner(lm, c, timeout=2 * self.cfg.etcd.start_timeout)
+                    done.append(f"joined as learner {new.hex_id} with state=existing, promoted once caught up")
+                else:
+                    new = lm.join(c)
+                    done.append(f"joined as {new.hex_id} with state=existing")
         return "; ".join(done)
 
     # ------------------------------------------------------------ loop

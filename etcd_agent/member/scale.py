@@ -476,8 +476,9 @@ def wait_settled(client: EtcdClient, removed: int, expect_healthy: int, timeout:
         time.sleep(0.3)
 
 
-def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember) -> MemberInfo:
+def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember, *, learner: bool = False) -> MemberInfo:
     """Add (or reuse) this host's member and start it, under the lock; waits until healthy.
+    ``learner``: add it as a learner and promote it once it has caught up (member/learner.py).
 
     The wait is inside the lock: right after the add the cluster counts the new voter, and the
     lock is released (a raft write) more reliably once the new member is up.
@@ -485,8 +486,13 @@ def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember) -> MemberInfo
     with membership_lock(cfg, observe(client)):
         decide_join(cfg, observe(client), lm.member, has_data=lm.has_data())
         lm.clear_left()  # an operator's join undoes an earlier leave: the daemon may manage it again
-        info = lm.join(client)
-        lm.wait_healthy(cfg.etcd.start_timeout)
+        if learner:
+            from .learner import join_as_learner
+
+            info = join_as_learner(lm, client, timeout=2 * cfg.etcd.start_timeout)
+        else:
+            info = lm.join(client)
+            lm.wait_healthy(cfg.etcd.start_timeout)
     log.info("%s joined the cluster as %s", lm.member.name, info.hex_id)
     return info
 

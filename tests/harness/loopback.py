@@ -63,15 +63,17 @@ def config_text(
     binary: str = ETCD,
     etcdctl: str = ETCDCTL,
     etcdutl: Optional[str] = None,
+    cluster_extra: str = "",
 ) -> str:
     """The agent.toml of an n-member loopback cluster; binary/etcdctl/etcdutl pick the etcd
-    release (Debian's 3.4 by default, no etcdutl)."""
+    release (Debian's 3.4 by default, no etcdutl); ``cluster_extra`` adds [cluster] keys."""
     ports = ports or free_port_pairs(n)
     lines = [
         "[cluster]",
         'name = "test"',
         f'token = "{token}"',
         f'bootstrap = "{bootstrap}"',
+        cluster_extra,
         "[etcd]",
         f'binary = "{binary}"',
         f'etcdctl = "{etcdctl}"',
@@ -110,12 +112,14 @@ class LoopbackCluster:
         binary: str = ETCD,
         etcdctl: str = ETCDCTL,
         etcdutl: Optional[str] = None,
+        cluster_extra: str = "",
     ) -> None:
         self.dir = directory
         os.makedirs(os.path.join(directory, "conf"), exist_ok=True)
         self.config_path = os.path.join(directory, "agent.toml")
         with open(self.config_path, "w") as fh:
-            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra, binary=binary, etcdctl=etcdctl, etcdutl=etcdutl))
+            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra, binary=binary, etcdctl=etcdctl,
+                                 etcdutl=etcdutl, cluster_extra=cluster_extra))
         self.cfg: Config = load(self.config_path)
         self.members = [
             LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members

@@ -59,8 +59,8 @@ def wait_healthy(cfg, n, timeout=60):
 def daemons(tmp_path):
     made = []
 
-    def make(bootstrap):
-        c = LoopbackCluster(str(tmp_path / bootstrap), 3, bootstrap=bootstrap,
+    def make(bootstrap, cluster_extra=""):
+        c = LoopbackCluster(str(tmp_path / bootstrap), 3, bootstrap=bootstrap, cluster_extra=cluster_extra,
                             extra=f'[daemon]\ninterval = 1.0\nlock_ttl = 10\nstate_dir = "{tmp_path}/{bootstrap}/state"\n')
         d = Daemons(c)
         made.append(d)
@@ -156,3 +156,18 @@ def test_daemon_respects_leave_until_join(daemons):
     time.sleep(3)  # and the daemon keeps it (no fight over the member it now sees running)
     with EtcdClient.from_config(cfg) as c:
         assert sorted(m.name for m in c.members()) == ["m1", "m2", "m3"]
+
+
+def test_daemons_join_as_learners_then_promote(daemons):
+    """[cluster] learner_joins: each joining member is added as a learner, started, and promoted
+    once caught up; the cluster ends with three voters."""
+    d = daemons("incremental", cluster_extra="learner_joins = true")
+    cfg = d.c.cfg
+    for m in ("m1", "m2", "m3"):
+        d.start(m)
+    wait_healthy(cfg, 3, 120)
+    with EtcdClient.from_config(cfg) as c:
+        members = c.members()
+    assert sorted(m.name for m in members) == ["m1", "m2", "m3"]
+    assert not any(m.is_learner for m in members)
+    assert "joined as learner" in d.log("m2") and "joined as learner" in d.log("m3")

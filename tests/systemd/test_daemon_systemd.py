@@ -18,9 +18,10 @@ from typing import Dict, Iterator, Sequence
 
 import pytest
 
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.status import cluster_status
+from tests.harness import agentbed
+from tests.harness.agentbed import journal, main_pid, wait_healthy, wait_unit
 from tests.harness.nspawn import Container, NspawnBed
 
 from .conftest import METRICS, REPO
@@ -36,20 +37,11 @@ KEYS = 200
 
 
 def agent_toml(hosts: Sequence[Container]) -> str:
-    """One config for every host: no [local] name, each agent finds itself by name / IP."""
-    members = "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
-    return (
-        '[cluster]\nname = "ed"\ntoken = "ed-cluster-1"\nbootstrap = "incremental"\n\n'
-        + members
-        + '[etcd]\nservice_manager = "systemd"\n\n'
-        + "[daemon]\ninterval = 1.0\nlock_ttl = 10\n"
-    )
+    return agentbed.agent_toml("ed", hosts, bootstrap="incremental")
 
 
 def config_of(hosts: Sequence[Container]) -> Config:
-    cfg, errors = parse_text(agent_toml(hosts))
-    assert cfg is not None, errors
-    return cfg
+    return agentbed.parsed(agent_toml(hosts))
 
 
 def members_by_name(cfg: Config) -> Dict[str, int]:
@@ -57,38 +49,9 @@ def members_by_name(cfg: Config) -> Dict[str, int]:
         return {m.name: m.id for m in c.members()}
 
 
-def wait_healthy(cfg: Config, n: int, timeout: float) -> float:
-    """Seconds until the cluster has exactly n members, all reachable and healthy."""
-    t0 = time.monotonic()
-    rows: list = []
-    while time.monotonic() - t0 < timeout:
-        rows = cluster_status(cfg, timeout=1.0)
-        if len(rows) == n and all(r.healthy for r in rows):
-            return time.monotonic() - t0
-        time.sleep(0.3)
-    raise AssertionError(f"not {n} healthy after {timeout:.0f} s: "
-                         f"{[(r.name, r.healthy, r.errors) for r in rows]}")
-
-
 def record(key: str, seconds: float) -> None:
     METRICS[f"systemd tier: {key}"] = f"{seconds:.1f} s"
     print(f"\n[figure] {key}: {seconds:.1f} s")
-
-
-def journal(c: Container, unit: str, lines: int = 40) -> str:
-    return c.exec(["journalctl", "--no-pager", "-o", "cat", "-n", str(lines), "-u", unit]).stdout
-
-
-def wait_unit(c: Container, unit: str, state: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while c.systemctl("is-active", unit).stdout.strip() != state:
-        if time.monotonic() > deadline:
-            pytest.fail(f"{c.name}: {unit} not {state} after {timeout:.0f} s:\n{journal(c, unit)}")
-        time.sleep(0.2)
-
-
-def main_pid(c: Container, unit: str) -> int:
-    return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
 
 
 def agent(c: Container, *args: str, timeout: float = 60.0) -> "subprocess.CompletedProcess[str]":

@@ -22,9 +22,11 @@ from typing import Dict, Iterator, List, Sequence
 
 import pytest
 
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.topology import initial_cluster, member_pairs
+from tests.harness import agentbed
+from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
 
 from .conftest import METRICS, REPO
@@ -49,26 +51,17 @@ WantedBy=multi-user.target
 """
 
 
-def members_toml(hosts: Sequence[Container]) -> str:
-    return "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
-
-
 def agent_toml(hosts: Sequence[Container]) -> str:
     """One config for every host: each agent finds itself by name / IP."""
-    return (
-        '[cluster]\nname = "rs"\ntoken = "rs-cluster-1"\nbootstrap = "static"\n\n' + members_toml(hosts)
-        + '[etcd]\nservice_manager = "systemd"\n\n[daemon]\ninterval = 1.0\nlock_ttl = 10\n\n'
-        + '[kubernetes]\nfence = "unit"\napiserver_unit = "kube-apiserver.service"\n\n'
-        + '[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
-        + 'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 120.0\n'
-    )
+    return agentbed.agent_toml("rs", hosts, extra=(
+        '\n[kubernetes]\nfence = "unit"\napiserver_unit = "kube-apiserver.service"\n\n'
+        '[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
+        'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 120.0\n'))
 
 
 def client_config(hosts: Sequence[Container]) -> Config:
     """The test side's view (from the root namespace): the members only."""
-    cfg, errors = parse_text('[cluster]\nname = "rs"\ntoken = "rs-cluster-1"\n' + members_toml(hosts))
-    assert cfg is not None, errors
-    return cfg
+    return agentbed.parsed('[cluster]\nname = "rs"\ntoken = "rs-cluster-1"\n' + agentbed.members_toml(hosts))
 
 
 def record(key: str, value: str) -> None:
@@ -82,10 +75,6 @@ def journal(c: Container, unit: str, lines: int = 60) -> str:
 
 def show(c: Container, unit: str, prop: str) -> str:
     return c.systemctl("show", "-p", prop, "--value", unit).stdout.strip()
-
-
-def main_pid(c: Container, unit: str) -> int:
-    return int(show(c, unit, "MainPID") or 0)
 
 
 def agent(c: Container, *args: str, timeout: float = 300.0) -> "subprocess.CompletedProcess[str]":

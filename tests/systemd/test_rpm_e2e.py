@@ -17,9 +17,10 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import pytest
 
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.status import cluster_status
+from tests.harness import agentbed
+from tests.harness.agentbed import journal, main_pid, wait_healthy
 from tests.harness.nspawn import Container, NspawnBed
 from tests.harness.rpmbuild import BuiltRpm
 
@@ -38,42 +39,16 @@ INNER_RPM_DIR = "/var/tmp/etcd-agent-rpm"
 
 def agent_toml(hosts: Sequence[Container]) -> str:
     """The operator's config: static bootstrap of the three, etcd under systemd."""
-    members = "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
-    return ('# written by the operator (test_rpm_e2e)\n'
-            '[cluster]\nname = "ep"\ntoken = "ep-rpm-1"\nbootstrap = "static"\n\n' + members
-            + '[etcd]\nservice_manager = "systemd"\n\n[daemon]\ninterval = 1.0\nlock_ttl = 10\n')
+    return "# written by the operator (test_rpm_e2e)\n" + agentbed.agent_toml("ep", hosts)
 
 
 def config_of(hosts: Sequence[Container]) -> Config:
-    cfg, errors = parse_text(agent_toml(hosts))
-    assert cfg is not None, errors
-    return cfg
+    return agentbed.parsed(agent_toml(hosts))
 
 
 def record(key: str, seconds: float) -> None:
     METRICS[f"rpm e2e: {key}"] = f"{seconds:.1f} s"
     print(f"\n[figure] {key}: {seconds:.1f} s")
-
-
-def wait_healthy(cfg: Config, n: int, timeout: float) -> float:
-    """Seconds until the cluster has n members, all reachable and healthy (seen from here)."""
-    t0 = time.monotonic()
-    rows: list = []
-    while time.monotonic() - t0 < timeout:
-        rows = cluster_status(cfg, timeout=1.0)
-        if len(rows) == n and all(r.healthy for r in rows):
-            return time.monotonic() - t0
-        time.sleep(0.3)
-    raise AssertionError(f"not {n} healthy after {timeout:.0f} s: "
-                         f"{[(r.name, r.healthy, r.errors) for r in rows]}")
-
-
-def journal(c: Container, unit: str, lines: int = 40) -> str:
-    return c.exec(["journalctl", "--no-pager", "-o", "cat", "-n", str(lines), "-u", unit]).stdout
-
-
-def main_pid(c: Container, unit: str) -> int:
-    return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
 
 
 def wait_active(c: Container, unit: str, timeout: float = 30.0) -> None:

@@ -25,9 +25,11 @@ from typing import Dict, Iterator, List, Sequence
 
 import pytest
 
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import EtcdClient
+from tests.harness import agentbed
+from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
 from tests.harness.rootfs import DEPS_VENV
 
@@ -50,24 +52,15 @@ DAEMON_RESTART = "-> restart:"
 DAEMON_RENDER = f"wrote {UNIT_FILE}"
 
 
-def members_toml(hosts: Sequence[Container]) -> str:
-    return "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
-
-
 def agent_toml(hosts: Sequence[Container]) -> str:
-    return (
-        '[cluster]\nname = "eu"\ntoken = "eu-cluster-1"\nbootstrap = "static"\n\n' + members_toml(hosts)
-        + '[etcd]\nservice_manager = "systemd"\n\n[daemon]\ninterval = 1.0\nlock_ttl = 10\n\n'
-        + '[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
-        + 'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 300.0\n'
-    )
+    return agentbed.agent_toml("eu", hosts, extra=(
+        '\n[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
+        'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 300.0\n'))
 
 
 def client_config(hosts: Sequence[Container]) -> Config:
     """The test side's view (from the root namespace): the members only."""
-    cfg, errors = parse_text('[cluster]\nname = "eu"\ntoken = "eu-cluster-1"\n' + members_toml(hosts))
-    assert cfg is not None, errors
-    return cfg
+    return agentbed.parsed('[cluster]\nname = "eu"\ntoken = "eu-cluster-1"\n' + agentbed.members_toml(hosts))
 
 
 def record(key: str, value: str) -> None:
@@ -94,10 +87,6 @@ def journal(c: Container, unit: str, since: float = 0.0, lines: int = 400) -> st
 
 def exec_start(c: Container) -> str:
     return c.systemctl("show", "-p", "ExecStart", "--value", "etcd").stdout
-
-
-def main_pid(c: Container, unit: str) -> int:
-    return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
 
 
 def agent(c: Container, *args: str, timeout: float = 600.0) -> "subprocess.CompletedProcess[str]":

@@ -24,6 +24,7 @@ def obs(**kw):
         ({"unit_state": "activating", "local_healthy": False}, h.NONE),
         ({"local_healthy": False, "healthy_voters": 1}, h.WAIT),  # no quorum: wait, never act
         ({"unit_state": "failed", "local_healthy": False, "healthy_voters": 2}, h.RESTART),
+        ({"local_healthy": False, "self_learner": True, "healthy_voters": 2}, h.PROMOTE),
         # restarting is allowed without quorum: it is how quorum comes back
         ({"unit_state": "failed", "local_healthy": False, "healthy_voters": 0, "cluster_reachable": False}, h.RESTART),
         ({"unit_state": "failed", "local_healthy": False, "healthy_voters": 2, "failures": 3}, h.REPLACE),

@@ -1,0 +1,66 @@
+"""Helpers shared by the systemd-tier tests that run the agent in nspawn hosts: the operator's
+config for a set of containers, waiting for health from the root namespace, unit state."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import pytest
+
+from etcd_agent.config import Config, parse_text
+from etcd_agent.status import cluster_status
+from tests.harness.nspawn import Container
+
+DAEMON_FAST = "[daemon]\ninterval = 1.0\nlock_ttl = 10\n"
+
+
+def members_toml(hosts: Sequence[Container]) -> str:
+    """One [[member]] per container, named after it, at its namespace IP."""
+    return "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
+
+
+def agent_toml(name: str, hosts: Sequence[Container], *, bootstrap: str = "static", extra: str = "") -> str:
+    """One config for every host (no [local] name: each agent finds itself by name / IP), etcd
+    under systemd, a fast daemon; ``extra`` appends sections ([ssh], [kubernetes] ...)."""
+    return (
+        f'[cluster]\nname = "{name}"\ntoken = "{name}-cluster-1"\nbootstrap = "{bootstrap}"\n\n'
+        + members_toml(hosts)
+        + '[etcd]\nservice_manager = "systemd"\n\n'
+        + DAEMON_FAST
+        + extra
+    )
+
+
+def parsed(text: str) -> Config:
+    cfg, errors = parse_text(text)
+    assert cfg is not None and not errors, errors
+    return cfg
+
+
+def wait_healthy(cfg: Config, n: int, timeout: float) -> float:
+    """Seconds until the cluster has exactly n members, all reachable and healthy (seen from the
+    root namespace)."""
+    t0 = time.monotonic()
+    rows: list = []
+    while time.monotonic() - t0 < timeout:
+        rows = cluster_status(cfg, timeout=1.0)
+        if len(rows) == n and all(r.healthy for r in rows):
+            return time.monotonic() - t0
+        time.sleep(0.3)
+    raise AssertionError(f"not {n} healthy after {timeout:.0f} s: {[(r.name, r.healthy, r.errors) for r in rows]}")
+
+
+def journal(c: Container, unit: str, lines: int = 40) -> str:
+    return c.exec(["journalctl", "--no-pager", "-o", "cat", "-n", str(lines), "-u", unit]).stdout
+
+
+def wait_unit(c: Container, unit: str, state: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while c.systemctl("is-active", unit).stdout.strip() != state:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{c.name}: {unit} not {state} after {timeout:.0f} s:\n{journal(c, unit)}")
+        time.sleep(0.2)
+
+
+def main_pid(c: Container, unit: str) -> int:
+    return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
