@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
@@ -372,10 +373,23 @@ class EtcdClient:
         try:
             yield
         finally:
-            try:
-                lock.release()
-            except Exception as exc:  # the lease expires anyway
-                log.warning("releasing lock %s failed (the lease will expire): %s", name, exc)
+            self._release(lock, name)
+
+    def _release(self, lock: Any, name: str, deadline: float = 15.0) -> None:
+        """Release ``lock``, retrying across endpoints: a membership change just made (a member
+        removed, a leader elected) can fail the first attempt, and a lock left to expire blocks
+        every agent's next membership change for the whole lease. Revoking the lease frees it too."""
+        end = time.monotonic() + deadline
+        last: Optional[Exception] = None
+        while time.monotonic() < end:
+            for release in (lock.release, lambda: lock.lease.revoke()):
+                try:
+                    release()
+                    return
+                except Exception as exc:  # etcd3 raises its own and grpc errors
+                    last = exc
+            time.sleep(0.3)
+        log.warning("releasing lock %s failed for %.0fs (its lease will expire): %s", name, deadline, last)
 
     def close(self) -> None:
         with self._lock:

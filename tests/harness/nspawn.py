@@ -241,6 +241,35 @@ class Container:
         self._kill_cgroup()
         self._cleanup_files()
 
+    def power_cut(self) -> None:
+        """A node death: every process of the container SIGKILLed at once (cgroup.kill: nspawn,
+        the inner systemd and all services, no shutdown). The disk - the overlay clone - stays
+        mounted, so ``boot()`` brings the same host back, as a reboot would."""
+        if self.proc is None:
+            return
+        killed = False
+        for root in cgroup_roots():
+            path = os.path.join(root, "machine.slice", self.name, "cgroup.kill")
+            if os.path.exists(path):  # cgroup2 on Linux 5.14+: atomic, nothing forks away
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write("1")
+                killed = True
+        if not killed:
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        log.info("%s: power cut (systemd-nspawn exit %s)", self.name, self.proc.returncode)
+        self.proc = None
+        self.leader = None
+        self._kill_cgroup()  # stragglers, and the cgroup dirs the next boot makes afresh
+
     def __enter__(self) -> "Container":
         try:
             self.boot()
