@@ -64,3 +64,15 @@ def wait_unit(c: Container, unit: str, state: str, timeout: float = 30.0) -> Non
 
 def main_pid(c: Container, unit: str) -> int:
     return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
+
+
+def untouched_state(c: Container, data_dir: str, units: Sequence[str] = ("etcd", "kube-apiserver.service")) -> tuple:
+    """What a refused operation must leave as it was: the units' main pids, the data dir's inode
+    and mtime (a move or an added/removed entry changes them) and the db file's inode. Not the
+    db's mtime: a running etcd commits on its own (leader changes, lease checkpoints) - seen in
+    CI as a one-second drift with nothing else touched."""
+    return (
+        tuple(main_pid(c, u) for u in units),
+        c.exec(["stat", "-c", "%i %Y", data_dir]).stdout.strip(),
+        c.exec(["stat", "-c", "%i", f"{data_dir}/member/snap/db"]).stdout.strip(),
+    )

@@ -254,10 +254,8 @@ def test_tar_slip_refused_before_extraction(rf: NspawnBed, backup: Dict) -> None
     rf1 = rf[0]
     rf1.write_file(CANARY, "canary\n", mode=0o600)
 
-    def state() -> Dict[str, Tuple[int, int, str]]:
-        return {c.name: (main_pid(c, "etcd"), main_pid(c, APISERVER),
-                         c.exec(["stat", "-c", "%i %Y", DATA_DIR, f"{DATA_DIR}/member/snap/db"]).stdout)
-                for c in rf.containers}
+    def state() -> Dict[str, tuple]:
+        return {c.name: agentbed.untouched_state(c, DATA_DIR, ("etcd", APISERVER)) for c in rf.containers}
 
     before = state()
     took = []

@@ -223,9 +223,7 @@ def test_disaster_restore_with_daemons_running(rs: NspawnBed, backup: Dict) -> N
 
 def test_unreachable_host_at_precheck_refused(rs: NspawnBed, backup: Dict) -> None:
     cfg = client_config(rs.containers)
-    before = {c.name: (main_pid(c, "etcd"), main_pid(c, APISERVER),
-                       c.exec(["stat", "-c", "%i %Y", DATA_DIR, f"{DATA_DIR}/member/snap/db"]).stdout)
-              for c in rs.containers}
+    before = {c.name: agentbed.untouched_state(c, DATA_DIR, ("etcd", APISERVER)) for c in rs.containers}
     rs3 = rs.net.hosts[2]
     rs.net.set_link(rs3, False)
     try:
@@ -237,9 +235,7 @@ def test_unreachable_host_at_precheck_refused(rs: NspawnBed, backup: Dict) -> No
     assert res.returncode == 3, res.stdout + res.stderr
     assert "rs3 (10.213.5.13): pre-check FAILED: unreachable" in res.stderr, res.stderr
     assert "rs1 (local): pre-check ok" in res.stderr and "rs2 (10.213.5.12): pre-check ok" in res.stderr
-    after = {c.name: (main_pid(c, "etcd"), main_pid(c, APISERVER),
-                      c.exec(["stat", "-c", "%i %Y", DATA_DIR, f"{DATA_DIR}/member/snap/db"]).stdout)
-             for c in rs.containers}
+    after = {c.name: agentbed.untouched_state(c, DATA_DIR, ("etcd", APISERVER)) for c in rs.containers}
     assert after == before, "nothing may be stopped or touched when a pre-check fails"
     wait_healthy(cfg, 30)
     record("host unreachable at pre-check", f"refused (exit 3) in {took:.1f} s; etcd, apiserver and data untouched")
