@@ -3,13 +3,16 @@ config for a set of containers, waiting for health from the root namespace, unit
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
 import pytest
 
 from etcd_agent.config import Config, parse_text
 from etcd_agent.status import cluster_status
 from tests.harness.nspawn import Container
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tests.harness.nspawn import NspawnBed
 
 DAEMON_FAST = "[daemon]\ninterval = 1.0\nlock_ttl = 10\n"
 
@@ -76,3 +79,45 @@ def untouched_state(c: Container, data_dir: str, units: Sequence[str] = ("etcd",
         c.exec(["stat", "-c", "%i %Y", data_dir]).stdout.strip(),
         c.exec(["stat", "-c", "%i", f"{data_dir}/member/snap/db"]).stdout.strip(),
     )
+
+
+def install_agents(
+    bed: "NspawnBed",
+    repo: str,
+    agent_unit: str,
+    config_text: str,
+    *,
+    extra_units: "Optional[Dict[str, str]]" = None,
+    prepare: "Optional[Callable[[Container], None]]" = None,
+) -> None:
+    """Every container of ``bed``, in parallel: the current source, ``prepare(c)`` if given, the
+    shipped etcd-agent.service plus ``extra_units`` (name -> text, enabled and started first),
+    /etc/etcd-agent/agent.toml, the bed's SSH client key and known_hosts (restore and upgrade
+    reach the other hosts over SSH), then `systemctl enable --now etcd-agent`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open(bed.client_key) as f:
+        key = f.read()
+    with open(bed.known_hosts) as f:
+        known = f.read()
+    with open(agent_unit) as f:
+        unit = f.read()
+    extra = dict(extra_units or {})
+
+    def install(c: Container) -> None:
+        c.install_agent(repo)
+        if prepare is not None:
+            prepare(c)
+        c.write_file("/etc/systemd/system/etcd-agent.service", unit)
+        for name, text in extra.items():
+            c.write_file(f"/etc/systemd/system/{name}", text)
+        c.write_file("/etc/etcd-agent/agent.toml", config_text)
+        c.write_file("/etc/etcd-agent/id_ed25519", key, mode=0o600)
+        c.write_file("/etc/etcd-agent/known_hosts", known)
+        c.systemctl("daemon-reload", check=True)
+        for name in extra:
+            c.systemctl("enable", "--now", name, check=True)
+        c.systemctl("enable", "--now", "etcd-agent.service", check=True)
+
+    with ThreadPoolExecutor(max_workers=len(bed.containers)) as pool:
+        list(pool.map(install, bed.containers))

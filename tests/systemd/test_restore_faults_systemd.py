@@ -37,7 +37,7 @@ from tests.harness.nspawn import INNER_ENV, Container, NspawnBed
 
 from .conftest import METRICS, REPO
 from .test_restore_systemd import (
-    AGENT_TOML, AGENT_UNIT, APISERVER, DATA_DIR, STAND_IN, agent, counts, each, put_many, revisions, wait_healthy,
+    AGENT_UNIT, APISERVER, DATA_DIR, STAND_IN, agent, counts, put_many, revisions, wait_healthy,
 )
 
 pytestmark = pytest.mark.systemd
@@ -165,27 +165,8 @@ def rf(base_tree: str) -> Iterator[NspawnBed]:
     bed = NspawnBed(3, prefix=PREFIX, subnet=SUBNET, base=base_tree)
     try:
         bed.up()
-        with open(bed.client_key) as f:
-            key = f.read()
-        with open(bed.known_hosts) as f:
-            known = f.read()
-        with open(AGENT_UNIT) as f:
-            unit = f.read()
-        text = agent_toml(bed.containers)
-
-        def install(c: Container) -> None:
-            c.install_agent(REPO)
-            c.write_file("/etc/systemd/system/etcd-agent.service", unit)
-            c.write_file(f"/etc/systemd/system/{APISERVER}", STAND_IN)
-            c.write_file(AGENT_TOML, text)
-            c.write_file("/etc/etcd-agent/id_ed25519", key, mode=0o600)
-            c.write_file("/etc/etcd-agent/known_hosts", known)
-            c.systemctl("daemon-reload", check=True)
-            c.systemctl("enable", "--now", APISERVER, check=True)
-            c.systemctl("enable", "--now", "etcd-agent.service", check=True)
-
         t0, t_install = time.monotonic(), time.time()
-        each(bed, install)
+        agentbed.install_agents(bed, REPO, AGENT_UNIT, agent_toml(bed.containers), extra_units={APISERVER: STAND_IN})
         wait_healthy(client_config(bed.containers), 120)
         # FIGHT matches the daemon's real sentences: each daemon's bootstrap is one
         for c in bed.containers:

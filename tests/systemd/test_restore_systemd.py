@@ -34,7 +34,6 @@ from .conftest import METRICS, REPO
 pytestmark = pytest.mark.systemd
 
 PREFIX, SUBNET = "rs", "10.213.5"
-AGENT_TOML = "/etc/etcd-agent/agent.toml"
 DATA_DIR = "/var/lib/etcd/default.etcd"
 APISERVER = "kube-apiserver.service"
 KEYS = 10_000
@@ -123,27 +122,8 @@ def rs(base_tree: str) -> Iterator[NspawnBed]:
     bed = NspawnBed(3, prefix=PREFIX, subnet=SUBNET, base=base_tree)
     try:
         bed.up()
-        with open(bed.client_key) as f:
-            key = f.read()
-        with open(bed.known_hosts) as f:
-            known = f.read()
-        with open(AGENT_UNIT) as f:
-            unit = f.read()
-        text = agent_toml(bed.containers)
-
-        def install(c: Container) -> None:
-            c.install_agent(REPO)
-            c.write_file("/etc/systemd/system/etcd-agent.service", unit)
-            c.write_file(f"/etc/systemd/system/{APISERVER}", STAND_IN)
-            c.write_file(AGENT_TOML, text)
-            c.write_file("/etc/etcd-agent/id_ed25519", key, mode=0o600)
-            c.write_file("/etc/etcd-agent/known_hosts", known)
-            c.systemctl("daemon-reload", check=True)
-            c.systemctl("enable", "--now", APISERVER, check=True)
-            c.systemctl("enable", "--now", "etcd-agent.service", check=True)
-
         t0 = time.monotonic()
-        each(bed, install)
+        agentbed.install_agents(bed, REPO, AGENT_UNIT, agent_toml(bed.containers), extra_units={APISERVER: STAND_IN})
         wait_healthy(client_config(bed.containers), 120)
         record("bed", f"3 hosts up in {bed.timings['up']:.1f} s; agent installed, daemons bootstrapped "
                       f"a static cluster in {time.monotonic() - t0:.1f} s")

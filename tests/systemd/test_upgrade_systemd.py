@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Sequence
 
 import pytest
@@ -38,7 +37,6 @@ from .conftest import METRICS, REPO
 pytestmark = pytest.mark.systemd
 
 PREFIX, SUBNET = "eu", "10.213.8"
-AGENT_TOML = "/etc/etcd-agent/agent.toml"
 UNIT_FILE = "/etc/systemd/system/etcd.service"
 AGENT_UNIT = os.path.join(REPO, "systemd", "etcd-agent.service")
 FAKE_ETCD = """#!/bin/sh
@@ -155,27 +153,8 @@ def eu(base_tree: str) -> Iterator[NspawnBed]:
     bed = NspawnBed(3, prefix=PREFIX, subnet=SUBNET, base=base_tree)
     try:
         bed.up()
-        with open(bed.client_key) as f:
-            key = f.read()
-        with open(bed.known_hosts) as f:
-            known = f.read()
-        with open(AGENT_UNIT) as f:
-            unit = f.read()
-        text = agent_toml(bed.containers)
-
-        def install(c: Container) -> None:
-            c.install_agent(REPO)
-            install_releases(c)
-            c.write_file("/etc/systemd/system/etcd-agent.service", unit)
-            c.write_file(AGENT_TOML, text)
-            c.write_file("/etc/etcd-agent/id_ed25519", key, mode=0o600)
-            c.write_file("/etc/etcd-agent/known_hosts", known)
-            c.systemctl("daemon-reload", check=True)
-            c.systemctl("enable", "--now", "etcd-agent.service", check=True)
-
         t0 = time.monotonic()
-        with ThreadPoolExecutor(max_workers=len(bed)) as pool:
-            list(pool.map(install, bed.containers))
+        agentbed.install_agents(bed, REPO, AGENT_UNIT, agent_toml(bed.containers), prepare=install_releases)
         cfg = client_config(bed.containers)
         wait_healthy(cfg, 120)
         with EtcdClient.from_config(cfg) as cl:
