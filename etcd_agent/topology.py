@@ -144,17 +144,14 @@ def parse_conf(text: str) -> Dict[str, str]:
     return out
 
 
-def render_unit(cfg: Config, member: Member) -> str:
+def render_unit(cfg: Config, member: Member, binary: str) -> str:
     """The etcd.service unit: notify type, runs as the etcd user, restarts on failure.
 
-    ExecStart= is the member's pinned binary after a rolling upgrade (``member.pin``), read here
-    rather than from ``cfg``: a caller holding a config from before the upgrade (a long-running
-    daemon, ``render``, a restore's repair) must not point the unit back at the old release.
+    ``binary`` is what ExecStart= runs: after a rolling upgrade that is the member's pinned release,
+    which the caller reads at render time (``state.pins``), so a caller holding a config from before
+    the upgrade never points the unit back at the old release.
     """
-    from .member.pin import pinned_binary
-
     conf = cfg.conf_file(member.name)
-    binary = pinned_binary(cfg, member.name)
     return f"""\
 # etcd.service rendered by etcd-agent; edit /etc/etcd-agent/agent.toml, not this file.
 [Unit]

@@ -24,10 +24,20 @@ import re
 import tarfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import (
+    Any,
+    BinaryIO,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Tuple,
+)
 
 from ..errors import BackupCorrupt, BackupError
-from ..hosts.local import fsync_dir
+from ..fs import fsync_dir
 from .snapcheck import SnapshotFacts, StreamCheck, last_revision
 
 log = logging.getLogger(__name__)
@@ -281,15 +291,6 @@ def remove_partials(directory: str) -> List[str]:
     if removed:
         log.info("removed %d partial file(s) left by an interrupted backup: %s", len(removed), ", ".join(removed))
     return removed
-
-
-def ensure_dir(directory: str) -> None:
-    """The backup dir exists and is 0700 (created so, tightened if found looser)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_mode & 0o077:
-        log.warning("backup dir %s had mode %o; tightening to 0700", directory, st.st_mode & 0o777)
-        os.chmod(directory, 0o700)
 
 
 def now(utc: bool) -> datetime:

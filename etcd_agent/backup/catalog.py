@@ -10,10 +10,13 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..errors import BackupCorrupt, UsageError
 from .archive import parse_name, read_manifest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import Config
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ def resolve(directory: str, spec: str, *, utc: bool = True) -> Entry:
     return matches[0]
 
 
-def resolve_from(cfg: Any, spec: str) -> Entry:
+def resolve_from(cfg: "Config", spec: str) -> Entry:
     """``resolve`` against the configured backup dir."""
     return resolve(cfg.backup.dir, spec, utc=cfg.backup.utc)
 

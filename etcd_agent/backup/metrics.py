@@ -114,7 +114,7 @@ def _previous(path: str) -> Dict[str, float]:
 def _write(path: str, values: Dict[str, float]) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ..hosts.local import write_atomic
+    from ..fs import write_atomic
 
     registry = CollectorRegistry()
     registry.register(_Snapshot(values))

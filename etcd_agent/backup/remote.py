@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from ..config import Config, RemoteSection
 from ..errors import BackupCorrupt, BackupError, ConfigError
-from ..hosts.local import fsync_dir
+from ..fs import fsync_dir
 from .archive import parse_name
 from .retention import BackupRef, Decision, plan
 

@@ -15,10 +15,12 @@ from datetime import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..config import Config, Member, local_member
+from ..config import Config, Member
 from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, RefusedError
+from ..fs import ensure_private_dir
+from ..locality import local_member
+from ..state.locks import OperationLock, lock_path_for
 from . import archive, catalog, retention
-from .lock import OperationLock, lock_path_for
 from .verify import verify
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ def pick_member(cfg: Config, name: Optional[str]) -> Member:
     """The member to snapshot: the one named, else this machine's own."""
     if name is not None:
         return cfg.member(name)
-    from ..hosts.local import machine_identity
+    from ..locality import machine_identity
 
     return local_member(cfg, machine_identity())
 
@@ -115,7 +117,7 @@ def _take(
     from ..hosts.local import LocalHost
 
     directory = cfg.backup.dir
-    archive.ensure_dir(directory)
+    ensure_private_dir(directory)
     m = pick_member(cfg, member_name)
     with OperationLock(lock_path_for(directory), "backup"):
         archive.remove_partials(directory)
@@ -260,7 +262,7 @@ def prune_backups(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:
             log.info("pruning %s: %s", d.name, d.reason)
             os.unlink(by_name[d.name].path)
     if any(not d.keep for d in decisions):
-        from ..hosts.local import fsync_dir
+        from ..fs import fsync_dir
 
         fsync_dir(directory)
     return decisions
@@ -270,7 +272,7 @@ def prune_locked(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:
     """``backup prune``: the same, under the operation lock (dry runs need no lock)."""
     if dry_run:
         return prune_backups(cfg, dry_run=True)
-    archive.ensure_dir(cfg.backup.dir)
+    ensure_private_dir(cfg.backup.dir)
     with OperationLock(lock_path_for(cfg.backup.dir), "prune"):
         return prune_backups(cfg, dry_run=False)
 

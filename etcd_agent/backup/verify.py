@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import BackupCorrupt
-from .archive import MANIFEST, compression_of, MAX_MANIFEST, MEMBER_NAMES, SNAPSHOT, open_tar, parse_manifest, parse_name
+from .archive import (
+    MANIFEST,
+    MAX_MANIFEST,
+    MEMBER_NAMES,
+    SNAPSHOT,
+    compression_of,
+    open_tar,
+    parse_manifest,
+    parse_name,
+)
 from .snapcheck import StreamCheck
 
 log = logging.getLogger(__name__)

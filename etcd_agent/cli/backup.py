@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from ..errors import EXIT_FAILED, EXIT_OK, UsageError
 from .main import Context, Output
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import Config
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +78,12 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     return Output({"dir": cfg.backup.dir, "backups": [e.to_json() for e in entries]}, "\n".join(rows))
 
 
-def _require_remote(cfg: Any) -> None:
+def _require_remote(cfg: "Config") -> None:
     if not cfg.backup.remote.enabled:
         raise UsageError("no off-host copies configured: set [backup.remote] enabled = true")
 
 
-def _list_remote(cfg: Any) -> Output:
+def _list_remote(cfg: "Config") -> Output:
     from ..backup.remote import list_remote
 
     _require_remote(cfg)
@@ -98,7 +101,7 @@ def _expected_cluster(ctx: Context, given: Optional[str]) -> Tuple[Optional[str]
     this cluster had before restores (its lineage)."""
     if given:
         return given.lower(), []
-    from ..restore.orchestrate import current_cluster
+    from ..cluster.lineage import current_cluster
 
     return current_cluster(ctx.config())
 

@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_sample(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..sample import SAMPLE
+    from ..config.sample import SAMPLE
 
     return Output({"sample": SAMPLE}, SAMPLE)
 

@@ -27,8 +27,8 @@ def _say(msg: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..demo import Demo, install_signal_handlers
-    from ..status import cluster_status, format_table
+    from ..cluster.demo import Demo, install_signal_handlers
+    from ..cluster.status import cluster_status, format_table
 
     demo = Demo(args.dir, args.members, args.etcd, args.etcdctl)
     install_signal_handlers(demo)

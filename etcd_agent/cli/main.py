@@ -12,10 +12,13 @@ import json
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from .. import __version__
 from ..errors import EXIT_OK, AgentError, Interrupted, UsageError
+
+if TYPE_CHECKING:  # the config package is imported on first use: `--help` stays fast
+    from ..config import Config
 
 log = logging.getLogger("etcd_agent")
 
@@ -52,9 +55,9 @@ class Context:
     config_path: str
     json: bool
     verbose: int
-    _config: Any = field(default=None, repr=False)
+    _config: "Optional[Config]" = field(default=None, repr=False)
 
-    def config(self) -> Any:
+    def config(self) -> "Config":
         """The validated config (loaded once, on first use)."""
         if self._config is None:
             from ..config import load

@@ -34,9 +34,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_defrag(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..cluster.maintenance import defrag
+    from ..cluster.status import human_size
     from ..etcd.client import EtcdClient
-    from ..maintenance import defrag
-    from ..status import human_size
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:
@@ -53,8 +53,8 @@ def cmd_defrag(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_alarms(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..cluster.maintenance import AlarmReport, clear_nospace, list_alarms
     from ..etcd.client import EtcdClient
-    from ..maintenance import AlarmReport, clear_nospace, list_alarms
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:
@@ -74,7 +74,7 @@ def cmd_alarms(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_repair(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..drift import execute_repair, find_drift, plan_repair
+    from ..cluster.drift import execute_repair, find_drift, plan_repair
 
     cfg = ctx.config()
     findings = find_drift(cfg)

@@ -14,9 +14,9 @@ from ..errors import RefusedError
 from .main import Context, Output
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..cluster.scale import Plan
     from ..config import Config
     from ..member.local import LocalMember
-    from ..member.scale import Plan
 
 
 def register(sub: Any) -> None:
@@ -64,8 +64,8 @@ def _client(cfg: "Config") -> Any:
 
 
 def _local(ctx: Context, args: argparse.Namespace) -> Tuple["Config", "LocalMember"]:
-    from ..config import local_member, with_local
-    from ..hosts.local import machine_identity
+    from ..config import with_local
+    from ..locality import local_member, machine_identity
     from ..member.local import LocalMember
 
     cfg = ctx.config()
@@ -88,7 +88,7 @@ def _confirm(ctx: Context, plan: "Plan", question: str, yes: bool) -> None:
 
 
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..member.scale import member_rows, observe
+    from ..cluster.scale import member_rows, observe
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -98,7 +98,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_add(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..member.scale import execute_add, plan_add
+    from ..cluster.scale import execute_add, plan_add
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -114,7 +114,7 @@ def cmd_add(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_remove(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..member.scale import execute_remove, plan_remove
+    from ..cluster.scale import execute_remove, plan_remove
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -127,7 +127,7 @@ def cmd_remove(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_join(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..member.scale import execute_join, plan_join
+    from ..cluster.scale import execute_join, plan_join
 
     cfg, lm = _local(ctx, args)
     with _client(cfg) as client:
@@ -142,7 +142,7 @@ def cmd_join(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def _leave(args: argparse.Namespace, ctx: Context, reset: bool) -> Output:
-    from ..member.scale import execute_leave, others_client, plan_leave
+    from ..cluster.scale import execute_leave, others_client, plan_leave
 
     cfg, lm = _local(ctx, args)
     with others_client(cfg, lm.member) as client:

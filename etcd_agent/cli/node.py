@@ -69,13 +69,13 @@ def cmd_precheck(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_lock(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..restore.node import lock
+    from ..state.locks import lock
 
     return Output(lock(ctx.config(), args.op))
 
 
 def cmd_unlock(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..restore.node import unlock
+    from ..state.locks import unlock
 
     return Output(unlock(ctx.config(), args.op))
 

@@ -22,8 +22,7 @@ def register(sub: Any) -> None:
 
 def cmd_render(args: argparse.Namespace, ctx: Context) -> Output:
     from .. import topology
-    from ..config import local_member
-    from ..hosts.local import machine_identity
+    from ..locality import local_member, machine_identity
 
     cfg = ctx.config()
     member = cfg.member(args.member) if args.member else local_member(cfg, machine_identity())
@@ -37,7 +36,9 @@ def cmd_render(args: argparse.Namespace, ctx: Context) -> Output:
         elif args.state == "existing" and boot.state != topology.EXISTING:
             boot = topology.join_bootstrap(cfg, member, topology.member_pairs(cfg.members))
     conf = topology.render_conf(cfg, member, boot)
-    unit = topology.render_unit(cfg, member)
+    from ..member.local import LocalMember
+
+    unit = LocalMember(cfg, member).unit_text()
     text = f"# ---- {cfg.conf_file(member.name)}\n{conf}\n# ---- {cfg.etcd.unit_file}\n{unit}"
     return Output(
         {"member": member.name, "conf_file": cfg.conf_file(member.name), "conf": conf, "unit_file": cfg.etcd.unit_file, "unit": unit},

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..errors import EXIT_FAILED, EXIT_OK
 from .main import Context, Output
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import Config
 
 
 def register(sub: Any) -> None:
@@ -15,15 +18,15 @@ def register(sub: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..status import cluster_status, format_table
+    from ..cluster.status import cluster_status, format_table
 
     cfg = ctx.config()
     rows = cluster_status(cfg, timeout=args.timeout)
     healthy = all(r.healthy for r in rows)
     last = _last_backup(cfg)
-    from ..restore import marker
+    from ..state import markers
 
-    restoring = marker.read_all(cfg)  # this host's members with a restore in progress
+    restoring = markers.read_restores(cfg)  # this host's members with a restore in progress
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
             "restore_in_progress": restoring}
     summary = f"cluster {cfg.cluster.name}: " + (
@@ -37,11 +40,11 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
         summary += f"\nlast backup: {last['name']} ({_age(last['age_seconds'])} ago, revision {last['revision']})"
     for rec in restoring:
         summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
-                    f"since {rec.get('started', '?')} (the daemon waits); {marker.resume_hint(rec)}")
+                    f"since {rec.get('started', '?')} (the daemon waits); {markers.restore_hint(rec)}")
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
 
 
-def _last_backup(cfg: Any) -> Optional[Dict[str, Any]]:
+def _last_backup(cfg: "Config") -> Optional[Dict[str, Any]]:
     """The newest complete backup in this host's backup dir, with its age."""
     import time
 

@@ -30,8 +30,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_upgrade(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..cluster.upgrade import MemberStep, check_release, plan_upgrade, run_upgrade
     from ..etcd.client import EtcdClient
-    from ..upgrade import MemberStep, check_release, plan_upgrade, run_upgrade
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg, timeout=5.0) as client:
@@ -59,7 +59,7 @@ def cmd_upgrade(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_upgrade_member(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..upgrade import upgrade_member
+    from ..cluster.upgrade import upgrade_member
 
     out = upgrade_member(ctx.config(), args.member, args.to, args.timeout)
     return Output(out, f"{out['member']}: {out['outcome']} ({out['version']})")

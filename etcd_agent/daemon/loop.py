@@ -7,7 +7,6 @@ the cluster changes membership at a time.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -17,12 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..config import Config, Member, load, local_member, with_local
-from ..errors import AgentError, BusyError, ConfigError, EtcdError, OperationFailed, RefusedError
+from ..config import Config, Member, load, with_local
+from ..errors import (
+    AgentError,
+    BusyError,
+    ConfigError,
+    EtcdError,
+    OperationFailed,
+    RefusedError,
+)
 from ..etcd.client import EtcdClient, MemberInfo
-from ..hosts.local import machine_identity, write_atomic
+from ..locality import local_member, machine_identity
 from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
 from ..member.quorum import can_add, can_remove
+from ..state import bootstrap, markers
 from ..topology import EXISTING, join_bootstrap, parse_conf, static_bootstrap
 from . import health
 
@@ -93,21 +100,6 @@ class Daemon:
         self._stop = True
         self._wake.set()
 
-    # ------------------------------------------------------------ state file
-
-    @property
-    def state_file(self) -> str:
-        return os.path.join(self.cfg.daemon.state_dir, f"{self.me.name}.json")
-
-    def ever_bootstrapped(self) -> bool:
-        return os.path.exists(self.state_file)
-
-    def remember_bootstrap(self, cluster_id: int, member_id: int) -> None:
-        os.makedirs(self.cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-        rec = {"cluster": self.cfg.cluster.name, "cluster_id": f"{cluster_id:x}", "member_id": f"{member_id:x}",
-               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        write_atomic(self.state_file, (json.dumps(rec) + "\n").encode(), mode=0o600)
-
     # ------------------------------------------------------------ observe
 
     def observe(self) -> health.Observation:
@@ -124,19 +116,17 @@ class Daemon:
                         local_status = c.status(me.client_url, timeout=2.0)
                     except EtcdError:
                         pass
-        if local_healthy and local_status is not None and not self.ever_bootstrapped():
-            self.remember_bootstrap(local_status.cluster_id, local_status.member_id)
+        ever = bootstrap.ever_bootstrapped(cfg, me.name)
+        if local_healthy and local_status is not None and not ever:
+            bootstrap.remember(cfg, me.name, local_status.cluster_id, local_status.member_id)
+            ever = True
         if local_healthy:
             self.failures = 0
         elif self._last_action == health.RESTART and not running:
             self.failures += 1
 
-        from ..restore import marker
-
-        restore = marker.read(cfg, me.name) or {}
-        from ..member.pin import upgrading
-
-        upgrade = upgrading(cfg, me.name) or {}
+        restore = markers.read_restore(cfg, me.name) or {}
+        upgrade = markers.upgrading(cfg, me.name) or {}
         members = self._member_list(local_healthy)
         voters = healthy_voters = 0
         self_info: Optional[MemberInfo] = None
@@ -160,8 +150,8 @@ class Daemon:
             self_started=bool(self_info and self_info.started),
             self_learner=bool(self_info and self_info.is_learner),
             failures=self.failures,
-            ever_bootstrapped=self.ever_bootstrapped(),
-            left=lm.has_left(),
+            ever_bootstrapped=ever,
+            left=markers.has_left(cfg, me.name),
             restore_op=str(restore.get("op") or ""),
             restore_backup=str(restore.get("backup") or ""),
             upgrade_to=str(upgrade.get("version") or ""),
@@ -339,7 +329,7 @@ class Daemon:
         if now - self._last_maintenance < MAINTENANCE_EVERY:
             return None
         self._last_maintenance = now
-        from .. import maintenance
+        from ..cluster import maintenance
 
         done: List[str] = []
         try:
@@ -354,8 +344,12 @@ class Daemon:
                     if alarms and mt.auto_disarm_nospace:
                         done += maintenance.clear_nospace(self.cfg, c).actions
                     elif mt.auto_defrag:
-                        done += [f"defragmented {i.name}: {i.db_size} -> {i.size_after} bytes"
-                                 for i in maintenance.defrag(self.cfg, c) if i.defrag]
+                        from . import metrics
+
+                        for i in maintenance.defrag(self.cfg, c):
+                            if i.defrag and i.seconds is not None:
+                                metrics.observe_operation("defrag", i.seconds, True)
+                                done.append(f"defragmented {i.name}: {i.db_size} -> {i.size_after} bytes")
         except BusyError:
             return None  # another agent is doing it
         except AgentError as exc:
@@ -368,7 +362,9 @@ class Daemon:
     def run(self) -> None:
         log.info("etcd-agent daemon for member %s (%s backend, every %.0fs)", self.me.name,
                  self.local.backend.kind, self.cfg.daemon.interval)
-        from . import metrics  # Prometheus endpoint on [daemon] metrics_address; no-op when unset
+        from . import (
+            metrics,  # Prometheus endpoint on [daemon] metrics_address; no-op when unset
+        )
 
         metrics.start(self)
         while not self._stop:

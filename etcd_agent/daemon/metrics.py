@@ -84,9 +84,9 @@ class AgentMetrics:
         self.cycle_ts.set(time.time())
 
     def _etcd(self, cfg: Config) -> None:
+        from ..cluster.maintenance import fragmentation
         from ..errors import EtcdError
         from ..etcd.client import EtcdClient
-        from ..maintenance import fragmentation
 
         self.members.set(len(cfg.members))
         self.version.clear()

@@ -6,7 +6,7 @@ Only argv lists leave this module; every value that comes from config has been v
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..errors import BackupCorrupt, CommandError
 
@@ -16,15 +16,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # etcdctl v3 API; 3.4 defaults to it already, being explicit keeps 3.3-era environments honest.
 ETCDCTL_ENV = {"ETCDCTL_API": "3"}
-
-
-def etcdctl_argv(cfg: "Config", args: Sequence[str], endpoints: Optional[Sequence[str]] = None) -> List[str]:
-    """``etcdctl --endpoints=... [TLS flags] ARGS`` for the configured cluster."""
-    argv = [cfg.etcd.etcdctl, f"--endpoints={','.join(endpoints or cfg.client_urls)}"]
-    t = cfg.tls
-    if t.client_enabled:
-        argv += [f"--cacert={t.client_ca}", f"--cert={t.client_cert}", f"--key={t.client_key}"]
-    return argv + list(args)
 
 
 def snapshot_tool(cfg: "Config") -> List[str]:

@@ -3,43 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from typing import Mapping, Optional, Sequence
 
-from ..config import MachineIdentity
 from ..errors import CommandError, CommandTimedOut
+from ..fs import fsync_dir, write_atomic
 from .base import Result
-
-
-def write_atomic(path: str, data: bytes, *, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` via temp file + fsync + rename (+ fsync of the dir)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalHost:
@@ -122,19 +93,3 @@ def _text(data: Optional[bytes]) -> str:
     if isinstance(data, str):
         return data
     return data.decode("utf-8", "replace")
-
-
-def machine_identity() -> MachineIdentity:
-    """Host names and IP addresses of this machine, for finding the local member."""
-    import psutil
-
-    # no getfqdn(): it asks DNS, which may be down or unreachable exactly when this runs (an
-    # outage); each lookup then costs the resolver's full timeout (~10 s seen in a restore)
-    names = {socket.gethostname()}
-    names |= {n.split(".")[0] for n in list(names)}
-    addrs = set()
-    for entries in psutil.net_if_addrs().values():
-        for a in entries:
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                addrs.add(a.address.split("%")[0])
-    return MachineIdentity(tuple(sorted(n for n in names if n)), tuple(sorted(addrs)))

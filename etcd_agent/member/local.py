@@ -15,9 +15,15 @@ from typing import Callable, List, Optional, Protocol
 from ..config import Config, Member
 from ..errors import EtcdPeerExists, Interrupted, OperationFailed, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
-from ..hosts.local import write_atomic
-from ..retrying import membership_change
-from ..topology import Bootstrap, join_bootstrap, render_conf, render_unit, seed_bootstrap, static_bootstrap
+from ..topology import (
+    Bootstrap,
+    join_bootstrap,
+    render_conf,
+    render_unit,
+    seed_bootstrap,
+    static_bootstrap,
+)
+from ..waiting import membership_change
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +60,7 @@ class LocalMember:
     """One member on this host."""
 
     def __init__(self, cfg: Config, member: Member, backend: Optional[Backend] = None) -> None:
-        from .pin import pinned_config
+        from ..state.pins import pinned_config
 
         cfg = pinned_config(cfg, member.name)  # a rolling upgrade's binary, if one is pinned
         self.cfg = cfg
@@ -67,28 +73,6 @@ class LocalMember:
     def has_data(self) -> bool:
         """True when the data dir holds an etcd member (etcd would ignore --initial-cluster)."""
         return os.path.isdir(os.path.join(self.data_dir, "member"))
-
-    # ------------------------------------------------------------ "left on purpose" mark
-
-    @property
-    def left_marker(self) -> str:
-        return os.path.join(self.cfg.daemon.state_dir, f"{self.member.name}.left")
-
-    def mark_left(self) -> None:
-        """Remember that this member left the cluster on purpose (`leave`): the daemon then waits
-        instead of joining it again."""
-        os.makedirs(self.cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write_atomic(self.left_marker, f"left {stamp}\n".encode(), mode=0o600)
-
-    def clear_left(self) -> None:
-        try:
-            os.unlink(self.left_marker)
-        except FileNotFoundError:
-            pass
-
-    def has_left(self) -> bool:
-        return os.path.exists(self.left_marker)
 
     def set_aside(self, tag: str) -> Optional[str]:
         """Move the data dir to ``<data_dir>.<tag>-<UTC time>`` (never delete); None if absent."""
@@ -107,8 +91,14 @@ class LocalMember:
     def render(self, boot: Bootstrap) -> bool:
         """Write etcd.conf (and the unit, for systemd) for ``boot``; True when anything changed."""
         changed = self.backend.write_conf(render_conf(self.cfg, self.member, boot))
-        changed = self.backend.write_unit(render_unit(self.cfg, self.member)) or changed
+        changed = self.backend.write_unit(self.unit_text()) or changed
         return changed
+
+    def unit_text(self) -> str:
+        """etcd.service for this member, ExecStart= at its pinned release (read now, not at init)."""
+        from ..state.pins import pinned_binary
+
+        return render_unit(self.cfg, self.member, pinned_binary(self.cfg, self.member.name))
 
     def client(self, timeout: float = 5.0) -> EtcdClient:
         return EtcdClient.from_config(self.cfg, timeout=timeout)

@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 from ..config import Config
 from ..errors import OperationFailed
-from ..hosts.local import write_atomic
+from ..fs import write_atomic
 from ..topology import parse_conf
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,6 @@ is renamed aside, and a failed restore's output is renamed aside too.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -19,15 +17,15 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..backup.archive import ensure_dir
-from ..backup.lock import OperationLock, lock_path_for
 from ..config import Config, Member
-from ..errors import BusyError, CommandError, OperationFailed, RefusedError
+from ..errors import CommandError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
-from ..hosts.local import LocalHost, write_atomic
-from ..member.local import backend_for
-from ..topology import parse_conf, render_conf, render_unit, NEW, Bootstrap
-from . import marker
+from ..fs import write_atomic
+from ..hosts.local import LocalHost
+from ..member.local import LocalMember, backend_for
+from ..state import markers
+from ..state.locks import touch_alive
+from ..topology import NEW, Bootstrap, parse_conf, render_conf
 from . import plan as P
 
 log = logging.getLogger(__name__)
@@ -37,7 +35,6 @@ SNAPSHOT = "etcd_snapshot.db"
 TAR_CONF = "archive-etcd.conf"
 TAR_UNIT = "archive-etcd.service"
 CONF_ORIG = "conf.orig"
-LOCK_IDLE_TTL = 900.0  # the lock holder gives up this long after the last step of its restore
 
 
 def _stamp() -> str:
@@ -195,7 +192,7 @@ class NodeRestore:
             self._clear_work_dir()
             j = None
         # before anything is touched: the daemon must not heal what this restore stops on purpose
-        marker.write(self.cfg, self.member.name, str(self.op), backup)
+        markers.write_restore(self.cfg, self.member.name, str(self.op), backup)
         if j is None:
             j = {
                 "op": self.op, "member": self.member.name, "state": "running", "created": time.time(),
@@ -332,7 +329,7 @@ class NodeRestore:
                 if os.path.isfile(unit):
                     out["unit"] = "kept"
                 else:
-                    text = _read(os.path.join(self.work_dir, TAR_UNIT)) or render_unit(self.cfg, self.member)
+                    text = _read(os.path.join(self.work_dir, TAR_UNIT)) or LocalMember(self.cfg, self.member).unit_text()
                     write_atomic(unit, text.encode(), mode=0o644)
                     self.host.run(["systemctl", "daemon-reload"], timeout=60)
                     out["unit"] = "missing: repaired"
@@ -391,7 +388,7 @@ class NodeRestore:
         j["state"] = "done"
         self._save(j)
         self._drop_payload()
-        marker.clear(self.cfg, self.member.name, self.op)
+        markers.clear_restore(self.cfg, self.member.name, self.op)
         return res
 
     # ------------------------------------------------------------ rollback
@@ -400,7 +397,7 @@ class NodeRestore:
         """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as before."""
         j = self._mine()
         if j.get("state") == "rolled-back":
-            marker.clear(self.cfg, self.member.name, self.op)
+            markers.clear_restore(self.cfg, self.member.name, self.op)
             return {"step": "rollback", "member": self.member.name, "skipped": "already rolled back"}
         if j.get("state") == "done":
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
@@ -440,7 +437,7 @@ class NodeRestore:
         j["rollback"] = did
         self._save(j)
         self._drop_payload()
-        marker.clear(self.cfg, self.member.name, self.op)
+        markers.clear_restore(self.cfg, self.member.name, self.op)
         return {"step": "rollback", "member": self.member.name, "did": did}
 
     # ------------------------------------------------------------ housekeeping
@@ -489,7 +486,7 @@ def _is_this_machine(host: str) -> bool:
     for entries in psutil.net_if_addrs().values():
         if any(a.address.split("%")[0] == host for a in entries):
             return True
-    from ..hosts.local import machine_identity
+    from ..locality import machine_identity
 
     me = machine_identity()
     return host in me.addresses or host in me.names
@@ -501,108 +498,3 @@ def _read(path: str) -> Optional[str]:
             return fh.read()
     except FileNotFoundError:
         return None
-
-
-# ---------------------------------------------------------------- the host's operation lock
-
-
-def _marker(cfg: Config, op: str, kind: str) -> str:
-    return os.path.join(cfg.backup.dir, f".etcd-agent-restore-{op}.{kind}")
-
-
-def touch_alive(cfg: Config, op: str) -> None:
-    """Every step of an op refreshes its lock holder's idle timer."""
-    path = _marker(cfg, op, "alive")
-    if os.path.exists(path):
-        os.utime(path)
-
-
-def lock(cfg: Config, op: str, idle_ttl: float = LOCK_IDLE_TTL) -> Dict[str, Any]:
-    """Take this host's operation lock for restore ``op`` and keep it after this process exits.
-
-    A forked holder inherits the flock'd descriptor and stays (its own session, stdio closed) until
-    ``unlock`` or ``idle_ttl`` seconds without a step of this op; the kernel drops the lock when it
-    dies. The same op taking it again (a resumed restore) finds it held and adopts it.
-    """
-    ensure_dir(cfg.backup.dir)
-    path = lock_path_for(cfg.backup.dir)
-    lk = OperationLock(path, f"restore {op}")
-    try:
-        lk.acquire()
-    except BusyError:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            holder = fh.read()
-        if f"restore {op}" in holder:
-            touch_alive(cfg, op)
-            return {"lock": path, "held": "already, by this restore"}
-        raise
-    fd = lk._fd  # the holder keeps this descriptor (and with it the flock)
-    assert fd is not None
-    for kind in ("release",):
-        try:
-            os.unlink(_marker(cfg, op, kind))
-        except FileNotFoundError:
-            pass
-    write_atomic(_marker(cfg, op, "alive"), b"", mode=0o600)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the holder; exercised by the integration tests
-        try:
-            os.setsid()
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for n in (0, 1, 2):
-                os.dup2(devnull, n)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} restore {op}\n".encode(), 0)
-            _hold(cfg, op, idle_ttl)
-        finally:
-            os._exit(0)
-    os.close(fd)  # the child's copy keeps the lock
-    lk._fd = None
-    return {"lock": path, "held": "taken", "holder_pid": pid}
-
-
-def _hold(cfg: Config, op: str, idle_ttl: float) -> None:
-    release, alive = _marker(cfg, op, "release"), _marker(cfg, op, "alive")
-    while True:
-        if os.path.exists(release):
-            return
-        try:
-            idle = time.time() - os.stat(alive).st_mtime
-        except FileNotFoundError:
-            return
-        if idle > idle_ttl:
-            return
-        time.sleep(0.2)
-
-
-def unlock(cfg: Config, op: str) -> Dict[str, Any]:
-    """Tell the holder of ``op`` to let go, and wait until the lock is free."""
-    path = lock_path_for(cfg.backup.dir)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            holder = fh.read()
-    except FileNotFoundError:
-        return {"lock": path, "released": "no lock file"}
-    if f"restore {op}" not in holder:
-        return {"lock": path, "released": "not held by this restore"}
-    write_atomic(_marker(cfg, op, "release"), b"", mode=0o600)
-    deadline = time.monotonic() + 10
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                    raise OperationFailed(f"lock {path} still held after release of restore {op}")
-                time.sleep(0.1)
-    finally:
-        os.close(fd)
-    for kind in ("release", "alive"):
-        try:
-            os.unlink(_marker(cfg, op, kind))
-        except FileNotFoundError:
-            pass
-    return {"lock": path, "released": True}

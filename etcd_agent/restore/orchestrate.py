@@ -26,10 +26,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..backup import archive
 from ..backup.catalog import resolve_from
 from ..backup.verify import member_problem, verify
+from ..cluster.health import wait_converged
+from ..cluster.lineage import current_cluster, record_lineage
 from ..config import DEFAULT_PATH, Config, Member
 from ..errors import (
-    AgentError, BusyError, CommandError, OperationFailed, RefusedError, UsageError,
+    AgentError,
+    BusyError,
+    CommandError,
+    OperationFailed,
+    RefusedError,
+    UsageError,
 )
+from ..fs import ensure_private_dir
 from ..hosts.base import Host
 from . import plan as P
 from .node import SNAPSHOT, TAR_CONF, TAR_UNIT
@@ -119,7 +127,8 @@ def _is_local(m: Member, cfg: Config, me: Any) -> bool:
 
 
 def open_nodes(cfg: Config) -> List[Node]:
-    from ..hosts.local import LocalHost, machine_identity
+    from ..hosts.local import LocalHost
+    from ..locality import machine_identity
 
     # with [local] name set, never resolve our own name: with DNS down (an outage) getfqdn stalls
     me = machine_identity() if cfg.local.name is None else None
@@ -195,43 +204,6 @@ def extract(path: str, dest: str, manifest: Dict[str, Any]) -> Dict[str, str]:
     return out
 
 
-def current_cluster(cfg: Config) -> Tuple[Optional[str], List[str]]:
-    """The running cluster's id and restore lineage if any member answers (None in an outage)."""
-    from ..etcd.client import EtcdClient
-
-    try:
-        with EtcdClient.from_config(cfg, timeout=2.0) as c:
-            for url in cfg.client_urls:
-                try:
-                    cid = f"{c.status(url, timeout=2.0).cluster_id:x}"
-                except AgentError:
-                    continue
-                try:
-                    raw = c.get(P.LINEAGE_KEY)
-                    lineage = [str(x) for x in json.loads(raw)] if raw else []
-                except (AgentError, ValueError, TypeError):
-                    lineage = []
-                return cid, lineage
-    except AgentError:
-        pass
-    return None, []
-
-
-def record_lineage(cfg: Config, archive_cluster_id: Optional[str]) -> None:
-    """Append the archive's cluster id to the restored cluster's lineage (see plan.LINEAGE_KEY)."""
-    from ..etcd.client import EtcdClient
-
-    with EtcdClient.from_config(cfg, timeout=5.0) as c:
-        raw = c.get(P.LINEAGE_KEY)
-        try:
-            ids = [str(x) for x in json.loads(raw)] if raw else []
-        except ValueError:
-            ids = []
-        if archive_cluster_id and archive_cluster_id not in ids:
-            ids.append(archive_cluster_id)
-        c.put(P.LINEAGE_KEY, json.dumps(ids[-50:]).encode())
-
-
 # ---------------------------------------------------------------- restore
 
 
@@ -250,7 +222,7 @@ class Restore:
         t0 = time.monotonic()
         cfg = self.cfg
         entry = resolve_from(cfg, self.opts.spec)
-        archive.ensure_dir(cfg.backup.dir)
+        ensure_private_dir(cfg.backup.dir)
         staging = tempfile.mkdtemp(prefix=".etcd-agent-restore-", dir=cfg.backup.dir)
         try:
             self.nodes = open_nodes(cfg)
@@ -478,41 +450,6 @@ class Restore:
             if lines:
                 self.say(lines[-1])
         return ok, lines
-
-
-def wait_converged(cfg: Config, timeout: float, say: Progress = lambda s: None) -> Dict[str, int]:
-    """Wait until every member is healthy, in one cluster, at the same revision."""
-    from ..etcd.client import EtcdClient
-
-    deadline = time.monotonic() + timeout
-    last = ""
-    with EtcdClient.from_config(cfg, timeout=2.0) as c:
-        while time.monotonic() < deadline:
-            revs: Dict[str, int] = {}
-            clusters = set()
-            why = ""
-            for m in cfg.members:
-                ok, w = c.healthy(m.client_url, timeout=2.0)
-                if not ok:
-                    why = f"{m.name}: {w}"
-                    break
-                try:
-                    st = c.status(m.client_url, timeout=2.0)
-                except AgentError as exc:
-                    why = f"{m.name}: {exc.message}"
-                    break
-                revs[m.name] = st.revision
-                clusters.add(st.cluster_id)
-            else:
-                if len(set(revs.values())) == 1 and len(clusters) == 1:
-                    say(f"all {len(revs)} members healthy at revision {next(iter(revs.values()))}")
-                    return revs
-                why = f"revisions {revs}"
-            if why != last:
-                log.info("waiting for the restored cluster: %s", why)
-                last = why
-            time.sleep(0.2)
-    raise OperationFailed(f"restored cluster not healthy at one revision after {timeout:.0f}s: {last}")
 
 
 def restore(cfg: Config, opts: Options) -> Outcome:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..cluster.lineage import LINEAGE_KEY
 from ..config import NAME_RE, Config, Member
 from ..etcd.tools import snapshot_restore_argv
 from ..topology import NEW, Bootstrap, conf_vars, initial_cluster, member_pairs
@@ -136,9 +137,6 @@ def required_free(snapshot_size: int) -> int:
     return int(snapshot_size * 2 * 1.1) + 64 * 1024 * 1024
 
 
-# Written into the restored cluster: the ids of the clusters its data came from. A restore makes a
-# new cluster id; this is how the next in-place restore knows older backups are still this cluster's.
-LINEAGE_KEY = "/etcd-agent/restore/lineage"
 
 
 def check_manifest(

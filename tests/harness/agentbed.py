@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
 import pytest
 
+from etcd_agent.cluster.status import cluster_status
 from etcd_agent.config import Config, parse_text
-from etcd_agent.status import cluster_status
 from tests.harness.nspawn import Container
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -15,14 +15,14 @@ from typing import Iterator
 import pytest
 
 from etcd_agent.backup import archive, catalog
-from tests.harness.loopback import free_port_pairs
-from etcd_agent.backup.lock import OperationLock, lock_path_for
 from etcd_agent.backup.service import take_backup
 from etcd_agent.backup.verify import verify
 from etcd_agent.config import load
 from etcd_agent.errors import BackupError, BusyError
 from etcd_agent.etcd.tools import snapshot_status
 from etcd_agent.hosts.local import LocalHost
+from etcd_agent.state.locks import OperationLock, lock_path_for
+from tests.harness.loopback import free_port_pairs
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from etcd_agent.cluster.status import cluster_status
 from etcd_agent.errors import RefusedError
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.status import cluster_status
 
 pytestmark = pytest.mark.integration
 

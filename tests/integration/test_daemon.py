@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from etcd_agent.cluster.status import cluster_status
 from etcd_agent.daemon import health
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.status import cluster_status
 from tests.harness.loopback import LoopbackCluster
 
 pytestmark = pytest.mark.integration

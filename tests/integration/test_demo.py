@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from etcd_agent.demo import port_free, ports
+from etcd_agent.cluster.demo import port_free, ports
 
 pytestmark = pytest.mark.integration
 

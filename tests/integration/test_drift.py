@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from etcd_agent.drift import CONF_DRIFT, UNKNOWN, ZOMBIE, find_drift
+from etcd_agent.cluster.drift import CONF_DRIFT, UNKNOWN, ZOMBIE, find_drift
+from etcd_agent.cluster.health import cluster_health
 from etcd_agent.member.learner import join_as_learner
-from etcd_agent.retrying import membership_change
-from etcd_agent.upgrade import cluster_health
+from etcd_agent.waiting import membership_change
 from tests.harness.loopback import free_port_pairs
 
 pytestmark = pytest.mark.integration
@@ -65,7 +65,7 @@ def test_unknown_member_is_explained_not_removed(cluster_factory):
     cfg2 = dataclasses.replace(c.cfg, members=c.cfg.members[:2])
     findings = find_drift(cfg2)
     assert [f.kind for f in findings] == [UNKNOWN]
-    from etcd_agent.drift import plan_repair
+    from etcd_agent.cluster.drift import plan_repair
 
     (fix,) = plan_repair(cfg2, findings)
     assert not fix.safe and "member remove" in fix.description

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from etcd_agent.cluster.health import cluster_health
+from etcd_agent.cluster.maintenance import defrag, fragmentation
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.maintenance import defrag, fragmentation
 from etcd_agent.topology import static_bootstrap
-from etcd_agent.upgrade import cluster_health
 
 pytestmark = pytest.mark.integration
 

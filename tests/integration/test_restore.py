@@ -20,12 +20,12 @@ from typing import List
 
 import pytest
 
-from etcd_agent.backup.lock import OperationLock, lock_path_for
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.errors import OperationFailed
 from etcd_agent.restore.orchestrate import Options, restore
 from etcd_agent.restore.plan import work_dir_for
+from etcd_agent.state.locks import OperationLock, lock_path_for
 from tests.harness.loopback import LoopbackCluster
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,8 @@ import pytest
 
 from etcd_agent.backup.service import take_backup
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.restore import marker
 from etcd_agent.restore.plan import work_dir_for
+from etcd_agent.state import markers
 from tests.harness.loopback import LoopbackCluster
 from tests.integration.test_daemon import Daemons, wait_healthy
 from tests.integration.test_restore import AGENT, EXTRA, counts, put_many, revisions
@@ -75,7 +75,7 @@ def test_daemons_wait_during_restore_and_after_a_crash(daemons) -> None:  # type
         assert "is in progress on this host; hands off" in log, log[-2000:]
         assert "etcd-agent restore rollback" in log
         assert " -> restart" not in log.split("is in progress")[-1], "a daemon restarted etcd during the restore"
-    assert marker.read_all(c.cfg) == []
+    assert markers.read_restores(c.cfg) == []
     ids = member_ids(c)
     time.sleep(3)  # three daemon cycles on the restored cluster: nobody replaced, nobody restarted
     assert member_ids(c) == ids
@@ -107,7 +107,7 @@ def test_daemons_wait_during_restore_and_after_a_crash(daemons) -> None:  # type
             proc.kill()
             proc.wait(10)
     op = j["op"]
-    assert {r["member"] for r in marker.read_all(c.cfg)} == {"m1", "m2", "m3"}
+    assert {r["member"] for r in markers.read_restores(c.cfg)} == {"m1", "m2", "m3"}
     marks = {m: os.path.getsize(d.c.dir + f"/daemon-{m}.log") for m in ("m1", "m2", "m3")}
     time.sleep(4)  # four cycles: without the marker every member would be restarted / replaced by now
     # (the node call in flight when the orchestrator died may still finish its steps: that is
@@ -131,7 +131,7 @@ def test_daemons_wait_during_restore_and_after_a_crash(daemons) -> None:  # type
     wait_healthy(c.cfg, 3, 30)
     assert counts(c, "/k/", "/later/") == [2000, 0]
     assert len(set(revisions(c))) == 1
-    assert marker.read_all(c.cfg) == []
+    assert markers.read_restores(c.cfg) == []
     assert "RESTORE IN PROGRESS" not in agent(c, "status").stdout
     ids = member_ids(c)
     time.sleep(3)

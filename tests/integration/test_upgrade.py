@@ -14,13 +14,14 @@ import time
 
 import pytest
 
+from etcd_agent.cluster.health import cluster_health
+from etcd_agent.cluster.upgrade import plan_upgrade, run_upgrade
 from etcd_agent.config import load, with_local
 from etcd_agent.errors import EtcdError, OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
-from etcd_agent.member.pin import pin_path, read_pin
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.upgrade import cluster_health, plan_upgrade, run_upgrade
+from etcd_agent.state.pins import pin_path, read_pin
 from tests.harness.loopback import ETCD, ETCDCTL, LoopbackCluster
 
 pytestmark = pytest.mark.integration

@@ -20,10 +20,10 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from etcd_agent.cli.main import main
+from etcd_agent.cluster.status import cluster_status
 from etcd_agent.config import Config, TlsSection, load
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.status import cluster_status
 from etcd_agent.topology import parse_conf, render_conf, static_bootstrap
 from tests.harness.netns import NetnsBed, NsHost
 

@@ -13,7 +13,12 @@ import psutil
 import pytest
 
 from etcd_agent.config import SshSection, load, merged
-from etcd_agent.errors import CommandError, CommandTimedOut, HostKeyRejected, HostUnreachable
+from etcd_agent.errors import (
+    CommandError,
+    CommandTimedOut,
+    HostKeyRejected,
+    HostUnreachable,
+)
 from etcd_agent.hosts import open_host
 from etcd_agent.hosts.local import LocalHost
 from etcd_agent.hosts.ssh import KILL_GRACE, SshHost

@@ -37,7 +37,15 @@ from tests.harness.nspawn import INNER_ENV, Container, NspawnBed
 
 from .conftest import METRICS, REPO
 from .test_restore_systemd import (
-    AGENT_UNIT, APISERVER, DATA_DIR, STAND_IN, agent, counts, put_many, revisions, wait_healthy,
+    AGENT_UNIT,
+    APISERVER,
+    DATA_DIR,
+    STAND_IN,
+    agent,
+    counts,
+    put_many,
+    revisions,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.systemd

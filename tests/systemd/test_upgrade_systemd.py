@@ -212,7 +212,7 @@ def test_forced_failure_rolled_back(eu: NspawnBed) -> None:
 HOLD = """
 import subprocess, sys, time
 from etcd_agent.config import load, with_local
-from etcd_agent.member.pin import clear_upgrading, mark_upgrading
+from etcd_agent.state.markers import clear_upgrading, mark_upgrading
 cfg = with_local(load("/etc/etcd-agent/agent.toml"), sys.argv[1])
 mark_upgrading(cfg, sys.argv[1], "3.5.1", "/usr/bin/etcd")
 try:

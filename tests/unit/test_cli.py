@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from etcd_agent.cli.main import main
-from etcd_agent.sample import SAMPLE
+from etcd_agent.config.sample import SAMPLE
 
 
 def run(*args, stdin=None):

@@ -3,9 +3,10 @@ import dataclasses
 
 import pytest
 
-from etcd_agent.config import MachineIdentity, load, local_member, parse_text
+from etcd_agent.config import load, parse_text
+from etcd_agent.config.sample import SAMPLE
 from etcd_agent.errors import ConfigError
-from etcd_agent.sample import SAMPLE
+from etcd_agent.locality import MachineIdentity, local_member
 
 GOOD = """
 [cluster]

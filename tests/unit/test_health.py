@@ -86,21 +86,21 @@ def test_restore_in_progress_means_wait(changes):
 
 def test_unreadable_marker_still_pauses(tmp_path):
     from etcd_agent.config import parse_text
-    from etcd_agent.restore import marker
+    from etcd_agent.state import markers
 
     cfg, errors = parse_text(
         f'[cluster]\nname = "t"\ntoken = "t"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n'
         f'[daemon]\nstate_dir = "{tmp_path}/state"\n'
     )
     assert cfg is not None, errors
-    assert marker.read(cfg, "m1") is None
-    marker.write(cfg, "m1", "op1", "/b/x.tar")
-    assert marker.read(cfg, "m1")["op"] == "op1"
-    assert os.stat(marker.marker_path(cfg, "m1")).st_mode & 0o777 == 0o600
-    assert not marker.clear(cfg, "m1", "other-op")  # another op's marker is not ours to remove
-    with open(marker.marker_path(cfg, "m1"), "w") as fh:
+    assert markers.read_restore(cfg, "m1") is None
+    markers.write_restore(cfg, "m1", "op1", "/b/x.tar")
+    assert markers.read_restore(cfg, "m1")["op"] == "op1"
+    assert os.stat(markers.restore_marker_path(cfg, "m1")).st_mode & 0o777 == 0o600
+    assert not markers.clear_restore(cfg, "m1", "other-op")  # another op's marker is not ours to remove
+    with open(markers.restore_marker_path(cfg, "m1"), "w") as fh:
         fh.write("{not json")
-    rec = marker.read(cfg, "m1")
+    rec = markers.read_restore(cfg, "m1")
     assert rec is not None and rec["op"] == "?"
-    assert [r["member"] for r in marker.read_all(cfg)] == ["m1"]
-    assert marker.clear(cfg, "m1") and marker.read_all(cfg) == []
+    assert [r["member"] for r in markers.read_restores(cfg)] == ["m1"]
+    assert markers.clear_restore(cfg, "m1") and markers.read_restores(cfg) == []

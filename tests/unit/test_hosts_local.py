@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from etcd_agent.errors import CommandError, CommandTimedOut
-from etcd_agent.hosts.local import LocalHost, write_atomic
+from etcd_agent.fs import write_atomic
+from etcd_agent.hosts.local import LocalHost
 
 
 @pytest.fixture

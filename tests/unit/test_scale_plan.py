@@ -1,10 +1,17 @@
 """The pure membership planners: what they allow, what they refuse, and what the plan says."""
 import pytest
 
+from etcd_agent.cluster.scale import (
+    MEMBERSHIP_LOCK,
+    ClusterView,
+    decide_add,
+    decide_join,
+    decide_leave,
+    decide_remove,
+)
 from etcd_agent.config import parse_text
 from etcd_agent.errors import RefusedError, UsageError
 from etcd_agent.etcd.client import MemberInfo
-from etcd_agent.member.scale import MEMBERSHIP_LOCK, ClusterView, decide_add, decide_join, decide_leave, decide_remove
 
 TOML = "\n".join(
     ['[cluster]\nname = "t"', '[etcd]\ndata_dir = "/var/lib/etcd/{name}.etcd"']

@@ -83,7 +83,7 @@ def test_tls_vars(tmp_path):
 
 def test_unit_text():
     c = cfg()
-    unit = topology.render_unit(c, c.member("infra0"))
+    unit = topology.render_unit(c, c.member("infra0"), "/usr/bin/etcd")
     for line in ("Type=notify", "User=etcd", "EnvironmentFile=/etc/etcd/etcd.conf", "ExecStart=/usr/bin/etcd",
                  "Restart=on-failure", "LimitNOFILE=65536", "WantedBy=multi-user.target"):
         assert line in unit.splitlines()

@@ -8,7 +8,8 @@ import sys
 from etcd_agent import topology
 from etcd_agent.config import parse_text
 from etcd_agent.daemon import health as h
-from etcd_agent.member import pin
+from etcd_agent.state import markers
+from etcd_agent.state import pins as pin
 
 
 def cfg(tmp_path):
@@ -31,7 +32,7 @@ def install(c, version):
 
 
 def exec_start(c):
-    unit = topology.render_unit(c, c.member("m1"))
+    unit = topology.render_unit(c, c.member("m1"), pin.pinned_binary(c, "m1"))
     return next(line for line in unit.splitlines() if line.startswith("ExecStart="))
 
 
@@ -56,30 +57,30 @@ def test_pin_to_a_missing_binary_falls_back_to_the_configured_one(tmp_path):
 
 def test_marker_of_a_live_process_pauses_and_a_dead_ones_is_removed(tmp_path):
     c = cfg(tmp_path)
-    assert pin.upgrading(c, "m1") is None
-    pin.mark_upgrading(c, "m1", "3.5.1", "/usr/bin/etcd")
-    rec = pin.upgrading(c, "m1")
+    assert markers.upgrading(c, "m1") is None
+    markers.mark_upgrading(c, "m1", "3.5.1", "/usr/bin/etcd")
+    rec = markers.upgrading(c, "m1")
     assert rec is not None and rec["version"] == "3.5.1" and rec["pid"] == os.getpid()
-    pin.clear_upgrading(c, "m1")
-    assert pin.upgrading(c, "m1") is None
+    markers.clear_upgrading(c, "m1")
+    assert markers.upgrading(c, "m1") is None
     # a step that died: its process is gone, the marker is stale and goes away
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    path = pin.upgrade_marker_path(c, "m1")
+    path = markers.upgrade_marker_path(c, "m1")
     with open(path, "w") as fh:
         json.dump({"member": "m1", "version": "3.5.1", "pid": int(dead.stdout), "pid_started": 1.0}, fh)
-    assert pin.upgrading(c, "m1") is None and not os.path.exists(path)
+    assert markers.upgrading(c, "m1") is None and not os.path.exists(path)
     # a recycled pid (alive, but started at another time) is stale as well
     with open(path, "w") as fh:
         json.dump({"member": "m1", "version": "3.5.1", "pid": os.getpid(), "pid_started": 1.0}, fh)
-    assert pin.upgrading(c, "m1") is None
+    assert markers.upgrading(c, "m1") is None
 
 
 def test_unreadable_marker_fails_closed(tmp_path):
     c = cfg(tmp_path)
     os.makedirs(c.daemon.state_dir)
-    with open(pin.upgrade_marker_path(c, "m1"), "w") as fh:
+    with open(markers.upgrade_marker_path(c, "m1"), "w") as fh:
         fh.write("{not json")
-    rec = pin.upgrading(c, "m1")
+    rec = markers.upgrading(c, "m1")
     assert rec is not None and "unreadable" in rec["error"]
 
 

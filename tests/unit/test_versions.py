@@ -1,7 +1,13 @@
 """The pure skew rules: what a rolling upgrade may do in one step, and the path when it may not."""
 import pytest
 
-from etcd_agent.etcd.versions import Version, check_cluster, check_step, parse, upgrade_path
+from etcd_agent.etcd.versions import (
+    Version,
+    check_cluster,
+    check_step,
+    parse,
+    upgrade_path,
+)
 
 
 def step(a, b):

@@ -1,24 +1,16 @@
-"""Typed, frozen configuration loaded from TOML.
+"""The typed, frozen configuration: one dataclass per TOML section, and the patterns values obey.
 
-``load()`` parses and validates once and reports *every* problem in one ``ConfigError``; the rest
-of the agent only ever sees a valid ``Config``. Nothing here falls back silently: an unknown key or
-a wrong type is an error, not a default.
+Nothing here parses or validates (``load`` and ``validation`` do); the rest of the agent only ever
+sees a ``Config`` that passed both.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.9
-    import tomli as tomllib
+from ..errors import ConfigError
 
 DEFAULT_PATH = "/etc/etcd-agent/agent.toml"
 
@@ -254,178 +246,6 @@ SECTIONS: Dict[str, type] = {
     "daemon": DaemonSection,
     "maintenance": MaintenanceSection,
 }
-
-
-# ---------------------------------------------------------------- parsing
-
-
-def _check_type(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is typing.Union:
-        return any(_check_type(value, a) for a in typing.get_args(hint) if a is not type(None))
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return False
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
-        hint, str(hint)
-    )
-
-
-def _build(cls: type, raw: Any, where: str, errors: List[str]) -> Any:
-    """Build dataclass ``cls`` from ``raw``; unknown keys and wrong types become errors."""
-    if not isinstance(raw, dict):
-        errors.append(f"{where}: expected a table")
-        return None
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: Dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in known:
-            errors.append(f"{where}: unknown key {key!r}")
-            continue
-        if dataclasses.is_dataclass(hints[key]):
-            # a nested table such as [backup.remote]: built (and its errors reported) recursively
-            sub = _build(hints[key], value, f"{where}.{key}", errors)
-            if sub is not None:
-                kwargs[key] = sub
-            continue
-        if not _check_type(value, hints[key]):
-            shown = repr(value) if known[key].repr else "<hidden>"  # never echo a secret
-            errors.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {shown}")
-            continue
-        kwargs[key] = float(value) if hints[key] is float else value
-    missing = [
-        n
-        for n, f in known.items()
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-        and n not in kwargs
-        and n not in raw
-    ]
-    for n in missing:
-        errors.append(f"{where}: missing required key {n!r}")
-    if missing or any(k not in kwargs for k in raw if k in known):
-        return None
-    return cls(**kwargs)
-
-
-def parse_text(text: str, *, path: Optional[str] = None) -> Tuple[Optional[Config], List[str]]:
-    """Parse TOML text into a Config; returns (config or None, every error found)."""
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        return None, [f"not valid TOML: {exc}"]
-    errors: List[str] = []
-    sections: Dict[str, Any] = {}
-    for key in raw:
-        if key not in SECTIONS and key != "member":
-            errors.append(f"unknown section [{key}]")
-    for key, cls in SECTIONS.items():
-        sections[key] = _build(cls, raw.get(key, {}), key, errors)
-    raw_members = raw.get("member", [])
-    member_sections: List[MemberSection] = []
-    if not isinstance(raw_members, list):
-        errors.append("member: expected [[member]] tables")
-    else:
-        for i, rm in enumerate(raw_members):
-            label = f"member[{i}]"
-            if isinstance(rm, dict) and isinstance(rm.get("name"), str):
-                label = f"member {rm['name']!r}"
-            ms = _build(MemberSection, rm, label, errors)
-            if ms is not None:
-                member_sections.append(ms)
-    if any(v is None for v in sections.values()):
-        return None, errors
-    from .validation import validate  # validation imports this module's types and patterns
-
-    members = _resolve_members(member_sections, sections["etcd"], sections["tls"], errors)
-    cfg = Config(members=tuple(members), path=path, **sections)
-    errors.extend(validate(cfg, raw_member_count=len(raw_members) if isinstance(raw_members, list) else 0))
-    return cfg, errors
-
-
-def _default_url(host: str, port: int, tls: bool) -> str:
-    h = f"[{host}]" if ":" in host else host
-    return f"{'https' if tls else 'http'}://{h}:{port}"
-
-
-def _resolve_members(
-    sections: List[MemberSection], etcd: EtcdSection, tls: TlsSection, errors: List[str]
-) -> List[Member]:
-    out = []
-    for s in sections:
-        out.append(
-            Member(
-                name=s.name,
-                host=s.host,
-                client_url=s.client_url or _default_url(s.host, etcd.client_port, tls.client_enabled),
-                peer_url=s.peer_url or _default_url(s.host, etcd.peer_port, tls.peer_enabled),
-                ssh_host=s.ssh_host or s.host,
-            )
-        )
-    return out
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load(path: str = DEFAULT_PATH, *, text: Optional[str] = None) -> Config:
-    """Load and validate; raise ConfigError listing every problem."""
-    if text is None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found (use -c PATH, or `etcd-agent config sample`)")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}")
-    cfg, errors = parse_text(text, path=path)
-    if errors or cfg is None:
-        n = len(errors)
-        raise ConfigError(f"{path}: {n} problem{'s' if n != 1 else ''} in the config", details=errors)
-    return cfg
-
-
-@dataclass(frozen=True)
-class MachineIdentity:
-    """What this machine calls itself: host names and IP addresses."""
-
-    names: Tuple[str, ...]
-    addresses: Tuple[str, ...]
-
-
-def local_member(cfg: Config, me: MachineIdentity) -> Member:
-    """The member this machine runs: ``[local] name``, else the one whose host matches this machine."""
-    if cfg.local.name is not None:
-        return cfg.member(cfg.local.name)
-    matches = [
-        m
-        for m in cfg.members
-        if m.name in me.names or m.host in me.names or m.host in me.addresses
-    ]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise ConfigError(
-            "local member not found: no [[member]] name or host matches this machine "
-            f"(names {', '.join(me.names) or '-'}; addresses {', '.join(me.addresses) or '-'}); "
-            "set [local] name"
-        )
-    raise ConfigError(
-        f"local member is ambiguous: {', '.join(m.name for m in matches)} all match this machine; "
-        "set [local] name"
-    )
 
 
 def with_local(cfg: Config, name: str) -> Config:

@@ -10,7 +10,7 @@ import os
 from typing import Callable, Dict, List, Optional
 from urllib.parse import urlsplit
 
-from .config import (
+from .model import (
     ADDRESSING_STYLES,
     BOOTSTRAP_MODES,
     BUCKET_RE,

@@ -22,7 +22,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ..config import Config, merged
-from ..hosts.local import write_atomic
+from ..fs import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -105,74 +105,3 @@ def pinned_config(cfg: Config, member: str) -> Config:
         if isinstance(path, str) and os.path.isfile(path):
             repl[tool] = path
     return merged(cfg, etcd=repl)
-
-
-# ---------------------------------------------------------------- "upgrade in progress" marker
-
-UPGRADE_PREFIX = "upgrade-in-progress-"
-
-
-def upgrade_marker_path(cfg: Config, member: str) -> str:
-    return os.path.join(cfg.daemon.state_dir, f"{UPGRADE_PREFIX}{member}.json")
-
-
-def _process_started(pid: int) -> Optional[float]:
-    import psutil
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return None
-
-
-def mark_upgrading(cfg: Config, member: str, version: str, previous: str) -> str:
-    """Pause the daemon for ``member`` while this process steps it to ``version``."""
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-    pid = os.getpid()
-    rec = {"member": member, "version": version, "previous": previous, "pid": pid,
-           "pid_started": _process_started(pid),
-           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = upgrade_marker_path(cfg, member)
-    write_atomic(path, (json.dumps(rec, sort_keys=True) + "\n").encode(), mode=0o600)
-    log.info("%s: daemon paused while upgrading to %s (%s)", member, version, path)
-    return path
-
-
-def clear_upgrading(cfg: Config, member: str) -> None:
-    try:
-        os.unlink(upgrade_marker_path(cfg, member))
-    except FileNotFoundError:
-        return
-    log.info("%s: upgrade marker removed; the daemon resumes", member)
-
-
-def upgrading(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
-    """The live upgrade marker of ``member``, or None (absent, or its process is gone).
-
-    An unreadable marker counts as live (fail closed): the daemon waits and says which file to
-    remove, rather than restarting a member an upgrade may have stopped on purpose.
-    """
-    path = upgrade_marker_path(cfg, member)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            rec = json.load(fh)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        return {"member": member, "version": "?", "error": f"unreadable marker {path}: {exc}"}
-    if not isinstance(rec, dict):
-        return {"member": member, "version": "?", "error": f"malformed marker {path}"}
-    pid, began = rec.get("pid"), rec.get("pid_started")
-    started = _process_started(pid) if isinstance(pid, int) else None
-    alive = started is not None
-    if started is not None and isinstance(began, (int, float)):
-        alive = abs(started - began) < 1.0  # not a recycled pid
-    if not alive:
-        # the step died (killed, host rebooted): removed once, so the warning is not repeated
-        log.warning("%s: stale upgrade marker %s (process %s is gone); removing it", member, path, pid)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return None
-    return rec

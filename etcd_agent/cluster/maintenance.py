@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .config import Config
-from .errors import EtcdError, OperationFailed, RefusedError
-from .etcd.client import EndpointStatus, EtcdClient
+from ..config import Config
+from ..errors import EtcdError, OperationFailed, RefusedError
+from ..etcd.client import EndpointStatus, EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def member_statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0) -> Li
 
 def _gate(cfg: Config, client: EtcdClient, timeout: float, allow_alarms: bool = False) -> None:
     """Wait until every member answers a linearizable read (alarms tolerated when clearing them)."""
-    from .upgrade import cluster_health
+    from .health import cluster_health
 
     deadline = time.monotonic() + timeout
     problems: List[str] = []
@@ -100,7 +100,7 @@ def _gate(cfg: Config, client: EtcdClient, timeout: float, allow_alarms: bool = 
 def defrag(cfg: Config, client: EtcdClient, *, dry_run: bool = False, threshold: Optional[float] = None,
            force: bool = False, allow_alarms: bool = False, gate_timeout: float = 60.0) -> List[DefragItem]:
     """Defragment the members that need it, one at a time; RefusedError if the cluster is unhealthy."""
-    from .upgrade import cluster_health
+    from .health import cluster_health
 
     mt = cfg.maintenance
     ok, problems = cluster_health(cfg, client)
@@ -122,7 +122,6 @@ def defrag(cfg: Config, client: EtcdClient, *, dry_run: bool = False, threshold:
         it.seconds = time.monotonic() - t0
         it.size_after = client.status(it.endpoint).db_size
         log.info("%s: defragmented %d -> %d bytes in %.2fs", it.name, it.db_size, it.size_after, it.seconds)
-        _record(cfg, "defrag", it.seconds, True)
     _gate(cfg, client, gate_timeout, allow_alarms)
     return items
 
@@ -183,13 +182,3 @@ def clear_nospace(cfg: Config, client: EtcdClient, *, dry_run: bool = False) -> 
         raise OperationFailed("NOSPACE alarm is back right after disarming: the data itself exceeds the quota "
                               "(raise --quota-backend-bytes or delete data)", details=rep.actions)
     return rep
-
-
-def _record(cfg: Config, what: str, seconds: float, ok: bool) -> None:
-    """Durations and failures for the metrics endpoint (kept in this process)."""
-    try:
-        from .daemon import metrics
-
-        metrics.observe_operation(what, seconds, ok)
-    except Exception:  # noqa: BLE001 - metrics never fail maintenance
-        pass

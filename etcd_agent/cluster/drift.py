@@ -16,10 +16,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-from .config import Config, with_local
-from .errors import EtcdError, RefusedError
-from .etcd.client import EtcdClient, MemberInfo
-from .topology import conf_vars, join_bootstrap, parse_conf, static_bootstrap
+from ..config import Config, with_local
+from ..errors import EtcdError, RefusedError
+from ..etcd.client import EtcdClient, MemberInfo
+from ..topology import conf_vars, join_bootstrap, parse_conf, static_bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,8 @@ def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: set) ->
 
 def local_confs(cfg: Config) -> Dict[str, str]:
     """Conf files readable on this host: every member's on a one-host cluster, else the local one's."""
-    from .config import local_member
-    from .errors import ConfigError
-    from .hosts.local import machine_identity
+    from ..errors import ConfigError
+    from ..locality import local_member, machine_identity
 
     if len({m.host for m in cfg.members}) == 1:
         names = [m.name for m in cfg.members]
@@ -164,8 +163,8 @@ def plan_repair(cfg: Config, findings: List[Finding]) -> List[Fix]:
 
 def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0) -> List[str]:
     """Apply the safe fixes; each line says what was done."""
-    from .member.local import MEMBERSHIP_LOCK, LocalMember
-    from .member.quorum import can_remove
+    from ..member.local import MEMBERSHIP_LOCK, LocalMember
+    from ..member.quorum import can_remove
 
     done: List[str] = []
     with EtcdClient.from_config(cfg, timeout=5.0) as c:
@@ -198,7 +197,7 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0) -> List[st
             else:
                 boot = join_bootstrap(cfg, m, [(x.name, x.peer_urls[0]) for x in members if x.started and x.peer_urls])
             lm = LocalMember(with_local(cfg, m.name), m)
-            from .topology import render_conf
+            from ..topology import render_conf
 
             lm.backend.write_conf(render_conf(lm.cfg, m, boot))
             done.append(f"re-rendered {cfg.conf_file(m.name)}")

@@ -24,13 +24,26 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from ..config import NAME_RE, Config, Member
-from ..validation import url_problem
-from ..errors import BusyError, EtcdError, EtcdMemberNotFound, OperationFailed, RefusedError, UsageError
+from ..config.validation import url_problem
+from ..errors import (
+    BusyError,
+    EtcdError,
+    EtcdMemberNotFound,
+    OperationFailed,
+    RefusedError,
+    UsageError,
+)
 from ..etcd.client import EtcdClient, MemberInfo
-from ..retrying import membership_change
+from ..member.local import (
+    MEMBERSHIP_LOCK,
+    LocalMember,
+    add_member_idempotent,
+    find_member,
+)
+from ..member.quorum import can_add, can_remove, has_quorum
+from ..state import markers
 from ..topology import initial_cluster
-from .local import MEMBERSHIP_LOCK, LocalMember, add_member_idempotent, find_member
-from .quorum import can_add, can_remove, has_quorum
+from ..waiting import membership_change
 
 log = logging.getLogger(__name__)
 
@@ -485,9 +498,9 @@ def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember, *, learner: b
     """
     with membership_lock(cfg, observe(client)):
         decide_join(cfg, observe(client), lm.member, has_data=lm.has_data())
-        lm.clear_left()  # an operator's join undoes an earlier leave: the daemon may manage it again
+        markers.clear_left(cfg, lm.member.name)  # an operator's join undoes an earlier leave: the daemon may manage it again
         if learner:
-            from .learner import join_as_learner
+            from ..member.learner import join_as_learner
 
             info = join_as_learner(lm, client, timeout=2 * cfg.etcd.start_timeout)
         else:
@@ -512,7 +525,7 @@ def execute_leave(cfg: Config, client: EtcdClient, lm: LocalMember, *, reset: bo
         )
         if not reset:
             # before anything irreversible: the daemon must not rejoin a member that left on purpose
-            lm.mark_left()
+            markers.mark_left(cfg, lm.member.name)
         if plan.listed and plan.member_id is not None:
             _remove(client, plan.member_id)
     if plan.listed and plan.member_id is not None:

@@ -11,14 +11,13 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-from .config import Config, load, with_local
-from .errors import Interrupted, RefusedError, UsageError
-from .etcd.client import EtcdClient
-from .member.local import LocalMember
-from .member.process import ProcessBackend
+from ..config import Config, load, with_local
+from ..errors import Interrupted, RefusedError, UsageError
+from ..etcd.client import EtcdClient
+from ..member.local import LocalMember
+from ..member.process import ProcessBackend
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +76,6 @@ def port_free(port: int) -> bool:
             return False
 
 
-@dataclass
-class DemoResult:
-    config_path: str
-    members: List[str]
-    seconds_to_healthy: float
-    resumed: bool
-
-
 class Demo:
     """Owns the demo members' etcd processes from start to clean stop."""
 
@@ -121,7 +112,7 @@ class Demo:
                     "use another --dir or the same --members"
                 )
             resumed = any(os.path.isdir(os.path.join(old.data_dir(m.name), "member")) for m in old.members)
-        from .hosts.local import write_atomic
+        from ..fs import write_atomic
 
         write_atomic(self.config_path, text.encode(), mode=0o600)
         self.cfg = load(self.config_path)

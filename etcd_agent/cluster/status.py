@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .config import Config
-from .errors import EtcdError
-from .etcd.client import EtcdClient, MemberInfo
+from ..config import Config
+from ..errors import EtcdError
+from ..etcd.client import EtcdClient, MemberInfo
 
 
 @dataclass

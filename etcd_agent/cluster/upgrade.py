@@ -24,12 +24,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .config import Config, Member, local_member
-from .errors import AgentError, ConfigError, EtcdError, Interrupted, OperationFailed, RefusedError
-from .etcd.client import EndpointStatus, EtcdClient
-from .etcd.versions import check_cluster, parse
-from .hosts.local import LocalHost, machine_identity, write_atomic
-from .member.pin import clear_upgrading, mark_upgrading, read_pin, release_tools, restore_pin, write_pin
+from ..config import Config, Member
+from ..errors import (
+    AgentError,
+    ConfigError,
+    EtcdError,
+    Interrupted,
+    OperationFailed,
+    RefusedError,
+)
+from ..etcd.client import EndpointStatus, EtcdClient
+from ..etcd.versions import check_cluster, parse
+from ..fs import write_atomic
+from ..hosts.local import LocalHost
+from ..locality import local_member, machine_identity
+from ..state.markers import clear_upgrading, mark_upgrading
+from ..state.pins import read_pin, release_tools, restore_pin, write_pin
+from .health import cluster_health, statuses, wait_cluster_healthy
 
 log = logging.getLogger(__name__)
 
@@ -93,48 +104,6 @@ class UpgradeReport:
 # ---------------------------------------------------------------- observe and plan
 
 
-def statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0) -> Dict[str, EndpointStatus]:
-    """Status of every configured member; RefusedError naming the ones that do not answer."""
-    out: Dict[str, EndpointStatus] = {}
-    bad: List[str] = []
-    for m in cfg.members:
-        try:
-            out[m.name] = client.status(m.client_url, timeout=timeout)
-        except EtcdError as exc:
-            bad.append(f"{m.name}: {exc.message}")
-    if bad:
-        raise RefusedError("not every member answers; an upgrade needs the whole cluster", details=bad)
-    return out
-
-
-def cluster_health(cfg: Config, client: EtcdClient, timeout: float = 2.0) -> Tuple[bool, List[str]]:
-    """Every configured member answers a linearizable read, and etcd lists no member we do not run."""
-    problems = []
-    for m in cfg.members:
-        ok, why = client.healthy(m.client_url, timeout=timeout)
-        if not ok:
-            problems.append(f"{m.name}: {why or 'unhealthy'}")
-    try:
-        listed = client.members()
-        if len(listed) != len(cfg.members) or not all(x.started for x in listed):
-            problems.append(f"etcd lists {len(listed)} members ({sum(1 for x in listed if not x.started)} never "
-                            f"started), the config {len(cfg.members)}")
-    except EtcdError as exc:
-        problems.append(f"member list: {exc.message}")
-    return not problems, problems
-
-
-def wait_cluster_healthy(cfg: Config, client: EtcdClient, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    problems: List[str] = []
-    while time.monotonic() < deadline:
-        ok, problems = cluster_health(cfg, client)
-        if ok:
-            return
-        time.sleep(0.5)
-    raise OperationFailed(f"cluster not healthy after {timeout:.0f}s", details=problems)
-
-
 def plan_upgrade(cfg: Config, target: str, client: EtcdClient) -> UpgradePlan:
     """The plan, or RefusedError (unhealthy cluster, a skew rule broken: with the multi-hop path)."""
     try:
@@ -169,8 +138,8 @@ def runs_here(cfg: Config, member: Member) -> bool:
 
 def check_release(cfg: Config, plan: UpgradePlan) -> None:
     """The target release is installed and reports its version on every host still to upgrade."""
-    from .etcd.tools import version_of
-    from .hosts import open_host
+    from ..etcd.tools import version_of
+    from ..hosts import open_host
 
     binary = os.path.join(cfg.etcd.versions_dir, plan.target, "etcd")
     bad = []
@@ -197,9 +166,8 @@ def check_release(cfg: Config, plan: UpgradePlan) -> None:
 
 def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict[str, Any]:
     """Step this host's member ``name`` to ``version``; roll back to the old binary on failure."""
-    from .etcd.tools import version_of
-    from .member.local import LocalMember
-    from .topology import render_unit
+    from ..etcd.tools import version_of
+    from ..member.local import LocalMember
 
     m = cfg.member(name)
     tools = release_tools(cfg, version)
@@ -221,7 +189,7 @@ def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict
         write_pin(cfg, name, version, tools, previous=old_binary)
         new = LocalMember(cfg, m)  # now resolves the pinned binary
         try:
-            new.backend.write_unit(render_unit(new.cfg, m))
+            new.backend.write_unit(new.unit_text())
             new.backend.start()
             try:
                 new.wait_healthy(timeout, cancel=_crash_watch(new))
@@ -256,20 +224,19 @@ def _crash_watch(member: Any) -> Callable[[], bool]:
 
 
 def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout: float) -> None:
-    from .member.local import LocalMember
-    from .topology import render_unit
+    from ..member.local import LocalMember
 
     LocalMember(cfg, m).backend.stop()
     restore_pin(cfg, m.name, old_pin)
     back = LocalMember(cfg, m)
-    back.backend.write_unit(render_unit(back.cfg, m))
+    back.backend.write_unit(back.unit_text())
     back.backend.start()
     back.wait_healthy(timeout)
     log.warning("%s: rolled back to %s and healthy", m.name, back.cfg.etcd.binary)
 
 
 def _step_remote(cfg: Config, m: Member, version: str, timeout: float) -> Dict[str, Any]:
-    from .hosts import open_host
+    from ..hosts import open_host
 
     argv = [cfg.ssh.agent_path, "--json"]
     if cfg.path:
@@ -314,8 +281,8 @@ def run_upgrade(
     on_step: Optional[Callable[[MemberStep], None]] = None,
 ) -> UpgradeReport:
     """Execute ``plan``; OperationFailed (after rollback of the failing member) stops the run."""
-    from .backup.lock import OperationLock
-    from .backup.service import take_backup
+    from ..backup.service import take_backup
+    from ..state.locks import OperationLock
 
     t0 = time.monotonic()
     steps = [MemberStep(n, plan.versions[n], plan.target) for n in plan.order()]

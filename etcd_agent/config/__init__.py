@@ -1,0 +1,45 @@
+"""The agent's configuration: ``load`` a TOML file into a frozen, validated ``Config``.
+
+``model`` holds the typed sections, ``load`` parses and builds them, ``validation`` checks a built
+config (every problem at once), ``sample`` is the commented default. Importers use this package.
+"""
+from .load import load, parse_text
+from .model import (
+    ADDRESSING_STYLES,
+    BOOTSTRAP_MODES,
+    BUCKET_RE,
+    COMPRESSIONS,
+    DEFAULT_PATH,
+    FENCE_METHODS,
+    HOSTNAME_RE,
+    NAME_RE,
+    PATH_RE,
+    PREFIX_RE,
+    REMOTE_VERIFY_MODES,
+    SECTIONS,
+    SERVICE_MANAGERS,
+    UNIT_RE,
+    BackupSection,
+    ClusterSection,
+    Config,
+    DaemonSection,
+    EtcdSection,
+    KubernetesSection,
+    LocalSection,
+    MaintenanceSection,
+    Member,
+    MemberSection,
+    RemoteSection,
+    SshSection,
+    TlsSection,
+    merged,
+    with_local,
+)
+
+__all__ = [
+    "ADDRESSING_STYLES", "BOOTSTRAP_MODES", "BUCKET_RE", "COMPRESSIONS", "DEFAULT_PATH", "FENCE_METHODS",
+    "HOSTNAME_RE", "NAME_RE", "PATH_RE", "PREFIX_RE", "REMOTE_VERIFY_MODES", "SECTIONS", "SERVICE_MANAGERS",
+    "UNIT_RE", "BackupSection", "ClusterSection", "Config", "DaemonSection", "EtcdSection", "KubernetesSection",
+    "LocalSection", "MaintenanceSection", "Member", "MemberSection", "RemoteSection", "SshSection", "TlsSection",
+    "load", "merged", "parse_text", "with_local",
+]

@@ -1,0 +1,190 @@
+"""Markers in the daemon's state dir that tell it to keep its hands off a member.
+
+- **restore in progress**: ``node begin`` writes ``<[daemon] state_dir>/restore-in-progress-<member>.json`` (op id, backup,
+start time) before anything is touched; ``finish`` and ``rollback`` remove it. A restore that
+crashed leaves it in place, so the daemon waits until an operator resumes or rolls back instead
+of restarting or replacing a member the restore stopped on purpose. One file per member: the
+demo runs several members on one host and their steps run in parallel.
+- **upgrade in progress**: ``upgrade-in-progress-<member>.json`` (pid and start time of the
+  stepping process) while a rolling upgrade steps the member; stale once that process is gone.
+- **left on purpose**: ``<member>.left`` after ``etcd-agent leave``: the daemon does not join the
+  member back until ``etcd-agent join``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from ..config import Config
+from ..fs import write_atomic
+
+log = logging.getLogger(__name__)
+
+RESTORE_PREFIX = "restore-in-progress-"
+
+
+def restore_marker_path(cfg: Config, member: str) -> str:
+    return os.path.join(cfg.daemon.state_dir, f"{RESTORE_PREFIX}{member}.json")
+
+
+def write_restore(cfg: Config, member: str, op: str, backup: str) -> str:
+    """Mark ``member`` as being restored (kept when it exists for the same op: a resume)."""
+    path = restore_marker_path(cfg, member)
+    cur = read_restore(cfg, member)
+    if cur is not None and cur.get("op") == op:
+        return path
+    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    rec = {"op": op, "member": member, "backup": backup, "pid": os.getpid(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_atomic(path, (json.dumps(rec, sort_keys=True) + "\n").encode(), mode=0o600)
+    log.info("%s: daemon paused by restore %s (%s)", member, op, path)
+    return path
+
+
+def clear_restore(cfg: Config, member: str, op: Optional[str] = None) -> bool:
+    """Remove the marker (only ``op``'s, when given); True when one was removed."""
+    cur = read_restore(cfg, member)
+    if cur is None or (op is not None and cur.get("op") not in (op, None)):
+        return False
+    try:
+        os.unlink(restore_marker_path(cfg, member))
+    except FileNotFoundError:
+        return False
+    log.info("%s: restore marker removed; the daemon resumes", member)
+    return True
+
+
+def read_restore(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
+    """The marker of ``member``; an unreadable one still counts as a restore in progress."""
+    path = restore_marker_path(cfg, member)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        # fail closed: a damaged marker must pause the daemon as well as a good one
+        return {"op": "?", "member": member, "backup": "?", "error": f"unreadable marker {path}: {exc}"}
+    return data if isinstance(data, dict) else {"op": "?", "member": member, "backup": "?"}
+
+
+def read_restores(cfg: Config) -> List[Dict[str, Any]]:
+    """Every marker of this host's state dir (``status`` shows them)."""
+    try:
+        names = sorted(os.listdir(cfg.daemon.state_dir))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    out = []
+    for n in names:
+        if n.startswith(RESTORE_PREFIX) and n.endswith(".json"):
+            rec = read_restore(cfg, n[len(RESTORE_PREFIX):-len(".json")])
+            if rec is not None:
+                out.append(rec)
+    return out
+
+
+def restore_hint(rec: Dict[str, Any]) -> str:
+    """The two commands that end a restore left open."""
+    backup = rec.get("backup") or "<the same backup>"
+    return (f"`etcd-agent restore --from {backup} --yes` resumes it, "
+            "`etcd-agent restore rollback` rolls every member back")
+
+
+# ---------------------------------------------------------------- "left on purpose" mark
+
+
+def left_path(cfg: Config, member: str) -> str:
+    return os.path.join(cfg.daemon.state_dir, f"{member}.left")
+
+
+def mark_left(cfg: Config, member: str) -> None:
+    """Remember that ``member`` left the cluster on purpose (`leave`): the daemon then waits
+    instead of joining it again."""
+    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_atomic(left_path(cfg, member), f"left {stamp}\n".encode(), mode=0o600)
+
+
+def clear_left(cfg: Config, member: str) -> None:
+    try:
+        os.unlink(left_path(cfg, member))
+    except FileNotFoundError:
+        pass
+
+
+def has_left(cfg: Config, member: str) -> bool:
+    return os.path.exists(left_path(cfg, member))
+
+
+# ---------------------------------------------------------------- "upgrade in progress" marker
+
+UPGRADE_PREFIX = "upgrade-in-progress-"
+
+
+def upgrade_marker_path(cfg: Config, member: str) -> str:
+    return os.path.join(cfg.daemon.state_dir, f"{UPGRADE_PREFIX}{member}.json")
+
+
+def _process_started(pid: int) -> Optional[float]:
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+def mark_upgrading(cfg: Config, member: str, version: str, previous: str) -> str:
+    """Pause the daemon for ``member`` while this process steps it to ``version``."""
+    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    pid = os.getpid()
+    rec = {"member": member, "version": version, "previous": previous, "pid": pid,
+           "pid_started": _process_started(pid),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = upgrade_marker_path(cfg, member)
+    write_atomic(path, (json.dumps(rec, sort_keys=True) + "\n").encode(), mode=0o600)
+    log.info("%s: daemon paused while upgrading to %s (%s)", member, version, path)
+    return path
+
+
+def clear_upgrading(cfg: Config, member: str) -> None:
+    try:
+        os.unlink(upgrade_marker_path(cfg, member))
+    except FileNotFoundError:
+        return
+    log.info("%s: upgrade marker removed; the daemon resumes", member)
+
+
+def upgrading(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
+    """The live upgrade marker of ``member``, or None (absent, or its process is gone).
+
+    An unreadable marker counts as live (fail closed): the daemon waits and says which file to
+    remove, rather than restarting a member an upgrade may have stopped on purpose.
+    """
+    path = upgrade_marker_path(cfg, member)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"member": member, "version": "?", "error": f"unreadable marker {path}: {exc}"}
+    if not isinstance(rec, dict):
+        return {"member": member, "version": "?", "error": f"malformed marker {path}"}
+    pid, began = rec.get("pid"), rec.get("pid_started")
+    started = _process_started(pid) if isinstance(pid, int) else None
+    alive = started is not None
+    if started is not None and isinstance(began, (int, float)):
+        alive = abs(started - began) < 1.0  # not a recycled pid
+    if not alive:
+        # the step died (killed, host rebooted): removed once, so the warning is not repeated
+        log.warning("%s: stale upgrade marker %s (process %s is gone); removing it", member, path, pid)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+    return rec
