@@ -71,7 +71,8 @@ def parse_name(name: str) -> Optional[Tuple[datetime, str]]:
     if not m:
         return None
     try:
-        when = datetime(*(int(x) for x in m.groups()[:6]))
+        y, mo, d, h, mi, s = (int(x) for x in m.groups()[:6])
+        when = datetime(y, mo, d, h, mi, s)
     except ValueError:
         return None
     comp = {None: "none", ".gz": "gzip", ".zst": "zstd"}[m.group(7)]

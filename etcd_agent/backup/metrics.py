@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, Optional
 
 from ..config import Config
+
+if TYPE_CHECKING:  # pragma: no cover - prometheus_client is imported when a file is written
+    from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class _Snapshot:
     def __init__(self, values: Dict[str, float]) -> None:
         self.values = dict(values)
 
-    def collect(self) -> Iterable[object]:
+    def collect(self) -> "Iterable[Metric]":
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         for name, text in GAUGES.items():

@@ -510,7 +510,7 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str]) -> A
     config = BotoConfig(
         region_name=r.region,
         signature_version="s3v4",
-        s3={"addressing_style": r.addressing_style},
+        s3={"addressing_style": r.addressing_style},  # type: ignore[arg-type]  # a Literal in the stubs; validated: auto|path|virtual
         connect_timeout=r.connect_timeout,
         read_timeout=r.read_timeout,
         # botocore retries only throttling, 5xx and connection errors, with backoff

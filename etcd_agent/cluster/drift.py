@@ -11,15 +11,15 @@ config does not know may be an operator's deliberate addition.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from ..config import Config, with_local
 from ..errors import EtcdError, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..topology import conf_vars, join_bootstrap, parse_conf, static_bootstrap
+from ..waiting import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str]) -> Li
     return out
 
 
-def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: set) -> List[Finding]:
+def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: Set[str]) -> List[Finding]:
     m = cfg.member(name)
     want = conf_vars(cfg, m, static_bootstrap(cfg, m))
     out = []
@@ -161,7 +161,7 @@ def plan_repair(cfg: Config, findings: List[Finding]) -> List[Fix]:
     return fixes
 
 
-def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0) -> List[str]:
+def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clock = SYSTEM_CLOCK) -> List[str]:
     """Apply the safe fixes; each line says what was done."""
     from ..member.local import MEMBERSHIP_LOCK, LocalMember
     from ..member.quorum import can_remove
@@ -172,7 +172,7 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0) -> List[st
         if zombies:
             with c.locked(MEMBERSHIP_LOCK, ttl=max(cfg.daemon.lock_ttl, int(grace) + 30), timeout=30):
                 # a join in progress publishes its name within seconds of its start: look twice
-                time.sleep(grace)
+                clock.sleep(grace)
                 for z in zombies:
                     members = c.members()
                     target = next((m for m in members if m.id == z.member_id), None)

@@ -1,23 +1,24 @@
 """Is the cluster whole? The health gates every cluster-wide operation waits on.
 
 Upgrade, maintenance and restore each need "every configured member answers a linearizable read"
-(and sometimes "at one revision") before their next step; they wait here, on one definition.
+(and restore also "in one cluster, at one revision") before their next step; they wait here, on
+one definition, with one way to wait (``waiting.poll``).
 """
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Tuple
 
 from ..config import Config
 from ..errors import AgentError, EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EndpointStatus, EtcdClient
+from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 
 
-def statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0) -> Dict[str, EndpointStatus]:
+def statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0, purpose: str = "this operation") -> Dict[str, EndpointStatus]:
     """Status of every configured member; RefusedError naming the ones that do not answer."""
     out: Dict[str, EndpointStatus] = {}
     bad: List[str] = []
@@ -27,12 +28,18 @@ def statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0) -> Dict[str,
         except EtcdError as exc:
             bad.append(f"{m.name}: {exc.message}")
     if bad:
-        raise RefusedError("not every member answers; an upgrade needs the whole cluster", details=bad)
+        raise RefusedError(f"not every member answers; {purpose} needs the whole cluster", details=bad)
     return out
 
 
-def cluster_health(cfg: Config, client: EtcdClient, timeout: float = 2.0) -> Tuple[bool, List[str]]:
-    """Every configured member answers a linearizable read, and etcd lists no member we do not run."""
+def _alarm_problem(text: str) -> bool:
+    low = text.lower()
+    return "alarm" in low or "nospace" in low
+
+
+def cluster_health(cfg: Config, client: EtcdClient, timeout: float = 2.0, allow_alarms: bool = False) -> Tuple[bool, List[str]]:
+    """Every configured member answers a linearizable read, and etcd lists no member we do not run.
+    ``allow_alarms``: a member refusing only because of an alarm counts (clearing NOSPACE needs that)."""
     problems = []
     for m in cfg.members:
         ok, why = client.healthy(m.client_url, timeout=timeout)
@@ -45,52 +52,66 @@ def cluster_health(cfg: Config, client: EtcdClient, timeout: float = 2.0) -> Tup
                             f"started), the config {len(cfg.members)}")
     except EtcdError as exc:
         problems.append(f"member list: {exc.message}")
+    if allow_alarms:
+        problems = [p for p in problems if not _alarm_problem(p)]
     return not problems, problems
 
 
-def wait_cluster_healthy(cfg: Config, client: EtcdClient, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    problems: List[str] = []
-    while time.monotonic() < deadline:
-        ok, problems = cluster_health(cfg, client)
-        if ok:
-            return
-        time.sleep(0.5)
-    raise OperationFailed(f"cluster not healthy after {timeout:.0f}s", details=problems)
+def wait_cluster_healthy(
+    cfg: Config, client: EtcdClient, timeout: float, *, allow_alarms: bool = False, clock: Clock = SYSTEM_CLOCK
+) -> None:
+    """Wait until ``cluster_health`` holds; OperationFailed with its problems at the deadline."""
+    last: List[str] = []
+
+    def healthy() -> bool:
+        ok, problems = cluster_health(cfg, client, allow_alarms=allow_alarms)
+        last[:] = problems
+        if not ok:
+            raise NotYet("; ".join(problems))
+        return True
+
+    try:
+        poll(healthy, timeout=timeout, what="cluster healthy", interval=0.5, clock=clock)
+    except OperationFailed as exc:
+        raise OperationFailed(exc.message, details=last) from None
 
 
-def wait_converged(cfg: Config, timeout: float, say: Progress = lambda s: None) -> Dict[str, int]:
+def wait_converged(
+    cfg: Config, timeout: float, say: Progress = lambda s: None, *, clock: Clock = SYSTEM_CLOCK,
+    client: Optional[EtcdClient] = None,
+) -> Dict[str, int]:
     """Wait until every member is healthy, in one cluster, at the same revision."""
-    from ..etcd.client import EtcdClient
+    own = client is None
+    c = client or EtcdClient.from_config(cfg, timeout=2.0)
+    shown = {"why": ""}
 
-    deadline = time.monotonic() + timeout
-    last = ""
-    with EtcdClient.from_config(cfg, timeout=2.0) as c:
-        while time.monotonic() < deadline:
-            revs: Dict[str, int] = {}
-            clusters = set()
-            why = ""
-            for m in cfg.members:
-                ok, w = c.healthy(m.client_url, timeout=2.0)
-                if not ok:
-                    why = f"{m.name}: {w}"
-                    break
-                try:
-                    st = c.status(m.client_url, timeout=2.0)
-                except AgentError as exc:
-                    why = f"{m.name}: {exc.message}"
-                    break
-                revs[m.name] = st.revision
-                clusters.add(st.cluster_id)
-            else:
-                if len(set(revs.values())) == 1 and len(clusters) == 1:
-                    say(f"all {len(revs)} members healthy at revision {next(iter(revs.values()))}")
-                    return revs
-                why = f"revisions {revs}"
-            if why != last:
-                log.info("waiting for the restored cluster: %s", why)
-                last = why
-            time.sleep(0.2)
-    raise OperationFailed(f"restored cluster not healthy at one revision after {timeout:.0f}s: {last}")
+    def converged() -> Dict[str, int]:
+        revs: Dict[str, int] = {}
+        clusters = set()
+        for m in cfg.members:
+            ok, why = c.healthy(m.client_url, timeout=2.0)
+            if not ok:
+                _not_yet(f"{m.name}: {why}")
+            try:
+                st = c.status(m.client_url, timeout=2.0)
+            except AgentError as exc:
+                _not_yet(f"{m.name}: {exc.message}")
+            revs[m.name] = st.revision
+            clusters.add(st.cluster_id)
+        if len(set(revs.values())) != 1 or len(clusters) != 1:
+            _not_yet(f"revisions {revs}" + (f", {len(clusters)} cluster ids" if len(clusters) > 1 else ""))
+        return revs
 
+    def _not_yet(why: str) -> NoReturn:
+        if why != shown["why"]:
+            log.info("waiting for the cluster to converge: %s", why)
+            shown["why"] = why
+        raise NotYet(why)
 
+    try:
+        revs = poll(converged, timeout=timeout, what="every member healthy at one revision", clock=clock)
+    finally:
+        if own:
+            c.close()
+    say(f"all {len(revs)} members healthy at revision {next(iter(revs.values()))}")
+    return revs

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..config import Config
 from ..errors import EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EndpointStatus, EtcdClient
+from .health import cluster_health, statuses, wait_cluster_healthy
 
 log = logging.getLogger(__name__)
 
@@ -67,62 +68,27 @@ def decide_defrag(rows: List[Tuple[str, EndpointStatus]], threshold_percent: flo
     return sorted(items, key=lambda i: i.leader)  # stable: config order, leader last
 
 
-def member_statuses(cfg: Config, client: EtcdClient, timeout: float = 3.0) -> List[Tuple[str, EndpointStatus]]:
-    out = []
-    bad = []
-    for m in cfg.members:
-        try:
-            out.append((m.name, client.status(m.client_url, timeout=timeout)))
-        except EtcdError as exc:
-            bad.append(f"{m.name}: {exc.message}")
-    if bad:
-        raise RefusedError("not every member answers; maintenance waits for a whole cluster", details=bad)
-    return out
-
-
-def _gate(cfg: Config, client: EtcdClient, timeout: float, allow_alarms: bool = False) -> None:
-    """Wait until every member answers a linearizable read (alarms tolerated when clearing them)."""
-    from .health import cluster_health
-
-    deadline = time.monotonic() + timeout
-    problems: List[str] = []
-    while time.monotonic() < deadline:
-        ok, problems = cluster_health(cfg, client)
-        if allow_alarms:
-            problems = [p for p in problems if "alarm" not in p.lower() and "nospace" not in p.lower()]
-            ok = not problems
-        if ok:
-            return
-        time.sleep(0.5)
-    raise OperationFailed(f"cluster not healthy after {timeout:.0f}s; maintenance stopped", details=problems)
-
-
 def defrag(cfg: Config, client: EtcdClient, *, dry_run: bool = False, threshold: Optional[float] = None,
            force: bool = False, allow_alarms: bool = False, gate_timeout: float = 60.0) -> List[DefragItem]:
     """Defragment the members that need it, one at a time; RefusedError if the cluster is unhealthy."""
-    from .health import cluster_health
-
     mt = cfg.maintenance
-    ok, problems = cluster_health(cfg, client)
-    if allow_alarms:
-        problems = [p for p in problems if "alarm" not in p.lower() and "nospace" not in p.lower()]
-        ok = not problems
+    ok, problems = cluster_health(cfg, client, allow_alarms=allow_alarms)
     if not ok:
         raise RefusedError("the cluster is not healthy; not defragmenting", details=problems)
-    items = decide_defrag(member_statuses(cfg, client), mt.defrag_threshold_percent if threshold is None else threshold,
+    items = decide_defrag(list(statuses(cfg, client, purpose="maintenance").items()), mt.defrag_threshold_percent if threshold is None else threshold,
                           mt.defrag_min_db_bytes, force)
     if dry_run:
         return items
     for it in items:
         if not it.defrag:
             continue
-        _gate(cfg, client, gate_timeout, allow_alarms)
+        wait_cluster_healthy(cfg, client, gate_timeout, allow_alarms=allow_alarms)
         t0 = time.monotonic()
         client.defragment(it.endpoint, timeout=mt.defrag_timeout)
         it.seconds = time.monotonic() - t0
         it.size_after = client.status(it.endpoint).db_size
         log.info("%s: defragmented %d -> %d bytes in %.2fs", it.name, it.db_size, it.size_after, it.seconds)
-    _gate(cfg, client, gate_timeout, allow_alarms)
+    wait_cluster_healthy(cfg, client, gate_timeout, allow_alarms=allow_alarms)
     return items
 
 
@@ -157,7 +123,7 @@ def clear_nospace(cfg: Config, client: EtcdClient, *, dry_run: bool = False) -> 
                            "a CORRUPT alarm means a member's data differs: replace that member")
     if not nospace:
         return rep
-    st = member_statuses(cfg, client)
+    st = list(statuses(cfg, client, purpose="maintenance").items())
     revision = max(s.revision for _n, s in st)
     plan = [f"compact to revision {revision}", "defragment every member (followers first, leader last)",
             "disarm " + ", ".join(f"NOSPACE of {a['member']}" for a in nospace)]

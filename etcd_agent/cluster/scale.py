@@ -43,7 +43,13 @@ from ..member.local import (
 from ..member.quorum import can_add, can_remove, has_quorum
 from ..state import markers
 from ..topology import initial_cluster
-from ..waiting import membership_change
+from ..waiting import (
+    MEMBERSHIP_TIMEOUT,
+    MEMBERSHIP_TRANSIENT,
+    NotYet,
+    poll,
+    retry_transient,
+)
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +442,6 @@ def execute_add(cfg: Config, client: EtcdClient, plan: Plan) -> MemberInfo:
 
 
 def _remove(client: EtcdClient, member_id: int) -> None:
-    @membership_change()
     def _do() -> None:
         try:
             client.remove_member(member_id)
@@ -444,7 +449,7 @@ def _remove(client: EtcdClient, member_id: int) -> None:
             # an earlier attempt went through but its answer was lost
             log.info("member %x is already gone", member_id)
 
-    _do()
+    retry_transient(_do, timeout=MEMBERSHIP_TIMEOUT, what=f"member remove {member_id:x}", errors=MEMBERSHIP_TRANSIENT)
 
 
 def execute_remove(cfg: Config, client: EtcdClient, plan: Plan) -> None:
@@ -470,23 +475,24 @@ def wait_settled(client: EtcdClient, removed: int, expect_healthy: int, timeout:
     """After a removal, wait until the rest of the cluster has quorum again (removing the leader
     costs an election); True when it has. Not settling in time is logged, not raised: the removal
     itself is done and `status` shows the rest."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def settled() -> bool:
         try:
             view = observe(client, timeout=1.0)
-            # a linearizable read needs a leader: as many healthy as before the removal = settled
-            if (
-                all(m.id != removed for m in view.members)
-                and has_quorum(view.voters, view.healthy_voters)
-                and view.healthy_voters >= expect_healthy
-            ):
-                return True
-        except RefusedError:
-            pass
-        if time.monotonic() >= deadline:
-            log.warning("the cluster has not settled %.0fs after removing %x: check `etcd-agent status`", timeout, removed)
-            return False
-        time.sleep(0.3)
+        except RefusedError as exc:
+            raise NotYet(exc.message) from None
+        # a linearizable read needs a leader: as many healthy as before the removal = settled
+        return (
+            all(m.id != removed for m in view.members)
+            and has_quorum(view.voters, view.healthy_voters)
+            and view.healthy_voters >= expect_healthy
+        )
+
+    try:
+        return poll(settled, timeout=timeout, what=f"cluster settled after removing {removed:x}", interval=0.3)
+    except OperationFailed as exc:
+        log.warning("%s: check `etcd-agent status`", exc.message)
+        return False
 
 
 def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember, *, learner: bool = False) -> MemberInfo:

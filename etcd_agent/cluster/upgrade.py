@@ -40,6 +40,7 @@ from ..hosts.local import LocalHost
 from ..locality import local_member, machine_identity
 from ..state.markers import clear_upgrading, mark_upgrading
 from ..state.pins import read_pin, release_tools, restore_pin, write_pin
+from ..waiting import NotYet, poll
 from .health import cluster_health, statuses, wait_cluster_healthy
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def plan_upgrade(cfg: Config, target: str, client: EtcdClient) -> UpgradePlan:
     ok, problems = cluster_health(cfg, client)
     if not ok:
         raise RefusedError("the cluster is not healthy; an upgrade starts only from a healthy cluster", details=problems)
-    st = statuses(cfg, client)
+    st = statuses(cfg, client, purpose="an upgrade")
     versions = {n: s.version for n, s in st.items()}
     verdict = check_cluster(list(versions.items()), target)
     if not verdict.ok:
@@ -295,7 +296,7 @@ def run_upgrade(
         remaining = [s for s in steps]
         while remaining:
             wait_cluster_healthy(cfg, client, health_timeout)
-            st = statuses(cfg, client)
+            st = statuses(cfg, client, purpose="an upgrade")
             # followers first: the leader may have changed since the plan
             step = next((s for s in remaining if not st[s.name].is_leader), remaining[0])
             if st[step.name].is_leader:
@@ -323,7 +324,7 @@ def run_upgrade(
                 on_step(step)
             remaining.remove(step)
         wait_cluster_healthy(cfg, client, health_timeout)
-        final = statuses(cfg, client)
+        final = statuses(cfg, client, purpose="an upgrade")
         wrong = [f"{n}: {s.version}" for n, s in final.items() if parse(s.version).key != parse(plan.target).key]
         if wrong:
             _progress(cfg, plan, steps, "failed")
@@ -343,12 +344,14 @@ def _move_leadership(cfg: Config, client: EtcdClient, st: Dict[str, EndpointStat
     except EtcdError as exc:
         log.warning("moving leadership from %s to %s failed (%s); the restart will elect a new leader", leader, target, exc.message)
         return
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def moved() -> bool:
         try:
-            if client.status(cfg.member(target).client_url).is_leader:
-                log.info("leadership moved from %s to %s", leader, target)
-                return
-        except EtcdError:
-            pass
-        time.sleep(0.2)
+            return client.status(cfg.member(target).client_url).is_leader
+        except EtcdError as exc:
+            raise NotYet(exc.message) from None
+
+    try:
+        poll(moved, timeout=10.0, what=f"leadership on {target}")
+        log.info("leadership moved from %s to %s", leader, target)
+    except OperationFailed as exc:
+        log.warning("%s; the restart will elect a new leader", exc.message)

@@ -77,7 +77,7 @@ def _build(cls: type, raw: Any, where: str, errors: List[str]) -> Any:
         n
         for n, f in known.items()
         if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        and f.default_factory is dataclasses.MISSING
         and n not in kwargs
         and n not in raw
     ]

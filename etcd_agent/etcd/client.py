@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
@@ -24,7 +23,9 @@ from ..errors import (
     EtcdPeerExists,
     EtcdUnavailable,
     EtcdUnhealthyCluster,
+    OperationFailed,
 )
+from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 from . import wire
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,10 +97,10 @@ def map_grpc_error(exc: Exception, what: str) -> EtcdError:
     """Translate a grpc/etcd3 exception into the agent's own error."""
     import grpc
 
-    code = exc.code() if isinstance(exc, grpc.RpcError) else None  # type: ignore[attr-defined]
+    code = exc.code() if isinstance(exc, grpc.RpcError) else None
     details = ""
     if isinstance(exc, grpc.RpcError):
-        details = exc.details() or ""  # type: ignore[attr-defined]
+        details = exc.details() or ""
     text = details or str(exc) or type(exc).__name__
     low = text.lower()
     if "unhealthy cluster" in low:
@@ -317,7 +318,7 @@ class EtcdClient:
 
     def _kv_client(self) -> Any:
         if self._kvc is None:
-            from etcd3.client import Endpoint, MultiEndpointEtcd3Client
+            from etcd3.client import Endpoint, MultiEndpointEtcd3Client  # type: ignore[import-untyped]  # no stubs
 
             eps = []
             for url in self.endpoints:
@@ -375,21 +376,25 @@ class EtcdClient:
         finally:
             self._release(lock, name)
 
-    def _release(self, lock: Any, name: str, deadline: float = 15.0) -> None:
+    def _release(self, lock: Any, name: str, deadline: float = 15.0, clock: Clock = SYSTEM_CLOCK) -> None:
         """Release ``lock``, retrying across endpoints: a membership change just made (a member
         removed, a leader elected) can fail the first attempt, and a lock left to expire blocks
         every agent's next membership change for the whole lease. Revoking the lease frees it too."""
-        end = time.monotonic() + deadline
-        last: Optional[Exception] = None
-        while time.monotonic() < end:
-            for release in (lock.release, lambda: lock.lease.revoke()):
+
+        def release() -> bool:
+            last = ""
+            for how in (lock.release, lambda: lock.lease.revoke()):
                 try:
-                    release()
-                    return
+                    how()
+                    return True
                 except Exception as exc:  # etcd3 raises its own and grpc errors
-                    last = exc
-            time.sleep(0.3)
-        log.warning("releasing lock %s failed for %.0fs (its lease will expire): %s", name, deadline, last)
+                    last = str(exc) or type(exc).__name__
+            raise NotYet(last)
+
+        try:
+            poll(release, timeout=deadline, what=f"release of lock {name}", interval=0.3, clock=clock)
+        except OperationFailed as exc:
+            log.warning("releasing lock %s failed (its lease will expire): %s", name, exc.message)
 
     def close(self) -> None:
         with self._lock:

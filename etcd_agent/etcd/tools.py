@@ -34,8 +34,8 @@ def snapshot_status(host: "Host", cfg: "Config", path: str, timeout: float = 300
     except CommandError as exc:
         detail = ""
         if exc.result is not None:
-            detail = (exc.result.stderr or exc.result.stdout).strip().splitlines()[-1:] or [""]
-            detail = detail[0]
+            tail = (exc.result.stderr or exc.result.stdout).strip().splitlines()[-1:]
+            detail = tail[0] if tail else ""
         raise BackupCorrupt(f"snapshot {path} failed `snapshot status`: {detail or exc.message}") from None
     try:
         data = json.loads(res.stdout)

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from ..errors import CommandError, CommandTimedOut
 from ..fs import fsync_dir, write_atomic
@@ -87,7 +87,7 @@ class LocalHost:
         pass
 
 
-def _text(data: Optional[bytes]) -> str:
+def _text(data: "Optional[Union[bytes, str]]") -> str:
     if data is None:
         return ""
     if isinstance(data, str):

@@ -351,9 +351,10 @@ class SshHost:
         def do(sftp: paramiko.SFTPClient) -> bytes:
             with sftp.open(path, "rb") as fh:
                 fh.prefetch()
-                return fh.read()
+                data: bytes = fh.read()
+                return data
 
-        return self._sftp_call(f"read {path}", do)
+        return bytes(self._sftp_call(f"read {path}", do))
 
     def exists(self, path: str) -> bool:
         def do(sftp: paramiko.SFTPClient) -> bool:
@@ -363,7 +364,7 @@ class SshHost:
             except FileNotFoundError:
                 return False
 
-        return self._sftp_call(f"stat {path}", do)
+        return bool(self._sftp_call(f"stat {path}", do))
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o600) -> None:
         def fill(fh: paramiko.SFTPFile) -> None:

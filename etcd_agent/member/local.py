@@ -13,7 +13,7 @@ import time
 from typing import Callable, List, Optional, Protocol
 
 from ..config import Config, Member
-from ..errors import EtcdPeerExists, Interrupted, OperationFailed, RefusedError
+from ..errors import EtcdPeerExists, OperationFailed, RefusedError
 from ..etcd.client import EtcdClient, MemberInfo
 from ..topology import (
     Bootstrap,
@@ -23,7 +23,13 @@ from ..topology import (
     seed_bootstrap,
     static_bootstrap,
 )
-from ..waiting import membership_change
+from ..waiting import (
+    MEMBERSHIP_TIMEOUT,
+    MEMBERSHIP_TRANSIENT,
+    NotYet,
+    poll,
+    retry_transient,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,19 +116,17 @@ class LocalMember:
 
     def wait_healthy(self, timeout: float, cancel: Optional[Callable[[], bool]] = None) -> None:
         """Wait until this member answers a linearizable read; ``cancel()`` true aborts the wait."""
-        deadline = time.monotonic() + timeout
         with EtcdClient.from_config(self.cfg, [self.member.client_url], timeout=2.0) as c:
-            why = ""
-            while time.monotonic() < deadline:
-                if cancel is not None and cancel():
-                    raise Interrupted(f"{self.member.name}: interrupted while waiting for health")
+
+            def healthy() -> bool:
                 ok, why = c.healthy(self.member.client_url, timeout=2.0)
                 if ok:
-                    return
+                    return True
                 if not self.backend.is_active():
                     raise OperationFailed(f"{self.member.name}: etcd exited while starting ({self.backend.describe()})")
-                time.sleep(0.2)
-        raise OperationFailed(f"{self.member.name}: not healthy after {timeout:.0f}s: {why}")
+                raise NotYet(why)
+
+            poll(healthy, timeout=timeout, what=f"{self.member.name} healthy", cancel=cancel)
 
     # ------------------------------------------------------------ bootstrap
 
@@ -180,7 +184,6 @@ def find_member(members: List[MemberInfo], member: Member) -> Optional[MemberInf
 def add_member_idempotent(client: EtcdClient, member: Member, *, learner: bool = False) -> MemberInfo:
     """``member add`` that tolerates an earlier half-done attempt ("Peer URLs already exists")."""
 
-    @membership_change()
     def _add() -> MemberInfo:
         existing = find_member(client.members(), member)
         if existing is not None:
@@ -198,4 +201,5 @@ def add_member_idempotent(client: EtcdClient, member: Member, *, learner: bool =
                 raise
             return found
 
-    return _add()
+    return retry_transient(_add, timeout=MEMBERSHIP_TIMEOUT, what=f"member add {member.name}", errors=MEMBERSHIP_TRANSIENT)
+

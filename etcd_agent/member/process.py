@@ -12,13 +12,16 @@ import logging
 import os
 import signal
 import subprocess
-import time
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..config import Config
 from ..errors import OperationFailed
 from ..fs import write_atomic
 from ..topology import parse_conf
+from ..waiting import poll
+
+if TYPE_CHECKING:  # pragma: no cover - psutil is imported where a process is looked at
+    import psutil
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ class ProcessBackend:
         proc = self._process()
         return proc.pid if proc is not None else None
 
-    def _process(self):  # type: ignore[no-untyped-def]
+    def _process(self) -> "Optional[psutil.Process]":
         import psutil
 
         try:
@@ -159,22 +162,34 @@ class ProcessBackend:
         log.info("%s: stopping etcd pid %d", self.member, proc.pid)
         try:
             proc.send_signal(signal.SIGTERM)
-            try:
-                if self._child is not None and self._child.pid == proc.pid:
-                    self._child.wait(timeout)
-                else:
-                    _wait_gone(proc, timeout)
-            except (psutil.TimeoutExpired, subprocess.TimeoutExpired):
+            if not self._wait_exit(proc, timeout):
                 log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", self.member, proc.pid, timeout)
                 proc.kill()
-                if self._child is not None and self._child.pid == proc.pid:
-                    self._child.wait(5)
-                else:
-                    _wait_gone(proc, 5)
+                if not self._wait_exit(proc, 5.0):
+                    raise OperationFailed(f"{self.member}: etcd pid {proc.pid} still runs after SIGKILL")
         except psutil.NoSuchProcess:
             pass
         self._child = None
         self._cleanup_pidfile()
+
+    def _wait_exit(self, proc: Any, timeout: float) -> bool:
+        """True once ``proc`` has exited. Our own child is reaped here; another parent's (a daemon
+        or the demo that started it) may reap it only later: a zombie has exited, so it counts."""
+        import psutil
+
+        def gone() -> bool:
+            if self._child is not None and self._child.pid == proc.pid:
+                return self._child.poll() is not None
+            try:
+                return bool(proc.status() == psutil.STATUS_ZOMBIE)
+            except psutil.NoSuchProcess:
+                return True
+
+        try:
+            poll(gone, timeout=timeout, what=f"etcd pid {proc.pid} to exit", interval=0.05)
+            return True
+        except OperationFailed:
+            return False
 
     def restart(self) -> None:
         self.stop()
@@ -199,23 +214,6 @@ class ProcessBackend:
         return f"running (pid {pid})" if pid else "stopped"
 
 
-def _wait_gone(proc, timeout: float) -> None:  # type: ignore[no-untyped-def]
-    """Wait for a process that is not our child to exit. Its parent (a daemon or demo that started
-    it) may reap it only later: a zombie has exited, so it counts as gone (psutil's wait would
-    time out on it)."""
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.05)
-    raise psutil.TimeoutExpired(timeout, proc.pid)
-
-
 def _write_if_changed(path: str, text: str, mode: int) -> bool:
     data = text.encode()
     try:
@@ -227,14 +225,3 @@ def _write_if_changed(path: str, text: str, mode: int) -> bool:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_atomic(path, data, mode=mode)
     return True
-
-
-def wait_for(pred, timeout: float, interval: float = 0.2) -> bool:  # type: ignore[no-untyped-def]
-    """Poll ``pred()`` until true or ``timeout``; True if it became true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

@@ -337,29 +337,7 @@ class NodeRestore:
         return self._step("repair", do)
 
     def _stop_etcd(self, timeout: float = 30.0) -> None:
-        """Stop this member's etcd. For the process backend, an etcd whose parent is alive but does
-        not reap it (the demo, a test harness) stays a zombie after SIGTERM: that counts as
-        stopped here, instead of waiting for a pid that never disappears."""
-        if self.backend.kind != "process":
-            self.backend.stop()
-            return
-        import psutil
-
-        proc = self.backend._process()  # type: ignore[attr-defined]
-        if proc is not None:
-            log.info("%s: stopping etcd pid %d", self.member.name, proc.pid)
-            try:
-                proc.terminate()
-                deadline = time.monotonic() + timeout
-                while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    if time.monotonic() > deadline:
-                        log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", self.member.name, proc.pid, timeout)
-                        proc.kill()
-                        deadline = time.monotonic() + 10
-                    time.sleep(0.05)
-            except psutil.NoSuchProcess:
-                pass
-        self.backend.stop()  # finds nothing running now; removes the pid file
+        self.backend.stop(timeout)
 
     def start(self) -> Dict[str, Any]:
         def do(j: Dict[str, Any]) -> Dict[str, Any]:

@@ -149,7 +149,7 @@ def parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> List[Tuple[Any, 
         return []
     with ThreadPoolExecutor(max_workers=len(items)) as ex:
         futs = [(it, ex.submit(fn, it)) for it in items]
-        out = []
+        out: List[Tuple[Any, Any, Optional[BaseException]]] = []
         for it, f in futs:
             try:
                 out.append((it, f.result(), None))

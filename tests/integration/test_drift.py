@@ -8,7 +8,7 @@ import pytest
 from etcd_agent.cluster.drift import CONF_DRIFT, UNKNOWN, ZOMBIE, find_drift
 from etcd_agent.cluster.health import cluster_health
 from etcd_agent.member.learner import join_as_learner
-from etcd_agent.waiting import membership_change
+from etcd_agent.waiting import MEMBERSHIP_TRANSIENT, retry_transient
 from tests.harness.loopback import free_port_pairs
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,8 @@ def test_zombie_and_drifted_conf_flagged_and_repaired(cluster_factory):
     conf = c.cfg.conf_file("m2")
     with c.client() as cl:
         # added, never started (etcd refuses member add for ~5 s after its members connect)
-        zombie = membership_change()(cl.add_member)([f"http://127.0.0.1:{port}"])
+        zombie = retry_transient(lambda: cl.add_member([f"http://127.0.0.1:{port}"]), timeout=90,
+                                 what="member add", errors=MEMBERSHIP_TRANSIENT)
     with open(conf) as fh:
         text = fh.read()
     with open(conf, "w") as fh:

@@ -1,6 +1,7 @@
 """Lock release retries (logic only: a stand-in lock whose calls fail as a real one did in CI,
 "etcd connection timeout" right after a member was removed)."""
 from etcd_agent.etcd.client import EtcdClient
+from tests.harness.fakes import FakeClock
 
 
 class FlakyLock:
@@ -27,19 +28,23 @@ class FlakyLock:
 
 
 def test_release_retried_until_it_works():
-    lock = FlakyLock(release_failures=0)
-    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=2)
-    assert lock.calls == ["release"]
+    lock = FlakyLock(release_failures=2, revoke_works=False)
+    clock = FakeClock()
+    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=2, clock=clock)
+    assert lock.calls == ["release", "revoke", "release", "revoke", "release"]
+    assert clock.sleeps == [0.3, 0.3]
 
 
 def test_failed_release_falls_back_to_revoking_the_lease():
     lock = FlakyLock(release_failures=5)
-    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=2)
+    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=2, clock=FakeClock())
     assert lock.calls == ["release", "revoke"]
 
 
 def test_gives_up_after_the_deadline_with_a_warning(caplog):
     lock = FlakyLock(release_failures=10**6, revoke_works=False)
-    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=0.5)
+    clock = FakeClock()
+    EtcdClient(["http://127.0.0.1:1"])._release(lock, "x", deadline=1.0, clock=clock)
     assert "releasing lock x failed" in caplog.text
-    assert lock.calls.count("revoke") >= 1
+    assert lock.calls.count("revoke") == lock.calls.count("release") >= 3
+    assert abs(sum(clock.sleeps) - 1.0) < 1e-9  # the whole deadline waited, on the fake clock
