@@ -25,7 +25,8 @@ class AgentError(Exception):
         self.details = list(details or [])
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": type(self).__name__, "message": self.message, "details": self.details}
+        return {"error": type(self).__name__, "message": self.message, "details": self.details,
+                "exit_code": self.exit_code}
 
 
 class UsageError(AgentError):
@@ -110,3 +111,38 @@ class Interrupted(AgentError):
     """The operator interrupted the command (Ctrl-C / SIGTERM)."""
 
     exit_code = 130
+
+
+def _classes() -> "dict[str, type[AgentError]]":
+    out: "dict[str, type[AgentError]]" = {}
+    stack: "list[type[AgentError]]" = [AgentError]
+    while stack:
+        cls = stack.pop()
+        out[cls.__name__] = cls
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+def error_from_json(data: Any, *, where: str = "") -> AgentError:
+    """Rebuild an error another agent sent (``AgentError.to_json``): the same class, so the same
+    exit code, and its message prefixed with ``where``. An unknown class (a newer agent) becomes
+    an OperationFailed that still carries the sender's exit code; a malformed document fails too."""
+    if not isinstance(data, dict):
+        return OperationFailed(f"{where}malformed error reply")
+    name = data.get("error")
+    message = data.get("message")
+    details = data.get("details")
+    text = message if isinstance(message, str) else "error without a message"
+    lines = [d for d in details if isinstance(d, str)] if isinstance(details, list) else []
+    cls = _classes().get(name) if isinstance(name, str) else None
+    if cls is None:
+        err: AgentError = OperationFailed(f"{where}{text}", details=lines)
+        code = data.get("exit_code")
+        if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256:
+            err.exit_code = code
+        return err
+    err = cls.__new__(cls)
+    AgentError.__init__(err, f"{where}{text}", details=lines)
+    if isinstance(err, CommandError):
+        err.result = None
+    return err

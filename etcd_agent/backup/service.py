@@ -5,6 +5,7 @@ upgrade) that take a backup first.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -75,11 +76,13 @@ def take_backup(
     check_space: bool = True,
     full_verify: bool = False,
     prune: bool = True,
+    hold_lock: bool = True,
 ) -> BackupResult:
-    """Take one backup of ``member``'s etcd (default: the local member) into ``cfg.backup.dir``."""
+    """Take one backup of ``member``'s etcd (default: the local member) into ``cfg.backup.dir``.
+    ``hold_lock=False``: the caller already holds this host's operation lock (a node session)."""
     start = time.monotonic()
     try:
-        result = _take(cfg, member, check_space, full_verify, prune, start)
+        result = _take(cfg, member, check_space, full_verify, prune, start, hold_lock)
     except BusyError:
         raise  # another run is working: not a failed backup
     except AgentError:
@@ -110,7 +113,8 @@ def take_backup(
 
 
 def _take(
-    cfg: Config, member_name: Optional[str], check_space: bool, full_verify: bool, prune: bool, start: float
+    cfg: Config, member_name: Optional[str], check_space: bool, full_verify: bool, prune: bool, start: float,
+    hold_lock: bool = True,
 ) -> BackupResult:
     from ..etcd.client import EtcdClient
     from ..etcd.tools import snapshot_status
@@ -119,7 +123,7 @@ def _take(
     directory = cfg.backup.dir
     ensure_private_dir(directory)
     m = pick_member(cfg, member_name)
-    with OperationLock(lock_path_for(directory), "backup"):
+    with OperationLock(lock_path_for(directory), "backup") if hold_lock else contextlib.nullcontext():
         archive.remove_partials(directory)
         client = EtcdClient.from_config(cfg, endpoints=[m.client_url], timeout=10.0)
         try:

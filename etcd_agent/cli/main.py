@@ -46,6 +46,7 @@ class Output:
     data: Any
     text: Optional[str] = None
     exit_code: int = EXIT_OK
+    silent: bool = False  # the command wrote its own output (the node protocol): print nothing
 
 
 @dataclass
@@ -110,6 +111,8 @@ def setup_logging(verbose: int) -> None:
 
 
 def emit(out: Output, as_json: bool) -> None:
+    if out.silent:
+        return
     if as_json:
         json.dump(out.data, sys.stdout, indent=2, sort_keys=True, default=str)
         sys.stdout.write("\n")

@@ -32,6 +32,7 @@ def register(sub: Any) -> None:
     pa.add_argument("--peer-url", metavar="URL", help="its peer URL (default: the config's, if NAME is configured)")
     pa.add_argument("--learner", action="store_true", help="add as a non-voting learner")
     pa.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    pa.add_argument("--yes", action="store_true", help="do not ask (a voter added and never started costs fault tolerance)")
     pa.set_defaults(func=cmd_add)
 
     pr = msub.add_parser("remove", help="remove a member (refused if quorum would be lost or it is the last)")
@@ -105,6 +106,8 @@ def cmd_add(args: argparse.Namespace, ctx: Context) -> Output:
         plan = plan_add(cfg, client, args.name, args.peer_url, learner=args.learner)
         if args.dry_run:
             return _dry(plan)
+        # a voter that is added but never started counts against quorum until it runs: ask first
+        _confirm(ctx, plan, f"add member {args.name} to the cluster?", args.yes)
         info = execute_add(cfg, client, plan)
     text = (
         f"added {args.name} as {info.hex_id}{' (learner)' if info.is_learner else ''}; start it on its host with "

@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import Config, load, with_local
 from ..errors import Interrupted, RefusedError, UsageError
@@ -44,6 +44,10 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         f'binary = "{etcd_binary}"',
         f'etcdctl = "{etcdctl}"',
         'service_manager = "process"',
+        # the demo's dirs live wherever the operator cloned the repo (perhaps under a 0700 home):
+        # its etcd runs as the user running the demo, not as the etcd user a master would use
+        f'user = "{_me()[0]}"',
+        f'group = "{_me()[1]}"',
         f'data_dir = "{d}/data/{{name}}.etcd"',
         f'conf_file = "{d}/conf/{{name}}.conf"',
         f'unit_file = "{d}/conf/etcd.service"',
@@ -64,6 +68,13 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
             "",
         ]
     return "\n".join(out)
+
+
+def _me() -> Tuple[str, str]:
+    import grp
+    import pwd
+
+    return pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(os.getegid()).gr_name
 
 
 def port_free(port: int) -> bool:
@@ -158,10 +169,21 @@ class Demo:
 
     def supervise(self, report: Callable[[str], None], interval: float = 1.0) -> None:
         """Keep the members running until asked to stop: a crashed etcd is started again, like
-        systemd's Restart=on-failure, at most once per 5 s per member."""
+        systemd's Restart=on-failure, at most once per 5 s per member - and, like the daemon on a
+        master, never a member a restore or an upgrade stopped on purpose (their markers)."""
         last_restart = {lm.member.name: 0.0 for lm in self.locals}
+        paused: Dict[str, str] = {}
         while not self._stop.wait(interval):
             for lm in self.locals:
+                why = hands_off(lm.cfg, lm.member.name)
+                if why:
+                    if paused.get(lm.member.name) != why:
+                        report(f"{lm.member.name}: {why}; hands off")
+                        paused[lm.member.name] = why
+                    continue
+                if paused.pop(lm.member.name, None):
+                    report(f"{lm.member.name}: supervising again")
+                    last_restart[lm.member.name] = time.monotonic()  # let the operation's own start settle
                 if lm.backend.is_active():
                     continue
                 now = time.monotonic()
@@ -190,6 +212,20 @@ class Demo:
                 lm.backend.stop()
             except Exception as exc:
                 log.error("stopping %s failed: %s", lm.member.name, exc)
+
+
+def hands_off(cfg: Config, member: str) -> str:
+    """Why nothing may restart ``member`` now ("" when something may): the same markers the
+    daemon's decision reads (a restore in progress, a live upgrade step)."""
+    from ..state import markers
+
+    rec = markers.read_restore(cfg, member)
+    if rec is not None:
+        return f"restore {rec.get('op')} in progress"
+    up = markers.upgrading(cfg, member)
+    if up is not None:
+        return f"upgrade to {up.get('version')} in progress"
+    return ""
 
 
 def install_signal_handlers(demo: Demo) -> None:

@@ -10,6 +10,7 @@ config does not know may be an operator's deliberate addition.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -48,8 +49,11 @@ class Finding:
         return d
 
 
-def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str]) -> List[Finding]:
-    """Pure: every disagreement between etcd's member list, the config and the conf files."""
+def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str],
+            tokens: Optional[Dict[str, str]] = None) -> List[Finding]:
+    """Pure: every disagreement between etcd's member list, the config and the conf files.
+    ``tokens``: the cluster token each member's cluster was really made with (a restore sets a
+    new one, recorded on the host); the config's where not given."""
     out: List[Finding] = []
     by_peer = {m.peer_url: m for m in cfg.members}
     for m in members:
@@ -74,13 +78,13 @@ def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str]) -> Li
             out.append(Finding(DUP_PEER, url, f"{n} members have peer URL {url}"))
     listed = {u for m in members for u in m.peer_urls}
     for name, text in confs.items():
-        out += _conf_findings(cfg, name, parse_conf(text), listed)
+        out += _conf_findings(cfg, name, parse_conf(text), listed, (tokens or {}).get(name, cfg.cluster.token))
     return out
 
 
-def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: Set[str]) -> List[Finding]:
+def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: Set[str], token: str) -> List[Finding]:
     m = cfg.member(name)
-    want = conf_vars(cfg, m, static_bootstrap(cfg, m))
+    want = conf_vars(cfg, m, dataclasses.replace(static_bootstrap(cfg, m), token=token))
     out = []
     for key in _IDENTITY:
         if conf.get(key) != want[key]:
@@ -116,11 +120,19 @@ def local_confs(cfg: Config) -> Dict[str, str]:
     return out
 
 
+def local_tokens(cfg: Config, confs: Dict[str, str]) -> Dict[str, str]:
+    """The cluster token of each local member's cluster (a restore's, recorded on this host)."""
+    from ..state.bootstrap import effective_token
+
+    return {name: effective_token(cfg, name) for name in confs}
+
+
 def find_drift(cfg: Config, client: Optional[EtcdClient] = None) -> List[Finding]:
     own = client is None
     c = client or EtcdClient.from_config(cfg, timeout=3.0)
     try:
-        return analyze(cfg, c.members(), local_confs(cfg))
+        confs = local_confs(cfg)
+        return analyze(cfg, c.members(), confs, local_tokens(cfg, confs))
     finally:
         if own:
             c.close()
@@ -207,7 +219,8 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clo
 def flag_rows(cfg: Config, rows: List[Any], members: List[MemberInfo]) -> None:
     """Add drift findings to ``status`` rows (by member name) that ``status`` does not flag itself."""
     try:
-        findings = analyze(cfg, members, local_confs(cfg))
+        confs = local_confs(cfg)
+        findings = analyze(cfg, members, confs, local_tokens(cfg, confs))
     except (EtcdError, OSError, ValueError) as exc:
         log.debug("drift check skipped: %s", exc)
         return

@@ -1,19 +1,20 @@
-"""Rolling etcd upgrade: one member at a time, followers first, the leader last.
+"""Rolling etcd upgrade across one or more releases: hop by hop, member by member, leader last.
 
-Order of one run: lock (one upgrade per host at a time) -> every configured member healthy ->
-skew check of the cluster's versions against the target (``etcd.versions``, pure) -> the target
-release present and reporting its version on every host -> a verified backup -> for each member:
-cluster healthy again, (for the leader: hand leadership to an upgraded member first), then the
-member step on its own host. The member step stops etcd, pins the new binary (``member.pin``),
-re-renders the unit's ExecStart, starts etcd and waits until it is healthy *on the new version*;
-if it is not, it stops it, restores the old pin and unit, starts the old binary, waits for health
-and the whole upgrade stops (exit 1, the cluster on a consistent, healthy mix that a re-run
-resumes). Progress is written to ``<state_dir>/upgrade.json`` (read by the metrics endpoint).
-While a member is stepped, its "upgrade in progress" marker (``member.pin``) pauses the daemon on
-that host, which would otherwise restart the etcd the step stopped on purpose.
+``plan_upgrade`` reads every member's version, and plans the hops the skew rules require
+(``etcd.versions.plan_hops``), through the operator's ``--via`` releases when given; a cluster
+left half-way by an earlier run (some members on the first hop's release) resumes that hop. The
+run then drives every host through its node session (``node.sessions``: the hosts' operation
+locks are held for the whole run, so no restore or second upgrade can start meanwhile):
 
-A member on another master is stepped by running ``etcd-agent upgrade-member`` there over SSH
-(the same code); a member on this host (or a one-host cluster) is stepped in this process.
+  check every hop's release is installed and reports its version on every host ->
+  for each hop: a verified backup -> for each member still on the old release, followers first
+  and the leader last (leadership handed to an upgraded member first), each gated on the whole
+  cluster healthy: ``upgrade-member`` on its host (``member.upgrade``) -> every member on the hop's
+  release.
+
+The first failure stops the run; the failing member rolled itself back, so every member is on a
+known release, and the report names each one's. Progress is written to
+``<state_dir>/upgrade.json`` for the metrics endpoint.
 """
 from __future__ import annotations
 
@@ -24,26 +25,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..config import Config, Member
-from ..errors import (
-    AgentError,
-    ConfigError,
-    EtcdError,
-    Interrupted,
-    OperationFailed,
-    RefusedError,
-)
+from ..config import Config
+from ..errors import AgentError, EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EndpointStatus, EtcdClient
-from ..etcd.versions import check_cluster, parse
+from ..etcd.versions import check_step, parse, plan_hops
 from ..fs import write_atomic
-from ..hosts.local import LocalHost
-from ..locality import local_member, machine_identity
-from ..state.markers import clear_upgrading, mark_upgrading
-from ..state.pins import read_pin, release_tools, restore_pin, write_pin
+from ..node.client import new_owner
+from ..node.sessions import HostNode, close_sessions, group_hosts, local_node, message, node_of, open_sessions, parallel
 from ..waiting import NotYet, poll
 from .health import cluster_health, statuses, wait_cluster_healthy
 
 log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
 
 
 @dataclass
@@ -52,7 +45,7 @@ class MemberStep:
     from_version: str
     to_version: str
     seconds: float = 0.0
-    outcome: str = "pending"  # pending | upgraded | skipped | rolled back | failed
+    outcome: str = "pending"  # pending | upgraded | skipped | rolled back | failed | not started
 
     def to_json(self) -> Dict[str, Any]:
         return {"name": self.name, "from": self.from_version, "to": self.to_version,
@@ -60,55 +53,88 @@ class MemberStep:
 
 
 @dataclass
+class Hop:
+    from_version: str
+    to_version: str
+    members: List[str]  # those still to step onto to_version
+    backup: Optional[str] = None
+    seconds: float = 0.0
+    steps: List[MemberStep] = field(default_factory=list)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"from": self.from_version, "to": self.to_version, "members": self.members, "backup": self.backup,
+                "seconds": round(self.seconds, 2), "steps": [s.to_json() for s in self.steps]}
+
+
+def _hop_json(plan: "UpgradePlan", h: Hop) -> Dict[str, Any]:
+    return {**h.to_json(), "order": plan.order(h.members)}
+
+
+@dataclass
 class UpgradePlan:
     target: str
-    path: Tuple[str, ...]
-    versions: Dict[str, str]
+    versions: Dict[str, str]  # member -> what it runs now
     leader: Optional[str]
-    to_upgrade: List[str]
+    hops: List[Hop]
     checks: List[str] = field(default_factory=list)
 
-    def order(self) -> List[str]:
+    @property
+    def path(self) -> Tuple[str, ...]:
+        start = self.hops[0].from_version if self.hops else self.target
+        return (start,) + tuple(h.to_version for h in self.hops)
+
+    @property
+    def to_upgrade(self) -> List[str]:
+        return sorted({m for h in self.hops for m in h.members})
+
+    def order(self, members: List[str]) -> List[str]:
         """Followers first (config order), the leader last."""
-        return [n for n in self.to_upgrade if n != self.leader] + [n for n in self.to_upgrade if n == self.leader]
+        return [n for n in members if n != self.leader] + [n for n in members if n == self.leader]
 
     def text(self) -> str:
         lines = [f"upgrade to etcd {self.target}: " + " -> ".join(self.path)]
         lines += [f"  {n}: {v}{' (leader)' if n == self.leader else ''}" for n, v in self.versions.items()]
         lines += [f"  check: {c}" for c in self.checks]
-        if not self.to_upgrade:
+        if not self.hops:
             lines.append("nothing to do: every member runs the target")
             return "\n".join(lines)
-        lines.append("steps: verified backup, then one member at a time, each gated on the whole cluster healthy:")
-        for i, n in enumerate(self.order(), 1):
-            extra = " (leadership moved to an upgraded member first)" if n == self.leader else ""
-            lines.append(f"  {i}. {n}: stop, point ExecStart at {self.target}, start, wait healthy on {self.target}{extra}")
+        for i, h in enumerate(self.hops, 1):
+            lines.append(f"hop {i}: {h.from_version} -> {h.to_version}: a verified backup first, then one member at "
+                         "a time, each gated on the whole cluster healthy:")
+            for k, n in enumerate(self.order(h.members), 1):
+                extra = " (leadership moved to an upgraded member first)" if n == self.leader else ""
+                lines.append(f"  {i}.{k} {n}: stop, point ExecStart at {h.to_version}, start, wait healthy on "
+                             f"{h.to_version}{extra}")
         return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:
         return {"target": self.target, "path": list(self.path), "versions": self.versions, "leader": self.leader,
-                "order": self.order(), "checks": self.checks}
+                "hops": [_hop_json(self, h) for h in self.hops], "checks": self.checks}
 
 
 @dataclass
 class UpgradeReport:
     plan: UpgradePlan
-    backup: Optional[str]
-    steps: List[MemberStep]
     seconds: float
+    versions: Dict[str, str]
+
+    @property
+    def backups(self) -> List[str]:
+        return [h.backup for h in self.plan.hops if h.backup]
 
     def to_json(self) -> Dict[str, Any]:
-        return {"plan": self.plan.to_json(), "backup": self.backup, "steps": [s.to_json() for s in self.steps],
-                "seconds": round(self.seconds, 2)}
+        return {"plan": self.plan.to_json(), "backups": self.backups, "seconds": round(self.seconds, 2),
+                "versions": self.versions}
 
 
-# ---------------------------------------------------------------- observe and plan
+# ---------------------------------------------------------------- plan
 
 
-def plan_upgrade(cfg: Config, target: str, client: EtcdClient) -> UpgradePlan:
-    """The plan, or RefusedError (unhealthy cluster, a skew rule broken: with the multi-hop path)."""
+def plan_upgrade(cfg: Config, target: str, client: EtcdClient, via: Tuple[str, ...] = ()) -> UpgradePlan:
+    """The plan, or RefusedError (unhealthy cluster, a skew rule broken: with the path it needs)."""
     try:
-        parse(target)
+        for v in (target,) + via:
+            parse(v)
     except ValueError as exc:
         raise RefusedError(str(exc)) from None
     ok, problems = cluster_health(cfg, client)
@@ -116,221 +142,201 @@ def plan_upgrade(cfg: Config, target: str, client: EtcdClient) -> UpgradePlan:
         raise RefusedError("the cluster is not healthy; an upgrade starts only from a healthy cluster", details=problems)
     st = statuses(cfg, client, purpose="an upgrade")
     versions = {n: s.version for n, s in st.items()}
-    verdict = check_cluster(list(versions.items()), target)
-    if not verdict.ok:
-        details = [f"{n}: {v}" for n, v in versions.items()]
-        msg = f"refused: {verdict.reason}"
-        if len(verdict.path) > 2:
-            msg += f"; upgrade path: {verdict.path_text()} (one step per run)"
-        raise RefusedError(msg, details=details)
     leader = next((n for n, s in st.items() if s.is_leader), None)
-    return UpgradePlan(target, verdict.path, versions, leader, list(verdict.to_upgrade))
+    return UpgradePlan(target, versions, leader, plan_cluster_hops(versions, target, via))
 
 
-def runs_here(cfg: Config, member: Member) -> bool:
-    """Is ``member`` stepped in this process (a one-host cluster, or this host's own member)?"""
-    if len({m.host for m in cfg.members}) == 1:
-        return True
-    try:
-        return local_member(cfg, machine_identity()).name == member.name
-    except ConfigError:
-        return False
+def plan_cluster_hops(versions: Dict[str, str], target: str, via: Tuple[str, ...] = ()) -> List[Hop]:
+    """Pure: the hops for a cluster whose members run ``versions``; one mix is allowed, the one an
+    interrupted run leaves (some members already on the first hop's release)."""
+    distinct = sorted({parse(v).key for v in versions.values()})
+    shown = ", ".join(f"{n}={v}" for n, v in versions.items())
+    if len(distinct) > 2:
+        raise RefusedError(f"members run three or more releases ({shown}); bring them to one first")
+    low = next(v for v in versions.values() if parse(v).key == distinct[0])
+    plan = plan_hops(low, target, via)
+    if not plan.ok:
+        raise RefusedError(f"refused: {plan.reason}", details=[f"{n}: {v}" for n, v in versions.items()])
+    if len(distinct) == 2:
+        high = next(v for v in versions.values() if parse(v).key == distinct[1])
+        if not plan.hops or parse(plan.hops[0]).key != parse(high).key or not check_step(parse(low), parse(high)).ok:
+            raise RefusedError(f"members run {low} and {high} ({shown}), which is not a half-done step towards "
+                               f"{target}; finish or undo that first")
+    hops: List[Hop] = []
+    prev = low
+    for to in plan.hops:
+        members = [n for n, v in versions.items() if parse(v).key < parse(to).key]
+        if members:
+            hops.append(Hop(prev, to, members))
+        prev = to
+    return hops
 
 
-def check_release(cfg: Config, plan: UpgradePlan) -> None:
-    """The target release is installed and reports its version on every host still to upgrade."""
-    from ..etcd.tools import version_of
-    from ..hosts import open_host
-
-    binary = os.path.join(cfg.etcd.versions_dir, plan.target, "etcd")
-    bad = []
-    for name in plan.to_upgrade:
-        m = cfg.member(name)
-        host = LocalHost(name) if runs_here(cfg, m) else open_host(cfg, m, None)
-        try:
-            got = version_of(host, binary)
-            if parse(got).key != parse(plan.target).key:
-                bad.append(f"{name}: {binary} reports {got}, not {plan.target}")
-            else:
-                plan.checks.append(f"{name}: {binary} reports {got}")
-        except AgentError as exc:
-            bad.append(f"{name}: {binary}: {exc.message}")
-        finally:
-            host.close()
-    if bad:
-        raise RefusedError(f"etcd {plan.target} is not installed everywhere (expected under {cfg.etcd.versions_dir}/{plan.target}/)",
-                           details=bad)
-
-
-# ---------------------------------------------------------------- one member (runs on its host)
-
-
-def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict[str, Any]:
-    """Step this host's member ``name`` to ``version``; roll back to the old binary on failure."""
-    from ..etcd.tools import version_of
-    from ..member.local import LocalMember
-
-    m = cfg.member(name)
-    tools = release_tools(cfg, version)
-    if not os.path.isfile(tools["binary"] or ""):
-        raise RefusedError(f"{name}: {tools['binary']} missing: install etcd {version} there first")
-    got = version_of(LocalHost(name), tools["binary"] or "")
-    if parse(got).key != parse(version).key:
-        raise RefusedError(f"{name}: {tools['binary']} reports {got}, not {version}")
-    old_pin = read_pin(cfg, name)
-    old = LocalMember(cfg, m)
-    old_binary = old.cfg.etcd.binary
-    if old_binary == tools["binary"] and old.healthy():
-        return {"member": name, "version": version, "outcome": "skipped", "binary": old_binary}
-    start = time.monotonic()
-    # the daemon must not restart the etcd we stop on purpose (it would start the old unit)
-    mark_upgrading(cfg, name, version, old_binary)
-    try:
-        old.backend.stop()
-        write_pin(cfg, name, version, tools, previous=old_binary)
-        new = LocalMember(cfg, m)  # now resolves the pinned binary
-        try:
-            new.backend.write_unit(new.unit_text())
-            new.backend.start()
-            try:
-                new.wait_healthy(timeout, cancel=_crash_watch(new))
-            except Interrupted:
-                raise OperationFailed(f"{name}: etcd exited while starting ({new.backend.describe()})") from None
-            with EtcdClient.from_config(cfg, [m.client_url], timeout=3.0) as c:
-                running = c.status(m.client_url).version
-            if parse(running).key != parse(version).key:
-                raise OperationFailed(f"{name}: healthy but reports {running}, not {version}")
-        except AgentError as exc:
-            log.error("%s: etcd %s did not come back healthy (%s); rolling back to %s", name, version, exc.message, old_binary)
-            _rollback(cfg, m, old_pin, timeout)
-            raise OperationFailed(f"{name}: etcd {version} did not come back healthy: {exc.message}; "
-                                  f"rolled back to {old_binary}") from None
-    finally:
-        clear_upgrading(cfg, name)
-    secs = time.monotonic() - start
-    log.info("%s: now on etcd %s (%.1fs)", name, version, secs)
-    return {"member": name, "version": version, "outcome": "upgraded", "binary": tools["binary"], "seconds": secs}
-
-
-def _crash_watch(member: Any) -> Callable[[], bool]:
-    """For systemd: true once the new etcd exited and the unit waits to restart it
-    (Restart=on-failure keeps it "activating"): waiting longer only loops a broken binary."""
-    if getattr(member.backend, "kind", "") != "systemd":
-        return lambda: False
-
-    def crashed() -> bool:
-        return bool(member.backend.show().get("SubState") == "auto-restart")
-
-    return crashed
-
-
-def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout: float) -> None:
-    from ..member.local import LocalMember
-
-    LocalMember(cfg, m).backend.stop()
-    restore_pin(cfg, m.name, old_pin)
-    back = LocalMember(cfg, m)
-    back.backend.write_unit(back.unit_text())
-    back.backend.start()
-    back.wait_healthy(timeout)
-    log.warning("%s: rolled back to %s and healthy", m.name, back.cfg.etcd.binary)
-
-
-def _step_remote(cfg: Config, m: Member, version: str, timeout: float) -> Dict[str, Any]:
-    from ..hosts import open_host
-
-    argv = [cfg.ssh.agent_path, "--json"]
-    if cfg.path:
-        argv += ["-c", cfg.path]
-    argv += ["upgrade-member", "--member", m.name, "--to", version, "--timeout", str(int(timeout))]
-    host = open_host(cfg, m, None)
-    try:
-        res = host.run(argv, timeout=timeout + 120, check=False)
-    finally:
-        host.close()
-    try:
-        data = json.loads(res.stdout)
-    except ValueError:
-        data = {}
-    if res.returncode != 0:
-        raise OperationFailed(f"{m.name}: {data.get('message') or res.stderr.strip()[-300:] or 'upgrade-member failed'}")
-    return data  # type: ignore[no-any-return]
-
-
-# ---------------------------------------------------------------- the whole cluster
+# ---------------------------------------------------------------- run
 
 
 def progress_path(cfg: Config) -> str:
     return os.path.join(cfg.daemon.state_dir, "upgrade.json")
 
 
-def _progress(cfg: Config, plan: UpgradePlan, steps: List[MemberStep], state: str) -> None:
+def _progress(cfg: Config, plan: UpgradePlan, state: str) -> None:
     os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-    rec = {"target": plan.target, "state": state, "total": len(plan.to_upgrade),
+    steps = [s for h in plan.hops for s in h.steps]
+    rec = {"target": plan.target, "state": state, "total": sum(len(h.members) for h in plan.hops),
            "done": sum(1 for s in steps if s.outcome == "upgraded"), "steps": [s.to_json() for s in steps],
-           "updated": time.time()}
+           "hops": [h.to_json() for h in plan.hops], "updated": time.time()}
     write_atomic(progress_path(cfg), (json.dumps(rec) + "\n").encode(), mode=0o600)
 
 
-def run_upgrade(
-    cfg: Config,
-    plan: UpgradePlan,
-    client: EtcdClient,
-    *,
-    step_timeout: float = 120.0,
-    health_timeout: float = 120.0,
-    on_step: Optional[Callable[[MemberStep], None]] = None,
-) -> UpgradeReport:
-    """Execute ``plan``; OperationFailed (after rollback of the failing member) stops the run."""
-    from ..backup.service import take_backup
-    from ..state.locks import OperationLock
+class Upgrade:
+    """One run of ``plan`` over the cluster's node sessions."""
 
-    t0 = time.monotonic()
-    steps = [MemberStep(n, plan.versions[n], plan.target) for n in plan.order()]
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-    with OperationLock(os.path.join(cfg.daemon.state_dir, "upgrade.lock"), "upgrade"):
-        _progress(cfg, plan, steps, "backup")
-        source = next(n for n in plan.versions if n != plan.leader) if len(plan.versions) > 1 else cfg.members[0].name
-        backup = take_backup(cfg, member=source, full_verify=True, prune=False)
-        log.info("verified backup %s taken before the upgrade", backup.path)
-        remaining = [s for s in steps]
+    def __init__(self, cfg: Config, plan: UpgradePlan, client: EtcdClient, *, step_timeout: float = 120.0,
+                 health_timeout: float = 120.0, say: Progress = lambda s: None,
+                 on_step: Optional[Callable[[MemberStep], None]] = None) -> None:
+        self.cfg, self.plan, self.client = cfg, plan, client
+        self.step_timeout, self.health_timeout = step_timeout, health_timeout
+        self.say = say
+        self.on_step = on_step
+        self.nodes: List[HostNode] = []
+
+    def open(self) -> None:
+        self.nodes = group_hosts(self.cfg)
+        open_sessions(self.cfg, self.nodes, new_owner(f"upgrade --to {self.plan.target}"), self.say)
+
+    def close(self) -> None:
+        close_sessions(self.nodes)
+
+    def check_releases(self) -> None:
+        """Every hop's release is installed and reports its version on every host still to step
+        onto it (one node call per host and release)."""
+        bad: List[str] = []
+        for h in self.plan.hops:
+            hosts = {node_of(self.nodes, m).where: node_of(self.nodes, m) for m in h.members}
+
+            def check(n: HostNode, version: str = h.to_version) -> Dict[str, Any]:
+                return n.call("release-version", version=version)
+
+            for n, got, err in parallel(check, list(hosts.values())):
+                binary = os.path.join(self.cfg.etcd.versions_dir, h.to_version, "etcd")
+                if err is not None or got is None:
+                    bad.append(f"{n.where}: {binary}: {message(err) if err else 'no answer'}")
+                    continue
+                reported = got.get("binary")
+                if not isinstance(reported, str) or parse(reported).key != parse(h.to_version).key:
+                    bad.append(f"{n.where}: {binary} reports {reported or 'nothing (missing or broken)'}, not {h.to_version}")
+                else:
+                    self.plan.checks.append(f"{n.where}: {binary} reports {reported}")
+        if bad:
+            raise RefusedError(f"upgrade path {' -> '.join(self.plan.path)}: not every release on it is installed "
+                               f"everywhere (expected under {self.cfg.etcd.versions_dir}/<version>/)", details=bad)
+
+    def run(self) -> UpgradeReport:
+        t0 = time.monotonic()
+        try:
+            for i, hop in enumerate(self.plan.hops, 1):
+                self._hop(i, hop)
+        except AgentError as exc:
+            _progress(self.cfg, self.plan, "failed")
+            now = self._versions()
+            raise OperationFailed(
+                f"upgrade stopped: {exc.message}",
+                details=[f"{n}: now on {v}" for n, v in now.items()]
+                + [f"backup taken before hop {h.from_version} -> {h.to_version}: {h.backup}" for h in self.plan.hops if h.backup]
+                + ["re-run the same `etcd-agent upgrade` once the cause is fixed: it resumes from here"],
+            ) from None
+        _progress(self.cfg, self.plan, "done")
+        return UpgradeReport(self.plan, time.monotonic() - t0, self._versions())
+
+    def _versions(self) -> Dict[str, str]:
+        out = {}
+        for m in self.cfg.members:
+            try:
+                out[m.name] = self.client.status(m.client_url, timeout=3.0).version
+            except EtcdError as exc:
+                out[m.name] = f"unknown ({exc.message})"
+        return out
+
+    def _hop(self, index: int, hop: Hop) -> None:
+        t = time.monotonic()
+        _progress(self.cfg, self.plan, f"hop {index}: backup")
+        wait_cluster_healthy(self.cfg, self.client, self.health_timeout)
+        hop.backup = self._backup()
+        self.say(f"hop {index} ({hop.from_version} -> {hop.to_version}): verified backup {hop.backup}")
+        hop.steps = [MemberStep(n, self.plan.versions.get(n, hop.from_version), hop.to_version)
+                     for n in self.plan.order(hop.members)]
+        remaining = list(hop.steps)
         while remaining:
-            wait_cluster_healthy(cfg, client, health_timeout)
-            st = statuses(cfg, client, purpose="an upgrade")
+            wait_cluster_healthy(self.cfg, self.client, self.health_timeout)
+            st = statuses(self.cfg, self.client, purpose="an upgrade")
             # followers first: the leader may have changed since the plan
             step = next((s for s in remaining if not st[s.name].is_leader), remaining[0])
             if st[step.name].is_leader:
-                _move_leadership(cfg, client, st, step.name, [s.name for s in steps if s.outcome == "upgraded"])
-            m = cfg.member(step.name)
-            _progress(cfg, plan, steps, f"upgrading {step.name}")
+                done = [s.name for h in self.plan.hops for s in h.steps if s.outcome == "upgraded"]
+                _move_leadership(self.cfg, self.client, st, step.name, done)
+            _progress(self.cfg, self.plan, f"hop {index}: upgrading {step.name}")
             began = time.monotonic()
             try:
-                if runs_here(cfg, m):
-                    out = upgrade_member(cfg, m.name, plan.target, step_timeout)
-                else:
-                    out = _step_remote(cfg, m, plan.target, step_timeout)
+                out = node_of(self.nodes, step.name).call("upgrade-member", member=step.name, to=hop.to_version,
+                                                          timeout=self.step_timeout)
             except AgentError as exc:
                 step.seconds = time.monotonic() - began
                 step.outcome = "rolled back" if "rolled back" in exc.message else "failed"
-                _progress(cfg, plan, steps, "failed")
-                if on_step:
-                    on_step(step)
-                raise OperationFailed(f"upgrade stopped at {step.name}: {exc.message}",
-                                      details=[f"backup taken before the upgrade: {backup.path}"]
-                                      + [f"{s.name}: {s.outcome}" for s in steps]) from None
+                for s in remaining[1:]:
+                    s.outcome = "not started"
+                if self.on_step:
+                    self.on_step(step)
+                raise OperationFailed(f"hop {hop.from_version} -> {hop.to_version} stopped at {step.name}: "
+                                      f"{exc.message}") from None
             step.seconds = time.monotonic() - began
             step.outcome = str(out.get("outcome", "upgraded"))
-            if on_step:
-                on_step(step)
+            self.plan.versions[step.name] = hop.to_version
+            if self.on_step:
+                self.on_step(step)
             remaining.remove(step)
-        wait_cluster_healthy(cfg, client, health_timeout)
-        final = statuses(cfg, client, purpose="an upgrade")
-        wrong = [f"{n}: {s.version}" for n, s in final.items() if parse(s.version).key != parse(plan.target).key]
+        wait_cluster_healthy(self.cfg, self.client, self.health_timeout)
+        wrong = [f"{n}: {s.version}" for n, s in statuses(self.cfg, self.client, purpose="an upgrade").items()
+                 if parse(s.version).key < parse(hop.to_version).key]
         if wrong:
-            _progress(cfg, plan, steps, "failed")
-            raise OperationFailed(f"after the upgrade not every member runs {plan.target}", details=wrong)
-        _progress(cfg, plan, steps, "done")
-    return UpgradeReport(plan, backup.path, steps, time.monotonic() - t0)
+            raise OperationFailed(f"after hop {hop.from_version} -> {hop.to_version} not every member runs it",
+                                  details=wrong)
+        hop.seconds = time.monotonic() - t
+
+    def _backup(self) -> str:
+        """A verified backup from a follower, written on this host (through its own session,
+        which holds this host's lock; directly when this host runs no member)."""
+        source = next((n for n in self.cfg.members if n.name != self.plan.leader), self.cfg.members[0]).name
+        local = local_node(self.nodes)
+        if local is not None:
+            res = local.call("backup", member=source, timeout=max(600.0, self.step_timeout))
+            return str(res["path"])
+        from ..backup.service import take_backup
+
+        return take_backup(self.cfg, member=source, full_verify=True, prune=False).path
+
+
+def run_upgrade(cfg: Config, plan: UpgradePlan, client: EtcdClient, *, step_timeout: float = 120.0,
+                health_timeout: float = 120.0, say: Progress = lambda s: None,
+                on_step: Optional[Callable[[MemberStep], None]] = None) -> UpgradeReport:
+    """Check the releases, then execute ``plan`` (with the hosts' locks held throughout)."""
+    up = Upgrade(cfg, plan, client, step_timeout=step_timeout, health_timeout=health_timeout, say=say, on_step=on_step)
+    up.open()
+    try:
+        up.check_releases()
+        return up.run()
+    finally:
+        up.close()
+
+
+def check_releases(cfg: Config, plan: UpgradePlan, say: Progress = lambda s: None) -> None:
+    """The release check alone (``--dry-run``): sessions without changing anything."""
+    up = Upgrade(cfg, plan, EtcdClient.from_config(cfg), say=say)
+    up.open()
+    try:
+        up.check_releases()
+    finally:
+        up.close()
+        up.client.close()
 
 
 def _move_leadership(cfg: Config, client: EtcdClient, st: Dict[str, EndpointStatus], leader: str, upgraded: List[str]) -> None:
@@ -344,6 +350,7 @@ def _move_leadership(cfg: Config, client: EtcdClient, st: Dict[str, EndpointStat
     except EtcdError as exc:
         log.warning("moving leadership from %s to %s failed (%s); the restart will elect a new leader", leader, target, exc.message)
         return
+
     def moved() -> bool:
         try:
             return client.status(cfg.member(target).client_url).is_leader

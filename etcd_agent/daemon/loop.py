@@ -7,6 +7,7 @@ the cluster changes membership at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from ..locality import local_member, machine_identity
 from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
 from ..member.quorum import can_add, can_remove
 from ..state import bootstrap, markers
-from ..topology import EXISTING, join_bootstrap, parse_conf, static_bootstrap
+from ..topology import EXISTING, Bootstrap, join_bootstrap, parse_conf, static_bootstrap
 from . import health
 
 log = logging.getLogger(__name__)
@@ -219,12 +220,17 @@ class Daemon:
         raise AssertionError(f"unknown action {a}")
 
     def _render_existing(self) -> str:
+        """The member has data but no etcd.conf: render one with state=existing (a state=new conf
+        would be the trap ``settle_conf`` removes, even for one cycle) and the token the cluster
+        was really made with (a restore sets a new one)."""
         cfg, me = self.cfg, self.me
+        token = bootstrap.effective_token(cfg, me.name)
         if cfg.cluster.bootstrap == "static":
-            boot = static_bootstrap(cfg, me)
+            boot = Bootstrap(me.name, EXISTING, static_bootstrap(cfg, me).initial_cluster, token)
         else:
             members = self._member_list(False) or []
-            boot = join_bootstrap(cfg, me, [(m.name, m.peer_urls[0]) for m in members if m.peer_urls and m.name])
+            pairs = [(m.name, m.peer_urls[0]) for m in members if m.peer_urls and m.name]
+            boot = dataclasses.replace(join_bootstrap(cfg, me, pairs), token=token)
         self.local.render(boot)
         return f"rendered {cfg.conf_file(me.name)} (etcd reads its data dir; the initial-cluster flags no longer matter)"
 
@@ -250,7 +256,8 @@ class Daemon:
         if not members or find_member(members, self.me) is None:
             return None
         pairs = [(m.name, m.peer_urls[0]) for m in members if m.peer_urls and m.name]
-        self.local.render(join_bootstrap(self.cfg, self.me, pairs))
+        boot = join_bootstrap(self.cfg, self.me, pairs)
+        self.local.render(dataclasses.replace(boot, token=bootstrap.effective_token(self.cfg, self.me.name)))
         return f"{path} switched to state=existing (a restart on an empty data dir must not bootstrap anew)"
 
     def _membership_change(self, obs: health.Observation, action: str) -> str:

@@ -144,3 +144,51 @@ def check_cluster(member_versions: Sequence[Tuple[str, str]], target: str) -> Cl
     current = next(v for _n, v in parsed if v.key == older[0])
     step = check_step(current, t)
     return ClusterCheck(step.ok, step.reason, step.path, todo if step.ok else ())
+
+
+@dataclass(frozen=True)
+class HopPlan:
+    """The releases one run passes through, in order (``hops[-1]`` is the target)."""
+
+    ok: bool
+    reason: str
+    hops: Tuple[str, ...]
+
+    def path_text(self, current: str) -> str:
+        return " -> ".join((current,) + self.hops)
+
+
+def plan_hops(current: str, target: str, via: Sequence[str] = ()) -> HopPlan:
+    """The single steps from ``current`` to ``target`` through the operator's ``via`` releases
+    (each a concrete version, ascending), adding the hops the skew rules require where they
+    name a concrete release (``3.5.26``); a required hop that names only a minor line (``3.5.x``)
+    must be chosen by the operator (``--via``), since only they know which release they trust."""
+    cur = parse(current)
+    stops = [parse(v) for v in via] + [parse(target)]
+    if stops[-1].key < cur.key:
+        return HopPlan(False, check_step(cur, stops[-1]).reason, ())
+    for a, b in zip([cur] + stops, stops):
+        if b.key <= a.key:
+            return HopPlan(False, f"--via releases must ascend from {cur} to {stops[-1]}: {a} -> {b} does not", ())
+    hops: List[str] = []
+    at = cur
+    for stop in stops:
+        step = check_step(at, stop)
+        if step.ok:
+            hops.append(str(stop))
+            at = stop
+            continue
+        path = upgrade_path(at, stop)
+        if not path:
+            return HopPlan(False, step.reason, ())
+        for hop in path[1:]:
+            if hop.endswith(".x"):
+                return HopPlan(False, f"{step.reason}; the path {' -> '.join(path)} passes through a {hop} release: "
+                                      f"choose it with --via {hop[:-2]}.N (a release installed on every master)", ())
+            nxt = parse(hop)
+            inner = check_step(at, nxt)
+            if not inner.ok:
+                return HopPlan(False, inner.reason, ())
+            hops.append(str(nxt))
+            at = nxt
+    return HopPlan(True, f"{len(hops)} hop{'s' if len(hops) != 1 else ''}: {' -> '.join([str(cur)] + hops)}", tuple(hops))

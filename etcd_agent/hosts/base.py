@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 from ..errors import CommandError
 
@@ -42,6 +42,37 @@ class Result:
                 self,
             )
         return self
+
+
+class Session(Protocol):
+    """A long-running command on a host, spoken to through its stdin and stdout (the node
+    protocol's session). It ends when either side closes: a dead caller closes the stream, so
+    the command sees end-of-file."""
+
+    def send(self, data: bytes) -> None:
+        """Write to the command's stdin; HostUnreachable when the stream is gone."""
+        ...
+
+    def close_input(self) -> None:
+        """Close its stdin (it sees end-of-file) and keep reading what it answers."""
+        ...
+
+    def recv_line(self, timeout: float, limit: int) -> bytes:
+        """One line of its stdout (with the newline); b"" once it closed stdout; CommandTimedOut
+        after ``timeout`` seconds without a full line; OperationFailed past ``limit`` bytes."""
+        ...
+
+    def close(self) -> None:
+        """End the session: close stdin, give the command a moment, then stop it."""
+        ...
+
+    def exit_code(self) -> Optional[int]:
+        """Its exit status once it has exited, else None."""
+        ...
+
+    def stderr_tail(self) -> str:
+        """The last lines it wrote to stderr (for error messages)."""
+        ...
 
 
 class Host(Protocol):
@@ -81,5 +112,48 @@ class Host(Protocol):
         """Copy a file from this host to a local path."""
         ...
 
+    def spawn(self, argv: Sequence[str]) -> Session:
+        """Start ``argv`` (no shell) as a long-running session; HostUnreachable if it cannot."""
+        ...
+
     def close(self) -> None:
         ...
+
+
+class LineBuffer:
+    """Lines out of a byte stream read piecewise: ``read_some(timeout)`` returns bytes, b"" at
+    end-of-file, or None when nothing arrived within ``timeout``. Shared by both session twins."""
+
+    def __init__(self, where: str, read_some: "Callable[[float], Optional[bytes]]") -> None:
+        self.where = where
+        self._read_some = read_some
+        self._buf = bytearray()
+        self._eof = False
+
+    def line(self, timeout: float, limit: int) -> bytes:
+        import time
+
+        from ..errors import CommandTimedOut, OperationFailed
+
+        deadline = time.monotonic() + timeout
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl >= 0:
+                out = bytes(self._buf[: nl + 1])
+                del self._buf[: nl + 1]
+                return out
+            if len(self._buf) > limit:
+                raise OperationFailed(f"{self.where}: a reply line longer than {limit} bytes; session dropped")
+            if self._eof:
+                out = bytes(self._buf)  # a last line without its newline: incomplete, the caller decides
+                self._buf.clear()
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommandTimedOut(f"{self.where}: no reply within {timeout:g}s")
+            chunk = self._read_some(min(left, 1.0))
+            if chunk is None:
+                continue
+            if not chunk:
+                self._eof = True
+            self._buf += chunk

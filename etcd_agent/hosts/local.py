@@ -1,16 +1,20 @@
 """LocalHost: this machine, through subprocess (argv lists, no shell, timeouts)."""
 from __future__ import annotations
 
+import collections
 import os
+import select
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from typing import Mapping, Optional, Sequence, Union
+from typing import Deque, Mapping, Optional, Sequence, Union
 
-from ..errors import CommandError, CommandTimedOut
+from ..errors import CommandError, CommandTimedOut, HostUnreachable
 from ..fs import fsync_dir, write_atomic
-from .base import Result
+from .base import LineBuffer, Result
 
 
 class LocalHost:
@@ -83,8 +87,80 @@ class LocalHost:
     def get(self, remote_path: str, local_path: str) -> None:
         shutil.copyfile(remote_path, local_path)
 
+    def spawn(self, argv: Sequence[str]) -> "LocalSession":
+        return LocalSession(self.name, argv)
+
     def close(self) -> None:
         pass
+
+
+class LocalSession:
+    """A child process spoken to through pipes. Its own session (process group): a Ctrl-C in the
+    operator's terminal reaches only the caller, which then decides (rolls back through it)."""
+
+    def __init__(self, where: str, argv: Sequence[str]) -> None:
+        self.where = where
+        try:
+            self._proc = subprocess.Popen(
+                [str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise HostUnreachable(f"{where}: cannot start `{shlex.join(argv)}`: {exc.strerror or exc}") from None
+        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
+        self._stdin = self._proc.stdin
+        self._out_fd = self._proc.stdout.fileno()
+        self._lines = LineBuffer(where, self._read_some)
+        self._err: Deque[str] = collections.deque(maxlen=20)
+        self._err_thread = threading.Thread(target=self._drain_stderr, name=f"stderr-{where}", daemon=True)
+        self._err_thread.start()
+
+    def _read_some(self, timeout: float) -> Optional[bytes]:
+        ready, _w, _x = select.select([self._out_fd], [], [], timeout)
+        if not ready:
+            return None
+        return os.read(self._out_fd, 65536)
+
+    def _drain_stderr(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def send(self, data: bytes) -> None:
+        try:
+            self._stdin.write(data)
+            self._stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise HostUnreachable(f"{self.where}: session ended ({exc})") from None
+
+    def close_input(self) -> None:
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+
+    def recv_line(self, timeout: float, limit: int) -> bytes:
+        return self._lines.line(timeout, limit)
+
+    def close(self) -> None:
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        for fh in (self._proc.stdout, self._proc.stderr):
+            if fh is not None:
+                fh.close()
+
+    def exit_code(self) -> Optional[int]:
+        return self._proc.poll()
+
+    def stderr_tail(self) -> str:
+        return " / ".join(list(self._err)[-3:])
 
 
 def _text(data: "Optional[Union[bytes, str]]") -> str:

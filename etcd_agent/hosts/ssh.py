@@ -7,6 +7,7 @@ is opened lazily, reused for every command and SFTP call, and reopened when it d
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import logging
 import os
@@ -18,14 +19,15 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import paramiko
 from paramiko.sftp import CMD_EXTENDED
 
 from ..config import SshSection
-from ..errors import CommandTimedOut, HostKeyRejected, HostUnreachable
-from .base import Result
+from ..errors import CommandTimedOut, HostKeyRejected, HostUnreachable, OperationFailed
+from ..waiting import poll
+from .base import LineBuffer, Result
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,18 @@ class SshHost:
         with self._lock:
             self._drop()
 
+    def spawn(self, argv: Sequence[str]) -> "SshSession":
+        """A long-running command over its own channel (no remote `timeout`: it lives as long as
+        the session; when this side dies, sshd closes the channel and the command sees EOF)."""
+        argv = tuple(str(a) for a in argv)
+        chan = self._open_channel()
+        try:
+            chan.exec_command(remote_command(argv))
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            chan.close()
+            raise HostUnreachable(f"{self._where}: cannot start `{shlex.join(argv)}`: {exc}") from None
+        return SshSession(self._where, chan)
+
     # ------------------------------------------------------------ commands
 
     def run(
@@ -424,6 +438,70 @@ class SshHost:
             except FileNotFoundError:
                 pass
             raise
+
+
+class SshSession:
+    """The remote end of ``SshHost.spawn``: stdin/stdout/stderr of one channel."""
+
+    def __init__(self, where: str, chan: paramiko.Channel) -> None:
+        self.where = where
+        self._chan = chan
+        self._send_lock = threading.Lock()
+        self._err: Deque[str] = collections.deque(maxlen=20)
+        self._err_buf = b""
+        self._lines = LineBuffer(where, self._read_some)
+
+    def _drain_stderr(self) -> None:
+        while self._chan.recv_stderr_ready():
+            self._err_buf += self._chan.recv_stderr(CHUNK)
+        *full, self._err_buf = self._err_buf.split(b"\n")
+        self._err.extend(line.decode("utf-8", "replace") for line in full)
+        self._err_buf = self._err_buf[-4096:]
+
+    def _read_some(self, timeout: float) -> Optional[bytes]:
+        try:
+            select.select([self._chan.fileno()], [], [], timeout)
+            self._drain_stderr()
+            if self._chan.recv_ready():
+                data: bytes = self._chan.recv(CHUNK)
+                return data
+            if self._chan.eof_received or self._chan.closed:
+                return b""
+            return None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
+
+    def send(self, data: bytes) -> None:
+        with self._send_lock:
+            try:
+                self._chan.sendall(data)
+            except (paramiko.SSHException, EOFError, OSError, socket.timeout) as exc:
+                raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
+
+    def close_input(self) -> None:
+        try:
+            self._chan.shutdown_write()
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
+
+    def recv_line(self, timeout: float, limit: int) -> bytes:
+        return self._lines.line(timeout, limit)
+
+    def close(self) -> None:
+        try:
+            self._chan.shutdown_write()  # the command sees EOF and ends
+            poll(self._chan.exit_status_ready, timeout=10.0, what=f"{self.where}: session end", interval=0.05)
+        except (paramiko.SSHException, EOFError, OSError, OperationFailed):
+            pass  # gone already, or it did not end in time: closing the channel ends it
+        self._chan.close()
+
+    def exit_code(self) -> Optional[int]:
+        if self._chan.exit_status_ready():
+            return int(self._chan.recv_exit_status())
+        return None
+
+    def stderr_tail(self) -> str:
+        return " / ".join(list(self._err)[-3:])
 
 
 def _fsync(sftp: paramiko.SFTPClient, fh: paramiko.SFTPFile) -> None:

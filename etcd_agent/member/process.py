@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..config import Config
 from ..errors import OperationFailed
@@ -72,8 +72,14 @@ class ProcessBackend:
             return
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
         env = self._env()
-        data_dir = env.get("ETCD_DATA_DIR", self.cfg.data_dir(self.member))
-        os.makedirs(os.path.dirname(data_dir.rstrip("/")) or "/", mode=0o700, exist_ok=True)
+        data_dir = env.get("ETCD_DATA_DIR", self.cfg.data_dir(self.member)).rstrip("/")
+        os.makedirs(os.path.dirname(data_dir) or "/", mode=0o700, exist_ok=True)
+        owner = etcd_owner(self.cfg)
+        as_user: Dict[str, Any] = {}
+        if owner is not None:
+            # as root, etcd runs as [etcd] user, as the systemd unit's User= would have it
+            _prepare_data_dir(self.member, self.cfg.etcd.user, data_dir, owner)
+            as_user = {"user": owner[0], "group": owner[1], "extra_groups": []}
         logfh = open(self.log_file, "ab")
         try:
             # own session: a Ctrl-C in the operator's terminal reaches the agent, which then
@@ -86,6 +92,7 @@ class ProcessBackend:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
+                **as_user,
             )
         except OSError as exc:
             raise OperationFailed(f"{self.member}: cannot start {self.cfg.etcd.binary}: {exc}") from None
@@ -212,6 +219,59 @@ class ProcessBackend:
     def describe(self) -> str:
         pid = self.pid()
         return f"running (pid {pid})" if pid else "stopped"
+
+
+def etcd_owner(cfg: Config) -> Optional[Tuple[int, int]]:
+    """(uid, gid) etcd runs as when the agent runs as root and ``[etcd] user`` exists and is not
+    root; None when etcd runs as the agent's own user (nothing to switch to or chown to)."""
+    if os.geteuid() != 0 or cfg.etcd.user == "root":
+        return None
+    import grp
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(cfg.etcd.user)
+    except KeyError:
+        return None
+    try:
+        gid = grp.getgrnam(cfg.etcd.group).gr_gid
+    except KeyError:
+        gid = pw.pw_gid
+    return pw.pw_uid, gid
+
+
+def _prepare_data_dir(member: str, user: str, data_dir: str, owner: Tuple[int, int]) -> None:
+    """The data dir exists, is etcd's, and etcd can reach it through every parent dir."""
+    uid, gid = owner
+    for parent in _ancestors(os.path.dirname(data_dir)):
+        st = os.stat(parent)
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+        if not st.st_mode & bit:
+            raise OperationFailed(
+                f"{member}: etcd runs as {user}, which cannot reach {data_dir}: {parent} is mode "
+                f"{st.st_mode & 0o777:o}; give etcd a data dir it can reach, or set [etcd] user = \"root\""
+            )
+    if not os.path.exists(data_dir):
+        os.mkdir(data_dir, 0o700)
+        os.chown(data_dir, uid, gid)
+        return
+    st = os.stat(data_dir)
+    if (st.st_uid, st.st_gid) != (uid, gid):
+        log.warning("%s: %s is not owned by %s; handing it over (chown -R)", member, data_dir, user)
+        for root, dirs, files in os.walk(data_dir):
+            os.chown(root, uid, gid)
+            for n in dirs + files:
+                os.lchown(os.path.join(root, n), uid, gid)
+
+
+def _ancestors(path: str) -> List[str]:
+    out = []
+    p = os.path.abspath(path)
+    while True:
+        out.append(p)
+        if p == "/":
+            return out
+        p = os.path.dirname(p)
 
 
 def _write_if_changed(path: str, text: str, mode: int) -> bool:

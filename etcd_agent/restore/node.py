@@ -1,10 +1,11 @@
-"""One host's restore steps, run locally on that host by ``etcd-agent node STEP``.
+"""One host's restore steps, run on that host inside its ``etcd-agent node serve`` session.
 
-Every step is idempotent and journaled in ``<work dir>/journal.json`` (beside the data dir, 0700):
-a step already in the journal is not done again, so re-running a crashed restore resumes it. Steps
-that move data write their intention to the journal first ("pending"), so a crash between the move
-and the journal entry is recognised on the next run. Nothing here deletes old data: the data dir
-is renamed aside, and a failed restore's output is renamed aside too.
+Every step is idempotent and journaled (``restore.journal``): a step already recorded is not
+done again, so re-running a crashed restore resumes it. Steps that move data record their
+intention first ("pending"). Nothing here deletes old data: the data dir is renamed aside, and a
+failed restore's output is renamed aside too. Every step that changes anything runs only in a
+session that holds this host's operation lock (``NodeContext.require_lock``), so a second
+orchestrator can never drive this host while the first one's session lives.
 """
 from __future__ import annotations
 
@@ -12,29 +13,33 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import shutil
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
+from ..backup.snapcheck import StreamCheck
 from ..config import Config, Member
-from ..errors import CommandError, OperationFailed, RefusedError
+from ..errors import AgentError, BusyError, CommandError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
 from ..fs import write_atomic
 from ..hosts.local import LocalHost
+from ..locality import machine_identity
 from ..member.local import LocalMember, backend_for
-from ..state import markers
-from ..state.locks import touch_alive
-from ..topology import NEW, Bootstrap, parse_conf, render_conf
+from ..member.process import etcd_owner
+from ..state import bootstrap, lineage, markers
+from ..state.locks import holder_of
+from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
+from . import journal as J
 from . import plan as P
 
 log = logging.getLogger(__name__)
 
-JOURNAL = "journal.json"
 SNAPSHOT = "etcd_snapshot.db"
-TAR_CONF = "archive-etcd.conf"
-TAR_UNIT = "archive-etcd.service"
+RECEIVED = "received.json"
 CONF_ORIG = "conf.orig"
+RECEIVE_CHUNK = 1 << 20
 
 
 def _stamp() -> str:
@@ -49,14 +54,6 @@ def _free_name(base: str, tag: str) -> str:
     return target if n == 1 else f"{target}.{n}"
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class NodeRestore:
     """The restore of one member on this host."""
 
@@ -66,103 +63,87 @@ class NodeRestore:
         self.op = op
         self.data_dir = cfg.data_dir(member).rstrip("/")
         self.work_dir = P.work_dir_for(self.data_dir, member)
-        self.journal_path = os.path.join(self.work_dir, JOURNAL)
+        self.journal_path = J.path_in(self.work_dir)
         self.host = LocalHost(member)
         self.backend = backend_for(cfg, member)
 
     # ------------------------------------------------------------ journal
 
-    def journal(self) -> Optional[Dict[str, Any]]:
-        try:
-            with open(self.journal_path, encoding="utf-8") as fh:
-                j = json.load(fh)
-        except FileNotFoundError:
-            return None
-        except ValueError as exc:
-            raise OperationFailed(f"{self.member.name}: journal {self.journal_path} unreadable: {exc}")
-        return j if isinstance(j, dict) else None
+    def journal(self) -> Optional[J.Journal]:
+        return J.load(self.journal_path)
 
-    def _save(self, j: Dict[str, Any]) -> None:
-        write_atomic(self.journal_path, (json.dumps(j, indent=2, sort_keys=True) + "\n").encode(), mode=0o600)
-
-    def _mine(self) -> Dict[str, Any]:
+    def _mine(self) -> J.Journal:
         """The journal of this op; refused when another (or no) restore is journaled."""
         j = self.journal()
-        if j is None or j.get("op") != self.op:
+        if j is None or j.op != self.op:
             raise RefusedError(
                 f"{self.member.name}: no journal of restore {self.op} in {self.work_dir}"
-                + (f" (it holds {j.get('op')})" if j else "")
+                + (f" (it holds {j.op})" if j else "")
             )
-        touch_alive(self.cfg, str(self.op))
         return j
 
-    def _step(self, name: str, fn: Any) -> Dict[str, Any]:
+    def _step(self, name: str, fn: Callable[[J.Journal], Dict[str, Any]]) -> Dict[str, Any]:
         """Run ``fn(journal)`` unless ``name`` is journaled already; journal its result."""
         j = self._mine()
-        if j.get("state") in P.FINAL_STATES:
-            raise RefusedError(f"{self.member.name}: restore {self.op} is {j['state']} already")
-        done = j.setdefault("steps", {})
-        if name in done:
-            return {"step": name, "member": self.member.name, "skipped": "already done", **done[name]}
-        result = fn(j) or {}
+        if not j.open:
+            raise RefusedError(f"{self.member.name}: restore {self.op} is {j.state} already")
+        if j.done(name):
+            return {"step": name, "member": self.member.name, "skipped": "already done", **j.info(name)}
+        result = fn(j)
         result["at"] = time.time()
-        done[name] = result
-        j.setdefault("pending", {}).pop(name, None)
-        self._save(j)
+        j.steps[name] = result
+        j.pending.pop(name, None)
+        J.save(self.journal_path, j)
         log.info("%s: restore %s: %s done", self.member.name, self.op, name)
         return {"step": name, "member": self.member.name, **result}
 
-    def _pending(self, j: Dict[str, Any], name: str, info: Dict[str, Any]) -> None:
-        j.setdefault("pending", {})[name] = info
-        self._save(j)
+    def _pending(self, j: J.Journal, name: str, info: Dict[str, Any]) -> None:
+        j.pending[name] = info
+        J.save(self.journal_path, j)
 
     # ------------------------------------------------------------ precheck (read-only)
 
-    def precheck(self) -> Dict[str, Any]:
+    def precheck(self) -> P.NodeFacts:
         cfg, m = self.cfg, self.member
-        out: Dict[str, Any] = {
-            "member": m.name, "protocol": P.NODE_PROTOCOL, "agent_version": __version__,
-            "data_dir": self.data_dir, "work_dir": self.work_dir, "conf_file": cfg.conf_file(m.name),
-            "backend": cfg.etcd.service_manager, "peer_url": m.peer_url, "client_url": m.client_url,
-        }
-        for key, binary in (("etcd_version", cfg.etcd.binary), ("etcdctl_version", cfg.etcd.etcdctl), ("etcdutl_version", cfg.etcd.etcdutl)):
+        versions: Dict[str, Optional[str]] = {}
+        for key, binary in (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl)):
             try:
-                out[key] = version_of(self.host, binary) if binary else None
+                versions[key] = version_of(self.host, binary) if binary else None
             except CommandError:
-                out[key] = None
-        parent = os.path.dirname(self.data_dir) or "/"
-        probe = parent
+                versions[key] = None
+        probe = os.path.dirname(self.data_dir) or "/"
         while not os.path.exists(probe) and probe != "/":
             probe = os.path.dirname(probe)
-        out["free_bytes"] = shutil.disk_usage(probe).free
         if not os.path.lexists(self.data_dir):
-            out["data_dir_state"] = "absent"
+            state = "absent"
         elif not os.path.isdir(self.data_dir) or os.path.islink(self.data_dir):
-            out["data_dir_state"] = "other"
+            state = "other"
         elif os.path.isdir(os.path.join(self.data_dir, "member")):
-            out["data_dir_state"] = "member"
+            state = "member"
         else:
-            out["data_dir_state"] = "empty"
-        out["conf_present"] = os.path.isfile(cfg.conf_file(m.name))
-        out["unit_present"] = os.path.isfile(cfg.etcd.unit_file) if cfg.etcd.service_manager == "systemd" else None
+            state = "empty"
         try:
-            out["running"] = self.backend.is_active()
-        except Exception as exc:  # a broken backend is a fact to report, not a crash
-            out["running"] = False
-            out["backend_error"] = str(exc)
-        out["fence_ok"], out["fence_detail"] = self._fence_possible()
-        out["identity_match"] = _is_this_machine(m.host)
+            running = self.backend.is_active()
+        except AgentError:
+            running = False
+        fence_ok, fence_detail = self._fence_possible()
         t = cfg.tls
-        out["tls_missing"] = [p for p in (t.client_ca, t.client_cert, t.client_key, t.peer_ca, t.peer_cert, t.peer_key) if p and not os.path.isfile(p)]
-        out["journal"] = self.journal_summary()
-        return out
-
-    def journal_summary(self) -> Optional[Dict[str, Any]]:
+        rec = bootstrap.read(cfg, m.name)
         j = self.journal()
-        if j is None:
-            return None
-        keys = ("op", "state", "sha256", "token", "backup", "initial_cluster", "new_cluster")
-        return {**{k: j.get(k) for k in keys}, "steps": [s for s in P.STEPS if s in j.get("steps", {})]}
+        return P.NodeFacts(
+            member=m.name, protocol=P.NODE_PROTOCOL, agent_version=__version__,
+            etcd_version=versions["etcd"], etcdctl_version=versions["etcdctl"], etcdutl_version=versions["etcdutl"],
+            free_bytes=shutil.disk_usage(probe).free, data_dir=self.data_dir, data_dir_state=state,
+            work_dir=self.work_dir, conf_file=cfg.conf_file(m.name), conf_present=os.path.isfile(cfg.conf_file(m.name)),
+            unit_present=os.path.isfile(cfg.etcd.unit_file) if cfg.etcd.service_manager == "systemd" else None,
+            backend=cfg.etcd.service_manager, running=running, fence_ok=fence_ok, fence_detail=fence_detail,
+            identity_match=machine_identity().is_me(m.host),
+            tls_missing=tuple(p for p in (t.client_ca, t.client_cert, t.client_key, t.peer_ca, t.peer_cert, t.peer_key)
+                              if p and not os.path.isfile(p)),
+            journal=j.summary() if j is not None else None, peer_url=m.peer_url, client_url=m.client_url,
+            bootstrap_member_id=rec.member_id if rec else None, bootstrap_cluster_id=rec.cluster_id if rec else None,
+            lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
+        )
 
     def _fence_possible(self) -> Tuple[bool, str]:
         k = self.cfg.kubernetes
@@ -180,33 +161,30 @@ class NodeRestore:
 
     # ------------------------------------------------------------ steps
 
-    def begin(self, *, token: str, initial_cluster: str, sha256: str, size: int, backup: str,
+    def begin(self, *, token: str, initial_cluster: str, sha256: Optional[str], size: int, backup: str,
               bump: Optional[int], fence_owner: bool, new_cluster: bool) -> Dict[str, Any]:
         """Create the work dir and the journal (or find this op's journal: resume)."""
         os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.work_dir, 0o700)
+        os.chmod(self.work_dir, 0o700)  # our own dir: whatever an earlier umask made of it
         j = self.journal()
-        if j is not None and j.get("op") != self.op:
-            if j.get("state") not in P.FINAL_STATES:
-                raise RefusedError(f"{self.member.name}: unfinished restore {j.get('op')} journaled in {self.work_dir}")
+        if j is not None and j.op != self.op:
+            if j.open:
+                raise RefusedError(f"{self.member.name}: unfinished restore {j.op} journaled in {self.work_dir}")
             self._clear_work_dir()
             j = None
         # before anything is touched: the daemon must not heal what this restore stops on purpose
         markers.write_restore(self.cfg, self.member.name, str(self.op), backup)
         if j is None:
-            j = {
-                "op": self.op, "member": self.member.name, "state": "running", "created": time.time(),
-                "token": token, "initial_cluster": initial_cluster, "sha256": sha256, "size": size,
-                "backup": backup, "bump": bump, "fence_owner": fence_owner, "new_cluster": new_cluster,
-                "was_running": self.backend.is_active(), "steps": {}, "pending": {},
-            }
-            self._save(j)
-        return self._step("begin", lambda j: {"was_running": j["was_running"]})
+            j = J.Journal(op=str(self.op), member=self.member.name, backup=backup, token=token,
+                          initial_cluster=initial_cluster, sha256=sha256, size=size, bump=bump,
+                          fence_owner=fence_owner, new_cluster=new_cluster, was_running=self.backend.is_active())
+            J.save(self.journal_path, j)
+        return self._step("begin", lambda j: {"was_running": j.was_running})
 
     def fence(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
+        def do(j: J.Journal) -> Dict[str, Any]:
             k = self.cfg.kubernetes
-            if k.fence == "none" or not j.get("fence_owner"):
+            if k.fence == "none" or not j.fence_owner:
                 return {"method": "none"}
             if k.fence == "unit":
                 active = self.host.run(["systemctl", "is-active", k.apiserver_unit], timeout=30, check=False).stdout.strip()
@@ -223,18 +201,23 @@ class NodeRestore:
         return self._step("fence", do)
 
     def stop(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
-            self._stop_etcd()
+        def do(j: J.Journal) -> Dict[str, Any]:
+            self.backend.stop(30.0)
             if self.backend.is_active():
                 raise OperationFailed(f"{self.member.name}: etcd still running after stop ({self.backend.describe()})")
             return {}
         return self._step("stop", do)
 
     def aside(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
-            pend = j.get("pending", {}).get("aside")
-            if pend and not os.path.lexists(self.data_dir) and os.path.lexists(pend["target"]):
+        def do(j: J.Journal) -> Dict[str, Any]:
+            pend = j.pending.get("aside")
+            if pend and not os.path.lexists(self.data_dir) and os.path.lexists(str(pend["target"])):
                 return {"moved": pend["target"]}  # moved before a crash, not journaled yet
+            if self.backend.is_active():
+                # something started etcd again since `stop` (a supervisor that is not hands-off):
+                # never move a live member's data from under it
+                raise OperationFailed(f"{self.member.name}: etcd runs again ({self.backend.describe()}); "
+                                      "its data dir is not moved")
             if not os.path.lexists(self.data_dir):
                 return {"moved": None}
             target = _free_name(self.data_dir, "pre-restore")
@@ -244,35 +227,56 @@ class NodeRestore:
             return {"moved": target}
         return self._step("aside", do)
 
-    def receive(self) -> Dict[str, Any]:
-        """The shipped snapshot is complete: sha256 as journaled (from the archive's manifest)."""
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
-            path = os.path.join(self.work_dir, SNAPSHOT)
-            if not os.path.isfile(path):
-                raise OperationFailed(f"{self.member.name}: snapshot {path} not shipped")
-            got = sha256_file(path)
-            if got != j["sha256"]:
-                os.unlink(path)  # a damaged copy: the next run ships it again
-                raise OperationFailed(f"{self.member.name}: shipped snapshot sha256 {got[:16]}... != {j['sha256'][:16]}...; removed")
-            return {"sha256": got, "size": os.path.getsize(path)}
+    def receive(self, sender_sha256: str) -> Dict[str, Any]:
+        """The shipped snapshot is complete and is what was sent: the receiver hashed it as it
+        wrote it (``received.json``); that hash must be the sender's and, when the journal holds
+        the manifest's claim, that one too. Nothing is read twice."""
+        def do(j: J.Journal) -> Dict[str, Any]:
+            rec = self._received()
+            if rec["sha256"] != sender_sha256:
+                self._drop_payload()
+                raise OperationFailed(f"{self.member.name}: received snapshot sha256 {rec['sha256'][:16]}... is not "
+                                      f"what was sent ({sender_sha256[:16]}...); removed")
+            if j.sha256 is not None and j.sha256 != rec["sha256"]:
+                self._drop_payload()
+                raise OperationFailed(f"{self.member.name}: the snapshot's sha256 {rec['sha256'][:16]}... is not the "
+                                      f"manifest's {j.sha256[:16]}...; removed")
+            j.sha256 = rec["sha256"]
+            return {"sha256": rec["sha256"], "size": rec["size"]}
         return self._step("receive", do)
 
+    def _received(self) -> Dict[str, Any]:
+        path = os.path.join(self.work_dir, SNAPSHOT)
+        try:
+            with open(os.path.join(self.work_dir, RECEIVED), encoding="utf-8") as fh:
+                rec = json.load(fh)
+            st = os.stat(path)
+        except (OSError, ValueError):
+            raise OperationFailed(f"{self.member.name}: no complete snapshot was shipped to {path}") from None
+        if not isinstance(rec, dict) or (rec.get("size"), rec.get("ino"), rec.get("mtime_ns")) != (
+                st.st_size, st.st_ino, st.st_mtime_ns):
+            raise OperationFailed(f"{self.member.name}: {path} changed since it was received")
+        return rec
+
     def restore(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
+        def do(j: J.Journal) -> Dict[str, Any]:
             tmp = f"{self.data_dir}.restoring"
-            pend = j.get("pending", {}).get("restore")
-            if pend and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
+            pend = j.pending.get("restore")
+            if pend and "argv" in pend and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
                 return {"argv": pend["argv"]}  # renamed before a crash
             if os.path.lexists(self.data_dir):
                 raise OperationFailed(f"{self.member.name}: {self.data_dir} reappeared after it was set aside; not touching it")
+            self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
             snap = os.path.join(self.work_dir, SNAPSHOT)
-            if sha256_file(snap) != j["sha256"]:
-                raise OperationFailed(f"{self.member.name}: snapshot {snap} changed since it arrived (sha256 mismatch)")
             if os.path.lexists(tmp):
+                if not (pend and pend.get("output") == tmp):
+                    raise OperationFailed(f"{self.member.name}: {tmp} exists and was not made by this restore; "
+                                          "not deleting it (move it away, then re-run)")
                 shutil.rmtree(tmp)  # our own partial output of an interrupted attempt
+            self._pending(j, "restore", {"output": tmp})
             argv = snapshot_restore_argv(
-                self.cfg, snapshot=snap, name=self.member.name, initial_cluster=j["initial_cluster"],
-                token=j["token"], peer_url=self.member.peer_url, data_dir=tmp, bump_revision=j.get("bump"),
+                self.cfg, snapshot=snap, name=self.member.name, initial_cluster=j.initial_cluster,
+                token=j.token, peer_url=self.member.peer_url, data_dir=tmp, bump_revision=j.bump,
             )
             res = self.host.run(argv, timeout=1800, check=False, env=ETCDCTL_ENV)
             if not res.ok:
@@ -280,40 +284,42 @@ class NodeRestore:
                     shutil.rmtree(tmp)
                 tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-2:]
                 raise OperationFailed(f"{self.member.name}: snapshot restore failed (exit {res.returncode}): {' / '.join(tail)}")
-            self._pending(j, "restore", {"argv": argv})
+            self._pending(j, "restore", {"output": tmp, "argv": argv})
             os.rename(tmp, self.data_dir)
             os.chmod(self.data_dir, 0o700)
             return {"argv": argv}
         return self._step("restore", do)
 
     def chown(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
-            if self.cfg.etcd.service_manager != "systemd":
-                return {"skipped": "process backend: etcd runs as the agent's user"}
-            owner = f"{self.cfg.etcd.user}:{self.cfg.etcd.group}"
-            self.host.run(["chown", "-R", owner, self.data_dir], timeout=600)
-            return {"owner": owner}
+        def do(j: J.Journal) -> Dict[str, Any]:
+            owner = etcd_owner(self.cfg)
+            if owner is None:
+                return {"skipped": f"etcd runs as this agent's user ({pwd.getpwuid(os.geteuid()).pw_name})"}
+            spec = f"{self.cfg.etcd.user}:{self.cfg.etcd.group}"
+            self.host.run(["chown", "-R", spec, self.data_dir], timeout=600)
+            return {"owner": spec}
         return self._step("chown", do)
 
     def repair(self) -> Dict[str, Any]:
-        """etcd.conf (and etcd.service) present and naming this member in the restored cluster."""
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
+        """etcd.conf (and etcd.service) present and naming this member in the restored cluster.
+
+        Rendered, never copied: a missing conf or unit is written from the agent's own templates
+        for this host; an archive's etcd.conf/etcd.service never becomes live config. An existing
+        conf keeps its other lines (the host's own tuning) and gets the identity keys rewritten."""
+        def do(j: J.Journal) -> Dict[str, Any]:
             out: Dict[str, Any] = {}
             conf = self.cfg.conf_file(self.member.name)
-            values = P.restore_conf_values(self.cfg, self.member, j["initial_cluster"], j["token"])
+            boot = Bootstrap(self.member.name, EXISTING, j.initial_cluster, j.token)
+            values = P.restore_conf_values(self.cfg, self.member, boot)
             try:
                 with open(conf, encoding="utf-8") as fh:
                     old: Optional[str] = fh.read()
             except FileNotFoundError:
                 old = None
             if old is None:
-                base = _read(os.path.join(self.work_dir, TAR_CONF))
-                source = "the archive" if base is not None else "the config"
-                if base is None:
-                    base = render_conf(self.cfg, self.member, Bootstrap(self.member.name, NEW, j["initial_cluster"], j["token"]))
-                os.makedirs(os.path.dirname(conf) or "/", exist_ok=True)
-                write_atomic(conf, P.rewrite_conf(base, values).encode(), mode=0o644)
-                out["conf"] = f"missing: repaired from {source}"
+                os.makedirs(os.path.dirname(conf) or "/", mode=0o755, exist_ok=True)
+                write_atomic(conf, render_conf(self.cfg, self.member, boot).encode(), mode=0o644)
+                out["conf"] = "missing: rendered from the agent's config"
                 out["conf_created"] = True
             else:
                 cur = parse_conf(old)
@@ -329,42 +335,45 @@ class NodeRestore:
                 if os.path.isfile(unit):
                     out["unit"] = "kept"
                 else:
-                    text = _read(os.path.join(self.work_dir, TAR_UNIT)) or LocalMember(self.cfg, self.member).unit_text()
-                    write_atomic(unit, text.encode(), mode=0o644)
+                    write_atomic(unit, LocalMember(self.cfg, self.member).unit_text().encode(), mode=0o644)
                     self.host.run(["systemctl", "daemon-reload"], timeout=60)
-                    out["unit"] = "missing: repaired"
+                    out["unit"] = "missing: rendered from the agent's template"
+                    out["unit_created"] = True
             return out
         return self._step("repair", do)
 
-    def _stop_etcd(self, timeout: float = 30.0) -> None:
-        self.backend.stop(timeout)
-
     def start(self) -> Dict[str, Any]:
-        def do(j: Dict[str, Any]) -> Dict[str, Any]:
+        def do(j: J.Journal) -> Dict[str, Any]:
             self.backend.start()
             return {}
         return self._step("start", do)
 
     def unfence(self) -> Dict[str, Any]:
-        return self._step("unfence", lambda j: self._unfence(j))
+        return self._step("unfence", self._unfence)
 
-    def _unfence(self, j: Dict[str, Any]) -> Dict[str, Any]:
-        f = j.get("steps", {}).get("fence") or {}
+    def _unfence(self, j: J.Journal) -> Dict[str, Any]:
+        f = j.info("fence")
         k = self.cfg.kubernetes
         if f.get("method") == "unit" and f.get("was_active"):
             self.host.run(["systemctl", "start", k.apiserver_unit], timeout=120)
             return {"started": k.apiserver_unit}
-        if f.get("method") == "manifest" and f.get("moved"):
-            if os.path.isfile(f["moved"]) and not os.path.exists(k.manifest):
-                os.replace(f["moved"], k.manifest)
+        moved = f.get("moved")
+        if f.get("method") == "manifest" and isinstance(moved, str):
+            if os.path.isfile(moved) and not os.path.exists(k.manifest):
+                os.replace(moved, k.manifest)
             return {"restored": k.manifest}
         return {}
 
-    def finish(self) -> Dict[str, Any]:
+    def finish(self, *, member_id: Optional[str], cluster_id: Optional[str], ancestors: List[str]) -> Dict[str, Any]:
+        """Mark the journal done, record what this member now is (its new id, the new token) and
+        where its data came from (``ancestors``: the snapshot's member ids), drop the payload."""
         res = self._step("finish", lambda j: {})
         j = self._mine()
-        j["state"] = "done"
-        self._save(j)
+        j.state = J.DONE
+        J.save(self.journal_path, j)
+        if member_id and cluster_id:
+            bootstrap.remember(self.cfg, self.member.name, int(cluster_id, 16), int(member_id, 16), token=j.token)
+        lineage.record(self.cfg, ancestors, j.op)
         self._drop_payload()
         markers.clear_restore(self.cfg, self.member.name, self.op)
         return res
@@ -372,23 +381,24 @@ class NodeRestore:
     # ------------------------------------------------------------ rollback
 
     def rollback(self) -> Dict[str, Any]:
-        """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as before."""
+        """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as
+        before; then report what is true now (running or not), not what was intended."""
         j = self._mine()
-        if j.get("state") == "rolled-back":
+        if j.state == J.ROLLED_BACK:
             markers.clear_restore(self.cfg, self.member.name, self.op)
-            return {"step": "rollback", "member": self.member.name, "skipped": "already rolled back"}
-        if j.get("state") == "done":
+            return {"step": "rollback", "member": self.member.name, "skipped": "already rolled back",
+                    "running": self.backend.is_active()}
+        if j.state == J.DONE:
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
-        steps = j.get("steps", {})
         did: List[str] = []
-        self._stop_etcd()
+        self.backend.stop(30.0)
         did.append("etcd stopped")
-        moved = (steps.get("aside") or {}).get("moved") or (j.get("pending", {}).get("aside") or {}).get("target")
-        restored_here = "restore" in steps or "restore" in j.get("pending", {})
+        moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
+        restored_here = j.done("restore") or "argv" in (j.pending.get("restore") or {})
         tmp = f"{self.data_dir}.restoring"
-        if os.path.lexists(tmp):
+        if os.path.lexists(tmp) and (j.pending.get("restore") or {}).get("output") == tmp:
             shutil.rmtree(tmp)  # our own partial output
-        if moved and os.path.lexists(moved):
+        if isinstance(moved, str) and os.path.lexists(moved):
             if os.path.lexists(self.data_dir):
                 failed = _free_name(self.data_dir, "failed-restore")
                 os.rename(self.data_dir, failed)
@@ -399,30 +409,42 @@ class NodeRestore:
             failed = _free_name(self.data_dir, "failed-restore")
             os.rename(self.data_dir, failed)
             did.append(f"no old data dir; restored data moved to {failed}")
-        rep = steps.get("repair") or {}
+        rep = j.info("repair")
         conf = self.cfg.conf_file(self.member.name)
-        if rep.get("conf_saved") and os.path.isfile(os.path.join(self.work_dir, CONF_ORIG)):
-            with open(os.path.join(self.work_dir, CONF_ORIG), "rb") as fh:
+        orig = os.path.join(self.work_dir, CONF_ORIG)
+        if rep.get("conf_saved") and os.path.isfile(orig):
+            with open(orig, "rb") as fh:
                 write_atomic(conf, fh.read(), mode=0o644)
             did.append(f"{conf} restored")
-        if j.get("was_running") and os.path.isdir(os.path.join(self.data_dir, "member")):
-            self.backend.start()
-            did.append("etcd started again")
-        if "fence" in steps and "unfence" not in steps:
+        elif rep.get("conf_created") and os.path.isfile(conf):
+            os.unlink(conf)  # there was none before: leave the host as it was
+            did.append(f"{conf} (rendered by this restore) removed")
+        if rep.get("unit_created") and os.path.isfile(self.cfg.etcd.unit_file):
+            os.unlink(self.cfg.etcd.unit_file)
+            self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
+            did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
+        if j.was_running and os.path.isdir(os.path.join(self.data_dir, "member")):
+            try:
+                self.backend.start()
+                did.append("etcd started again")
+            except AgentError as exc:
+                did.append(f"etcd NOT started again: {exc.message}")
+        if j.done("fence") and not j.done("unfence"):
             self._unfence(j)
             did.append("apiserver unfenced")
-        j["state"] = "rolled-back"
-        j["rollback"] = did
-        self._save(j)
+        j.state = J.ROLLED_BACK
+        j.rollback = did
+        J.save(self.journal_path, j)
         self._drop_payload()
         markers.clear_restore(self.cfg, self.member.name, self.op)
-        return {"step": "rollback", "member": self.member.name, "did": did}
+        return {"step": "rollback", "member": self.member.name, "did": did, "running": self.backend.is_active(),
+                "was_running": j.was_running}
 
     # ------------------------------------------------------------ housekeeping
 
     def _drop_payload(self) -> None:
         """The snapshot copy is large and has served; the journal stays until the next restore."""
-        for n in (SNAPSHOT, TAR_CONF, TAR_UNIT):
+        for n in (SNAPSHOT, RECEIVED):
             try:
                 os.unlink(os.path.join(self.work_dir, n))
             except FileNotFoundError:
@@ -455,24 +477,58 @@ class NodeRestore:
         }
 
 
-def _is_this_machine(host: str) -> bool:
-    """``host`` is one of this machine's addresses or names. Addresses first: resolving our own
-    name (getfqdn) can stall for the resolver's timeouts when DNS is down - during an outage,
-    when the DNS server may well run on the cluster being restored."""
-    import psutil
-
-    for entries in psutil.net_if_addrs().values():
-        if any(a.address.split("%")[0] == host for a in entries):
-            return True
-    from ..locality import machine_identity
-
-    me = machine_identity()
-    return host in me.addresses or host in me.names
+# ---------------------------------------------------------------- receiving the snapshot
 
 
-def _read(path: str) -> Optional[str]:
+def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: int, src: BinaryIO) -> Dict[str, Any]:
+    """``node receive``: write exactly ``size`` bytes from ``src`` into the member's work dir,
+    hashing and checking them as they arrive (etcd's own sha256 trailer, the bbolt meta pages),
+    then record what arrived. Only for the op journaled there, and only while the session of the
+    same owner holds this host's lock: a second orchestrator cannot ship over the first's files."""
+    holder = holder_of(cfg.backup.dir)
+    owner = (holder or {}).get("owner") if holder else None
+    if not isinstance(owner, dict) or owner.get("token") != owner_token:
+        raise BusyError(f"{member}: this host's operation lock is not held by the restore shipping to it; nothing written")
+    nr = NodeRestore(cfg, member, op)
+    j = nr._mine()
+    if not j.open or j.done("receive"):
+        raise RefusedError(f"{member}: restore {op} does not expect a snapshot now ({j.state}, "
+                           f"{'received already' if j.done('receive') else 'not started'})")
+    final = os.path.join(nr.work_dir, SNAPSHOT)
+    tmp = final + ".part"
+    for stale in (tmp, final, os.path.join(nr.work_dir, RECEIVED)):
+        if os.path.lexists(stale):
+            os.unlink(stale)
+    sha = hashlib.sha256()
+    check = StreamCheck()
+    got = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return None
+        with os.fdopen(fd, "wb", buffering=RECEIVE_CHUNK) as out:
+            while got < size:
+                chunk = src.read(min(RECEIVE_CHUNK, size - got))
+                if not chunk:
+                    break
+                got += len(chunk)
+                sha.update(chunk)
+                check.update(chunk)
+                out.write(chunk)
+            if got != size:
+                raise OperationFailed(f"{member}: the snapshot stream ended after {got} of {size} bytes")
+            if src.read(1):
+                raise OperationFailed(f"{member}: more than the announced {size} bytes arrived")
+            out.flush()
+            os.fsync(out.fileno())
+        facts = check.finish(SNAPSHOT)
+        os.rename(tmp, final)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    st = os.stat(final)
+    digest = sha.hexdigest()
+    rec: Dict[str, Any] = {"sha256": digest, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
+           "pages": facts.high_water, "page_size": facts.page_size}
+    write_atomic(os.path.join(nr.work_dir, RECEIVED), (json.dumps(rec) + "\n").encode(), mode=0o600)
+    log.info("%s: received %d bytes for restore %s (sha256 %s...)", member, got, op, digest[:16])
+    return {"member": member, "sha256": digest, "size": got}

@@ -1,50 +1,46 @@
-"""The cluster-wide restore: every member's host driven through ``Host`` by ``etcd-agent node``.
+"""The cluster-wide restore: every member's host driven through its node session.
 
-Phases (each runs on all members in parallel; the next starts when all succeeded):
-verify + extract the archive here -> pre-checks everywhere (nothing touched; exit 3 with a
-per-host report) -> lock every host (exit 4 if busy) -> begin -> fence -> stop -> aside, ship,
-restore, chown, repair -> start -> wait until every member is healthy at one revision ->
-unfence -> finish -> unlock. Any failure after the locks rolls *every* member back (old data dir
-back, etcd restarted where it ran, apiserver unfenced) and fails with exit 1. Killed midway, the
-same command resumes from the journals on the hosts.
+One ``NodeClient`` session per host (this one through a child process, the others over SSH),
+opened in parallel; then the hosts' operation locks are taken one host at a time in a fixed
+order, so of two restores started together exactly one gets them all and the other is refused
+(exit 4) having touched nothing. Every lock lives as long as its session.
+
+Phases: read the archive -> lock every host -> pre-checks everywhere (nothing touched; exit 3
+with a per-host report) -> begin (journals; the daemons go hands-off) -> ship the snapshot to
+every member while etcd still serves (hashed as it is sent and as it lands) -> fence the
+apiservers -> stop the followers, then the leader -> set aside, restore, chown, repair -> start
+-> wait until every member is healthy at one revision -> unfence -> finish. Any failure after
+``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
+rolled back the error names it and the command to run once it is back.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import shutil
-import sys
-import tarfile
-import tempfile
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..backup import archive
 from ..backup.catalog import resolve_from
-from ..backup.verify import member_problem, verify
 from ..cluster.health import wait_converged
 from ..cluster.lineage import current_cluster, record_lineage
-from ..config import DEFAULT_PATH, Config, Member
-from ..errors import (
-    AgentError,
-    BusyError,
-    CommandError,
-    OperationFailed,
-    RefusedError,
-    UsageError,
-)
+from ..config import Config, Member
+from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
 from ..fs import ensure_private_dir
-from ..hosts.base import Host
+from ..node.client import NodeClient, agent_argv, new_owner
+from ..node.protocol import Owner, decode
+from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
-from .node import SNAPSHOT, TAR_CONF, TAR_UNIT
+from .journal import JournalSummary
+from .source import Source, open_source
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+SHIP_CHUNK = 1 << 20
+SHIP_QUEUE = 16  # chunks in flight per host: the slowest host sets the pace, memory stays flat
 
 
 @dataclass
@@ -55,8 +51,6 @@ class Options:
     new_cluster: bool = False
     confirm: Optional[Callable[[str], bool]] = None  # shown the plan; False = abort
     progress: Progress = lambda s: None
-    # test hook: called as (member, step) before each step; may raise to inject a failure
-    before_step: Optional[Callable[[str, str], None]] = None
     health_timeout: Optional[float] = None
 
 
@@ -67,141 +61,17 @@ class Outcome:
     duration: float = 0.0
     timings: Dict[str, float] = field(default_factory=dict)
     revisions: Dict[str, int] = field(default_factory=dict)
+    downtime: Optional[float] = None  # fence -> unfence
 
     def to_json(self) -> Dict[str, Any]:
         return {
             "plan": self.plan.to_json(),
             "done": self.done,
             "duration": round(self.duration, 3),
+            "downtime": None if self.downtime is None else round(self.downtime, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "revisions": self.revisions,
         }
-
-
-# ---------------------------------------------------------------- talking to nodes
-
-
-class Node:
-    """One member's host, spoken to only through ``etcd-agent node STEP --json``."""
-
-    def __init__(self, cfg: Config, member: Member, host: Host, local: bool) -> None:
-        self.cfg = cfg
-        self.member = member
-        self.host = host
-        self.local = local
-        self.where = "local" if local else member.ssh_host
-        agent = cfg.ssh.agent_path
-        if local and not os.path.exists(agent):
-            # rehearsal on a laptop: the agent running this restore, from its own venv
-            prefix = [sys.executable, "-m", "etcd_agent.cli.main"]
-        else:
-            prefix = [agent]
-        self.prefix = prefix + ["-c", cfg.path or DEFAULT_PATH, "--json", "node"]
-
-    def call(self, step: str, *args: str, member: bool = True, timeout: Optional[float] = None) -> Dict[str, Any]:
-        argv = self.prefix + [step] + (["--member", self.member.name] if member else []) + list(args)
-        res = self.host.run(argv, timeout=timeout or self.cfg.ssh.command_timeout, check=False)
-        try:
-            data = json.loads(res.stdout) if res.stdout.strip() else None
-        except ValueError:
-            data = None
-        if res.returncode == 0 and isinstance(data, dict):
-            return data
-        msg = data.get("message") if isinstance(data, dict) else None
-        if msg is None:
-            tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-2:]
-            if res.returncode in (126, 127):
-                raise CommandError(f"{self.where}: etcd-agent not runnable as {self.prefix[0]} (exit {res.returncode}): {' / '.join(tail)}", res)
-            msg = f"crashed (exit {res.returncode}): {' / '.join(tail)}"
-        if res.returncode == 4:
-            raise BusyError(f"{self.where}: {msg}")
-        if res.returncode == 3:
-            raise RefusedError(f"{self.where}: {msg}")
-        raise OperationFailed(f"{self.member.name} ({self.where}): node {step}: {msg}")
-
-
-def _is_local(m: Member, cfg: Config, me: Any) -> bool:
-    if cfg.local.name is not None:
-        return m.name == cfg.local.name or m.host == cfg.member(cfg.local.name).host
-    return m.host in me.addresses or m.host in me.names or m.name in me.names
-
-
-def open_nodes(cfg: Config) -> List[Node]:
-    from ..hosts.local import LocalHost
-    from ..locality import machine_identity
-
-    # with [local] name set, never resolve our own name: with DNS down (an outage) getfqdn stalls
-    me = machine_identity() if cfg.local.name is None else None
-    nodes = []
-    for m in cfg.members:
-        if _is_local(m, cfg, me):
-            nodes.append(Node(cfg, m, LocalHost(m.name), True))
-        else:
-            from ..hosts.ssh import SshHost
-
-            nodes.append(Node(cfg, m, SshHost(m.name, m.ssh_host, cfg.ssh), False))
-    return nodes
-
-
-def parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> List[Tuple[Any, Any, Optional[BaseException]]]:
-    """(item, result, error) for ``fn`` over ``items``, all at once."""
-    if not items:
-        return []
-    with ThreadPoolExecutor(max_workers=len(items)) as ex:
-        futs = [(it, ex.submit(fn, it)) for it in items]
-        out: List[Tuple[Any, Any, Optional[BaseException]]] = []
-        for it, f in futs:
-            try:
-                out.append((it, f.result(), None))
-            except BaseException as exc:  # collected, reported per host
-                out.append((it, None, exc))
-        return out
-
-
-def _msg(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
-
-
-# ---------------------------------------------------------------- the archive, here
-
-
-def extract(path: str, dest: str, manifest: Dict[str, Any]) -> Dict[str, str]:
-    """Extract our three files into ``dest`` (0700); every member is checked before a byte is
-    written, only known names are written, with O_EXCL|O_NOFOLLOW: nothing lands outside."""
-    out: Dict[str, str] = {}
-    seen: Dict[str, int] = {}
-    tar = archive.open_tar(path, seekable=False)
-    try:
-        while True:
-            ti = tar.next()
-            if ti is None:
-                break
-            problem = member_problem(ti, seen)
-            if problem:
-                raise RefusedError(f"{path}: refused: {problem}; nothing restored")
-            seen[ti.name] = ti.offset
-            if ti.name == archive.MANIFEST:
-                continue
-            target = os.path.join(dest, ti.name)
-            src = tar.extractfile(ti)
-            assert src is not None
-            h = hashlib.sha256()
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    h.update(chunk)
-                    fh.write(chunk)
-            want = (manifest.get("files") or {}).get(ti.name, {}).get("sha256")
-            if want != h.hexdigest():
-                raise RefusedError(f"{path}: {ti.name} sha256 does not match the manifest; nothing restored")
-            out[ti.name] = target
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise RefusedError(f"{path}: unreadable archive ({exc}); nothing restored") from None
-    finally:
-        tar.close()
-    if archive.SNAPSHOT not in out:
-        raise RefusedError(f"{path}: no {archive.SNAPSHOT} in the archive")
-    return out
 
 
 # ---------------------------------------------------------------- restore
@@ -211,85 +81,81 @@ class Restore:
     def __init__(self, cfg: Config, opts: Options) -> None:
         self.cfg = cfg
         self.opts = opts
-        self.nodes: List[Node] = []
         self.say = opts.progress
+        self.nodes: List[HostNode] = []
+        self.op = ""
+        self.owner: Optional[Owner] = None
 
-    def _hook(self, member: str, step: str) -> None:
-        if self.opts.before_step is not None:
-            self.opts.before_step(member, step)
+    def node_of(self, member: str) -> HostNode:
+        return next(n for n in self.nodes if any(m.name == member for m in n.members))
 
     def run(self) -> Outcome:
         t0 = time.monotonic()
         cfg = self.cfg
         entry = resolve_from(cfg, self.opts.spec)
         ensure_private_dir(cfg.backup.dir)
-        staging = tempfile.mkdtemp(prefix=".etcd-agent-restore-", dir=cfg.backup.dir)
+        self.say(f"reading {entry.path}")
+        source = open_source(cfg, entry.path, cfg.backup.dir)
         try:
-            self.nodes = open_nodes(cfg)
-            return self._run(entry, staging, t0)
+            self.nodes = group_hosts(cfg)
+            self.owner = new_owner(f"restore --from {entry.name}")
+            open_sessions(cfg, self.nodes, self.owner, self.say)
+            try:
+                return self._run(source, t0)
+            finally:
+                close_sessions(self.nodes)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            for n in self.nodes:
-                n.host.close()
+            source.close()
 
-    def _run(self, entry: Any, staging: str, t0: float) -> Outcome:
-        from ..etcd.tools import snapshot_status
-        from ..hosts.local import LocalHost
-
+    def _run(self, source: Source, t0: float) -> Outcome:
         cfg, say = self.cfg, self.say
-        timings: Dict[str, float] = {}
-        say(f"verifying {entry.path}")
-        rep = verify(entry.path, status_fn=lambda p: snapshot_status(LocalHost(), cfg, p), tmp_parent=staging)
-        if not rep.ok:
-            raise RefusedError(f"backup {entry.path} fails verification; nothing touched", details=rep.problems)
-        manifest = rep.manifest or {}
-        files = extract(entry.path, staging, manifest)
-        sha = manifest["files"][archive.SNAPSHOT]["sha256"]
-        size = int(manifest["files"][archive.SNAPSHOT]["size"])
-        timings["verify"] = time.monotonic() - t0
-
+        timings: Dict[str, float] = {"read": time.monotonic() - t0}
         t = time.monotonic()
         facts: Dict[str, P.NodeFacts] = {}
         host_problems: Dict[str, List[str]] = {}
-        for node, data, err in parallel(lambda n: n.call("precheck"), self.nodes):
-            if err is not None:
-                host_problems[node.member.name] = [f"unreachable or agent unusable: {_msg(err)}"]
+
+        def precheck(n: HostNode) -> Dict[str, P.NodeFacts]:
+            return {m.name: P.NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
+
+        for n, got, err in parallel(precheck, self.nodes):
+            if err is not None or got is None:
+                for m in n.members:
+                    host_problems[m.name] = [f"pre-check failed: {message(err) if err else 'no answer'}"]
             else:
-                facts[node.member.name] = P.NodeFacts.from_json(data)
+                facts.update(got)
         timings["precheck"] = time.monotonic() - t
-        resume, rproblems = P.resume_decision({m: f.journal for m, f in facts.items()}, sha)
+        journals: Dict[str, Optional[JournalSummary]] = {m: f.journal for m, f in facts.items()}
+        resume, rproblems = P.resume_decision(journals, source.path, source.sha256)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         if resume is not None:
-            op, token = str(resume["op"]), str(resume["token"])
-            new_cluster = bool(resume.get("new_cluster")) or self.opts.new_cluster
+            op, token = resume.op, resume.token
+            new_cluster = resume.new_cluster or self.opts.new_cluster
             if self.opts.new_token and self.opts.new_token != token:
                 rproblems.append(f"resuming restore {op} with token {token}; --new-token {self.opts.new_token} cannot change it midway")
         else:
-            op = f"{stamp}-{sha[:8]}"
+            op = f"{stamp}-{(source.sha256 or 'runbook')[:8]}"
             token = self.opts.new_token or P.default_token(cfg.cluster.name, stamp)
             new_cluster = self.opts.new_cluster
+        self.op = op
         bad_token = P.token_problem(token)
         if bad_token:
             raise UsageError(bad_token)
-        host_of = {n.member.name: n.where for n in self.nodes}
-        plan = P.build_plan(
-            cfg, op=op, backup=entry.path, manifest=manifest, token=token, host_of=host_of, facts=facts,
-            new_cluster=new_cluster, resuming=resume is not None,
-        )
+        host_of = {m.name: n.where for n in self.nodes for m in n.members}
+        plan = P.build_plan(cfg, op=op, backup=source.path, manifest=source.manifest, token=token, host_of=host_of,
+                            facts=facts, new_cluster=new_cluster, resuming=resume is not None)
         plan.problems += rproblems
         if resume is None:
             cid, lineage = current_cluster(cfg)
-            plan.problems += P.check_manifest(cfg, manifest, cid, new_cluster, lineage)
+            plan.problems += P.check_manifest(cfg, source.manifest, cid, new_cluster, lineage)
         from .. import __version__
 
         for hp in plan.hosts:
             m = cfg.member(hp.member)
             hp.problems += host_problems.get(hp.member, [])
             if hp.member in facts:
-                hp.problems += P.check_host(
-                    cfg, m, facts[hp.member], snapshot_size=size, snapshot_version=manifest.get("etcd_version"),
-                    agent_version=__version__, resuming=resume is not None,
-                )
+                hp.problems += P.check_host(cfg, m, facts[hp.member], snapshot_size=source.size,
+                                            snapshot_version=source.etcd_version, agent_version=__version__,
+                                            resuming=resume is not None)
         outcome = Outcome(plan, timings=timings)
         for hp in plan.hosts:
             say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
@@ -301,155 +167,241 @@ class Restore:
             raise RefusedError("restore refused by pre-checks; nothing touched", details=details)
         if self.opts.confirm is not None and not self.opts.confirm(P.render_plan(plan)):
             raise RefusedError("restore not confirmed; nothing touched")
-        self._locks(op)
-        try:
-            self._execute(plan, files, facts, outcome, manifest)
-        finally:
-            self._unlock(op)
+        self._execute(plan, source, facts, outcome)
         outcome.done = True
         outcome.duration = time.monotonic() - t0
-        say(f"restore {op} done in {outcome.duration:.1f}s: every member healthy at revision {sorted(set(outcome.revisions.values()))}")
+        say(f"restore {op} done in {outcome.duration:.1f}s (etcd down {outcome.downtime or 0:.1f}s): every member "
+            f"healthy at revision {sorted(set(outcome.revisions.values()))}")
         return outcome
-
-    # ------------------------------------------------------------ locks
-
-    def _groups(self) -> List[Node]:
-        """One node per host: the lock and the fencing are per host, not per member."""
-        seen, out = set(), []
-        for n in self.nodes:
-            if n.where not in seen:
-                seen.add(n.where)
-                out.append(n)
-        return out
-
-    def _locks(self, op: str) -> None:
-        results = parallel(lambda n: n.call("lock", "--op", op, member=False), self._groups())
-        errors = [(n, e) for n, _r, e in results if e is not None]
-        if errors:
-            for n, _r, e in results:
-                if e is None:
-                    self._try(lambda: n.call("unlock", "--op", op, member=False))
-            busy = [e for _n, e in errors if isinstance(e, BusyError)]
-            details = [f"{n.where}: {_msg(e)}" for n, e in errors]
-            if busy:
-                raise BusyError("another etcd-agent operation is running; restore not started, nothing touched", details=details)
-            raise RefusedError("could not take the operation lock everywhere; nothing touched", details=details)
-        self.say("operation lock taken on " + ", ".join(n.where for n in self._groups()))
-
-    def _unlock(self, op: str) -> None:
-        for n, _r, e in parallel(lambda n: n.call("unlock", "--op", op, member=False), self._groups()):
-            if e is not None:
-                log.warning("%s: releasing the lock failed: %s", n.where, _msg(e))
-
-    @staticmethod
-    def _try(fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except Exception as exc:
-            log.warning("%s", exc)
 
     # ------------------------------------------------------------ the steps
 
-    def _phase(self, name: str, fn: Callable[[Node], Any], nodes: Optional[List[Node]] = None) -> None:
+    def _phase(self, name: str, fn: Callable[[Member], Any], members: Optional[Sequence[Member]] = None) -> None:
+        """``fn`` for every member: hosts in parallel, a host's own members one after another."""
         t = time.monotonic()
-        failed = []
-        for n, _res, err in parallel(fn, nodes if nodes is not None else self.nodes):
-            if err is not None:
-                failed.append(f"{n.member.name} ({n.where}): {_msg(err)}")
-        self.timings[name] = time.monotonic() - t
+        todo = list(members) if members is not None else [m for n in self.nodes for m in n.members]
+        by_host: Dict[str, List[Member]] = {}
+        for m in todo:
+            by_host.setdefault(self.node_of(m.name).where, []).append(m)
+
+        def per_host(ms: List[Member]) -> None:
+            for m in ms:
+                fn(m)
+
+        failed = [f"{ms[0].name if len(ms) == 1 else ', '.join(m.name for m in ms)} ({w}): {message(e)}"
+                  for (w, ms), _r, e in parallel(lambda item: per_host(item[1]), list(by_host.items())) if e is not None]
+        self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
-    def _step(self, n: Node, step: str, *args: str, then: Sequence[str] = ()) -> Dict[str, Any]:
-        """One node call running ``step`` (and ``then`` in the same process: fewer round trips)."""
-        for s in [step, *then]:
-            self._hook(n.member.name, s)
-        res = n.call(step, "--op", self.op, *args, *[x for t in then for x in ("--then", t)])
+    def _call(self, m: Member, step: str, **args: Any) -> Dict[str, Any]:
+        res = self.node_of(m.name).call(step, member=m.name, op=self.op, **args)
         for r in res.get("steps", [res]):
             extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
-            self.say(f"{n.member.name} ({n.where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
+            self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
         return res
 
-    def _execute(self, plan: P.Plan, files: Dict[str, str], facts: Dict[str, P.NodeFacts], outcome: Outcome, manifest: Dict[str, Any]) -> None:
-        self.op = plan.op
+    def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, P.NodeFacts], outcome: Outcome) -> None:
         self.timings = outcome.timings
-        owners = P.fence_owners(self.cfg, {n.member.name: n.where for n in self.nodes})
-        snap = files[archive.SNAPSHOT]
-        sha = manifest["files"][archive.SNAPSHOT]["sha256"]
-        size = str(manifest["files"][archive.SNAPSHOT]["size"])
+        owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
+        began: List[Member] = []
 
-        def begin(n: Node) -> Any:
-            args = ["--token", plan.token, "--initial-cluster", plan.initial_cluster, "--sha256", sha,
-                    "--size", size, "--backup", plan.backup]
-            if plan.bump:
-                args += ["--bump", str(P.BUMP_REVISION)]
-            if owners[n.member.name]:
-                args.append("--fence-owner")
-            if plan.new_cluster:
-                args.append("--new-cluster")
-            return self._step(n, "begin", *args)
+        def begin(m: Member) -> None:
+            self._call(m, "begin", token=plan.token, initial_cluster=plan.initial_cluster, sha256=source.sha256,
+                       size=source.size, backup=plan.backup, bump=P.BUMP_REVISION if plan.bump else None,
+                       fence_owner=owners[m.name], new_cluster=plan.new_cluster)
+            began.append(m)
 
-        def ship(n: Node) -> None:
-            """Files into the work dir before anything stops: shipping is not downtime."""
-            journal = (facts[n.member.name].journal if n.member.name in facts else None) or {}
-            shipped = journal.get("op") == plan.op and "receive" in (journal.get("steps") or [])
-            if not shipped:
-                self._hook(n.member.name, "ship")
-                wd = facts[n.member.name].work_dir
-                t = time.monotonic()
-                n.host.put(snap, f"{wd}/{SNAPSHOT}", mode=0o600)
-                for arc, name in ((archive.CONF, TAR_CONF), (archive.UNIT, TAR_UNIT)):
-                    if arc in files:
-                        n.host.put(files[arc], f"{wd}/{name}", mode=0o600)
-                self.say(f"{n.member.name} ({n.where}): shipped {size} bytes in {time.monotonic() - t:.2f}s")
-
-        began: List[Node] = []
+        fenced_at: Optional[float] = None
         try:
             self._phase("begin", begin)
-            began = list(self.nodes)
-            self._phase("ship", ship)
-            # fence and stop in one call per member: an apiserver still up elsewhere only writes to
-            # the old data, which is set aside anyway
-            self._phase("fence+stop", lambda n: self._step(n, "fence", then=("stop",)))
-            self._phase("prepare", lambda n: self._step(n, "aside", then=("receive", "restore", "chown", "repair")))
-            self._phase("start", lambda n: self._step(n, "start"))
+            self._ship(source, facts)
+            leader, followers = self._leader_last()
+            fenced_at = time.monotonic()
+            self._phase("fence", lambda m: self._call(m, "fence"))
+            self._phase("stop", lambda m: self._call(m, "stop"), followers)
+            if leader is not None:
+                self._phase("stop", lambda m: self._call(m, "stop"), [leader])
+            self._phase("prepare", lambda m: self._call(m, "steps", steps=["aside", "restore", "chown", "repair"]))
+            self._phase("start", lambda m: self._call(m, "start"))
             t = time.monotonic()
             outcome.revisions = wait_converged(
                 self.cfg, self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
-            record_lineage(self.cfg, str((manifest.get("cluster") or {}).get("id") or "") or None)
-            outcome.revisions = wait_converged(self.cfg, 30.0, self.say)
             outcome.timings["wait"] = time.monotonic() - t
-            self._phase("unfence", lambda n: self._step(n, "unfence"))
+            record_lineage(self.cfg, str((source.manifest.get("cluster") or {}).get("id") or "") or None)
+            self._phase("unfence", lambda m: self._call(m, "unfence"))
+            outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 self.say("interrupted: rolling every member back")
-            details = exc.details if isinstance(exc, AgentError) else [_msg(exc)]
-            rolled = self._rollback(began or self._begun())
-            raise OperationFailed(
-                f"restore {self.op} failed ({_msg(exc)}); " + ("every member rolled back" if rolled[0] else "ROLLBACK INCOMPLETE"),
-                details=list(details) + rolled[1],
-            ) from exc
-        self._phase("finish", lambda n: self._step(n, "finish"))
+            details = exc.details if isinstance(exc, AgentError) else [message(exc)]
+            ok, lines = self._rollback(began or [m for n in self.nodes for m in n.members])
+            if ok:
+                msg = f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
+            else:
+                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once the hosts named below "
+                       "answer again, run `etcd-agent restore rollback --yes` on any master")
+            raise OperationFailed(msg, details=list(details) + lines) from exc
+        ids = self._member_ids()
+        self._phase("finish", lambda m: self._call(m, "finish", member_id=ids.get(m.name, (None, None))[0],
+                                                   cluster_id=ids.get(m.name, (None, None))[1],
+                                                   ancestors=list(source.member_ids)))
 
-    def _begun(self) -> List[Node]:
-        return list(self.nodes)
+    def _member_ids(self) -> Dict[str, Tuple[Optional[str], Optional[str]]]:
+        from ..etcd.client import EtcdClient
 
-    def _rollback(self, nodes: List[Node]) -> Tuple[bool, List[str]]:
-        """Roll every member back; (all succeeded, report lines)."""
+        out: Dict[str, Tuple[Optional[str], Optional[str]]] = {}
+        with EtcdClient.from_config(self.cfg, timeout=3.0) as c:
+            for m in self.cfg.members:
+                try:
+                    st = c.status(m.client_url)
+                    out[m.name] = (f"{st.member_id:x}", f"{st.cluster_id:x}")
+                except AgentError:
+                    pass
+        return out
+
+    def _leader_last(self) -> Tuple[Optional[Member], List[Member]]:
+        """The members in stop order: followers first, the leader last (stopping the leader
+        together with its followers stalls while it hands leadership to peers that are going)."""
+        from ..etcd.client import EtcdClient
+
+        members = list(self.cfg.members)
+        with EtcdClient.from_config(self.cfg, timeout=1.0) as c:
+            for m in members:
+                try:
+                    if c.status(m.client_url, timeout=1.0).is_leader:
+                        return m, [x for x in members if x.name != m.name]
+                except AgentError:
+                    continue
+        return None, members
+
+    # ------------------------------------------------------------ shipping
+
+    def _ship(self, source: Source, facts: Dict[str, P.NodeFacts]) -> None:
+        """The snapshot to every member's work dir while etcd still serves (shipping is not
+        downtime): read once here and fanned out to one receiver per member, hashed once as it
+        is read; each receiver hashes what lands; then each member's ``receive`` step compares."""
+        t = time.monotonic()
+        todo = [m for n in self.nodes for m in n.members
+                if not (facts.get(m.name) and facts[m.name].journal and facts[m.name].journal.op == self.op  # type: ignore[union-attr]
+                        and "receive" in facts[m.name].journal.steps)]  # type: ignore[union-attr]
+        if todo:
+            sha = self._fan_out(source, todo)
+            if source.sha256 is not None and sha != source.sha256:
+                raise OperationFailed(f"{source.path}: the snapshot read {sha[:16]}..., the manifest says "
+                                      f"{source.sha256[:16]}...; nothing stopped")
+            self.say(f"shipped {source.size} bytes to {len(todo)} member(s) in {time.monotonic() - t:.2f}s")
+            self._phase("ship", lambda m: self._call(m, "receive", sha256=sha), todo)
+        self.timings["ship"] = time.monotonic() - t
+
+    def _fan_out(self, source: Source, members: List[Member]) -> str:
+        assert self.owner is not None
+        queues: Dict[str, "queue.Queue[Optional[bytes]]"] = {m.name: queue.Queue(SHIP_QUEUE) for m in members}
+        errors: Dict[str, BaseException] = {}
+        stop = threading.Event()
+
+        def send(m: Member) -> None:
+            n = self.node_of(m.name)
+            argv = agent_argv(self.cfg, n.local) + ["node", "receive", "--member", m.name, "--op", self.op,
+                                                    "--owner", self.owner.token, "--size", str(source.size)]  # type: ignore[union-attr]
+            session = n.host.spawn(argv)
+            q = queues[m.name]
+            try:
+                while True:
+                    chunk = q.get()
+                    if chunk is None:
+                        break
+                    session.send(chunk)
+                session.close_input()
+                # the receiver answers with one JSON document once it has written and checked it all
+                line = session.recv_line(max(120.0, source.size / 20e6), 1 << 16)
+                doc = decode(line, f"{m.name} ({n.where})") if line.endswith(b"\n") else {}
+                if "error" in doc:
+                    raise error_from_json(doc, where=f"{m.name} ({n.where}): ")
+                if not isinstance(doc.get("sha256"), str):
+                    raise OperationFailed(f"{m.name} ({n.where}): receiving the snapshot failed: "
+                                          f"{session.stderr_tail() or 'no answer'}")
+            except BaseException as exc:
+                errors[m.name] = exc
+                stop.set()
+                while True:  # unblock the reader
+                    try:
+                        if q.get_nowait() is None:
+                            break
+                    except queue.Empty:
+                        break
+            finally:
+                session.close()
+
+        threads = [threading.Thread(target=send, args=(m,), name=f"ship-{m.name}", daemon=True) for m in members]
+        for th in threads:
+            th.start()
+        h = hashlib.sha256()
+        try:
+            with source.open() as fh:
+                left = source.size
+                while left > 0 and not stop.is_set():
+                    chunk = fh.read(min(SHIP_CHUNK, left))
+                    if not chunk:
+                        raise OperationFailed(f"{source.path}: the snapshot ended {left} bytes early")
+                    left -= len(chunk)
+                    h.update(chunk)
+                    for name, q in queues.items():
+                        while name not in errors and not stop.is_set():
+                            try:
+                                q.put(chunk, timeout=0.5)
+                                break
+                            except queue.Full:
+                                continue
+        finally:
+            for name, q in queues.items():
+                if name not in errors:
+                    q.put(None)
+            for th in threads:
+                th.join()
+        if errors:
+            raise OperationFailed("shipping the snapshot failed; nothing stopped",
+                                  details=[message(e) for e in errors.values()])
+        return h.hexdigest()
+
+    # ------------------------------------------------------------ rollback
+
+    def _rollback(self, members: List[Member]) -> Tuple[bool, List[str]]:
+        """Roll every member back; (all succeeded, one line per member saying what is true now)."""
         self.say("rolling back every member")
-        lines, ok = [], True
-        for n, res, err in parallel(lambda n: n.call("rollback", "--op", self.op), nodes):
-            if err is not None:
+        lines: List[str] = []
+        ok = True
+
+        def one(m: Member) -> Dict[str, Any]:
+            n = self.node_of(m.name)
+            try:
+                return n.call("rollback", member=m.name, op=self.op)
+            except HostUnreachable:
+                # the session broke (the host was cut off, or timed out): a fresh one may work
+                self._reopen(n)
+                return n.call("rollback", member=m.name, op=self.op)
+
+        for m, res, err in parallel(one, members):
+            where = self.node_of(m.name).where
+            if err is not None or res is None:
                 if isinstance(err, RefusedError) and "no journal" in err.message:
                     continue  # this member never began
                 ok = False
-                lines.append(f"rollback of {n.member.name} ({n.where}) failed: {_msg(err)}")
+                lines.append(f"{m.name} ({where}): NOT rolled back: {message(err) if err else 'no answer'}")
             else:
-                lines.append(f"{n.member.name} ({n.where}) rolled back: {'; '.join(res.get('did', [])) or res.get('skipped', '')}")
-            if lines:
-                self.say(lines[-1])
+                state = "etcd running" if res.get("running") else (
+                    "etcd stopped (it was not running before)" if not res.get("was_running") else "etcd NOT running")
+                lines.append(f"{m.name} ({where}) rolled back: {'; '.join(res.get('did', [])) or res.get('skipped', '')}; now {state}")
+            self.say(lines[-1])
         return ok, lines
+
+    def _reopen(self, n: HostNode) -> None:
+        assert self.owner is not None
+        if n.client is not None:
+            n.client.close()
+        n.client = NodeClient(self.cfg, n.host, n.where, local=n.local, owner=self.owner, lock=True)
+        n.client.open()
 
 
 def restore(cfg: Config, opts: Options) -> Outcome:
@@ -468,60 +420,52 @@ def rollback_open(
 ) -> Dict[str, Any]:
     """``restore rollback``: roll back whatever unfinished restore the hosts have journaled.
     ``dry_run`` only reports the open journals; ``confirm(text)`` False refuses (nothing done)."""
-    nodes = open_nodes(cfg)
+    r = Restore(cfg, Options(spec="", progress=progress))
+    r.nodes = group_hosts(cfg)
+    r.owner = new_owner("restore rollback")
+    open_sessions(cfg, r.nodes, r.owner, progress)
     try:
-        out: Dict[str, Any] = {}
-        ops = set()
-        for n, data, err in parallel(lambda n: n.call("precheck"), nodes):
-            if err is not None:
-                raise RefusedError(f"{n.member.name} ({n.where}) unreachable: {_msg(err)}; nothing rolled back")
-            j = data.get("journal")
-            if j and j.get("state") not in P.FINAL_STATES:
-                ops.add((n.member.name, j["op"]))
-        if not ops:
-            return {"rolled_back": [], "note": "no unfinished restore is journaled"}
-        what = ", ".join(f"{m} (op {op})" for m, op in sorted(ops))
+        open_ops: Dict[str, str] = {}
+        for n in r.nodes:
+            for m in n.members:
+                f = P.NodeFacts.from_json(n.call("precheck", member=m.name))
+                if f.journal is not None and f.journal.open:
+                    open_ops[m.name] = f.journal.op
+        if not open_ops:
+            return {"rolled_back": {}, "note": "no unfinished restore is journaled"}
+        what = ", ".join(f"{m} (op {op})" for m, op in sorted(open_ops.items()))
         if dry_run:
-            return {"would_roll_back": {m: op for m, op in sorted(ops)},
+            return {"would_roll_back": dict(sorted(open_ops.items())),
                     "note": f"would roll back the unfinished restore of {what}: restored data moved to "
                             "<data dir>.failed-restore-<time>, the set-aside data dir put back, etcd restarted, "
                             "the apiserver unfenced"}
         if confirm is not None and not confirm(f"roll back the unfinished restore of {what}?"):
             raise RefusedError("rollback not confirmed; nothing changed")
-        r = Restore(cfg, Options(spec="", progress=progress))
-        r.nodes = nodes
-        by_member = dict(ops)
-        for op in sorted(set(by_member.values())):
+        out: Dict[str, Any] = {}
+        for op in sorted(set(open_ops.values())):
             r.op = op
-            groups = r._groups()
-            for n, _res, err in parallel(lambda n: n.call("lock", "--op", op, member=False), groups):
-                if err is not None:
-                    raise err
-            try:
-                ok, lines = r._rollback([n for n in nodes if by_member.get(n.member.name) == op])
-            finally:
-                r._unlock(op)
+            ok, lines = r._rollback([cfg.member(m) for m, o in open_ops.items() if o == op])
             out[op] = {"ok": ok, "report": lines}
             if not ok:
-                raise OperationFailed(f"rollback of restore {op} incomplete", details=lines)
+                raise OperationFailed(f"rollback of restore {op} incomplete: run `etcd-agent restore rollback --yes` "
+                                      "again once the hosts below answer", details=lines)
         return {"rolled_back": out}
     finally:
-        for n in nodes:
-            n.host.close()
+        close_sessions(r.nodes)
 
 
 def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[Dict[str, Any]]:
     """``restore cleanup``: every member's set-aside data dirs, the newest ``keep`` kept."""
-    nodes = open_nodes(cfg)
+    nodes = group_hosts(cfg)
+    open_sessions(cfg, nodes, new_owner("restore cleanup"), lambda s: None)
     try:
-        args = ["--keep", str(keep)] + (["--dry-run"] if dry_run else [])
         out = []
-        for n, data, err in parallel(lambda n: n.call("cleanup", *args), nodes):
-            if err is not None:
-                out.append({"member": n.member.name, "error": _msg(err), "decisions": [], "removed": []})
-            else:
-                out.append(data)
+        for n in nodes:
+            for m in n.members:
+                try:
+                    out.append(n.call("cleanup", member=m.name, keep=keep, dry_run=dry_run))
+                except AgentError as exc:
+                    out.append({"member": m.name, "error": exc.message, "decisions": [], "removed": []})
         return out
     finally:
-        for n in nodes:
-            n.host.close()
+        close_sessions(nodes)

@@ -6,6 +6,7 @@ operator sees (every step, the exact ``snapshot restore`` argv).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -13,17 +14,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..cluster.lineage import LINEAGE_KEY
 from ..config import NAME_RE, Config, Member
 from ..etcd.tools import snapshot_restore_argv
-from ..topology import NEW, Bootstrap, conf_vars, initial_cluster, member_pairs
+from ..node.protocol import PROTOCOL
+from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
+from .journal import JournalSummary
 
 # Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
-NODE_PROTOCOL = 1
+NODE_PROTOCOL = PROTOCOL
 # What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.
 BUMP_REVISION = 1_000_000_000
-# The journaled steps of one member, in order. Orchestrated in phases (see orchestrate.py).
-STEPS: Tuple[str, ...] = (
-    "begin", "fence", "stop", "aside", "receive", "restore", "chown", "repair", "start", "unfence", "finish",
-)
-FINAL_STATES = ("done", "rolled-back")
 # ETCD_* keys that carry a member's identity or the cluster it believes in: rewritten on repair.
 REWRITE_KEYS = (
     "ETCD_NAME",
@@ -45,7 +43,7 @@ ASIDE_RE = re.compile(r"^(?P<base>.+)\.(?P<tag>pre-restore|failed-restore)-(?P<s
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What one host reported about itself for one member."""
+    """What one host reported about itself for one member (``node precheck``)."""
 
     member: str
     protocol: int
@@ -66,35 +64,55 @@ class NodeFacts:
     fence_detail: str
     identity_match: bool
     tls_missing: Tuple[str, ...] = ()
-    journal: Optional[Dict[str, Any]] = None
+    journal: Optional[JournalSummary] = None
     peer_url: str = ""
     client_url: str = ""
+    # evidence of which cluster this host runs: its bootstrap record and its restore lineage
+    bootstrap_member_id: Optional[str] = None
+    bootstrap_cluster_id: Optional[str] = None
+    lineage: Tuple[Tuple[str, ...], ...] = ()
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["journal"] = self.journal.to_json() if self.journal else None
+        d["tls_missing"] = list(self.tls_missing)
+        d["lineage"] = [list(x) for x in self.lineage]
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "NodeFacts":
+        def opt(key: str) -> Optional[str]:
+            v = d.get(key)
+            return v if isinstance(v, str) else None
+
+        journal = d.get("journal")
+        lin = d.get("lineage") or []
         return cls(
             member=str(d["member"]),
             protocol=int(d["protocol"]),
             agent_version=str(d.get("agent_version", "?")),
-            etcd_version=d.get("etcd_version"),
-            etcdctl_version=d.get("etcdctl_version"),
-            etcdutl_version=d.get("etcdutl_version"),
+            etcd_version=opt("etcd_version"),
+            etcdctl_version=opt("etcdctl_version"),
+            etcdutl_version=opt("etcdutl_version"),
             free_bytes=int(d.get("free_bytes", 0)),
             data_dir=str(d["data_dir"]),
             data_dir_state=str(d.get("data_dir_state", "absent")),
             work_dir=str(d["work_dir"]),
             conf_file=str(d.get("conf_file", "")),
             conf_present=bool(d.get("conf_present")),
-            unit_present=d.get("unit_present"),
+            unit_present=d.get("unit_present") if isinstance(d.get("unit_present"), bool) else None,
             backend=str(d.get("backend", "?")),
             running=bool(d.get("running")),
             fence_ok=bool(d.get("fence_ok")),
             fence_detail=str(d.get("fence_detail", "")),
             identity_match=bool(d.get("identity_match")),
-            tls_missing=tuple(d.get("tls_missing") or ()),
-            journal=d.get("journal"),
+            tls_missing=tuple(str(x) for x in (d.get("tls_missing") or ())),
+            journal=JournalSummary.from_json(journal) if isinstance(journal, dict) else None,
             peer_url=str(d.get("peer_url", "")),
             client_url=str(d.get("client_url", "")),
+            bootstrap_member_id=opt("bootstrap_member_id"),
+            bootstrap_cluster_id=opt("bootstrap_cluster_id"),
+            lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
         )
 
 
@@ -230,36 +248,33 @@ def check_host(
     for f in facts.tls_missing:
         p.append(f"TLS file {f} is missing")
     j = facts.journal
-    if j is not None and j.get("state") not in FINAL_STATES and not resuming:
-        p.append(f"an unfinished restore {j.get('op')} (from {j.get('backup')}) is journaled in {facts.work_dir}")
+    if j is not None and j.open and not resuming:
+        p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
     return p
 
 
-def resume_decision(journals: Mapping[str, Optional[Mapping[str, Any]]], sha256: str) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: str,
+                    sha256: Optional[str]) -> Tuple[Optional[JournalSummary], List[str]]:
     """Given each member's journal (None: none), whether this run resumes an earlier one.
 
     Returns (the journal to resume - op, token, ... - or None for a fresh restore, problems). An
     unfinished restore of *another* backup, or two different unfinished ones, must be settled
     first: resuming it with different data would mix clusters.
     """
-    open_ = {m: j for m, j in journals.items() if j is not None and j.get("state") not in FINAL_STATES}
+    open_ = {m: j for m, j in journals.items() if j is not None and j.open}
     if not open_:
         return None, []
-    ops = {str(j.get("op")) for j in open_.values()}
+    ops = {j.op for j in open_.values()}
     if len(ops) > 1:
         return None, [f"members are journaled in different unfinished restores ({', '.join(sorted(ops))}): "
-                      "roll them back with `etcd-agent restore rollback` first"]
+                      "roll them back with `etcd-agent restore rollback --yes` first"]
     first = next(iter(open_.values()))
-    if first.get("sha256") != sha256:
-        return None, [f"an unfinished restore {first.get('op')} from {first.get('backup')} is journaled; re-run "
-                      f"`restore --from {first.get('backup')}` to resume it, or `etcd-agent restore rollback`"]
-    return dict(first), []
-
-
-def pending_steps(journal: Optional[Mapping[str, Any]]) -> List[str]:
-    """The steps a member still has to do (all of them without a journal)."""
-    done = set((journal or {}).get("steps", {}).keys())
-    return [s for s in STEPS if s not in done]
+    same = first.backup == backup and (sha256 is None or first.sha256 in (None, sha256))
+    if not same:
+        return None, [f"an unfinished restore {first.op} from {first.backup} is journaled; re-run "
+                      f"`etcd-agent restore --from {first.backup} --yes` to resume it, or "
+                      "`etcd-agent restore rollback --yes` to undo it"]
+    return first, []
 
 
 def default_token(cluster_name: str, stamp: str) -> str:
@@ -299,9 +314,9 @@ def rewrite_conf(text: str, values: Mapping[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def restore_conf_values(cfg: Config, member: Member, ic: str, token: str) -> Dict[str, str]:
+def restore_conf_values(cfg: Config, member: Member, boot: Bootstrap) -> Dict[str, str]:
     """The ETCD_* identity values of ``member`` in the restored cluster (plus TLS files)."""
-    v = conf_vars(cfg, member, Bootstrap(member.name, NEW, ic, token))
+    v = conf_vars(cfg, member, boot)
     return {k: val for k, val in v.items() if k in REWRITE_KEYS or k.endswith("_FILE") or k.endswith("_AUTH")}
 
 

@@ -1,17 +1,44 @@
-"""The bootstrap record: this host has run a member of this cluster.
+"""The bootstrap record: this host has run a member of this cluster, and as which one.
 
-``<[daemon] state_dir>/<member>.json`` is written the first time the member is seen healthy.
-Without it a host that lost its data while nobody answers cannot tell "first boot" from
-"everyone else is down", and would seed a second cluster.
+``<[daemon] state_dir>/<member>.json`` is written the first time the member is seen healthy, and
+rewritten by a restore (which makes new member ids and a new cluster token). Without it a host
+that lost its data while nobody answers cannot tell "first boot" from "everyone else is down",
+and would seed a second cluster. Its ids are also evidence of which cluster this host belongs to
+when a restore must decide whether a backup is this cluster's, with etcd down.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
 
 from ..config import Config
 from ..fs import write_atomic
+from ..safejson import UnsafeJson, loads
+
+
+@dataclass(frozen=True)
+class BootstrapRecord:
+    cluster: str
+    cluster_id: Optional[str]  # hex, as etcd prints it
+    member_id: Optional[str]
+    token: Optional[str]  # the initial cluster token in use (a restore sets a new one)
+    since: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"cluster": self.cluster, "cluster_id": self.cluster_id, "member_id": self.member_id,
+                "token": self.token, "since": self.since}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "BootstrapRecord":
+        def opt(key: str) -> Optional[str]:
+            v = d.get(key)
+            return v if isinstance(v, str) and v else None
+
+        return cls(str(d.get("cluster") or ""), opt("cluster_id"), opt("member_id"), opt("token"),
+                   str(d.get("since") or ""))
 
 
 def record_path(cfg: Config, member: str) -> str:
@@ -22,9 +49,29 @@ def ever_bootstrapped(cfg: Config, member: str) -> bool:
     return os.path.exists(record_path(cfg, member))
 
 
-def remember(cfg: Config, member: str, cluster_id: int, member_id: int) -> None:
-    """Record that ``member`` ran healthy in cluster ``cluster_id`` (written once, 0600)."""
+def read(cfg: Config, member: str) -> Optional[BootstrapRecord]:
+    """The record, None when absent; an unreadable one still says "bootstrapped" (fail closed)
+    but carries no ids."""
+    path = record_path(cfg, member)
+    try:
+        with open(path, "rb") as fh:
+            doc = loads(fh.read(65537), max_bytes=65536)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnsafeJson):
+        return BootstrapRecord(cfg.cluster.name, None, None, None, "")
+    return BootstrapRecord.from_json(doc) if isinstance(doc, dict) else BootstrapRecord(cfg.cluster.name, None, None, None, "")
+
+
+def remember(cfg: Config, member: str, cluster_id: int, member_id: int, token: Optional[str] = None) -> None:
+    """Record that ``member`` runs healthy as ``member_id`` in cluster ``cluster_id`` (0600)."""
     os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
-    rec = {"cluster": cfg.cluster.name, "cluster_id": f"{cluster_id:x}", "member_id": f"{member_id:x}",
-           "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_atomic(record_path(cfg, member), (json.dumps(rec) + "\n").encode(), mode=0o600)
+    rec = BootstrapRecord(cfg.cluster.name, f"{cluster_id:x}", f"{member_id:x}", token,
+                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    write_atomic(record_path(cfg, member), (json.dumps(rec.to_json(), sort_keys=True) + "\n").encode(), mode=0o600)
+
+
+def effective_token(cfg: Config, member: str) -> str:
+    """The cluster token this member's cluster was made with: a restore's, else the config's."""
+    rec = read(cfg, member)
+    return rec.token if rec is not None and rec.token else cfg.cluster.token

@@ -79,6 +79,8 @@ def config_text(
         f'etcdctl = "{etcdctl}"',
         f'etcdutl = "{etcdutl}"' if etcdutl else "",
         'service_manager = "process"',
+        # test dirs live under pytest's 0700 temp root: etcd runs as the test's own user
+        'user = "root"', 'group = "root"',
         f'data_dir = "{directory}/data/{{name}}.etcd"',
         f'conf_file = "{directory}/conf/{{name}}.conf"',
         f'unit_file = "{directory}/conf/etcd.service"',

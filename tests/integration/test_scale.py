@@ -67,7 +67,7 @@ def test_scale_3_to_5_to_3(cluster_factory, capsys):
         assert f"{name}={peer}" in out["plan"]["initial_cluster"]
         assert member_list(c) == before  # the dry run changed nothing
         t = time.monotonic()
-        rc, out = cli(capsys, c, "member", "add", name, "--peer-url", peer)
+        rc, out = cli(capsys, c, "member", "add", name, "--peer-url", peer, "--yes")
         assert rc == 0, out
         rc, out = cli(capsys, c, "join", "--member", name)
         assert rc == 0, out
@@ -75,7 +75,7 @@ def test_scale_3_to_5_to_3(cluster_factory, capsys):
         names.append(name)
         assert_healthy(c, names)
     # the same peer URL again is a refusal, and so is a second join of a started member
-    assert cli(capsys, c, "member", "add", "m5")[0] == 3
+    assert cli(capsys, c, "member", "add", "m5", "--yes")[0] == 3
     assert cli(capsys, c, "join", "--member", "m5")[0] == 3
     with c.client() as cl:
         assert cl.get("scale/k") == b"v"
@@ -107,7 +107,7 @@ def test_removal_that_would_lose_quorum_is_refused(cluster_factory, capsys):
     rc, out = cli(capsys, c, "member", "remove", "m1", "--yes")
     assert rc == 3 and out["error"] == "RefusedError" and "quorum needs 2" in out["message"]
     # a new voter with only a bare majority healthy is refused too
-    rc, out = cli(capsys, c, "member", "add", "m4")
+    rc, out = cli(capsys, c, "member", "add", "m4", "--yes")
     assert rc == 3 and "need 3 healthy" in out["message"]
     assert cli(capsys, c, "member", "remove", "nobody", "--yes")[0] == 3
     # removing the dead member keeps quorum: allowed (dry run only here)

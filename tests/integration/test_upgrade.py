@@ -101,14 +101,15 @@ def test_dry_run_prints_plan_followers_first(bed):
     res = cli(bed, "--json", "upgrade", "--to", "3.5.1", "--dry-run")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)["plan"]
-    assert plan["order"][-1] == plan["leader"] and len(plan["order"]) == 3
+    order = plan["hops"][0]["order"]
+    assert order[-1] == plan["leader"] and len(order) == 3
     assert any("reports 3.5.1" in c for c in plan["checks"])
 
 
 def test_failed_member_is_rolled_back_and_upgrade_stops(bed):
     with bed.client() as cl:
         plan = plan_upgrade(bed.cfg, "3.5.2", cl)
-        first = plan.order()[0]
+        first = plan.order(plan.hops[0].members)[0]
         with pytest.raises(OperationFailed) as err:
             run_upgrade(bed.cfg, plan, cl, step_timeout=30, health_timeout=30)
         assert "rolled back" in err.value.message and first in err.value.message
@@ -151,8 +152,9 @@ def test_rolling_upgrade_with_writes_flowing(bed):
         t.join(10)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
-    assert [s["outcome"] for s in report["steps"]] == ["upgraded"] * 3
-    assert report["steps"][-1]["name"] == report["plan"]["leader"]
+    steps = report["plan"]["hops"][0]["steps"]
+    assert [s["outcome"] for s in steps] == ["upgraded"] * 3
+    assert steps[-1]["name"] == report["plan"]["leader"]
     assert set(versions_of(bed).values()) == {"3.5.1"}
     for m in bed.cfg.members:
         assert read_pin(bed.cfg, m.name)["version"] == "3.5.1"
@@ -162,8 +164,8 @@ def test_rolling_upgrade_with_writes_flowing(bed):
         missing = [k for k in acked if cl.get(k) is None]
         total = cl.count_prefix("/upgrade-writes/")
     assert not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
-    per = ", ".join(f"{s['name']} {s['seconds']:.1f}s" for s in report["steps"])
-    print(f"\nupgrade 3.4.23 -> 3.5.1: {per}; whole run {took:.1f}s (backup {report['backup']})")
+    per = ", ".join(f"{s['name']} {s['seconds']:.1f}s" for s in steps)
+    print(f"\nupgrade 3.4.23 -> 3.5.1: {per}; whole run {took:.1f}s (backup {report['backups'][0]})")
     print(f"writes: {len(acked)} acknowledged, {len(failed)} refused while a member restarted, "
           f"{total} keys present, 0 acknowledged lost")
     assert shutil.which("etcd")

@@ -70,7 +70,7 @@ def config_text(work: str, hosts: List[NsHost], cert: str) -> str:
     tls = f"{work}/tls"
     lines = [
         "[cluster]", 'name = "tls"', 'token = "tls-token"', 'bootstrap = "static"',
-        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"',
+        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"', 'user = "root"', 'group = "root"',
         f'data_dir = "{work}/data/{{name}}.etcd"', f'conf_file = "{work}/conf/{{name}}.conf"',
         f'unit_file = "{work}/conf/etcd.service"', f'run_dir = "{work}/run"',
         "[tls]",

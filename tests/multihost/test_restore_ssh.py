@@ -45,7 +45,7 @@ def agent_toml(work: str, hosts: List[NsHost], me: NsHost, bed: NetnsBed) -> str
     lines = [
         "[cluster]", 'name = "er"', 'token = "er-token"', 'bootstrap = "static"',
         "[local]", f'name = "{me.name}"',
-        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"',
+        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"', 'user = "root"', 'group = "root"',
         # the same path in every host's config (the pre-check compares them); distinct per member
         f'data_dir = "{work}/data/{{name}}.etcd"', f'conf_file = "{work}/conf/{{name}}.conf"',
         f'unit_file = "{work}/conf/etcd.service"', f'run_dir = "{work}/run"', "start_timeout = 30.0",

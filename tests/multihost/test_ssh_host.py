@@ -12,15 +12,13 @@ from typing import Callable, Iterator, List
 import psutil
 import pytest
 
-from etcd_agent.config import SshSection, load, merged
+from etcd_agent.config import SshSection
 from etcd_agent.errors import (
     CommandError,
     CommandTimedOut,
     HostKeyRejected,
     HostUnreachable,
 )
-from etcd_agent.hosts import open_host
-from etcd_agent.hosts.local import LocalHost
 from etcd_agent.hosts.ssh import KILL_GRACE, SshHost
 from tests.harness.netns import NetnsBed
 
@@ -300,19 +298,3 @@ def test_put_and_get_round_trip(h1: SshHost, remote_dir: str, tmp_path: object) 
 
 
 # ------------------------------------------------------------------ factory
-
-
-def test_open_host_picks_local_or_ssh(netns_bed: NetnsBed, ssh_cfg: SshSection, tmp_path: object) -> None:
-    members = "".join(
-        f'[[member]]\nname = "{b.name}"\nhost = "{b.ip}"\n\n' for b in netns_bed.hosts
-    )
-    cfg = load(os.path.join(str(tmp_path), "agent.toml"), text=f'[cluster]\nname = "t"\n\n{members}')
-    cfg = merged(cfg, ssh=dataclasses.asdict(ssh_cfg))
-    local = open_host(cfg, cfg.member("ea1"), "ea1")
-    assert isinstance(local, LocalHost) and local.name == "ea1"
-    remote = open_host(cfg, cfg.member("ea2"), "ea1")
-    try:
-        assert isinstance(remote, SshHost)
-        assert remote.run(["hostname"], timeout=10).stdout.strip() == "ea2"
-    finally:
-        remote.close()

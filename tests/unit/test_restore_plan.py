@@ -5,7 +5,8 @@ from typing import Any, Dict
 
 from etcd_agent.config import parse_text
 from etcd_agent.restore import plan as P
-from etcd_agent.topology import parse_conf
+from etcd_agent.restore.journal import JournalSummary
+from etcd_agent.topology import Bootstrap, parse_conf
 
 CFG_TEXT = """
 [cluster]
@@ -144,24 +145,31 @@ def test_manifest_rules() -> None:
     assert P.check_manifest(c, extra, "def", True) == []  # --new-cluster: deliberate
 
 
+def _journal(op: str, state: str = "running", backup: str = "/b/x.tar", sha: "str | None" = "s") -> JournalSummary:
+    return JournalSummary(op, state, sha, "t", backup, "a=http://a:2380", False, ("begin", "fence"))
+
+
 def test_resume_decision() -> None:
-    assert P.resume_decision({"a": None, "b": {"op": "o", "state": "done"}}, "s") == (None, [])
-    j = {"op": "o1", "state": "running", "sha256": "s", "token": "t", "steps": ["begin", "fence"]}
-    got, problems = P.resume_decision({"a": j, "b": None}, "s")
-    assert got is not None and got["token"] == "t" and problems == []
-    got, problems = P.resume_decision({"a": j}, "other")
+    assert P.resume_decision({"a": None, "b": _journal("o", "done")}, "/b/x.tar", "s") == (None, [])
+    j = _journal("o1")
+    got, problems = P.resume_decision({"a": j, "b": None}, "/b/x.tar", "s")
+    assert got is not None and got.token == "t" and problems == []
+    got, problems = P.resume_decision({"a": j}, "/b/x.tar", "other")  # same file, other bytes
     assert got is None and "resume" in problems[0]
-    got, problems = P.resume_decision({"a": j, "b": dict(j, op="o2")}, "s")
+    got, problems = P.resume_decision({"a": j}, "/b/y.tar", "s")  # another backup
+    assert got is None and "rollback --yes" in problems[0]
+    got, problems = P.resume_decision({"a": j, "b": _journal("o2")}, "/b/x.tar", "s")
     assert got is None and "different unfinished" in problems[0]
-    assert P.pending_steps(None) == list(P.STEPS)
-    assert P.pending_steps({"steps": {"begin": {}, "fence": {}}})[0] == "stop"
+    # a runbook restore journals no sha256 until the snapshot has been shipped: same file resumes
+    got, problems = P.resume_decision({"a": _journal("o3", sha=None)}, "/b/x.tar", None)
+    assert got is not None and got.op == "o3"
 
 
 def test_rewrite_conf_keeps_tuning() -> None:
     c = cfg()
     m = c.member("master2")
     old = "# archive conf of master1\nETCD_NAME=master1\nETCD_HEARTBEAT_INTERVAL=250\nETCD_LISTEN_PEER_URLS=http://10.0.0.1:2380\nETCD_NAME=dup\n"
-    values = P.restore_conf_values(c, m, "master1=a,master2=b", "tok")
+    values = P.restore_conf_values(c, m, Bootstrap("master2", "existing", "master1=a,master2=b", "tok"))
     new = parse_conf(P.rewrite_conf(old, values))
     assert new["ETCD_NAME"] == "master2" and new["ETCD_HEARTBEAT_INTERVAL"] == "250"
     assert new["ETCD_LISTEN_PEER_URLS"] == m.peer_url and new["ETCD_ADVERTISE_CLIENT_URLS"] == m.client_url

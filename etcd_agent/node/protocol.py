@@ -1,0 +1,220 @@
+"""The node protocol: what an orchestrator and ``etcd-agent node serve`` say to each other.
+
+One session per host over the command's stdin/stdout, one JSON document per line, bounded:
+
+- the caller opens with a ``Hello`` (protocol version, who it is, whether it wants the host's
+  operation lock); the server answers with a ``Welcome`` (its versions) or an error and exits;
+- then ``Request`` lines (``id``, ``step``, ``args``), each answered by one ``Reply`` with the same
+  id: a result document or an error carrying its class, message, details and exit code, which the
+  client rebuilds as the same ``AgentError`` class (``errors.error_from_json``);
+- ``{"ping": n}`` lines keep the session alive while the caller waits; the server ends a session
+  whose caller closed the stream or went silent for ``SILENCE_LIMIT`` seconds.
+
+Every line is at most ``MAX_LINE`` bytes and parsed with ``safejson`` limits.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from ..errors import AgentError, OperationFailed, error_from_json
+from ..safejson import UnsafeJson, loads
+
+# Bumped when the documents change incompatibly; both ends must speak the same one.
+PROTOCOL = 2
+MAX_LINE = 4 * 1024 * 1024
+PING_EVERY = 5.0
+# no line from the caller (requests or pings) for this long: it is gone or cut off
+SILENCE_LIMIT = 60.0
+
+
+def _str(d: Mapping[str, Any], key: str, default: Optional[str] = None) -> str:
+    v = d.get(key, default)
+    if not isinstance(v, str):
+        raise OperationFailed(f"node protocol: {key!r} must be a string")
+    return v
+
+
+def _int(d: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
+    v = d.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise OperationFailed(f"node protocol: {key!r} must be an integer")
+    return v
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who drives a session: recorded in the host's lock so a refused second caller can be told."""
+
+    token: str  # random per orchestrator run
+    host: str  # the orchestrator's host name
+    pid: int
+    command: str  # e.g. "restore 20261201T100000Z-1a2b3c4d"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"token": self.token, "host": self.host, "pid": self.pid, "command": self.command}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Owner":
+        return cls(_str(d, "token"), _str(d, "host"), _int(d, "pid"), _str(d, "command"))
+
+    def describe(self) -> str:
+        return f"`etcd-agent {self.command}` (pid {self.pid} on {self.host})"
+
+
+@dataclass(frozen=True)
+class Hello:
+    protocol: int
+    owner: Owner
+    lock: bool  # take this host's operation lock for the whole session
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"hello": {"protocol": self.protocol, "owner": self.owner.to_json(), "lock": self.lock}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Hello":
+        h = d.get("hello")
+        if not isinstance(h, dict) or not isinstance(h.get("owner"), dict) or not isinstance(h.get("lock"), bool):
+            raise OperationFailed("node protocol: the session must start with a hello")
+        return cls(_int(h, "protocol"), Owner.from_json(h["owner"]), h["lock"])
+
+
+@dataclass(frozen=True)
+class Welcome:
+    protocol: int
+    agent_version: str
+    host: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"welcome": {"protocol": self.protocol, "agent_version": self.agent_version, "host": self.host}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Welcome":
+        w = d.get("welcome")
+        if not isinstance(w, dict):
+            raise OperationFailed("node protocol: no welcome")
+        return cls(_int(w, "protocol"), _str(w, "agent_version"), _str(w, "host"))
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    step: str
+    args: Dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"id": self.id, "step": self.step, "args": self.args}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Request":
+        args = d.get("args", {})
+        if not isinstance(args, dict):
+            raise OperationFailed("node protocol: args must be an object")
+        return cls(_int(d, "id"), _str(d, "step"), args)
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int
+    result: Optional[Dict[str, Any]] = None
+    error: Optional[Dict[str, Any]] = None  # AgentError.to_json()
+
+    def to_json(self) -> Dict[str, Any]:
+        if self.error is not None:
+            return {"id": self.id, "error": self.error}
+        return {"id": self.id, "result": self.result or {}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Reply":
+        rid = _int(d, "id")
+        if "error" in d:
+            err = d["error"]
+            return cls(rid, error=err if isinstance(err, dict) else {"message": "malformed error"})
+        res = d.get("result")
+        if not isinstance(res, dict):
+            raise OperationFailed("node protocol: a reply needs a result or an error")
+        return cls(rid, result=res)
+
+    @classmethod
+    def failure(cls, rid: int, exc: AgentError) -> "Reply":
+        return cls(rid, error=exc.to_json())
+
+    def raise_for(self, where: str) -> Dict[str, Any]:
+        """The result, or the sender's error rebuilt as its own class (same exit code)."""
+        if self.error is not None:
+            raise error_from_json(self.error, where=f"{where}: ")
+        return self.result or {}
+
+
+def encode(doc: Mapping[str, Any]) -> bytes:
+    line = json.dumps(doc, separators=(",", ":"), sort_keys=True, default=str).encode() + b"\n"
+    if len(line) > MAX_LINE:
+        raise OperationFailed(f"node protocol: a document of {len(line)} bytes exceeds the {MAX_LINE}-byte line limit")
+    return line
+
+
+def decode(line: bytes, where: str) -> Dict[str, Any]:
+    """One line as a JSON object; OperationFailed naming ``where`` when it is not one."""
+    try:
+        doc = loads(line.strip(), max_bytes=MAX_LINE)
+    except UnsafeJson as exc:
+        raise OperationFailed(f"{where}: unreadable node protocol line ({exc})") from None
+    if not isinstance(doc, dict):
+        raise OperationFailed(f"{where}: node protocol line is not a JSON object")
+    return doc
+
+
+class Args:
+    """A request's arguments, read with their types checked: a wrong or missing one is refused
+    (exit 3), never a KeyError deep inside a step."""
+
+    def __init__(self, raw: Mapping[str, Any], step: str) -> None:
+        self.raw = raw
+        self.step = step
+
+    def _get(self, key: str, ok: Any, what: str, optional: bool) -> Any:
+        from ..errors import RefusedError
+
+        v = self.raw.get(key)
+        if v is None and optional:
+            return None
+        if key not in self.raw or not ok(v):
+            raise RefusedError(f"node {self.step}: argument {key!r} must be {what}")
+        return v
+
+    def text(self, key: str) -> str:
+        return str(self._get(key, lambda v: isinstance(v, str), "a string", False))
+
+    def opt_text(self, key: str) -> Optional[str]:
+        v = self._get(key, lambda v: isinstance(v, str), "a string or null", True)
+        return None if v is None else str(v)
+
+    def integer(self, key: str) -> int:
+        return int(self._get(key, _is_int, "an integer", False))
+
+    def opt_integer(self, key: str) -> Optional[int]:
+        v = self._get(key, _is_int, "an integer or null", True)
+        return None if v is None else int(v)
+
+    def number(self, key: str, default: float) -> float:
+        v = self._get(key, lambda v: _is_int(v) or isinstance(v, float), "a number", True)
+        return default if v is None else float(v)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        v = self._get(key, lambda v: isinstance(v, bool), "true or false", True)
+        return default if v is None else bool(v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def str_list(args: Args, key: str) -> List[str]:
+    """A list-of-strings argument ([] when absent)."""
+    from ..errors import RefusedError
+
+    v = args.raw.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise RefusedError(f"node {args.step}: argument {key!r} must be a list of strings")
+    return [str(x) for x in v]

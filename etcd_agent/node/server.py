@@ -1,0 +1,173 @@
+"""``etcd-agent node serve``: the remote end of the node protocol, run on every host it drives.
+
+The same program as the orchestrator, so the steps it runs are the ones tested once. A reader
+thread takes lines off stdin (requests go to a queue; pings only prove the caller is alive); the
+main thread runs one request at a time and answers on stdout. The session - and with it this
+host's operation lock, when the caller asked for it - ends at end-of-file, when the caller has
+been silent for ``SILENCE_LIMIT`` seconds, or on SIGTERM/SIGHUP, always after the step that is
+running finished (a step never stops half-way because its caller went away: it is journaled, and
+the next run resumes or rolls back from there). Logs go to stderr.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Dict, Optional
+
+from .. import __version__
+from ..config import Config
+from ..errors import AgentError, BusyError, OperationFailed, RefusedError
+from ..state.locks import OperationLock, lock_path_for
+from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeContext:
+    """What a step handler gets: the host's config, who drives the session, the lock it holds."""
+
+    cfg: Config
+    owner: Owner
+    lock: Optional[OperationLock]
+
+    def take_lock(self) -> Dict[str, Any]:
+        """This host's operation lock for the rest of the session (BusyError naming the holder)."""
+        if self.lock is None or not self.lock.held:
+            from ..fs import ensure_private_dir
+
+            ensure_private_dir(self.cfg.backup.dir)
+            self.lock = OperationLock(lock_path_for(self.cfg.backup.dir), self.owner.command,
+                                      holder={"owner": self.owner.to_json()}).acquire()
+        return {"lock": self.lock.path, "held": True}
+
+    def require_lock(self, step: str) -> None:
+        """Steps that change anything run only inside a session holding this host's lock."""
+        if self.lock is None or not self.lock.held:
+            raise RefusedError(f"node {step}: this session does not hold the host's operation lock")
+
+
+Handler = Callable[[NodeContext, Args], Dict[str, Any]]
+
+
+class _Stop:
+    """Sentinel on the request queue: the session is over."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
+          silence_limit: float = SILENCE_LIMIT) -> int:
+    """Run one session; returns the process exit code."""
+    hello_line = stdin.readline(MAX_LINE + 1)
+    if not hello_line:
+        return 0  # the caller went away before saying anything
+    try:
+        hello = Hello.from_json(decode(hello_line, "hello"))
+        if hello.protocol != PROTOCOL:
+            raise RefusedError(f"this agent ({__version__}) speaks node protocol {PROTOCOL}, the caller "
+                               f"{hello.protocol}: install the same etcd-agent version on every master")
+    except AgentError as exc:
+        _write(stdout, {"error": exc.to_json()})
+        return exc.exit_code
+    ctx = NodeContext(cfg, hello.owner, None)
+    if hello.lock:
+        try:
+            ctx.take_lock()
+        except AgentError as exc:
+            _write(stdout, {"error": exc.to_json()})
+            return exc.exit_code
+    try:
+        if not _write(stdout, Welcome(PROTOCOL, __version__, socket.gethostname()).to_json()):
+            return 0
+        log.info("node session for %s started%s", hello.owner.describe(), " (host lock held)" if ctx.lock else "")
+        why = _loop(ctx, stdin, stdout, handlers, silence_limit)
+        log.info("node session for %s ended: %s", hello.owner.describe(), why)
+        return 0
+    finally:
+        if ctx.lock is not None:
+            ctx.lock.release()
+
+
+def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
+          silence_limit: float) -> str:
+    requests: "queue.Queue[Any]" = queue.Queue()
+    last_heard = [time.monotonic()]
+
+    def reader() -> None:
+        while True:
+            try:
+                line = stdin.readline(MAX_LINE + 1)
+            except (OSError, ValueError) as exc:
+                requests.put(_Stop(f"stdin unreadable ({exc})"))
+                return
+            if not line:
+                requests.put(_Stop("the caller closed the session"))
+                return
+            last_heard[0] = time.monotonic()
+            if len(line) > MAX_LINE:
+                requests.put(_Stop(f"a line longer than {MAX_LINE} bytes"))
+                return
+            try:
+                doc = decode(line, "request")
+            except OperationFailed as exc:
+                requests.put(_Stop(exc.message))
+                return
+            if "ping" not in doc:
+                requests.put(doc)
+
+    threading.Thread(target=reader, name="node-reader", daemon=True).start()
+    stop_signal: Dict[str, str] = {}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_signal["why"] = f"signal {signal.Signals(signum).name}"
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    while True:
+        if "why" in stop_signal:
+            return stop_signal["why"]
+        try:
+            item = requests.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() - last_heard[0] > silence_limit:
+                return f"the caller was silent for {silence_limit:g}s"
+            continue
+        if isinstance(item, _Stop):
+            return item.why
+        reply = _dispatch(ctx, item, handlers)
+        if not _write(stdout, reply.to_json()):
+            return "the caller stopped reading"
+
+
+def _dispatch(ctx: NodeContext, doc: Dict[str, Any], handlers: Dict[str, Handler]) -> Reply:
+    rid = doc.get("id") if isinstance(doc.get("id"), int) else -1
+    try:
+        req = Request.from_json(doc)
+        fn = handlers.get(req.step)
+        if fn is None:
+            raise RefusedError(f"node: unknown step {req.step!r} (agent {__version__})")
+        return Reply(req.id, result=fn(ctx, Args(req.args, req.step)))
+    except AgentError as exc:
+        return Reply.failure(int(rid or -1), exc)
+    except Exception as exc:  # a bug in a step: reported to the caller as a failure, not a hang
+        log.exception("node step failed unexpectedly")
+        return Reply.failure(int(rid or -1), OperationFailed(f"node step crashed: {type(exc).__name__}: {exc}"))
+
+
+def _write(stdout: BinaryIO, doc: Dict[str, Any]) -> bool:
+    try:
+        stdout.write(encode(doc))
+        stdout.flush()
+        return True
+    except (BrokenPipeError, OSError, ValueError):
+        return False
+
+
+__all__ = ["NodeContext", "Handler", "serve", "BusyError"]

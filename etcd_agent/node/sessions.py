@@ -1,0 +1,119 @@
+"""The hosts of the cluster as a cluster-wide operation sees them: one ``NodeClient`` session
+per host (its members grouped), opened together and locked in a fixed order.
+
+Restore and upgrade both drive the cluster this way: the sessions are opened in parallel, then
+every host's operation lock is taken one host at a time, always in the same order, so of two
+runs started together exactly one gets every lock and the other is refused (exit 4) having
+touched nothing. Each lock lives as long as its session.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+from ..config import Config, Member
+from ..errors import AgentError, BusyError, HostUnreachable, RefusedError
+from ..hosts.base import Host
+from ..locality import is_local, machine_identity
+from .client import NodeClient
+from .protocol import Owner
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+T = TypeVar("T")
+
+
+@dataclass
+class HostNode:
+    """One host of the cluster and the members it runs, spoken to through one session."""
+
+    where: str  # "local" or the SSH address
+    host: Host
+    local: bool
+    members: List[Member]
+    client: Optional[NodeClient] = None
+
+    def call(self, step: str, **args: Any) -> Dict[str, Any]:
+        if self.client is None:
+            raise HostUnreachable(f"{self.where}: no session")
+        return self.client.call(step, **args)
+
+
+def group_hosts(cfg: Config) -> List[HostNode]:
+    """Members grouped by the host that runs them (config order)."""
+    from ..hosts.local import LocalHost
+
+    me = machine_identity() if cfg.local.name is None else None
+    out: Dict[str, HostNode] = {}
+    for m in cfg.members:
+        if is_local(cfg, m, me):
+            key = "local"
+            node = out.get(key) or HostNode(key, LocalHost("local"), True, [])
+        else:
+            from ..hosts.ssh import SshHost
+
+            key = m.ssh_host
+            node = out.get(key) or HostNode(key, SshHost(m.name, m.ssh_host, cfg.ssh), False, [])
+        node.members.append(m)
+        out[key] = node
+    return list(out.values())
+
+
+def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> List[Tuple[Any, Optional[T], Optional[BaseException]]]:
+    """(item, result, error) for ``fn`` over ``items``, all at once."""
+    if not items:
+        return []
+    out: List[Tuple[Any, Optional[T], Optional[BaseException]]] = []
+    with ThreadPoolExecutor(max_workers=len(items)) as ex:
+        futs = [(it, ex.submit(fn, it)) for it in items]
+        for it, f in futs:
+            try:
+                out.append((it, f.result(), None))
+            except BaseException as exc:  # collected, reported per host
+                out.append((it, None, exc))
+    return out
+
+
+def message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
+
+
+def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress) -> None:
+    """A session on every host (in parallel), then every host's lock in host order: of two runs
+    started together exactly one gets every lock. BusyError (exit 4) names the holder;
+    RefusedError (exit 3) the hosts that cannot be reached. Nothing is touched either way."""
+
+    def start(n: HostNode) -> None:
+        n.client = NodeClient(cfg, n.host, n.where, local=n.local, owner=owner, lock=False)
+        n.client.open()
+
+    failed = [f"{n.where}: {message(e)}" for n, _r, e in parallel(start, nodes) if e is not None]
+    if failed:
+        close_sessions(nodes)
+        raise RefusedError("cannot reach every master's agent; nothing touched", details=failed)
+    for n in sorted(nodes, key=lambda n: (not n.local, n.where)):
+        try:
+            n.call("lock")
+        except BusyError as exc:
+            close_sessions(nodes)
+            raise BusyError(f"{exc.message}", details=["wait for it to finish (or `etcd-agent status` shows it), then run "
+                                                       "the same command again"]) from None
+    say("operation lock held on " + ", ".join(n.where for n in nodes))
+
+
+def close_sessions(nodes: List[HostNode]) -> None:
+    for n in nodes:
+        if n.client is not None:
+            n.client.close()
+            n.client = None
+        n.host.close()
+
+
+def local_node(nodes: List[HostNode]) -> Optional[HostNode]:
+    return next((n for n in nodes if n.local), None)
+
+
+def node_of(nodes: List[HostNode], member: str) -> HostNode:
+    return next(n for n in nodes if any(m.name == member for m in n.members))

@@ -1,0 +1,62 @@
+"""JSON from files and the wire, bounded: a size limit, a nesting limit, no NaN/Infinity.
+
+``json.loads`` recurses once per nesting level and raises RecursionError (not ValueError) on a
+deeply nested document; a 235 KB manifest of brackets stopped every backup that way. ``loads``
+measures the depth in one linear pass first, so hostile input is one ``ValueError`` with a reason.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+MAX_DEPTH = 32
+
+
+class UnsafeJson(ValueError):
+    """The document is too big, too deep, or not JSON; the message says which."""
+
+
+def _depth(text: str, limit: int) -> None:
+    depth = 0
+    in_string = False
+    escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                raise UnsafeJson(f"nested deeper than {limit} levels")
+        elif ch in "]}":
+            depth -= 1
+
+
+def _no_constants(name: str) -> Any:
+    raise UnsafeJson(f"{name} is not a JSON number")
+
+
+def loads(data: Union[bytes, str], *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` as JSON within the limits; UnsafeJson (a ValueError) otherwise."""
+    if len(data) > max_bytes:
+        raise UnsafeJson(f"{len(data)} bytes, more than the {max_bytes} allowed")
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UnsafeJson(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    else:
+        text = data
+    _depth(text, max_depth)
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except UnsafeJson:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise UnsafeJson(f"not valid JSON ({exc})") from None
