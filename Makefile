@@ -24,11 +24,12 @@ deps-test:
 demo: deps-demo venv
 	$(VENV)/bin/etcd-agent demo
 
-# Every tier: the type check and lint, then unit, integration (real etcd), multihost (namespaces
+# Every tier: the type check and lint, then unit, component (orchestration against scripted
+# hosts), integration (real etcd), multihost (namespaces
 # + sshd), systemd (nspawn), then the unit tier on Python 3.9. Each runs even when an earlier one
 # failed; the summary names every one that failed and the target fails if any did. pytest's exit
 # code 5 means it collected nothing: a broken tier, reported as such.
-TIERS ?= unit integration multihost systemd
+TIERS ?= unit component integration multihost systemd
 test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \

@@ -8,6 +8,7 @@ stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional
 
@@ -32,14 +33,26 @@ def register(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import logging
+    import signal
 
     from ..node.server import serve
     from ..node.steps import handlers
 
     if ctx.verbose == 0:
         logging.getLogger("etcd_agent").setLevel(logging.INFO)  # the host's side of the story, on stderr
-    code = serve(ctx.config(), sys.stdin.buffer, sys.stdout.buffer, handlers())
-    return Output(None, None, exit_code=code, silent=True)
+    stopped = {"why": ""}
+
+    def on_signal(signum: int, _frame: object) -> None:  # only sets a flag; the session ends after its step
+        stopped["why"] = f"signal {signal.Signals(signum).name}"
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    code = serve(ctx.config(), sys.stdin.buffer, sys.stdout.buffer, handlers(), stop=lambda: stopped["why"])
+    # leave at once: the reader thread may sit in a read of stdin that only the caller can end
+    # (a silent, half-open connection), and closing stdin under it at exit would hang
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:

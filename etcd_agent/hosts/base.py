@@ -62,8 +62,10 @@ class Session(Protocol):
         after ``timeout`` seconds without a full line; OperationFailed past ``limit`` bytes."""
         ...
 
-    def close(self) -> None:
-        """End the session: close stdin, give the command a moment, then stop it."""
+    def close(self, grace: float = 10.0) -> None:
+        """End the session: close stdin and wait up to ``grace`` seconds for the command to end.
+        A command still busy then is left to finish on its own (it sees end-of-file next): the
+        node server never stops half-way through a step, and is never killed for being slow."""
         ...
 
     def exit_code(self) -> Optional[int]:

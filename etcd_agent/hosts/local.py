@@ -142,16 +142,17 @@ class LocalSession:
     def recv_line(self, timeout: float, limit: int) -> bytes:
         return self._lines.line(timeout, limit)
 
-    def close(self) -> None:
+    def close(self, grace: float = 10.0) -> None:
         try:
             self._stdin.close()
         except OSError:
             pass
         try:
-            self._proc.wait(10)
+            self._proc.wait(grace)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
+            # still in a step: it ends on its own once the step is done; reap it then
+            threading.Thread(target=self._proc.wait, name=f"reap-{self.where}", daemon=True).start()
+            return
         for fh in (self._proc.stdout, self._proc.stderr):
             if fh is not None:
                 fh.close()

@@ -487,10 +487,11 @@ class SshSession:
     def recv_line(self, timeout: float, limit: int) -> bytes:
         return self._lines.line(timeout, limit)
 
-    def close(self) -> None:
+    def close(self, grace: float = 10.0) -> None:
         try:
             self._chan.shutdown_write()  # the command sees EOF and ends
-            poll(self._chan.exit_status_ready, timeout=10.0, what=f"{self.where}: session end", interval=0.05)
+            if grace > 0:
+                poll(self._chan.exit_status_ready, timeout=grace, what=f"{self.where}: session end", interval=0.05)
         except (paramiko.SSHException, EOFError, OSError, OperationFailed):
             pass  # gone already, or it did not end in time: closing the channel ends it
         self._chan.close()

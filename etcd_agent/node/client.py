@@ -91,12 +91,12 @@ class NodeClient:
         """End the session (the host releases its lock once its current step is done)."""
         self._drop()
 
-    def _drop(self) -> None:
+    def _drop(self, grace: float = 10.0) -> None:
         self._closed.set()
         session, self._session = self._session, None
         if session is not None:
             try:
-                session.close()
+                session.close(grace)
             except Exception as exc:  # closing a broken session may fail in many ways
                 log.debug("%s: closing the session: %s", self.where, exc)
 
@@ -126,7 +126,7 @@ class NodeClient:
                         break
                     log.debug("%s: dropping a reply to an earlier request %s", self.where, reply.id)
             except CommandTimedOut:
-                self._drop()  # the host finishes its step and then ends the session
+                self._drop(grace=0.0)  # the host finishes its step, then ends the session by itself
                 raise CommandTimedOut(f"{self.where}: node {step} did not answer within "
                                       f"{timeout if timeout is not None else self.timeout:g}s; session closed") from None
             except HostUnreachable:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import socket
 import threading
 import time
@@ -63,8 +62,9 @@ class _Stop:
 
 
 def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
-          silence_limit: float = SILENCE_LIMIT) -> int:
-    """Run one session; returns the process exit code."""
+          silence_limit: float = SILENCE_LIMIT, stop: Callable[[], str] = lambda: "") -> int:
+    """Run one session; returns the process exit code. ``stop()`` returning a reason ends the
+    session after the running step (``node serve`` sets it from SIGTERM/SIGHUP)."""
     hello_line = stdin.readline(MAX_LINE + 1)
     if not hello_line:
         return 0  # the caller went away before saying anything
@@ -87,7 +87,7 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
         if not _write(stdout, Welcome(PROTOCOL, __version__, socket.gethostname()).to_json()):
             return 0
         log.info("node session for %s started%s", hello.owner.describe(), " (host lock held)" if ctx.lock else "")
-        why = _loop(ctx, stdin, stdout, handlers, silence_limit)
+        why = _loop(ctx, stdin, stdout, handlers, silence_limit, stop)
         log.info("node session for %s ended: %s", hello.owner.describe(), why)
         return 0
     finally:
@@ -96,7 +96,7 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
 
 
 def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
-          silence_limit: float) -> str:
+          silence_limit: float, stop: Callable[[], str]) -> str:
     requests: "queue.Queue[Any]" = queue.Queue()
     last_heard = [time.monotonic()]
 
@@ -123,16 +123,10 @@ def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[st
                 requests.put(doc)
 
     threading.Thread(target=reader, name="node-reader", daemon=True).start()
-    stop_signal: Dict[str, str] = {}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_signal["why"] = f"signal {signal.Signals(signum).name}"
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
     while True:
-        if "why" in stop_signal:
-            return stop_signal["why"]
+        why = stop()
+        if why:
+            return why
         try:
             item = requests.get(timeout=1.0)
         except queue.Empty:

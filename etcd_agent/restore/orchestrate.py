@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ..backup.catalog import resolve_from
 from ..cluster.health import wait_converged
 from ..cluster.lineage import current_cluster, record_lineage
 from ..config import Config, Member
@@ -34,7 +34,8 @@ from ..node.protocol import Owner, decode
 from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
-from .source import Source, open_source
+from .source import Source
+from .source import open_source as _open_source
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,94 @@ class Outcome:
         }
 
 
+# ---------------------------------------------------------------- the running cluster
+
+
+class LiveCluster(Protocol):
+    """What the orchestrator asks the cluster itself (over etcd's client API)."""
+
+    def identity(self) -> Tuple[Optional[str], List[str]]:
+        """The running cluster's id and restore lineage, (None, []) when no member answers."""
+        ...
+
+    def leader(self) -> Optional[str]:
+        """The member that leads now, if any answers."""
+        ...
+
+    def converged(self, timeout: float, say: Progress) -> Dict[str, int]:
+        """Wait until every member is healthy at one revision; member -> revision."""
+        ...
+
+    def member_ids(self) -> Dict[str, Tuple[str, str]]:
+        """member -> (its id, the cluster id), as each answers now."""
+        ...
+
+    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
+        ...
+
+
+class EtcdCluster:
+    """``LiveCluster`` through the etcd client API of the configured members."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def identity(self) -> Tuple[Optional[str], List[str]]:
+        return current_cluster(self.cfg)
+
+    def leader(self) -> Optional[str]:
+        from ..etcd.client import EtcdClient
+
+        with EtcdClient.from_config(self.cfg, timeout=1.0) as c:
+            for m in self.cfg.members:
+                try:
+                    if c.status(m.client_url, timeout=1.0).is_leader:
+                        return m.name
+                except AgentError:
+                    continue
+        return None
+
+    def converged(self, timeout: float, say: Progress) -> Dict[str, int]:
+        return wait_converged(self.cfg, timeout, say)
+
+    def member_ids(self) -> Dict[str, Tuple[str, str]]:
+        from ..etcd.client import EtcdClient
+
+        out: Dict[str, Tuple[str, str]] = {}
+        with EtcdClient.from_config(self.cfg, timeout=3.0) as c:
+            for m in self.cfg.members:
+                try:
+                    st = c.status(m.client_url)
+                    out[m.name] = (f"{st.member_id:x}", f"{st.cluster_id:x}")
+                except AgentError:
+                    pass
+        return out
+
+    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
+        record_lineage(self.cfg, archive_cluster_id)
+
+
 # ---------------------------------------------------------------- restore
 
 
 class Restore:
-    def __init__(self, cfg: Config, opts: Options) -> None:
+    """One restore run. ``nodes`` (the hosts and how to reach them), ``cluster`` (the running
+    cluster's client view) and ``open_source`` default to the real ones; the component tier
+    passes scripted hosts and a scripted cluster to drive the orchestration without etcd."""
+
+    def __init__(self, cfg: Config, opts: Options, *, nodes: Optional[Callable[[Config], List[HostNode]]] = None,
+                 cluster: Optional[LiveCluster] = None,
+                 open_source: Optional[Callable[[Config, str, str], Source]] = None) -> None:
+        # open_source(cfg, --from spec, staging parent dir): the backup resolved and read
         self.cfg = cfg
         self.opts = opts
         self.say = opts.progress
         self.nodes: List[HostNode] = []
         self.op = ""
         self.owner: Optional[Owner] = None
+        self._make_nodes = nodes or group_hosts
+        self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
+        self._open_source = open_source or _open_source
 
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))
@@ -92,13 +170,12 @@ class Restore:
     def run(self) -> Outcome:
         t0 = time.monotonic()
         cfg = self.cfg
-        entry = resolve_from(cfg, self.opts.spec)
         ensure_private_dir(cfg.backup.dir)
-        self.say(f"reading {entry.path}")
-        source = open_source(cfg, entry.path, cfg.backup.dir)
+        source = self._open_source(cfg, self.opts.spec, cfg.backup.dir)
+        self.say(f"read {source.path}")
         try:
-            self.nodes = group_hosts(cfg)
-            self.owner = new_owner(f"restore --from {entry.name}")
+            self.nodes = self._make_nodes(cfg)
+            self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
             open_sessions(cfg, self.nodes, self.owner, self.say)
             try:
                 return self._run(source, t0)
@@ -145,7 +222,7 @@ class Restore:
                             facts=facts, new_cluster=new_cluster, resuming=resume is not None)
         plan.problems += rproblems
         if resume is None:
-            cid, lineage = current_cluster(cfg)
+            cid, lineage = self.cluster.identity()
             plan.problems += P.check_manifest(cfg, source.manifest, cid, new_cluster, lineage)
         from .. import __version__
 
@@ -225,11 +302,11 @@ class Restore:
             self._phase("prepare", lambda m: self._call(m, "steps", steps=["aside", "restore", "chown", "repair"]))
             self._phase("start", lambda m: self._call(m, "start"))
             t = time.monotonic()
-            outcome.revisions = wait_converged(
-                self.cfg, self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
+            outcome.revisions = self.cluster.converged(
+                self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
-            record_lineage(self.cfg, str((source.manifest.get("cluster") or {}).get("id") or "") or None)
+            self.cluster.record_lineage(str((source.manifest.get("cluster") or {}).get("id") or "") or None)
             self._phase("unfence", lambda m: self._call(m, "unfence"))
             outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:
@@ -243,38 +320,19 @@ class Restore:
                 msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once the hosts named below "
                        "answer again, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
-        ids = self._member_ids()
-        self._phase("finish", lambda m: self._call(m, "finish", member_id=ids.get(m.name, (None, None))[0],
-                                                   cluster_id=ids.get(m.name, (None, None))[1],
+        ids = self.cluster.member_ids()
+        self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
+                                                   cluster_id=ids[m.name][1] if m.name in ids else None,
                                                    ancestors=list(source.member_ids)))
-
-    def _member_ids(self) -> Dict[str, Tuple[Optional[str], Optional[str]]]:
-        from ..etcd.client import EtcdClient
-
-        out: Dict[str, Tuple[Optional[str], Optional[str]]] = {}
-        with EtcdClient.from_config(self.cfg, timeout=3.0) as c:
-            for m in self.cfg.members:
-                try:
-                    st = c.status(m.client_url)
-                    out[m.name] = (f"{st.member_id:x}", f"{st.cluster_id:x}")
-                except AgentError:
-                    pass
-        return out
 
     def _leader_last(self) -> Tuple[Optional[Member], List[Member]]:
         """The members in stop order: followers first, the leader last (stopping the leader
         together with its followers stalls while it hands leadership to peers that are going)."""
-        from ..etcd.client import EtcdClient
-
+        leader = self.cluster.leader()
         members = list(self.cfg.members)
-        with EtcdClient.from_config(self.cfg, timeout=1.0) as c:
-            for m in members:
-                try:
-                    if c.status(m.client_url, timeout=1.0).is_leader:
-                        return m, [x for x in members if x.name != m.name]
-                except AgentError:
-                    continue
-        return None, members
+        if leader is None:
+            return None, members
+        return self.cfg.member(leader), [m for m in members if m.name != leader]
 
     # ------------------------------------------------------------ shipping
 
@@ -417,11 +475,12 @@ def rollback_open(
     *,
     dry_run: bool = False,
     confirm: Optional[Callable[[str], bool]] = None,
+    nodes: Optional[Callable[[Config], List[HostNode]]] = None,
 ) -> Dict[str, Any]:
     """``restore rollback``: roll back whatever unfinished restore the hosts have journaled.
     ``dry_run`` only reports the open journals; ``confirm(text)`` False refuses (nothing done)."""
-    r = Restore(cfg, Options(spec="", progress=progress))
-    r.nodes = group_hosts(cfg)
+    r = Restore(cfg, Options(spec="", progress=progress), nodes=nodes)
+    r.nodes = r._make_nodes(cfg)
     r.owner = new_owner("restore rollback")
     open_sessions(cfg, r.nodes, r.owner, progress)
     try:

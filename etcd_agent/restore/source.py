@@ -45,10 +45,13 @@ class Source:
             self.staging = None
 
 
-def open_source(cfg: Config, path: str, staging_parent: str) -> Source:
+def open_source(cfg: Config, spec: str, staging_parent: str) -> Source:
+    """The backup ``spec`` names (``--from``: a path, a name, a date, latest), read and checked."""
+    from ..backup.catalog import resolve_from
     from ..etcd.tools import snapshot_status
     from ..hosts.local import LocalHost
 
+    path = resolve_from(cfg, spec).path
     staging = tempfile.mkdtemp(prefix=".etcd-agent-restore-", dir=staging_parent)
     try:
         rep = verify(path, status_fn=lambda p: snapshot_status(LocalHost(), cfg, p), tmp_parent=staging)

@@ -1,0 +1,198 @@
+"""Restore orchestration against scripted hosts: the real orchestrator, the real node protocol
+client and server over pipes, real flocks for the host locks; no etcd, no SSH. Seconds, not
+minutes: rollback, resume, busy, unreachable and stop-order cases that the real-component tiers
+can only reach with real faults."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Dict, List, Tuple
+
+import pytest
+
+from etcd_agent.config import Config, parse_text
+from etcd_agent.errors import EXIT_BUSY, EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
+from etcd_agent.restore.orchestrate import Options, Restore, rollback_open
+from etcd_agent.restore.source import Source
+from tests.harness.scripted import Script, ScriptedCluster, ScriptedHost, scripted_nodes
+
+pytestmark = pytest.mark.component
+
+CFG = """
+[cluster]
+name = "comp"
+[etcd]
+data_dir = "{d}/data/default.etcd"
+[backup]
+dir = "{d}/backups"
+[daemon]
+state_dir = "{d}/state"
+[[member]]
+name = "h1"
+host = "10.0.0.1"
+[[member]]
+name = "h2"
+host = "10.0.0.2"
+[[member]]
+name = "h3"
+host = "10.0.0.3"
+"""
+
+
+class Bed:
+    def __init__(self, tmp: str, leader: str = "h2") -> None:
+        cfg, errors = parse_text(CFG.format(d=tmp), path=os.path.join(tmp, "agent.toml"))
+        assert cfg is not None and not errors, errors
+        self.cfg: Config = cfg
+        self.script = Script(cfg)
+        self.hosts: Dict[str, ScriptedHost] = {}
+        for m in cfg.members:
+            d = os.path.join(tmp, m.name, "backups")
+            os.makedirs(d, mode=0o700)
+            self.hosts[m.ssh_host] = ScriptedHost(m.name, self.script, cfg, d)
+        self.cluster = ScriptedCluster(cfg, leader=leader)
+        snap = os.path.join(tmp, "snap.db")
+        with open(snap, "wb") as fh:
+            fh.write(os.urandom(3 << 20))
+        with open(snap, "rb") as fh:
+            sha = hashlib.sha256(fh.read()).hexdigest()
+        self.source = Source(snap, "agent", {}, snap, 0, 3 << 20, sha, 42, "3.5.16")
+
+    def restore(self, **kw: object) -> Restore:
+        opts = Options(spec="latest", progress=lambda s: None, **kw)  # type: ignore[arg-type]
+        return Restore(self.cfg, opts, nodes=scripted_nodes(self.script, self.hosts), cluster=self.cluster,
+                       open_source=lambda cfg, spec, staging: self.source)
+
+    def order(self, step: str) -> List[str]:
+        return [m for _h, s, m in self.script.calls if s == step]
+
+
+@pytest.fixture
+def bed(tmp_path: object) -> Bed:
+    return Bed(str(tmp_path))
+
+
+def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed) -> None:
+    out = bed.restore().run()
+    assert out.done and out.downtime is not None
+    for m in ("h1", "h2", "h3"):
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "steps", "aside", "restore",
+                                          "chown", "repair", "start", "unfence", "finish"]
+    assert bed.order("stop")[-1] == "h2"  # the leader last
+    assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
+    assert not bed.script.violations
+
+
+def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
+    bed.script.fail("restore", "h3", OperationFailed("h3: snapshot restore failed (exit 1): disk full"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert ei.value.exit_code == EXIT_FAILED
+    assert "every member was rolled back" in ei.value.message
+    assert any("disk full" in d for d in ei.value.details)
+    assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
+    assert "start" not in bed.script.steps_of("h1")
+
+
+def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> None:
+    h3 = bed.hosts["10.0.0.3"]
+    h3.die_at = ("steps", "h3")  # the host vanishes during prepare
+
+    def cut(member: str, args: object) -> Dict[str, object]:
+        raise AssertionError("h3 must not answer after it vanished")
+
+    orig_spawn = h3.spawn
+
+    def spawn(argv: object) -> object:
+        if h3.sessions and "serve" in argv:  # type: ignore[operator]
+            h3.reachable = False  # it does not come back for the rollback either
+        return orig_spawn(argv)  # type: ignore[arg-type]
+
+    h3.spawn = spawn  # type: ignore[method-assign]
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    msg = ei.value.message
+    assert "ROLLBACK INCOMPLETE" in msg and "etcd-agent restore rollback --yes" in msg
+    assert any(d.startswith("h3") and "NOT rolled back" in d for d in ei.value.details), ei.value.details
+    assert sorted(bed.order("rollback")) == ["h1", "h2"]
+    # once h3 is back, `restore rollback` finishes it
+    h3.reachable = True
+    h3.spawn = orig_spawn  # type: ignore[method-assign]
+    h3.die_at = None
+    bed.script.facts["h3"] = {"journal": {"op": "the-op", "state": "running", "sha256": None, "token": "t",
+                                          "backup": bed.source.path, "initial_cluster": "", "new_cluster": False,
+                                          "steps": ["begin", "stop", "aside"]}}
+    res = rollback_open(bed.cfg, nodes=scripted_nodes(bed.script, bed.hosts))
+    assert res["rolled_back"]["the-op"]["ok"] and bed.order("rollback")[-1] == "h3"
+
+
+def test_a_held_lock_is_busy_and_nothing_is_touched(bed: Bed) -> None:
+    from etcd_agent.state.locks import OperationLock, lock_path_for
+
+    other = OperationLock(lock_path_for(bed.hosts["10.0.0.2"].cfg.backup.dir), "restore --from x",
+                          holder={"owner": {"token": "t", "host": "master9", "pid": 77, "command": "restore --from x"}})
+    with other:
+        with pytest.raises(AgentError) as ei:
+            bed.restore().run()
+    assert ei.value.exit_code == EXIT_BUSY
+    assert "master9 (pid 77)" in ei.value.message
+    assert [s for _h, s, _m in bed.script.calls] == []  # not even a pre-check ran
+
+
+def test_two_restores_at_once_exactly_one_wins(bed: Bed) -> None:
+    results: List[Tuple[str, object]] = []
+    go = threading.Barrier(2)
+
+    def one(tag: str) -> None:
+        r = bed.restore()
+        go.wait()
+        try:
+            r.run()
+            results.append((tag, "done"))
+        except AgentError as exc:
+            results.append((tag, exc.exit_code))
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in ("a", "b")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    outcomes = sorted(str(v) for _t, v in results)
+    assert outcomes == [str(EXIT_BUSY), "done"], results
+    assert bed.order("begin").count("h1") == 1  # the loser began nothing
+
+
+def test_an_unreachable_host_refuses_before_anything(bed: Bed) -> None:
+    bed.hosts["10.0.0.3"].reachable = False
+    with pytest.raises(RefusedError) as ei:
+        bed.restore().run()
+    assert ei.value.exit_code == EXIT_REFUSED and "nothing touched" in ei.value.message
+    assert any("h3" in d and "connect timed out" in d for d in ei.value.details)
+    assert bed.script.calls == []
+
+
+def test_a_failed_precheck_refuses_with_a_per_host_report(bed: Bed) -> None:
+    bed.script.facts["h2"] = {"free_bytes": 10}
+    with pytest.raises(RefusedError) as ei:
+        bed.restore().run()
+    assert any(d.startswith("h2") and "bytes free" in d for d in ei.value.details), ei.value.details
+    assert "begin" not in [s for _h, s, _m in bed.script.calls]
+
+
+def test_a_journaled_restore_of_the_same_backup_resumes(bed: Bed) -> None:
+    journal = {"op": "20261201T000000Z-abcd", "state": "running", "sha256": bed.source.sha256, "token": "tok-1",
+               "backup": bed.source.path, "initial_cluster": "", "new_cluster": False, "steps": ["begin", "receive"]}
+    for m in ("h1", "h2", "h3"):
+        bed.script.facts[m] = {"journal": journal}
+    out = bed.restore().run()
+    assert out.plan.resuming and out.plan.op == journal["op"] and out.plan.token == "tok-1"
+    assert bed.script.received == {}  # shipped already: not again
+    assert not bed.script.violations
+
+
+def test_the_cluster_not_converging_rolls_back(bed: Bed) -> None:
+    bed.cluster.converge = False
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore(health_timeout=1.0).run()
+    assert "rolled back" in ei.value.message and sorted(bed.order("rollback")) == ["h1", "h2", "h3"]

@@ -1,0 +1,292 @@
+"""Scripted hosts for the component tier: the orchestration runs for real against them, no etcd.
+
+A ``ScriptedHost`` answers ``Host.spawn``: ``node serve`` gets the REAL node server
+(``etcd_agent.node.server.serve``) in a thread, over real pipes, with a real flock for the host's
+operation lock (each host its own backup dir), but with step handlers taken from a ``Script``;
+``node receive`` gets a receiver that hashes what arrives. Everything not scripted fails closed:
+an unscripted step is refused and recorded as a violation the test asserts on, and every other
+``Host`` method raises. A host can be made unreachable, or to lose its session at a step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from etcd_agent.config import Config
+from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
+from etcd_agent.hosts.base import LineBuffer
+from etcd_agent.node.protocol import Args, encode
+from etcd_agent.node.server import Handler, NodeContext, serve
+from etcd_agent.restore.plan import NodeFacts, work_dir_for
+
+StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail
+
+
+class Script:
+    """What the hosts answer. ``calls`` records (host, step, member) in order, for assertions."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.calls: List[Tuple[str, str, str]] = []
+        self.violations: List[str] = []
+        self.steps: Dict[str, StepFn] = {}
+        self.failures: Dict[Tuple[str, str], AgentError] = {}  # (step, member) -> error to raise
+        self.facts: Dict[str, Dict[str, Any]] = {}  # member -> NodeFacts overrides
+        self.received: Dict[str, str] = {}  # member -> sha256 of what arrived
+        self.lock = threading.Lock()
+        for name in ("begin", "fence", "stop", "aside", "restore", "chown", "repair", "start", "unfence", "finish",
+                     "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
+            self.steps[name] = self._ok(name)
+        self.steps["precheck"] = self._precheck
+        self.steps["steps"] = self._steps
+        self.steps["rollback"] = self._rollback
+
+    def fail(self, step: str, member: str, error: AgentError) -> None:
+        self.failures[(step, member)] = error
+
+    def _ok(self, name: str) -> StepFn:
+        def fn(member: str, args: Args) -> Dict[str, Any]:
+            return {"step": name, "member": member}
+        return fn
+
+    def _rollback(self, member: str, args: Args) -> Dict[str, Any]:
+        return {"step": "rollback", "member": member, "did": ["etcd stopped", "old data dir back", "etcd started again"],
+                "running": True, "was_running": True}
+
+    def _steps(self, member: str, args: Args) -> Dict[str, Any]:
+        names = args.raw.get("steps") or []
+        out = []
+        for n in names:
+            out.append(self.run(self._host_of(member), str(n), member, args))
+        return {"steps": out}
+
+    def _host_of(self, member: str) -> str:
+        return self.cfg.member(member).ssh_host
+
+    def _precheck(self, member: str, args: Args) -> Dict[str, Any]:
+        m = self.cfg.member(member)
+        data_dir = self.cfg.data_dir(member)
+        facts = NodeFacts(
+            member=member, protocol=2, agent_version="test", etcd_version="3.5.16", etcdctl_version="3.5.16",
+            etcdutl_version="3.5.16", free_bytes=10 << 30, data_dir=data_dir.rstrip("/"), data_dir_state="member",
+            work_dir=work_dir_for(data_dir.rstrip("/"), member), conf_file=self.cfg.conf_file(member), conf_present=True,
+            unit_present=True, backend="systemd", running=True, fence_ok=True, fence_detail="", identity_match=True,
+            peer_url=m.peer_url, client_url=m.client_url,
+        ).to_json()
+        facts.update(self.facts.get(member, {}))
+        return facts
+
+    def run(self, host: str, step: str, member: str, args: Args) -> Dict[str, Any]:
+        with self.lock:
+            self.calls.append((host, step, member))
+        err = self.failures.get((step, member))
+        if err is not None:
+            raise err
+        fn = self.steps.get(step)
+        if fn is None:
+            self.violations.append(f"unscripted step {step} for {member} on {host}")
+            raise RefusedError(f"scripted host {host}: step {step!r} is not scripted")
+        return fn(member, args)
+
+    def steps_of(self, member: str) -> List[str]:
+        return [s for _h, s, m in self.calls if m == member]
+
+
+class ScriptedHost:
+    """A ``Host`` whose only working method is ``spawn`` (the node protocol)."""
+
+    def __init__(self, name: str, script: Script, cfg: Config, backup_dir: str) -> None:
+        self.name = name
+        self.script = script
+        # the host's own backup dir: its operation lock is a real flock there
+        self.cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=backup_dir))
+        self.reachable = True
+        self.die_at: Optional[Tuple[str, str]] = None  # (step, member): the session drops instead of answering
+        self.sessions: List["ScriptedSession"] = []
+
+    def spawn(self, argv: Sequence[str]) -> "ScriptedSession":
+        if not self.reachable:
+            raise HostUnreachable(f"{self.name}: connect timed out (scripted)")
+        if "serve" in argv:
+            s: ScriptedSession = ServeSession(self)
+        elif "receive" in argv:
+            s = ReceiveSession(self, list(argv))
+        else:
+            raise AssertionError(f"{self.name}: unscripted command {list(argv)}")
+        self.sessions.append(s)
+        return s
+
+    def _unscripted(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError(f"{self.name}: only the node protocol is scripted")
+
+    run = read = write_atomic = exists = put = get = _unscripted
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedSession:
+    """Pipes to a thread playing the host's side."""
+
+    def __init__(self, host: ScriptedHost) -> None:
+        self.host = host
+        self.where = host.name
+        self._in_r, self._in_w = os.pipe()  # we write the host's stdin
+        self._out_r, self._out_w = os.pipe()  # the host writes its stdout
+        self._stdin = os.fdopen(self._in_w, "wb")
+        self._lines = LineBuffer(self.where, self._read_some)
+        self.code: Optional[int] = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+
+    def _read_some(self, timeout: float) -> Optional[bytes]:
+        import select
+
+        ready, _w, _x = select.select([self._out_r], [], [], timeout)
+        return os.read(self._out_r, 65536) if ready else None
+
+    def _main(self) -> None:
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        try:
+            self._stdin.write(data)
+            self._stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise HostUnreachable(f"{self.where}: session ended ({exc})") from None
+
+    def close_input(self) -> None:
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+
+    def recv_line(self, timeout: float, limit: int) -> bytes:
+        return self._lines.line(timeout, limit)
+
+    def close(self, grace: float = 10.0) -> None:
+        self.close_input()
+        self._thread.join(grace)
+        try:
+            os.close(self._out_r)
+        except OSError:
+            pass
+
+    def exit_code(self) -> Optional[int]:
+        return self.code
+
+    def stderr_tail(self) -> str:
+        return ""
+
+
+class _Dropped(BaseException):
+    """The scripted host loses its session here."""
+
+
+class ServeSession(ScriptedSession):
+    def _main(self) -> None:
+        stdin = os.fdopen(self._in_r, "rb")
+        stdout = os.fdopen(self._out_w, "wb")
+        host = self.host
+
+        def handler_for(step: str) -> Handler:
+            def handler(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+                if step == "lock":
+                    return ctx.take_lock()
+                member = args.raw.get("member")
+                if not isinstance(member, str):
+                    raise RefusedError(f"scripted host: step {step} without a member")
+                if host.die_at == (step, member):
+                    raise _Dropped()
+                if step != "precheck":
+                    ctx.require_lock(step)
+                return host.script.run(host.name, step, member, args)
+            return handler
+
+        handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock"]}
+        try:
+            self.code = serve(host.cfg, stdin, stdout, handlers)
+        except _Dropped:
+            self.code = -1  # the host vanished mid-step: no reply, the stream ends
+        finally:
+            # stdout only: the caller sees the end; the server's reader thread may still sit in a
+            # read of stdin, which ends when the caller closes its side
+            try:
+                stdout.close()
+            except OSError:
+                pass
+
+
+class ReceiveSession(ScriptedSession):
+    def __init__(self, host: ScriptedHost, argv: List[str]) -> None:
+        self.argv = argv
+        super().__init__(host)
+
+    def _main(self) -> None:
+        member = self.argv[self.argv.index("--member") + 1]
+        size = int(self.argv[self.argv.index("--size") + 1])
+        h = hashlib.sha256()
+        got = 0
+        with os.fdopen(self._in_r, "rb") as stdin, os.fdopen(self._out_w, "wb") as stdout:
+            while True:
+                chunk = stdin.read(1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+                h.update(chunk)
+            err = self.host.script.failures.get(("ship", member))
+            if err is not None or got != size:
+                doc = (err or RefusedError(f"{member}: {got} of {size} bytes")).to_json()
+                self.code = 1
+            else:
+                self.host.script.received[member] = h.hexdigest()
+                doc = {"member": member, "sha256": h.hexdigest(), "size": got}
+                self.code = 0
+            stdout.write(encode(doc))
+
+
+def scripted_nodes(script: Script, hosts: Dict[str, ScriptedHost]) -> Callable[[Config], List[Any]]:
+    """A ``nodes`` factory for ``Restore``/``Upgrade``: one node per configured member's host."""
+    from etcd_agent.node.sessions import HostNode
+
+    def make(cfg: Config) -> List[Any]:
+        out: Dict[str, HostNode] = {}
+        for m in cfg.members:
+            n = out.get(m.ssh_host) or HostNode(m.ssh_host, hosts[m.ssh_host], False, [])
+            n.members.append(m)
+            out[m.ssh_host] = n
+        return list(out.values())
+
+    return make
+
+
+class ScriptedCluster:
+    """``LiveCluster`` with fixed answers: who leads, and that the restored members converge."""
+
+    def __init__(self, cfg: Config, leader: Optional[str] = None, converge: bool = True) -> None:
+        self.cfg = cfg
+        self._leader = leader
+        self.converge = converge
+        self.lineage: List[Optional[str]] = []
+
+    def identity(self) -> Tuple[Optional[str], List[str]]:
+        return None, []
+
+    def leader(self) -> Optional[str]:
+        return self._leader
+
+    def converged(self, timeout: float, say: Callable[[str], None]) -> Dict[str, int]:
+        from etcd_agent.errors import OperationFailed
+
+        if not self.converge:
+            raise OperationFailed(f"restored cluster not healthy at one revision after {timeout:.0f}s (scripted)")
+        return {m.name: 42 for m in self.cfg.members}
+
+    def member_ids(self) -> Dict[str, Tuple[str, str]]:
+        return {m.name: (f"{i + 1:x}", "c1") for i, m in enumerate(self.cfg.members)}
+
+    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
+        self.lineage.append(archive_cluster_id)
