@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
 from ..config import Config, Member
-from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, RefusedError
+from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
 from ..fs import ensure_private_dir
 from ..locality import local_member
 from ..state.locks import OperationLock, lock_path_for
@@ -127,6 +127,12 @@ def _take(
         archive.remove_partials(directory)
         client = EtcdClient.from_config(cfg, endpoints=[m.client_url], timeout=10.0)
         try:
+            # a linearizable read through this member first: it then has applied everything
+            # committed before the backup began, so the snapshot holds every acknowledged write
+            ok, why = client.healthy(m.client_url)
+            if not ok:
+                raise EtcdUnavailable(f"member {m.name} ({m.client_url}) is not healthy ({why}); not backing up from "
+                                      "it: its snapshot could miss acknowledged writes")
             st = client.status(m.client_url)
             members = client.members(m.client_url)
             comp = cfg.backup.compression

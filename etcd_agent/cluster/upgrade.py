@@ -124,7 +124,7 @@ class UpgradeReport:
 
     def to_json(self) -> Dict[str, Any]:
         return {"plan": self.plan.to_json(), "backups": self.backups, "seconds": round(self.seconds, 2),
-                "versions": self.versions}
+                "versions": self.versions, "steps": [s.to_json() for h in self.plan.hops for s in h.steps]}
 
 
 # ---------------------------------------------------------------- plan
@@ -223,10 +223,12 @@ class Upgrade:
                     bad.append(f"{n.where}: {binary}: {message(err) if err else 'no answer'}")
                     continue
                 reported = got.get("binary")
+                names = ", ".join(m.name for m in n.members if m.name in h.members)
                 if not isinstance(reported, str) or parse(reported).key != parse(h.to_version).key:
-                    bad.append(f"{n.where}: {binary} reports {reported or 'nothing (missing or broken)'}, not {h.to_version}")
+                    bad.append(f"{names} ({n.where}): {binary} reports {reported or 'nothing (missing or broken)'}, "
+                               f"not {h.to_version}")
                 else:
-                    self.plan.checks.append(f"{n.where}: {binary} reports {reported}")
+                    self.plan.checks += [f"{m.name}: {binary} reports {reported}" for m in n.members if m.name in h.members]
         if bad:
             raise RefusedError(f"upgrade path {' -> '.join(self.plan.path)}: not every release on it is installed "
                                f"everywhere (expected under {self.cfg.etcd.versions_dir}/<version>/)", details=bad)

@@ -80,27 +80,38 @@ def message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
 
 
-def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress) -> None:
-    """A session on every host (in parallel), then every host's lock in host order: of two runs
-    started together exactly one gets every lock. BusyError (exit 4) names the holder;
-    RefusedError (exit 3) the hosts that cannot be reached. Nothing is touched either way."""
+def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress,
+                  require_all: bool = True) -> Dict[str, str]:
+    """A session on every host (in parallel), then every reachable host's lock in host order: of
+    two runs started together exactly one gets every lock. BusyError (exit 4) names the holder
+    (every session is closed then). A host that cannot be reached: RefusedError (exit 3) when
+    ``require_all``, else it is returned (where -> why) with its session left empty, for a
+    per-host report. Nothing is touched either way."""
 
     def start(n: HostNode) -> None:
         n.client = NodeClient(cfg, n.host, n.where, local=n.local, owner=owner, lock=False)
-        n.client.open()
+        try:
+            n.client.open()
+        except BaseException:
+            n.client = None
+            raise
 
-    failed = [f"{n.where}: {message(e)}" for n, _r, e in parallel(start, nodes) if e is not None]
-    if failed:
+    failed = {n.where: message(e) for n, _r, e in parallel(start, nodes) if e is not None}
+    if failed and require_all:
         close_sessions(nodes)
-        raise RefusedError("cannot reach every master's agent; nothing touched", details=failed)
-    for n in sorted(nodes, key=lambda n: (not n.local, n.where)):
+        raise RefusedError("cannot reach every master's agent; nothing touched",
+                           details=[f"{w}: {why}" for w, why in failed.items()])
+    for n in sorted((n for n in nodes if n.client is not None), key=lambda n: (not n.local, n.where)):
         try:
             n.call("lock")
         except BusyError as exc:
             close_sessions(nodes)
-            raise BusyError(f"{exc.message}", details=["wait for it to finish (or `etcd-agent status` shows it), then run "
-                                                       "the same command again"]) from None
-    say("operation lock held on " + ", ".join(n.where for n in nodes))
+            raise BusyError(exc.message, details=["wait for it to finish (`etcd-agent status` on that master shows "
+                                                  "it), then run the same command again"]) from None
+    held = [n.where for n in nodes if n.client is not None]
+    if held:
+        say("operation lock held on " + ", ".join(held))
+    return failed
 
 
 def close_sessions(nodes: List[HostNode]) -> None:

@@ -161,6 +161,7 @@ class Restore:
         self.op = ""
         self.owner: Optional[Owner] = None
         self._make_nodes = nodes or group_hosts
+        self.unreachable: Dict[str, str] = {}
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or _open_source
 
@@ -176,7 +177,7 @@ class Restore:
         try:
             self.nodes = self._make_nodes(cfg)
             self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
-            open_sessions(cfg, self.nodes, self.owner, self.say)
+            self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False)
             try:
                 return self._run(source, t0)
             finally:
@@ -194,7 +195,11 @@ class Restore:
         def precheck(n: HostNode) -> Dict[str, P.NodeFacts]:
             return {m.name: P.NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
 
-        for n, got, err in parallel(precheck, self.nodes):
+        for n in self.nodes:
+            if n.where in self.unreachable:
+                for m in n.members:
+                    host_problems[m.name] = [f"unreachable: {self.unreachable[n.where]}"]
+        for n, got, err in parallel(precheck, [n for n in self.nodes if n.where not in self.unreachable]):
             if err is not None or got is None:
                 for m in n.members:
                     host_problems[m.name] = [f"pre-check failed: {message(err) if err else 'no answer'}"]

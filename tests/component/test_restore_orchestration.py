@@ -163,13 +163,15 @@ def test_two_restores_at_once_exactly_one_wins(bed: Bed) -> None:
     assert bed.order("begin").count("h1") == 1  # the loser began nothing
 
 
-def test_an_unreachable_host_refuses_before_anything(bed: Bed) -> None:
+def test_an_unreachable_host_refuses_with_every_hosts_report(bed: Bed) -> None:
     bed.hosts["10.0.0.3"].reachable = False
     with pytest.raises(RefusedError) as ei:
         bed.restore().run()
     assert ei.value.exit_code == EXIT_REFUSED and "nothing touched" in ei.value.message
-    assert any("h3" in d and "connect timed out" in d for d in ei.value.details)
-    assert bed.script.calls == []
+    assert any(d.startswith("h3 (10.0.0.3): unreachable") and "connect timed out" in d for d in ei.value.details)
+    # the others were still asked (read-only), so the report covers every host; nothing began
+    assert sorted(m for _h, s, m in bed.script.calls) == ["h1", "h2"]
+    assert {s for _h, s, _m in bed.script.calls} == {"precheck"}
 
 
 def test_a_failed_precheck_refuses_with_a_per_host_report(bed: Bed) -> None:

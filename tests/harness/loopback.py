@@ -89,6 +89,8 @@ def config_text(
         "[backup]",
         f'dir = "{directory}/backups"',
         extra,
+        # the agent's state (bootstrap records, markers, lineage) per cluster, never the host's
+        "" if "[daemon]" in extra else f'[daemon]\nstate_dir = "{directory}/state"',
     ]
     for i, (c, p) in enumerate(ports):
         lines += [

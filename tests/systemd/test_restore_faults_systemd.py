@@ -305,7 +305,8 @@ def test_host_killed_mid_restore_rolled_back(rf: NspawnBed, backup: Dict) -> Non
     j3 = node_journal(rf3)
     died_in = [s for s in ("aside", "receive", "restore", "chown", "repair") if s in j3.get("steps", {})]
     assert j3.get("state") == "running" and "unfence" not in j3.get("steps", {}), j3
-    assert "ROLLBACK INCOMPLETE" in err and "rollback of rf3" in err, err
+    assert "ROLLBACK INCOMPLETE" in err and f"rf3 ({rf[2].ip}): NOT rolled back" in err, err
+    assert "etcd-agent restore rollback --yes" in err, err  # the next command, named
     assert "rf1 (local) rolled back" in err and f"rf2 ({rf[1].ip}) rolled back" in err, err
     # rf1 and rf2 are back on their old data and hold quorum: the keys written after the backup serve
     serving = wait_members(cfg, ["rf1", "rf2"], 60) + t_exit

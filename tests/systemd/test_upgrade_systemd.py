@@ -188,7 +188,7 @@ def test_forced_failure_rolled_back(eu: NspawnBed) -> None:
     took = time.monotonic() - t0
     assert res.returncode == 1, res.stdout + res.stderr
     err = json.loads(res.stdout)
-    first = [line.split(":")[0] for line in res.stderr.splitlines() if "rolled back (" in line]
+    first = [line.removeprefix("upgrade: ").split(":")[0] for line in res.stderr.splitlines() if "rolled back (" in line]
     assert first and first[0] in ("eu2", "eu3"), res.stderr  # a remote follower, over SSH
     name = first[0]
     assert "rolled back" in err["message"] and name in err["message"], err
@@ -289,7 +289,7 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
         total = cl.count_prefix("/upgrade-writes/")
     assert acked and not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
     per = ", ".join(f"{s['name']} {s['seconds']:.1f} s" for s in steps)
-    record("upgrade 3.4.23 -> 3.5.1", f"{per}; whole run {took:.1f} s (backup {report['backup']})")
+    record("upgrade 3.4.23 -> 3.5.1", f"{per}; whole run {took:.1f} s (backup {report['backups'][0]})")
     record("writes during the upgrade", f"{len(acked)} acknowledged, {len(refused)} refused while a member "
                                         f"restarted, {total} keys present, 0 acknowledged lost")
 
