@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..etcd.client import EndpointStatus, EtcdClient
 from ..etcd.versions import check_cluster, parse
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import local_member, machine_identity
 from ..state.markers import clear_upgrading, mark_upgrading
@@ -265,7 +265,7 @@ def progress_path(cfg: Config) -> str:
 
 
 def _progress(cfg: Config, plan: UpgradePlan, steps: List[MemberStep], state: str) -> None:
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     rec = {"target": plan.target, "state": state, "total": len(plan.to_upgrade),
            "done": sum(1 for s in steps if s.outcome == "upgraded"), "steps": [s.to_json() for s in steps],
            "updated": time.time()}
@@ -287,7 +287,7 @@ def run_upgrade(
 
     t0 = time.monotonic()
     steps = [MemberStep(n, plan.versions[n], plan.target) for n in plan.order()]
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     with OperationLock(os.path.join(cfg.daemon.state_dir, "upgrade.lock"), "upgrade"):
         _progress(cfg, plan, steps, "backup")
         source = next(n for n in plan.versions if n != plan.leader) if len(plan.versions) > 1 else cfg.members[0].name

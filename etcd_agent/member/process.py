@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..config import Config
 from ..errors import OperationFailed
-from ..fs import write_atomic
+from ..fs import makedirs, open_append, write_atomic
 from ..topology import parse_conf
 from ..waiting import poll
 
@@ -70,11 +70,11 @@ class ProcessBackend:
         if self.pid() is not None:
             log.debug("%s: etcd already running", self.member)
             return
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        makedirs(self.run_dir, 0o700)
         env = self._env()
         data_dir = env.get("ETCD_DATA_DIR", self.cfg.data_dir(self.member))
-        os.makedirs(os.path.dirname(data_dir.rstrip("/")) or "/", mode=0o700, exist_ok=True)
-        logfh = open(self.log_file, "ab")
+        makedirs(os.path.dirname(data_dir.rstrip("/")) or "/", 0o700)
+        logfh = open_append(self.log_file, mode=0o600)  # etcd logs can quote keys and requests
         try:
             # own session: a Ctrl-C in the operator's terminal reaches the agent, which then
             # stops etcd in order, instead of every etcd dying at once mid-write
@@ -222,6 +222,6 @@ def _write_if_changed(path: str, text: str, mode: int) -> bool:
                 return False
     except FileNotFoundError:
         pass
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    makedirs(os.path.dirname(os.path.abspath(path)), 0o755)  # like /etc/etcd: readable, nobody else's to swap
     write_atomic(path, data, mode=mode)
     return True

@@ -20,7 +20,7 @@ from .. import __version__
 from ..config import Config, Member
 from ..errors import CommandError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
-from ..fs import write_atomic
+from ..fs import ensure_private_dir, makedirs, write_atomic
 from ..hosts.local import LocalHost
 from ..member.local import LocalMember, backend_for
 from ..state import markers
@@ -183,8 +183,7 @@ class NodeRestore:
     def begin(self, *, token: str, initial_cluster: str, sha256: str, size: int, backup: str,
               bump: Optional[int], fence_owner: bool, new_cluster: bool) -> Dict[str, Any]:
         """Create the work dir and the journal (or find this op's journal: resume)."""
-        os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.work_dir, 0o700)
+        ensure_private_dir(self.work_dir)  # the snapshot lands here: 0700, or refused if found open
         j = self.journal()
         if j is not None and j.get("op") != self.op:
             if j.get("state") not in P.FINAL_STATES:
@@ -216,7 +215,7 @@ class NodeRestore:
                 return {"method": "unit", "was_active": was}
             aside = os.path.join(k.manifest_aside_dir, os.path.basename(k.manifest))
             if os.path.isfile(k.manifest):
-                os.makedirs(k.manifest_aside_dir, mode=0o700, exist_ok=True)
+                makedirs(k.manifest_aside_dir, 0o700)
                 os.replace(k.manifest, aside)
                 return {"method": "manifest", "moved": aside}
             return {"method": "manifest", "moved": aside if os.path.isfile(aside) else None}
@@ -311,7 +310,7 @@ class NodeRestore:
                 source = "the archive" if base is not None else "the config"
                 if base is None:
                     base = render_conf(self.cfg, self.member, Bootstrap(self.member.name, NEW, j["initial_cluster"], j["token"]))
-                os.makedirs(os.path.dirname(conf) or "/", exist_ok=True)
+                makedirs(os.path.dirname(conf) or "/", 0o755)  # not 0777 under umask 000
                 write_atomic(conf, P.rewrite_conf(base, values).encode(), mode=0o644)
                 out["conf"] = f"missing: repaired from {source}"
                 out["conf_created"] = True

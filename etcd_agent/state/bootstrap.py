@@ -11,7 +11,7 @@ import os
 import time
 
 from ..config import Config
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 
 
 def record_path(cfg: Config, member: str) -> str:
@@ -24,7 +24,7 @@ def ever_bootstrapped(cfg: Config, member: str) -> bool:
 
 def remember(cfg: Config, member: str, cluster_id: int, member_id: int) -> None:
     """Record that ``member`` ran healthy in cluster ``cluster_id`` (written once, 0600)."""
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     rec = {"cluster": cfg.cluster.name, "cluster_id": f"{cluster_id:x}", "member_id": f"{member_id:x}",
            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_atomic(record_path(cfg, member), (json.dumps(rec) + "\n").encode(), mode=0o600)
