@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from typing import Dict, Iterator
 
 import pytest
@@ -92,6 +95,22 @@ state_dir = "{tmp_path}/state"
     assert writable_by_others(got) == {}  # etcd's own files too
 
 
+def test_restore_under_umask_000_recreates_the_conf_dir_0755(cluster_factory) -> None:  # type: ignore[no-untyped-def]
+    c = cluster_factory(1, extra=EXTRA)
+    c.start_static()
+    b = take_backup(c.cfg, member="m1")
+    c.stop()
+    conf_dir = os.path.dirname(c.cfg.conf_file("m1"))
+    shutil.rmtree(conf_dir)  # the restore repairs etcd.conf from the archive, into a new dir
+    with umask(0):
+        res = agent(c.config_path, "restore", "--from", b.path, "--yes")
+    assert res.returncode == 0, res.stderr
+    assert stat.S_IMODE(os.stat(conf_dir).st_mode) == 0o755  # was 0777: another user could swap etcd.conf
+    assert stat.S_IMODE(os.stat(c.cfg.conf_file("m1")).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(c.cfg.backup.dir).st_mode) == 0o700
+    assert writable_by_others(modes(c.dir)) == {}
+
+
 def test_open_backup_dir_is_refused_and_keeps_its_mode(cluster_factory) -> None:  # type: ignore[no-untyped-def]
     c = cluster_factory(1, extra=EXTRA)
     c.start_static()
@@ -106,3 +125,29 @@ def test_open_backup_dir_is_refused_and_keeps_its_mode(cluster_factory) -> None:
         assert (res.returncode, res.stderr) == (3, want), args
         assert stat.S_IMODE(os.stat(bdir).st_mode) == 0o1777, f"{args} changed the mode of {bdir}"
     assert len([n for n in os.listdir(bdir) if n.endswith(".tar")]) == 1  # nothing written either
+
+
+def _umask_of(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(line.split()[1] for line in fh if line.startswith("Umask:"))
+
+
+def test_the_agent_and_the_etcd_it_starts_run_under_umask_077(cluster_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = cluster_factory(1, extra=f'[daemon]\ninterval = 1.0\nstate_dir = "{tmp_path}/state"\n')
+    log = open(tmp_path / "daemon.log", "wb")
+    with umask(0):
+        daemon = subprocess.Popen([AGENT, "-c", c.config_path, "run", "--member", "m1"], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        backend = ProcessBackend(c.cfg, "m1")
+        t0 = time.monotonic()
+        while backend.pid() is None:
+            assert daemon.poll() is None and time.monotonic() - t0 < 60, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.2)
+        etcd_pid = backend.pid()
+        assert etcd_pid is not None
+        assert (_umask_of(daemon.pid), _umask_of(etcd_pid)) == ("0077", "0077")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+        log.close()

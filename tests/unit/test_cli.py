@@ -1,5 +1,6 @@
 """The CLI contract: fast --help, no tracebacks, documented exit codes."""
 import json
+import os
 import subprocess
 import sys
 
@@ -56,3 +57,14 @@ def test_render_prints_both_files(tmp_path):
     assert "ETCD_NAME=master2" in res.stdout and "[Service]" in res.stdout
     res = run("-c", str(p), "render", "--member", "nobody")
     assert res.returncode == 2 and "no member named 'nobody'" in res.stderr
+
+
+def test_main_gives_the_callers_umask_back():
+    # main runs under 0077 (tests/integration/test_umask.py reads it from /proc of a running
+    # agent and of the etcd it starts); an in-process caller keeps its own afterwards
+    old = os.umask(0o002)
+    try:
+        assert main(["config", "sample"]) == 0
+        assert os.umask(0o002) == 0o002
+    finally:
+        os.umask(old)
