@@ -133,3 +133,85 @@ def test_load_errors_are_one_config_error(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load(str(p))
     assert "not valid TOML" in ei.value.details[0]
+
+
+# ---------------------------------------------------------------- values that type-check but must not pass
+
+CTL = """
+[cluster]
+name = "c"
+token = "t\\u2028x"
+[[member]]
+name = "a"
+host = "10.0.0.1\\r"
+[[member]]
+name = "b"
+host = "10.0.0.2"
+client_url = "http://10.0.0.2:2379\\n"
+[etcd]
+data_dir = "/var/lib/etcd\\n"
+user = "etcd\\u202e"
+[backup.remote]
+access_key = "AKIA\\tX"
+secret_key = "s3cr\\u0000et"
+"""
+
+
+def test_control_characters_are_one_error_per_value_and_never_echoed():
+    cfg, errors = parse_text(CTL)
+    why = "a value must be one line of printable text"
+    assert cfg is None
+    assert sorted(errors) == sorted([
+        f"cluster.token: contains a control character (U+2028); {why}",
+        f"member 'a'.host: contains a control character (carriage return); {why}",
+        # urlsplit strips a trailing newline: only this check stops it reaching etcd.conf
+        f"member 'b'.client_url: contains a control character (newline); {why}",
+        f"etcd.data_dir: contains a control character (newline); {why}",
+        f"etcd.user: contains a control character (U+202E); {why}",
+        f"backup.remote.access_key: contains a control character (tab); {why}",
+        f"backup.remote.secret_key: contains a control character (NUL); {why}",
+    ])
+    assert not any("s3cr" in e or "AKIA" in e for e in errors)
+
+
+def _keys_of_type(wanted: type):
+    """(table, key) of every config key whose type is ``wanted`` (or Optional of it)."""
+    import typing
+
+    from etcd_agent.config import SECTIONS, RemoteSection
+
+    tables = [*SECTIONS.items(), ("backup.remote", RemoteSection)]
+    for table, cls in tables:
+        for key, hint in typing.get_type_hints(cls).items():
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            if args == [wanted]:
+                yield table, key
+
+
+def test_every_float_key_refuses_nan_and_infinity():
+    keys = list(_keys_of_type(float))
+    assert ("backup", "space_margin") in keys and len(keys) >= 8
+    for table, key in keys:
+        for value in ("nan", "inf", "-inf", "+nan"):
+            _, errors = parse_text(GOOD + f"[{table}]\n{key} = {value}\n")
+            shown = {"nan": "nan", "+nan": "nan", "inf": "inf", "-inf": "-inf"}[value]
+            assert errors == [f"{table}.{key}: must be a finite number, got {shown}"], (table, key, value, errors)
+
+
+def test_every_numeric_key_refuses_integers_beyond_64_bits():
+    keys = list(_keys_of_type(int)) + list(_keys_of_type(float))
+    assert ("daemon", "lock_ttl") in keys and ("etcd", "client_port") in keys
+    for table, key in keys:
+        for value in (2**63, -(2**63) - 1, 10**400):
+            _, errors = parse_text(GOOD + f"[{table}]\n{key} = {value}\n")
+            assert errors == [f"{table}.{key}: is out of range: more than a 64-bit integer holds"], (table, key)
+    _, errors = parse_text(GOOD + "[daemon]\nlock_ttl = " + "9" * 5000 + "\n")
+    assert len(errors) == 1 and errors[0].startswith("not valid TOML: Exceeds the limit"), errors
+
+
+def test_deep_nesting_is_one_error_not_a_traceback():
+    for text in ("x = " + "[" * 100_000, "x = " + "{a = " * 100_000):
+        assert parse_text(GOOD + text) == (None, ["not valid TOML: values nested too deeply"])
+    # table headers nest without recursion in the parser: the value is then a (deep) table
+    deep = "[cluster.name" + ".a" * 50_000 + "]\n"
+    assert parse_text(deep + '[[member]]\nname = "a"\nhost = "h"\n')[1] == ["cluster.name: expected a string, got a table"]
