@@ -26,7 +26,7 @@ def cmd_sample(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_validate(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..config import load
+    from ..config import load, security_warnings
     from ..config.load import MAX_CONFIG_BYTES, decode_config
 
     path = args.path or ctx.config_path
@@ -36,5 +36,7 @@ def cmd_validate(args: argparse.Namespace, ctx: Context) -> Output:
         cfg = load("<stdin>", text=text)
     else:
         cfg = load(path)
+    warnings = security_warnings(cfg)  # valid, so exit 0, but said
     text = f"{path}: valid ({len(cfg.members)} members, bootstrap {cfg.cluster.bootstrap}, service manager {cfg.etcd.service_manager})"
-    return Output({"path": path, "valid": True, "members": [m.name for m in cfg.members]}, text)
+    text += "".join(f"\nwarning: {w}" for w in warnings)
+    return Output({"path": path, "valid": True, "members": [m.name for m in cfg.members], "warnings": warnings}, text)
