@@ -212,9 +212,11 @@ def test_every_numeric_key_refuses_integers_beyond_64_bits():
 def test_deep_nesting_is_one_error_not_a_traceback():
     for text in ("x = " + "[" * 100_000, "x = " + "{a = " * 100_000):
         assert parse_text(GOOD + text) == (None, ["not valid TOML: values nested too deeply"])
-    # table headers nest without recursion in the parser: the value is then a (deep) table
+    # tomllib builds deep table headers without recursing (the value is then a deep table, which
+    # must not be repr'd); tomli (Python < 3.11) recurses: either way one error
     deep = "[cluster.name" + ".a" * 50_000 + "]\n"
-    assert parse_text(deep + '[[member]]\nname = "a"\nhost = "h"\n')[1] == ["cluster.name: expected a string, got a table"]
+    _, errors = parse_text(deep + '[[member]]\nname = "a"\nhost = "h"\n')
+    assert errors in (["cluster.name: expected a string, got a table"], ["not valid TOML: values nested too deeply"])
 def test_durations_are_bounded():
     _, errors = parse_text(GOOD + "[daemon]\ninterval = 1e300\nlock_ttl = 9999999999\n[etcd]\nstart_timeout = 0.0\n")
     assert sorted(errors) == [
