@@ -1,14 +1,20 @@
-"""File-system helpers every part of the agent uses: atomic writes, private dirs, bounded reads.
+"""File-system helpers every part of the agent uses: atomic writes, dirs with exact modes, bounded reads.
 
 Every file and directory the agent creates gets an explicit mode, whatever the process umask: a
 restore run from a shell with ``umask 000`` must not leave a conf dir another local user can swap
-files in.
+files in. And the agent never changes the mode of a directory it did not create: ``/tmp`` given
+as a backup dir once lost its sticky bit to a "tightening" chmod.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import tempfile
+from typing import BinaryIO, Callable, List
+
+from .errors import RefusedError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +47,133 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def missing_dirs(path: str, exists: Callable[[str], bool]) -> List[str]:
+    """The components of absolute ``path`` that do not exist yet, outermost first (pure; ``exists``
+    answers for the host concerned, so the systemd backend can ask a remote one)."""
+    out: List[str] = []
+    p = path.rstrip("/") or "/"
+    while p != "/" and not exists(p):
+        out.append(p)
+        p = os.path.dirname(p)
+    return out[::-1]
+
+
+def makedirs(path: str, mode: int) -> List[str]:
+    """Create ``path`` and every missing parent with exactly ``mode``, whatever the umask.
+
+    Directories that already exist are never touched (their mode is the operator's business);
+    one that appears meanwhile (another process) counts as existing. Returns the dirs created,
+    outermost first.
+    """
+    created: List[str] = []
+    for d in missing_dirs(os.path.abspath(path), os.path.isdir):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if os.path.isdir(d):
+                continue  # made by someone else meanwhile: not ours, so not touched
+            raise
+        # mkdir applies the umask; set the exact mode on the dir we just made, never through a
+        # symlink swapped in meanwhile
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        created.append(d)
+    return created
+
+
 def ensure_private_dir(directory: str) -> None:
-    """``directory`` exists and is 0700 (created so, tightened if found looser)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
+    """``directory`` exists, is owned by this process's user and open to nobody else (0700).
+
+    Missing: created 0700. Existing: checked, never chmodded - the agent does not change the mode
+    of a directory it did not create (that is how ``/tmp`` once lost its sticky bit). Backups hold
+    every Kubernetes Secret, and a dir others can write lets them plant a tarball that ``restore
+    --from latest`` would pick, so a dir that is group/other-accessible or someone else's is
+    refused with one sentence saying how to fix it.
+    """
+    try:
+        if makedirs(directory, 0o700):
+            return
+        st = os.stat(directory)
+    except OSError as exc:
+        if os.path.lexists(directory) and not os.path.isdir(directory):
+            raise RefusedError(f"{directory} exists and is not a directory") from None
+        where = f" ({exc.filename})" if exc.filename and exc.filename != directory else ""
+        raise RefusedError(f"cannot create {directory}: {exc.strerror or exc}{where}") from None
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise RefusedError(
+            f"{directory} is owned by uid {st.st_uid}, not by the agent's user (uid {me}): it holds "
+            f"every Kubernetes Secret, so use a directory of the agent's own"
+        )
     if st.st_mode & 0o077:
-        log.warning("dir %s had mode %o; tightening to 0700", directory, st.st_mode & 0o777)
-        os.chmod(directory, 0o700)
+        raise RefusedError(
+            f"{directory} has mode {stat.S_IMODE(st.st_mode):04o} but must be private (0700): it holds every "
+            f"Kubernetes Secret and the agent does not change the mode of a directory it did not create, "
+            f"so run `chmod 700 {directory}` or configure a new directory"
+        )
+
+
+def open_append(path: str, *, mode: int = 0o600) -> BinaryIO:
+    """Open ``path`` for appending; a new file gets exactly ``mode`` (an existing one keeps its own).
+
+    Never follows a symlink at ``path``.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)  # os.open applies the umask
+    except FileExistsError:
+        fd = os.open(path, flags)
+    return os.fdopen(fd, "ab")
+
+
+class NotARegularFile(OSError):
+    """What ``read_regular`` refuses: not a regular file, or larger than its limit."""
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The content of regular file ``path`` (symlinks to one are fine), at most ``limit`` bytes.
+
+    A FIFO, device, socket or directory is refused without being read (a FIFO is not even
+    opened for blocking reads, so nothing hangs), and so is a file over ``limit`` bytes: the
+    read itself is bounded, whatever ``st_size`` claims.
+    """
+    kind = _kind(os.stat(path).st_mode)
+    if kind:
+        raise NotARegularFile(errno.EINVAL, f"is {kind}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        kind = _kind(os.fstat(fd).st_mode)  # swapped since the stat above
+        if kind:
+            raise NotARegularFile(errno.EINVAL, f"is {kind}, not a regular file")
+        chunks: List[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise NotARegularFile(errno.EFBIG, f"is larger than {_size(limit)}")
+    return b"".join(chunks)
+
+
+def _kind(mode: int) -> str:
+    """'' for a regular file, else what it is, as a noun phrase."""
+    if stat.S_ISREG(mode):
+        return ""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"

@@ -44,8 +44,12 @@ def register(sub: Any) -> None:
 
 def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
     from ..backup.service import take_backup
+    from ..config import security_warnings
 
-    res = take_backup(ctx.config(), member=args.member, full_verify=args.verify, prune=not args.no_prune)
+    cfg = ctx.config()
+    for w in security_warnings(cfg):  # cron mails / syslogs stderr
+        log.warning("%s", w)
+    res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune)
     text = res.path
     for w in res.warnings:
         log.warning("%s", w)

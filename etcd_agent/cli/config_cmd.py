@@ -5,7 +5,6 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ConfigError
 from .main import Context, Output
 
 
@@ -27,14 +26,17 @@ def cmd_sample(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_validate(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..config import load, parse_text
+    from ..config import load, security_warnings
+    from ..config.load import MAX_CONFIG_BYTES, decode_config
 
     path = args.path or ctx.config_path
     if path == "-":
-        cfg, errors = parse_text(sys.stdin.read(), path="<stdin>")
-        if errors or cfg is None:
-            raise ConfigError(f"<stdin>: {len(errors)} problem{'s' if len(errors) != 1 else ''} in the config", details=errors)
+        # bounded like a file: `config validate - < /dev/zero` ends with one sentence
+        text = decode_config(sys.stdin.buffer.read(MAX_CONFIG_BYTES + 1), "<stdin>")
+        cfg = load("<stdin>", text=text)
     else:
         cfg = load(path)
+    warnings = security_warnings(cfg)  # valid, so exit 0, but said
     text = f"{path}: valid ({len(cfg.members)} members, bootstrap {cfg.cluster.bootstrap}, service manager {cfg.etcd.service_manager})"
-    return Output({"path": path, "valid": True, "members": [m.name for m in cfg.members]}, text)
+    text += "".join(f"\nwarning: {w}" for w in warnings)
+    return Output({"path": path, "valid": True, "members": [m.name for m in cfg.members], "warnings": warnings}, text)

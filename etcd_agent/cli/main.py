@@ -3,6 +3,12 @@
 Each command group lives in its own module under ``etcd_agent.cli`` exposing
 ``register(subparsers)``; a handler takes ``(args, ctx)`` and returns an ``Output`` (or None).
 Handlers never print results themselves and never call ``sys.exit``.
+
+``main`` runs every command under umask 0077. Everything the agent creates already gets an
+explicit mode (``etcd_agent.fs``); the umask is defence in depth for what its children create,
+which inherit it: etcd under the process backend, ``etcd-agent node`` steps, and `snapshot
+restore` (etcdctl 3.4 writes the restored .snap file 0666 & ~umask: world-writable under umask
+000). The caller's umask is put back when ``main`` returns (tests call it in-process).
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
@@ -121,7 +128,19 @@ def emit(out: Output, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+# Files and dirs created by anything this process runs: private unless given a mode on purpose.
+UMASK = 0o077
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    old_umask = os.umask(UMASK)
+    try:
+        return _main(argv)
+    finally:
+        os.umask(old_umask)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args_list
     try:

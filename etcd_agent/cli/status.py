@@ -27,8 +27,11 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     from ..state import markers
 
     restoring = markers.read_restores(cfg)  # this host's members with a restore in progress
+    from ..config import security_warnings
+
+    warnings = security_warnings(cfg)
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
-            "restore_in_progress": restoring}
+            "restore_in_progress": restoring, "warnings": warnings}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -41,6 +44,7 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     for rec in restoring:
         summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
                     f"since {rec.get('started', '?')} (the daemon waits); {markers.restore_hint(rec)}")
+    summary += "".join(f"\nwarning: {w}" for w in warnings)
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
 
 

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..config import Config, load, with_local
 from ..errors import Interrupted, RefusedError, UsageError
 from ..etcd.client import EtcdClient
+from ..fs import makedirs
 from ..member.local import LocalMember
 from ..member.process import ProcessBackend
 
@@ -110,9 +111,9 @@ class Demo:
                     raise RefusedError(
                         f"port {port} on 127.0.0.1 is in use (another etcd or demo?); stop it first"
                     )
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        makedirs(self.dir, 0o700)
         for sub in ("data", "conf", "run", "backups"):
-            os.makedirs(os.path.join(self.dir, sub), mode=0o700, exist_ok=True)
+            makedirs(os.path.join(self.dir, sub), 0o700)
         text = demo_config_text(self.dir, self.n, self.etcd_binary, self.etcdctl)
         resumed = False
         if os.path.exists(self.config_path):

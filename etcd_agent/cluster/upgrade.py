@@ -29,7 +29,7 @@ from ..config import Config
 from ..errors import AgentError, EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EndpointStatus, EtcdClient
 from ..etcd.versions import check_step, parse, plan_hops
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 from ..node.client import new_owner
 from ..node.sessions import HostNode, close_sessions, group_hosts, local_node, message, node_of, open_sessions, parallel
 from ..waiting import NotYet, poll
@@ -180,7 +180,7 @@ def progress_path(cfg: Config) -> str:
 
 
 def _progress(cfg: Config, plan: UpgradePlan, state: str) -> None:
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     steps = [s for h in plan.hops for s in h.steps]
     rec = {"target": plan.target, "state": state, "total": sum(len(h.members) for h in plan.hops),
            "done": sum(1 for s in steps if s.outcome == "upgraded"), "steps": [s.to_json() for s in steps],

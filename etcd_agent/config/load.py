@@ -5,11 +5,14 @@ Nothing falls back silently: an unknown key or a wrong type is an error, not a d
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
+import unicodedata
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
+from ..fs import NotARegularFile, read_regular
 from .model import (
     DEFAULT_PATH,
     SECTIONS,
@@ -25,6 +28,60 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.9
     import tomli as tomllib
+
+# A config is a few KiB; anything near this is not one (and /dev/zero would never end).
+MAX_CONFIG_BYTES = 1 << 20
+# Every integer must fit etcd's and the OS's 64-bit fields; beyond that it is a typo, not a value.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
+_CHAR_NAMES = {"\n": "newline", "\r": "carriage return", "\t": "tab", "\0": "NUL", "\x1b": "escape"}
+
+
+def control_char(value: str) -> Optional[str]:
+    """The first character of ``value`` that has no place in a one-line setting, named; else None.
+
+    Control characters (newline, NUL, ESC, C1 ...), line and paragraph separators (which
+    ``str.splitlines`` honours) and invisible format characters such as bidi overrides: a value
+    with one would break the rendered etcd.conf or disguise what an error message shows.
+    """
+    for ch in value:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            return _CHAR_NAMES.get(ch, f"U+{ord(ch):04X}")
+    return None
+
+
+def _base_type(hint: Any) -> Any:
+    """``Optional[X]`` -> X; anything else unchanged."""
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _shown(value: Any) -> str:
+    """A short, one-line, safe rendering of a wrong value (containers by kind only: a deeply
+    nested one cannot even be repr'd)."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _value_problem(value: Any, hint: Any) -> Optional[str]:
+    """Why a value of the right type is still unusable, or None."""
+    base = _base_type(hint)
+    if isinstance(value, str):
+        bad = control_char(value)
+        if bad:
+            return f"contains a control character ({bad}); a value must be one line of printable text"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    elif isinstance(value, int) and not isinstance(value, bool) and base in (int, float):
+        if not INT_MIN <= value <= INT_MAX:
+            return "is out of range: more than a 64-bit integer holds"
+    return None
 
 
 def _check_type(value: Any, hint: Any) -> bool:
@@ -69,8 +126,12 @@ def _build(cls: type, raw: Any, where: str, errors: List[str]) -> Any:
                 kwargs[key] = sub
             continue
         if not _check_type(value, hints[key]):
-            shown = repr(value) if known[key].repr else "<hidden>"  # never echo a secret
+            shown = _shown(value) if known[key].repr else "<hidden>"  # never echo a secret
             errors.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {shown}")
+            continue
+        problem = _value_problem(value, hints[key])
+        if problem:  # rejected like a wrong type: one error for this value, never echoed
+            errors.append(f"{where}.{key}: {problem}")
             continue
         kwargs[key] = float(value) if hints[key] is float else value
     missing = [
@@ -94,11 +155,15 @@ def parse_text(text: str, *, path: Optional[str] = None) -> Tuple[Optional[Confi
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         return None, [f"not valid TOML: {exc}"]
+    except RecursionError:  # tomllib recurses per nesting level of arrays and inline tables
+        return None, ["not valid TOML: values nested too deeply"]
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits, raised by int() itself
+        return None, [f"not valid TOML: {str(exc).split(':')[0]}"]
     errors: List[str] = []
     sections: Dict[str, Any] = {}
     for key in raw:
         if key not in SECTIONS and key != "member":
-            errors.append(f"unknown section [{key}]")
+            errors.append(f"unknown section [{key}]" if key.isprintable() else f"unknown section {key!r}")
     for key, cls in SECTIONS.items():
         sections[key] = _build(cls, raw.get(key, {}), key, errors)
     raw_members = raw.get("member", [])
@@ -143,16 +208,34 @@ def _resolve_members(
     return out
 
 
+def read_config(path: str) -> str:
+    """The text of config file ``path``: a regular file (or a symlink to one) of at most
+    MAX_CONFIG_BYTES, in UTF-8. Anything else is one ConfigError sentence, never a hang."""
+    try:
+        data = read_regular(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (use -c PATH, or `etcd-agent config sample`)") from None
+    except NotARegularFile as exc:
+        raise ConfigError(f"config file {path} {exc.strerror}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    return decode_config(data, f"config file {path}")
+
+
+def decode_config(data: bytes, where: str) -> str:
+    """``data`` as config text; ``where`` names it in the one-sentence ConfigError."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text (at byte offset {exc.start})") from None
+
+
 def load(path: str = DEFAULT_PATH, *, text: Optional[str] = None) -> Config:
     """Load and validate; raise ConfigError listing every problem."""
     if text is None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found (use -c PATH, or `etcd-agent config sample`)")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}")
+        text = read_config(path)
     cfg, errors = parse_text(text, path=path)
     if errors or cfg is None:
         n = len(errors)

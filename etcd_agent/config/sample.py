@@ -65,7 +65,8 @@ host = "10.0.0.13"
 # peer_client_cert_auth = true
 
 [backup]
-# dir = "/var/lib/etcd_backup"       # created 0700; backups are 0600 (they hold every Secret)
+# dir = "/var/lib/etcd_backup"       # created 0700; backups are 0600 (they hold every Secret);
+#                                     # an existing dir must already be 0700 and the agent's own
 # keep_last = 7                       # the newest N always stay
 # keep_hourly = 24                    # plus the newest of each of the last N hours
 # keep_daily = 7                      # plus the newest of each of the last N days
@@ -84,6 +85,7 @@ host = "10.0.0.13"
 # prefix = "etcd-backup/{cluster}/{host}/"  # one folder per master: their copies never collide
 # region = "us-east-1"
 # credentials_file = "/etc/etcd-agent/s3-credentials"  # AWS-style INI, mode 0600
+#                                     # (or access_key / secret_key here: then chmod 600 this file)
 # credentials_profile = "default"
 # addressing_style = "auto"           # "path" for MinIO/Ceph RGW, "virtual" for OSS
 # verify = "checksum"                 # "etag" where the server has no SHA-256 checksums (OSS)

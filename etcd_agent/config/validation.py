@@ -5,9 +5,10 @@ I/O except checking that configured TLS files exist (``file_exists``, injectable
 """
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import os
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from .model import (
@@ -23,9 +24,135 @@ from .model import (
     REMOTE_VERIFY_MODES,
     SERVICE_MANAGERS,
     UNIT_RE,
+    BackupSection,
     Config,
+    DaemonSection,
+    EtcdSection,
+    KubernetesSection,
     RemoteSection,
 )
+
+# Directories that are the system's, not the agent's: no configured directory may be one of them
+# (the agent creates its dirs, moves a data dir aside, deletes what it holds); below them is fine
+# (/var/lib/etcd). "/etc" is here for the agent's config-side dirs (manifests-aside) only: its
+# data may not be anywhere below /etc (DATA_TREES).
+SYSTEM_DIRS = frozenset({
+    "/", "/etc", "/home", "/root", "/run", "/tmp", "/var", "/var/tmp", "/var/lib", "/var/cache",
+    "/var/log", "/var/spool", "/var/mail", "/var/opt", "/var/local", "/var/backups", "/var/run",
+    "/var/lock", "/opt", "/srv", "/mnt", "/media",
+})
+# Trees that belong to the OS and the kernel at every depth: nothing the agent writes goes there.
+# Top-level components, as globs ("lib*": /lib, /lib32, /lib64, /libx32 ...).
+SYSTEM_TREES = ("usr", "bin", "sbin", "lib*", "boot", "efi", "dev", "proc", "sys")
+# The agent's data (etcd's data, backups, state, pid files and logs) is not configuration.
+DATA_TREES = SYSTEM_TREES + ("etc",)
+# Intervals and timeouts: beyond a week is a typo (and overflows the OS's timers).
+MAX_SECONDS = 7 * 86400
+
+# Every configured path by what the agent does with it: "data" dirs it owns (creates, empties,
+# moves aside), "dir"s it creates, "write" files it writes or moves, "read" paths it only reads.
+PathKind = str
+DATA, DIR, WRITE, READ = "data", "dir", "write", "read"
+EXAMPLES = {
+    "etcd.data_dir": EtcdSection.data_dir, "etcd.run_dir": EtcdSection.run_dir,
+    "backup.dir": BackupSection.dir, "daemon.state_dir": DaemonSection.state_dir,
+    "kubernetes.manifest_aside_dir": KubernetesSection.manifest_aside_dir,
+    "etcd.conf_file": EtcdSection.conf_file, "etcd.unit_file": EtcdSection.unit_file,
+    "kubernetes.manifest": KubernetesSection.manifest,
+    "backup.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom",
+}
+
+
+def path_problem(key: str, value: str) -> Optional[str]:
+    """Why ``value`` is not an absolute, normalised path of plain characters, or None.
+
+    Refused, never normalised: what the operator wrote is what the agent uses, so ``/etc/.``
+    or ``/var/lib/etcd/../../../etc`` cannot pass for something else.
+    """
+    if not PATH_RE.match(value):
+        return f"{key} {value!r} must be an absolute path of plain characters"
+    parts = value.split("/")[1:]
+    if value != "/" and ("" in parts or "." in parts or ".." in parts):
+        return (f"{key} {value!r} is not normalised (no '.' or '..' components, no '//', no trailing '/'): "
+                f"write the path exactly as the agent should use it")
+    return None
+
+
+def _system_tree(value: str, trees: Iterable[str]) -> Optional[str]:
+    """The system tree (as /top) that ``value`` is or is inside of, or None."""
+    top = value.split("/")[1] if value != "/" else ""
+    return next((f"/{top}" for t in trees if top and fnmatch.fnmatchcase(top, t)), None)
+
+
+def placement_problem(key: str, value: str, kind: PathKind) -> Optional[str]:
+    """Why a (normalised) path is in the system's place rather than the agent's, or None."""
+    if kind == READ:
+        return None
+    example = f" (e.g. {EXAMPLES[key]})" if key in EXAMPLES else ""
+    tree = _system_tree(value, DATA_TREES if kind == DATA else SYSTEM_TREES)
+    if kind != WRITE and (value in SYSTEM_DIRS or value == tree):
+        return f"{key} {value!r} is a system directory; give the agent a directory of its own{example}"
+    if tree is not None:
+        return f"{key} {value!r} is inside {tree}, which belongs to the system; give the agent a place of its own{example}"
+    parent = value.rsplit("/", 1)[0] or "/"
+    if kind == WRITE and parent in SYSTEM_DIRS:
+        return (f"{key} {value!r} is directly in {parent}, a system directory; the agent writes this file, "
+                f"so give it a directory of its own{example}")
+    return None
+
+
+def _inside(a: str, b: str) -> bool:
+    """``a`` is ``b`` or below it (normalised absolute paths)."""
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
+    """Every path of the config: (key, value or None, kind)."""
+    e, b, r, s, k = cfg.etcd, cfg.backup, cfg.backup.remote, cfg.ssh, cfg.kubernetes
+    t = cfg.tls
+    return [
+        ("etcd.binary", e.binary, READ), ("etcd.etcdctl", e.etcdctl, READ), ("etcd.etcdutl", e.etcdutl, READ),
+        ("etcd.data_dir", e.data_dir, DATA), ("etcd.conf_file", e.conf_file, WRITE),
+        ("etcd.unit_file", e.unit_file, WRITE), ("etcd.run_dir", e.run_dir, DATA),
+        ("etcd.versions_dir", e.versions_dir, READ),
+        *((f"tls.{n}", getattr(t, n), READ) for n in ("client_ca", "client_cert", "client_key", "peer_ca",
+                                                        "peer_cert", "peer_key")),
+        ("backup.dir", b.dir, DATA), ("backup.metrics_file", b.metrics_file, WRITE),
+        ("backup.remote.credentials_file", r.credentials_file, READ), ("backup.remote.ca_bundle", r.ca_bundle, READ),
+        ("ssh.identity_file", s.identity_file, READ), ("ssh.known_hosts", s.known_hosts, READ),
+        ("ssh.agent_path", s.agent_path, READ),
+        ("kubernetes.manifest", k.manifest, WRITE), ("kubernetes.manifest_aside_dir", k.manifest_aside_dir, DIR),
+        ("daemon.state_dir", cfg.daemon.state_dir, DATA),
+    ]
+
+
+def _validate_paths(cfg: Config) -> List[str]:
+    """Every path absolute, normalised and in the agent's place; the agent's own dirs apart."""
+    errs: List[str] = []
+    names = [m.name for m in cfg.members]
+    good: Dict[str, List[str]] = {}
+    for key, value, kind in configured_paths(cfg):
+        if value is None:
+            continue
+        # {name} is the member's name in these two: check what each member gets
+        expanded = sorted({value.replace("{name}", n) for n in names} or {value}) \
+            if key in ("etcd.data_dir", "etcd.conf_file") else [value]
+        problem = path_problem(key, value) or next(
+            (p for v in expanded for p in [path_problem(key, v) or placement_problem(key, v, kind)] if p), None)
+        if problem:
+            errs.append(problem)
+        else:
+            good[key] = expanded
+    # a reset or restore takes the data dir with it; prune empties the backup dir
+    owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir")
+    for i, k1 in enumerate(owned):
+        for k2 in owned[i + 1:]:
+            clash = next(((a, b) for a in good.get(k1, []) for b in good.get(k2, []) if _inside(a, b) or _inside(b, a)),
+                         None)
+            if clash:
+                errs.append(f"{k1} {clash[0]!r} and {k2} {clash[1]!r} overlap (one holds the other); "
+                            f"give each a directory of its own")
+    return errs
 
 
 def valid_host(host: str) -> bool:
@@ -106,12 +233,7 @@ def validate(
     e = cfg.etcd
     if e.service_manager not in SERVICE_MANAGERS:
         errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
-    for key in ("binary", "etcdctl", "etcdutl", "data_dir", "conf_file", "unit_file", "run_dir", "versions_dir"):
-        value = getattr(e, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"etcd.{key} {value!r} must be an absolute path of plain characters")
-    if PATH_RE.match(e.data_dir) and e.data_dir.rstrip("/") in ("", "/var", "/var/lib", "/etc", "/usr", "/tmp"):
-        errs.append(f"etcd.data_dir {e.data_dir!r} is a system directory; give etcd a dir of its own")
+    errs.extend(_validate_paths(cfg))
     if len(cfg.members) > 1 and "{name}" not in e.data_dir:
         hosts = [m.host for m in cfg.members]
         if len(set(hosts)) < len(hosts):
@@ -124,6 +246,7 @@ def validate(
     for key in ("client_port", "peer_port"):
         if not 1 <= getattr(e, key) <= 65535:
             errs.append(f"etcd.{key} must be a TCP port (1-65535)")
+    errs.extend(_seconds("etcd.start_timeout", e.start_timeout))
 
     t = cfg.tls
     for prefix, enabled in (("client", t.client_enabled), ("peer", t.peer_enabled)):
@@ -133,14 +256,12 @@ def validate(
             path = getattr(t, f"{prefix}_{kind}")
             if not path:
                 errs.append(f"tls.{prefix}_{kind} is required when {prefix} TLS is configured")
-            elif not PATH_RE.match(path):
-                errs.append(f"tls.{prefix}_{kind} {path!r} must be an absolute path of plain characters")
+            elif path_problem("", path):
+                pass  # reported with every other path
             elif not file_exists(path):
                 errs.append(f"tls.{prefix}_{kind}: file {path} does not exist")
 
     b = cfg.backup
-    if not PATH_RE.match(b.dir):
-        errs.append(f"backup.dir {b.dir!r} must be an absolute path of plain characters")
     if b.compression not in COMPRESSIONS:
         errs.append(f"backup.compression must be one of {', '.join(COMPRESSIONS)}, got {b.compression!r}")
     for key in ("keep_last", "keep_hourly", "keep_daily"):
@@ -150,8 +271,6 @@ def validate(
         errs.append("backup.keep_last must be >= 1: the newest backup is always kept")
     if b.space_margin < 0:
         errs.append("backup.space_margin must be >= 0")
-    if b.metrics_file is not None and not PATH_RE.match(b.metrics_file):
-        errs.append(f"backup.metrics_file {b.metrics_file!r} must be an absolute path")
     errs.extend(_validate_remote(b.remote))
 
     s = cfg.ssh
@@ -159,30 +278,21 @@ def validate(
         errs.append(f"ssh.user {s.user!r} is not a valid user name")
     if not 1 <= s.port <= 65535:
         errs.append("ssh.port must be a TCP port (1-65535)")
-    for key in ("identity_file", "known_hosts", "agent_path"):
-        value = getattr(s, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"ssh.{key} {value!r} must be an absolute path of plain characters")
     for key in ("connect_timeout", "command_timeout"):
-        if getattr(s, key) <= 0:
-            errs.append(f"ssh.{key} must be > 0 seconds")
+        errs.extend(_seconds(f"ssh.{key}", getattr(s, key)))
 
     k = cfg.kubernetes
     if k.fence not in FENCE_METHODS:
         errs.append(f"kubernetes.fence must be one of {', '.join(FENCE_METHODS)}, got {k.fence!r}")
     if not UNIT_RE.match(k.apiserver_unit):
         errs.append(f"kubernetes.apiserver_unit {k.apiserver_unit!r} must be a systemd service name")
-    for key in ("manifest", "manifest_aside_dir"):
-        if not PATH_RE.match(getattr(k, key)):
-            errs.append(f"kubernetes.{key} must be an absolute path of plain characters")
 
     d = cfg.daemon
-    if d.interval <= 0:
-        errs.append("daemon.interval must be > 0 seconds")
+    errs.extend(_seconds("daemon.interval", d.interval))
     if d.lock_ttl < 5:
         errs.append("daemon.lock_ttl must be >= 5 seconds")
-    if not PATH_RE.match(d.state_dir):
-        errs.append(f"daemon.state_dir {d.state_dir!r} must be an absolute path of plain characters")
+    elif d.lock_ttl > MAX_SECONDS:
+        errs.append(f"daemon.lock_ttl must be at most {MAX_SECONDS} seconds (7 days)")
     if d.metrics_address is not None and not _loopback_address_ok(d.metrics_address):
         errs.append(f"daemon.metrics_address {d.metrics_address!r} must be host:port (e.g. 127.0.0.1:9479)")
     mt = cfg.maintenance
@@ -190,9 +300,17 @@ def validate(
         errs.append("maintenance.defrag_threshold_percent must be between 0 and 100 (exclusive)")
     if mt.defrag_min_db_bytes < 0:
         errs.append("maintenance.defrag_min_db_bytes must be >= 0")
-    if mt.defrag_timeout <= 0:
-        errs.append("maintenance.defrag_timeout must be > 0 seconds")
+    errs.extend(_seconds("maintenance.defrag_timeout", mt.defrag_timeout))
     return errs
+
+
+def _seconds(key: str, value: float) -> List[str]:
+    """A duration: > 0 and at most MAX_SECONDS."""
+    if value <= 0:
+        return [f"{key} must be > 0 seconds"]
+    if value > MAX_SECONDS:
+        return [f"{key} must be at most {MAX_SECONDS} seconds (7 days)"]
+    return []
 
 
 def _loopback_address_ok(addr: str) -> bool:
@@ -239,10 +357,6 @@ def _validate_remote(r: RemoteSection) -> List[str]:
         errs.append(f"{w}: access_key and secret_key must be given together")
     if r.access_key is not None and r.credentials_file is not None:
         errs.append(f"{w}: give either access_key/secret_key or credentials_file, not both")
-    for key in ("credentials_file", "ca_bundle"):
-        value = getattr(r, key)
-        if value is not None and not PATH_RE.match(value):
-            errs.append(f"{w}.{key} {value!r} must be an absolute path of plain characters")
     if not NAME_RE.match(r.credentials_profile):
         errs.append(f"{w}.credentials_profile {r.credentials_profile!r} is not a valid profile name")
     if r.ca_bundle is not None and not r.verify_tls:
@@ -255,8 +369,7 @@ def _validate_remote(r: RemoteSection) -> List[str]:
     if not 5 <= r.part_size_mb <= 5120:
         errs.append(f"{w}.part_size_mb must be between 5 and 5120")
     for key in ("connect_timeout", "read_timeout"):
-        if getattr(r, key) <= 0:
-            errs.append(f"{w}.{key} must be > 0 seconds")
+        errs.extend(_seconds(f"{w}.{key}", getattr(r, key)))
     for key in ("keep_last", "keep_hourly", "keep_daily"):
         if getattr(r, key) < 0:
             errs.append(f"{w}.{key} must be >= 0")

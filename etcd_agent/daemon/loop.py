@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..config import Config, Member, load, with_local
+from ..config import Config, Member, load, security_warnings, with_local
 from ..errors import (
     AgentError,
     BusyError,
@@ -73,6 +73,8 @@ class Daemon:
         self.cfg = cfg
         self.me: Member = cfg.member(name)
         self.local = LocalMember(cfg, self.me)
+        for w in security_warnings(cfg):  # at start and on every reload: the journal says it
+            log.warning("%s", w)
 
     def reload(self) -> None:
         try:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..config import Config
 from ..errors import OperationFailed
-from ..fs import write_atomic
+from ..fs import makedirs, open_append, write_atomic
 from ..topology import parse_conf
 from ..waiting import poll
 
@@ -70,17 +70,17 @@ class ProcessBackend:
         if self.pid() is not None:
             log.debug("%s: etcd already running", self.member)
             return
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        makedirs(self.run_dir, 0o700)
         env = self._env()
         data_dir = env.get("ETCD_DATA_DIR", self.cfg.data_dir(self.member)).rstrip("/")
-        os.makedirs(os.path.dirname(data_dir) or "/", mode=0o700, exist_ok=True)
+        makedirs(os.path.dirname(data_dir) or "/", 0o700)
         owner = etcd_owner(self.cfg)
         as_user: Dict[str, Any] = {}
         if owner is not None:
             # as root, etcd runs as [etcd] user, as the systemd unit's User= would have it
             _prepare_data_dir(self.member, self.cfg.etcd.user, data_dir, owner)
             as_user = {"user": owner[0], "group": owner[1], "extra_groups": []}
-        logfh = open(self.log_file, "ab")
+        logfh = open_append(self.log_file, mode=0o600)  # etcd logs can quote keys and requests
         try:
             # own session: a Ctrl-C in the operator's terminal reaches the agent, which then
             # stops etcd in order, instead of every etcd dying at once mid-write
@@ -252,7 +252,7 @@ def _prepare_data_dir(member: str, user: str, data_dir: str, owner: Tuple[int, i
                 f"{st.st_mode & 0o777:o}; give etcd a data dir it can reach, or set [etcd] user = \"root\""
             )
     if not os.path.exists(data_dir):
-        os.mkdir(data_dir, 0o700)
+        makedirs(data_dir, 0o700)
         os.chown(data_dir, uid, gid)
         return
     st = os.stat(data_dir)
@@ -282,6 +282,6 @@ def _write_if_changed(path: str, text: str, mode: int) -> bool:
                 return False
     except FileNotFoundError:
         pass
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    makedirs(os.path.dirname(os.path.abspath(path)), 0o755)  # like /etc/etcd: readable, nobody else's to swap
     write_atomic(path, data, mode=mode)
     return True

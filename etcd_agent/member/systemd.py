@@ -12,6 +12,7 @@ from typing import Dict, Optional
 
 from ..config import Config
 from ..errors import CommandError
+from ..fs import missing_dirs
 from ..hosts.base import Host
 from ..hosts.local import LocalHost
 
@@ -43,9 +44,11 @@ class SystemdBackend:
                 return False
         except FileNotFoundError:
             pass
-        directory = os.path.dirname(path)
-        if directory and not self.host.exists(directory):
-            self.host.run(["mkdir", "-p", "-m", "0755", directory], timeout=30)
+        # every missing dir with an exact 0755 (`mkdir -p -m` gives the mode to the last one only,
+        # the umask to the others); existing ones are left alone
+        missing = missing_dirs(os.path.dirname(path), self.host.exists)
+        if missing:
+            self.host.run(["mkdir", "-m", "0755", "--", *missing], timeout=30)
         self.host.write_atomic(path, data, mode=mode)
         log.info("%s: wrote %s", self.member, path)
         return True

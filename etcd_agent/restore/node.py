@@ -23,7 +23,7 @@ from ..backup.snapcheck import StreamCheck
 from ..config import Config, Member
 from ..errors import AgentError, BusyError, CommandError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
-from ..fs import write_atomic
+from ..fs import ensure_private_dir, makedirs, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
 from ..member.local import LocalMember, backend_for
@@ -164,8 +164,7 @@ class NodeRestore:
     def begin(self, *, token: str, initial_cluster: str, sha256: Optional[str], size: int, backup: str,
               bump: Optional[int], fence_owner: bool, new_cluster: bool) -> Dict[str, Any]:
         """Create the work dir and the journal (or find this op's journal: resume)."""
-        os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.work_dir, 0o700)  # our own dir: whatever an earlier umask made of it
+        ensure_private_dir(self.work_dir)  # the snapshot lands here: 0700, or refused if found open
         j = self.journal()
         if j is not None and j.op != self.op:
             if j.open:
@@ -194,7 +193,7 @@ class NodeRestore:
                 return {"method": "unit", "was_active": was}
             aside = os.path.join(k.manifest_aside_dir, os.path.basename(k.manifest))
             if os.path.isfile(k.manifest):
-                os.makedirs(k.manifest_aside_dir, mode=0o700, exist_ok=True)
+                makedirs(k.manifest_aside_dir, 0o700)
                 os.replace(k.manifest, aside)
                 return {"method": "manifest", "moved": aside}
             return {"method": "manifest", "moved": aside if os.path.isfile(aside) else None}
@@ -317,7 +316,7 @@ class NodeRestore:
             except FileNotFoundError:
                 old = None
             if old is None:
-                os.makedirs(os.path.dirname(conf) or "/", mode=0o755, exist_ok=True)
+                makedirs(os.path.dirname(conf) or "/", 0o755)  # not 0777 under umask 000
                 write_atomic(conf, render_conf(self.cfg, self.member, boot).encode(), mode=0o644)
                 out["conf"] = "missing: rendered from the agent's config"
                 out["conf_created"] = True

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from ..config import Config
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 from ..safejson import UnsafeJson, loads
 
 
@@ -65,7 +65,7 @@ def read(cfg: Config, member: str) -> Optional[BootstrapRecord]:
 
 def remember(cfg: Config, member: str, cluster_id: int, member_id: int, token: Optional[str] = None) -> None:
     """Record that ``member`` runs healthy as ``member_id`` in cluster ``cluster_id`` (0600)."""
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     rec = BootstrapRecord(cfg.cluster.name, f"{cluster_id:x}", f"{member_id:x}", token,
                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     write_atomic(record_path(cfg, member), (json.dumps(rec.to_json(), sort_keys=True) + "\n").encode(), mode=0o600)

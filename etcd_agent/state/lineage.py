@@ -13,7 +13,7 @@ import time
 from typing import List, Sequence, Set
 
 from ..config import Config
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 from ..safejson import UnsafeJson, loads
 
 MAX_ENTRIES = 50
@@ -51,5 +51,5 @@ def record(cfg: Config, member_ids: Sequence[str], op: str) -> None:
         entries = []
     entries.append({"member_ids": sorted(x.lower() for x in member_ids), "op": op,
                     "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     write_atomic(lineage_path(cfg), (json.dumps(entries[-MAX_ENTRIES:], indent=1) + "\n").encode(), mode=0o600)

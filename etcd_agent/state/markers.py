@@ -19,7 +19,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..config import Config
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def write_restore(cfg: Config, member: str, op: str, backup: str) -> str:
     cur = read_restore(cfg, member)
     if cur is not None and cur.get("op") == op:
         return path
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     rec = {"op": op, "member": member, "backup": backup, "pid": os.getpid(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_atomic(path, (json.dumps(rec, sort_keys=True) + "\n").encode(), mode=0o600)
@@ -103,7 +103,7 @@ def left_path(cfg: Config, member: str) -> str:
 def mark_left(cfg: Config, member: str) -> None:
     """Remember that ``member`` left the cluster on purpose (`leave`): the daemon then waits
     instead of joining it again."""
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_atomic(left_path(cfg, member), f"left {stamp}\n".encode(), mode=0o600)
 
@@ -139,7 +139,7 @@ def _process_started(pid: int) -> Optional[float]:
 
 def mark_upgrading(cfg: Config, member: str, version: str, previous: str) -> str:
     """Pause the daemon for ``member`` while this process steps it to ``version``."""
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     pid = os.getpid()
     rec = {"member": member, "version": version, "previous": previous, "pid": pid,
            "pid_started": _process_started(pid),

@@ -22,7 +22,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ..config import Config, merged
-from ..fs import write_atomic
+from ..fs import makedirs, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def read_pin(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
 
 
 def write_pin(cfg: Config, member: str, version: str, tools: Dict[str, Optional[str]], previous: str) -> None:
-    os.makedirs(cfg.daemon.state_dir, mode=0o700, exist_ok=True)
+    makedirs(cfg.daemon.state_dir, 0o700)
     rec = {
         "version": version,
         "binary": tools["binary"],

@@ -69,10 +69,11 @@ def test_expected_files_and_nothing_rendered(files: Dict[str, Dict[str, str]]) -
 def test_modes_owners_and_config_flags(rpm: BuiltRpm, files: Dict[str, Dict[str, str]]) -> None:
     backup = files["/var/lib/etcd_backup"]
     assert backup["mode"] == "40700" and backup["user"] == backup["group"] == "root"
-    for conf in ("/etc/etcd-agent/agent.toml", "/etc/cron.d/etcd-agent"):
+    for conf, mode in (("/etc/etcd-agent/agent.toml", "100640"), ("/etc/cron.d/etcd-agent", "100644")):
         # c = %config, n = noreplace: an upgrade keeps the operator's edits
         assert set(files[conf]["flags"]) >= {"c", "n"}, conf
-        assert files[conf]["mode"] == "100644"
+        assert files[conf]["mode"] == mode, conf  # agent.toml may hold the S3 keys
+        assert files[conf]["user"] == files[conf]["group"] == "root", conf
     for unit in UNITS:
         assert files[f"{UNITDIR}/{unit}"]["mode"] == "100644"
         assert "c" not in files[f"{UNITDIR}/{unit}"]["flags"]

@@ -1,5 +1,6 @@
 """The CLI contract: fast --help, no tracebacks, documented exit codes."""
 import json
+import os
 import subprocess
 import sys
 
@@ -56,3 +57,55 @@ def test_render_prints_both_files(tmp_path):
     assert "ETCD_NAME=master2" in res.stdout and "[Service]" in res.stdout
     res = run("-c", str(p), "render", "--member", "nobody")
     assert res.returncode == 2 and "no member named 'nobody'" in res.stderr
+
+
+def test_main_gives_the_callers_umask_back():
+    # main runs under 0077 (tests/integration/test_umask.py reads it from /proc of a running
+    # agent and of the etcd it starts); an in-process caller keeps its own afterwards
+    old = os.umask(0o002)
+    try:
+        assert main(["config", "sample"]) == 0
+        assert os.umask(0o002) == 0o002
+    finally:
+        os.umask(old)
+
+
+def test_a_config_that_is_not_a_regular_file_is_one_line_exit_2_never_a_hang(tmp_path):
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    (tmp_path / "dev.toml").symlink_to("/dev/null")
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "big.toml").write_text("# " + "x" * (1 << 20) + "\n")
+    (tmp_path / "latin1.toml").write_bytes(b'[cluster]\nname = "caf\xe9"\n')
+    cases = {
+        str(fifo): "is a FIFO, not a regular file",
+        "/dev/zero": "is a character device, not a regular file",
+        str(tmp_path / "dev.toml"): "is a character device, not a regular file",
+        str(tmp_path / "dir.toml"): "is a directory, not a regular file",
+        str(tmp_path / "big.toml"): "is larger than 1 MiB",
+        str(tmp_path / "latin1.toml"): "is not UTF-8 text (at byte offset 21)",
+    }
+    for path, why in cases.items():
+        for args in (["config", "validate"], ["status"]):
+            res = run("-c", path, *args)  # a hang fails on run()'s timeout
+            assert (res.returncode, res.stderr) == (2, f"etcd-agent: error: config file {path} {why}\n"), (path, args)
+    with open("/dev/zero", "rb") as zero:
+        res = subprocess.run([sys.executable, "-m", "etcd_agent.cli.main", "config", "validate", "-"], stdin=zero,
+                             capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stderr) == (2, "etcd-agent: error: <stdin> is larger than 1 MiB\n")
+
+
+def test_parse_errors_are_one_line_each_exit_2(tmp_path):
+    p = tmp_path / "agent.toml"
+    for body, detail in (("x = " + "[" * 100_000, "not valid TOML: values nested too deeply"),
+                         (SAMPLE + "[backup]\nspace_margin = nan\n", None),
+                         (SAMPLE.replace('name = "k8s-etcd"', 'name = "k8s-etcd\\n"'), None)):
+        p.write_text(body)
+        res = run("-c", str(p), "config", "validate")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        lines = res.stderr.splitlines()
+        assert lines[0] == f"etcd-agent: error: {p}: 1 problem in the config" and len(lines) == 2, res.stderr
+        if detail:
+            assert lines[1] == f"  - {detail}"
+    assert lines[1] == ("  - cluster.name: contains a control character (newline); "
+                        "a value must be one line of printable text")

@@ -133,3 +133,189 @@ def test_load_errors_are_one_config_error(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load(str(p))
     assert "not valid TOML" in ei.value.details[0]
+
+
+# ---------------------------------------------------------------- values that type-check but must not pass
+
+CTL = """
+[cluster]
+name = "c"
+token = "t\\u2028x"
+[[member]]
+name = "a"
+host = "10.0.0.1\\r"
+[[member]]
+name = "b"
+host = "10.0.0.2"
+client_url = "http://10.0.0.2:2379\\n"
+[etcd]
+data_dir = "/var/lib/etcd\\n"
+user = "etcd\\u202e"
+[backup.remote]
+access_key = "AKIA\\tX"
+secret_key = "s3cr\\u0000et"
+"""
+
+
+def test_control_characters_are_one_error_per_value_and_never_echoed():
+    cfg, errors = parse_text(CTL)
+    why = "a value must be one line of printable text"
+    assert cfg is None
+    assert sorted(errors) == sorted([
+        f"cluster.token: contains a control character (U+2028); {why}",
+        f"member 'a'.host: contains a control character (carriage return); {why}",
+        # urlsplit strips a trailing newline: only this check stops it reaching etcd.conf
+        f"member 'b'.client_url: contains a control character (newline); {why}",
+        f"etcd.data_dir: contains a control character (newline); {why}",
+        f"etcd.user: contains a control character (U+202E); {why}",
+        f"backup.remote.access_key: contains a control character (tab); {why}",
+        f"backup.remote.secret_key: contains a control character (NUL); {why}",
+    ])
+    assert not any("s3cr" in e or "AKIA" in e for e in errors)
+
+
+def _keys_of_type(wanted: type):
+    """(table, key) of every config key whose type is ``wanted`` (or Optional of it)."""
+    import typing
+
+    from etcd_agent.config import SECTIONS, RemoteSection
+
+    tables = [*SECTIONS.items(), ("backup.remote", RemoteSection)]
+    for table, cls in tables:
+        for key, hint in typing.get_type_hints(cls).items():
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            if args == [wanted]:
+                yield table, key
+
+
+def test_every_float_key_refuses_nan_and_infinity():
+    keys = list(_keys_of_type(float))
+    assert ("backup", "space_margin") in keys and len(keys) >= 8
+    for table, key in keys:
+        for value in ("nan", "inf", "-inf", "+nan"):
+            _, errors = parse_text(GOOD + f"[{table}]\n{key} = {value}\n")
+            shown = {"nan": "nan", "+nan": "nan", "inf": "inf", "-inf": "-inf"}[value]
+            assert errors == [f"{table}.{key}: must be a finite number, got {shown}"], (table, key, value, errors)
+
+
+def test_every_numeric_key_refuses_integers_beyond_64_bits():
+    keys = list(_keys_of_type(int)) + list(_keys_of_type(float))
+    assert ("daemon", "lock_ttl") in keys and ("etcd", "client_port") in keys
+    for table, key in keys:
+        for value in (2**63, -(2**63) - 1, 10**400):
+            _, errors = parse_text(GOOD + f"[{table}]\n{key} = {value}\n")
+            assert errors == [f"{table}.{key}: is out of range: more than a 64-bit integer holds"], (table, key)
+    _, errors = parse_text(GOOD + "[daemon]\nlock_ttl = " + "9" * 5000 + "\n")
+    assert len(errors) == 1 and errors[0].startswith("not valid TOML: Exceeds the limit"), errors
+
+
+def test_deep_nesting_is_one_error_not_a_traceback():
+    for text in ("x = " + "[" * 100_000, "x = " + "{a = " * 100_000):
+        assert parse_text(GOOD + text) == (None, ["not valid TOML: values nested too deeply"])
+    # tomllib builds deep table headers without recursing (the value is then a deep table, which
+    # must not be repr'd); tomli (Python < 3.11) recurses: either way one error
+    deep = "[cluster.name" + ".a" * 50_000 + "]\n"
+    _, errors = parse_text(deep + '[[member]]\nname = "a"\nhost = "h"\n')
+    assert errors in (["cluster.name: expected a string, got a table"], ["not valid TOML: values nested too deeply"])
+def test_durations_are_bounded():
+    _, errors = parse_text(GOOD + "[daemon]\ninterval = 1e300\nlock_ttl = 9999999999\n[etcd]\nstart_timeout = 0.0\n")
+    assert sorted(errors) == [
+        "daemon.interval must be at most 604800 seconds (7 days)",
+        "daemon.lock_ttl must be at most 604800 seconds (7 days)",
+        "etcd.start_timeout must be > 0 seconds",
+    ]
+
+
+NOT_NORMAL = ("is not normalised (no '.' or '..' components, no '//', no trailing '/'): "
+              "write the path exactly as the agent should use it")
+
+
+@pytest.mark.parametrize("table,key,value,message", [
+    # found by testing: each of these validated
+    ("etcd", "data_dir", "/usr/lib", "etcd.data_dir '/usr/lib' is inside /usr, which belongs to the system; "
+     "give the agent a place of its own (e.g. /var/lib/etcd/default.etcd)"),
+    ("etcd", "data_dir", "/etc/.", f"etcd.data_dir '/etc/.' {NOT_NORMAL}"),
+    ("etcd", "data_dir", "/var/lib/etcd/../../../etc", f"etcd.data_dir '/var/lib/etcd/../../../etc' {NOT_NORMAL}"),
+    ("backup", "dir", "/", "backup.dir '/' is a system directory; give the agent a directory of its own "
+     "(e.g. /var/lib/etcd_backup)"),
+    ("backup", "dir", "/etc", "backup.dir '/etc' is a system directory; give the agent a directory of its own "
+     "(e.g. /var/lib/etcd_backup)"),
+    ("backup", "dir", "/tmp", "backup.dir '/tmp' is a system directory; give the agent a directory of its own "
+     "(e.g. /var/lib/etcd_backup)"),
+    # and their relatives
+    ("etcd", "data_dir", "/var/lib/etcd/", f"etcd.data_dir '/var/lib/etcd/' {NOT_NORMAL}"),
+    ("etcd", "data_dir", "/var//lib/etcd", f"etcd.data_dir '/var//lib/etcd' {NOT_NORMAL}"),
+    ("etcd", "data_dir", "//var/lib/etcd", f"etcd.data_dir '//var/lib/etcd' {NOT_NORMAL}"),
+    ("etcd", "data_dir", "var/lib/etcd", "etcd.data_dir 'var/lib/etcd' must be an absolute path of plain characters"),
+    ("etcd", "data_dir", "/var/lib", "etcd.data_dir '/var/lib' is a system directory; give the agent a directory "
+     "of its own (e.g. /var/lib/etcd/default.etcd)"),
+    ("etcd", "data_dir", "/etc/etcd/data", "etcd.data_dir '/etc/etcd/data' is inside /etc, which belongs to the "
+     "system; give the agent a place of its own (e.g. /var/lib/etcd/default.etcd)"),
+    ("backup", "dir", "/var/tmp", "backup.dir '/var/tmp' is a system directory; give the agent a directory of its "
+     "own (e.g. /var/lib/etcd_backup)"),
+    ("backup", "dir", "/home", "backup.dir '/home' is a system directory; give the agent a directory of its own "
+     "(e.g. /var/lib/etcd_backup)"),
+    ("backup", "dir", "/boot/backups", "backup.dir '/boot/backups' is inside /boot, which belongs to the system; "
+     "give the agent a place of its own (e.g. /var/lib/etcd_backup)"),
+    ("daemon", "state_dir", "/lib64/agent", "daemon.state_dir '/lib64/agent' is inside /lib64, which belongs to the "
+     "system; give the agent a place of its own (e.g. /var/lib/etcd-agent)"),
+    ("daemon", "state_dir", "/proc/self", "daemon.state_dir '/proc/self' is inside /proc, which belongs to the "
+     "system; give the agent a place of its own (e.g. /var/lib/etcd-agent)"),
+    ("etcd", "run_dir", "/run", "etcd.run_dir '/run' is a system directory; give the agent a directory of its own "
+     "(e.g. /run/etcd-agent)"),
+    ("kubernetes", "manifest_aside_dir", "/etc", "kubernetes.manifest_aside_dir '/etc' is a system directory; give "
+     "the agent a directory of its own (e.g. /etc/kubernetes/manifests-aside)"),
+    ("etcd", "conf_file", "/etc/passwd", "etcd.conf_file '/etc/passwd' is directly in /etc, a system directory; the "
+     "agent writes this file, so give it a directory of its own (e.g. /etc/etcd/etcd.conf)"),
+    ("etcd", "unit_file", "/usr/lib/systemd/system/etcd.service", "etcd.unit_file "
+     "'/usr/lib/systemd/system/etcd.service' is inside /usr, which belongs to the system; give the agent a place "
+     "of its own (e.g. /etc/systemd/system/etcd.service)"),
+    ("kubernetes", "manifest", "/etc/shadow", "kubernetes.manifest '/etc/shadow' is directly in /etc, a system "
+     "directory; the agent writes this file, so give it a directory of its own "
+     "(e.g. /etc/kubernetes/manifests/kube-apiserver.yaml)"),
+    ("backup", "metrics_file", "/tmp/etcd.prom", "backup.metrics_file '/tmp/etcd.prom' is directly in /tmp, a system "
+     "directory; the agent writes this file, so give it a directory of its own "
+     "(e.g. /var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom)"),
+    ("etcd", "binary", "/usr/bin/../bin/etcd", f"etcd.binary '/usr/bin/../bin/etcd' {NOT_NORMAL}"),
+    ("ssh", "known_hosts", "/etc/etcd-agent/./known_hosts", f"ssh.known_hosts '/etc/etcd-agent/./known_hosts' {NOT_NORMAL}"),
+])
+def test_paths_are_normalised_and_the_agents_own(table, key, value, message):
+    _, errors = parse_text(GOOD + f'[{table}]\n{key} = "{value}"\n')
+    assert errors == [message]
+
+
+@pytest.mark.parametrize("table,key,value", [
+    ("etcd", "data_dir", "/var/lib/etcd"),          # kubeadm's
+    ("etcd", "data_dir", "/var/lib/etcd/{name}.etcd"),
+    ("etcd", "data_dir", "/srv/etcd"),
+    ("etcd", "data_dir", "/home/etcd/data"),
+    ("backup", "dir", "/var/backups/etcd"),
+    ("backup", "dir", "/tmp/etcd-agent-test/backups"),  # below /tmp: the test tiers live there
+    ("etcd", "binary", "/usr/bin/etcd"),              # read, never written: /usr is fine
+    ("etcd", "versions_dir", "/usr/local/etcd"),
+    ("etcd", "unit_file", "/run/systemd/system/etcd.service"),
+    ("kubernetes", "manifest_aside_dir", "/etc/kubernetes/manifests-aside"),
+])
+def test_ordinary_places_pass(table, key, value):
+    assert parse_text(GOOD + f'[{table}]\n{key} = "{value}"\n')[1] == []
+
+
+def test_a_system_dir_reached_through_name_is_refused_per_member():
+    # fine for member "a" (/var/a), not for member "lib"
+    _, errors = parse_text(GOOD.replace('name = "b"', 'name = "lib"') + '[etcd]\ndata_dir = "/var/{name}"\n')
+    assert errors == ["etcd.data_dir '/var/lib' is a system directory; give the agent a directory of its own "
+                      "(e.g. /var/lib/etcd/default.etcd)"]
+
+
+def test_data_backup_and_state_dirs_do_not_overlap():
+    _, errors = parse_text(GOOD + '[backup]\ndir = "/var/lib/etcd"\n[daemon]\nstate_dir = "/var/lib/etcd/default.etcd/agent"\n')
+    assert sorted(errors) == sorted([
+        "etcd.data_dir '/var/lib/etcd/default.etcd' and backup.dir '/var/lib/etcd' overlap (one holds the other); "
+        "give each a directory of its own",
+        "etcd.data_dir '/var/lib/etcd/default.etcd' and daemon.state_dir '/var/lib/etcd/default.etcd/agent' overlap "
+        "(one holds the other); give each a directory of its own",
+        "backup.dir '/var/lib/etcd' and daemon.state_dir '/var/lib/etcd/default.etcd/agent' overlap (one holds the "
+        "other); give each a directory of its own",
+    ])
+    # a common prefix is not an overlap
+    assert parse_text(GOOD + '[backup]\ndir = "/var/lib/etcd.backup"\n[etcd]\ndata_dir = "/var/lib/etcd"\n')[1] == []

@@ -78,7 +78,11 @@ def test_spec_install_reads_existing_files() -> None:
 
 def test_spec_declares_configs_and_backup_dir() -> None:
     files = spec_text().split("\n%files", 1)[1]
-    assert "%config(noreplace) %{_sysconfdir}/etcd-agent/agent.toml" in files
+    # it may hold the S3 keys: never world-readable (installed so, and recorded so in the package)
+    assert "%config(noreplace) %attr(0640,root,root) %{_sysconfdir}/etcd-agent/agent.toml" in files
+    install = spec_text().split("\n%install", 1)[1].split("\n%pre", 1)[0]
+    (line,) = [ln for ln in install.splitlines() if "conf/agent.toml" in ln]
+    assert line.split()[:4] == ["install", "-D", "-m", "0640"], line
     assert "%config(noreplace) %{_sysconfdir}/cron.d/etcd-agent" in files
     assert "%dir %attr(0700,root,root) %{_sharedstatedir}/etcd_backup" in files
     # rendered by the agent, never shipped

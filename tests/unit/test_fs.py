@@ -1,0 +1,149 @@
+"""fs helpers on real files: exact modes whatever the umask, existing dirs never touched, bounded reads."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+from typing import Iterator
+
+import pytest
+
+from etcd_agent.errors import RefusedError
+from etcd_agent.fs import NotARegularFile, ensure_private_dir, makedirs, missing_dirs, open_append, read_regular
+
+
+@contextlib.contextmanager
+def umask(value: int) -> Iterator[None]:
+    old = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging (a FIFO read would block forever)."""
+    def expired(signum: int, frame: object) -> None:
+        raise AssertionError(f"still blocked after {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def mode(path: object) -> int:
+    return stat.S_IMODE(os.stat(str(path)).st_mode)
+
+
+def test_missing_dirs_outermost_first() -> None:
+    have = {"/", "/a"}
+    assert missing_dirs("/a/b/c", have.__contains__) == ["/a/b", "/a/b/c"]
+    assert missing_dirs("/a", have.__contains__) == []
+
+
+def test_makedirs_gives_each_created_dir_the_exact_mode_under_umask_000(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    target = tmp_path / "a" / "b" / "c"
+    with umask(0):
+        created = makedirs(str(target), 0o750)
+    assert created == [str(tmp_path / "a"), str(tmp_path / "a" / "b"), str(target)]
+    assert [mode(d) for d in created] == [0o750, 0o750, 0o750]
+    with umask(0o077):  # and a strict umask does not narrow it either
+        makedirs(str(tmp_path / "x" / "y"), 0o755)
+    assert mode(tmp_path / "x") == mode(tmp_path / "x" / "y") == 0o755
+
+
+def test_makedirs_never_touches_an_existing_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # like /tmp
+    assert makedirs(str(shared), 0o700) == []
+    assert makedirs(str(shared / "mine"), 0o700) == [str(shared / "mine")]
+    assert mode(shared) == 0o1777, "an existing dir lost its mode (the sticky bit)"
+    assert mode(shared / "mine") == 0o700
+
+
+def test_ensure_private_dir_creates_0700_under_umask_000(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = tmp_path / "backups" / "etcd"
+    with umask(0):
+        ensure_private_dir(str(d))
+    assert mode(d) == mode(d.parent) == 0o700
+    ensure_private_dir(str(d))  # found private: accepted as is
+    assert mode(d) == 0o700
+
+
+@pytest.mark.parametrize("found", [0o1777, 0o755, 0o750, 0o701])
+def test_ensure_private_dir_refuses_an_open_dir_and_leaves_its_mode(tmp_path, found: int) -> None:  # type: ignore[no-untyped-def]
+    d = tmp_path / "backups"
+    d.mkdir()
+    os.chmod(d, found)
+    with pytest.raises(RefusedError) as ei:
+        ensure_private_dir(str(d))
+    assert ei.value.message == (
+        f"{d} has mode {found:04o} but must be private (0700): it holds every Kubernetes Secret and the agent "
+        f"does not change the mode of a directory it did not create, so run `chmod 700 {d}` or configure a new directory"
+    )
+    assert mode(d) == found
+
+
+def test_ensure_private_dir_refuses_someone_elses_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    if os.geteuid() == 0:
+        d = tmp_path / "theirs"
+        d.mkdir(mode=0o700)
+        os.chown(d, 65534, 65534)
+        owner = 65534
+    else:
+        d, owner = tmp_path.anchor, 0  # "/" is root's  # type: ignore[assignment]
+    with pytest.raises(RefusedError, match=rf"is owned by uid {owner}, not by the agent's user \(uid {os.geteuid()}\)"):
+        ensure_private_dir(str(d))
+
+
+def test_ensure_private_dir_refuses_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "f"
+    f.write_text("")
+    with pytest.raises(RefusedError, match=f"^{f} exists and is not a directory$"):
+        ensure_private_dir(str(f))
+    with pytest.raises(RefusedError, match=rf"^cannot create {f}/sub: File exists \({f}\)$"):
+        ensure_private_dir(str(f / "sub"))
+
+
+def test_open_append_new_file_gets_its_mode_existing_keeps_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "etcd.log"
+    with umask(0), open_append(str(log), mode=0o600) as fh:
+        fh.write(b"one\n")
+    assert mode(log) == 0o600
+    os.chmod(log, 0o640)
+    with umask(0), open_append(str(log), mode=0o600) as fh:
+        fh.write(b"two\n")
+    assert mode(log) == 0o640 and log.read_bytes() == b"one\ntwo\n"
+    (tmp_path / "link").symlink_to(log)
+    with pytest.raises(OSError):
+        open_append(str(tmp_path / "link"))
+
+
+def test_read_regular_refuses_what_is_not_a_regular_file_without_blocking(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dev").symlink_to("/dev/null")
+    cases = {str(fifo): "is a FIFO, not a regular file", "/dev/zero": "is a character device, not a regular file",
+             str(tmp_path): "is a directory, not a regular file", str(tmp_path / "dev"): "is a character device, not a regular file"}
+    for path, why in cases.items():
+        with deadline(5), pytest.raises(NotARegularFile) as ei:
+            read_regular(path, 1 << 20)
+        assert ei.value.strerror == why, path
+
+
+def test_read_regular_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "big"
+    f.write_bytes(b"x" * 1024)
+    assert read_regular(str(f), 1024) == b"x" * 1024
+    (tmp_path / "link").symlink_to(f)  # a symlink to a regular file is fine
+    assert read_regular(str(tmp_path / "link"), 1024) == b"x" * 1024
+    with pytest.raises(NotARegularFile) as ei:
+        read_regular(str(f), 1023)
+    assert ei.value.strerror == "is larger than 1023 bytes"
