@@ -10,6 +10,7 @@ import pytest
 from etcd_agent.cluster.status import cluster_status
 from etcd_agent.errors import RefusedError
 from etcd_agent.member.process import ProcessBackend
+from etcd_agent.waiting import poll
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,8 @@ def test_static_bootstrap_three_members(cluster_factory):
         assert sorted(m.name for m in members) == ["m1", "m2", "m3"]
         cl.put("k", b"v")
         for m in c.cfg.members:
-            assert cl.status(m.client_url).revision >= 2
+            # a follower applies the put a moment after the leader acknowledged it
+            poll(lambda: cl.status(m.client_url).revision >= 2, timeout=5, what=f"{m.name} at revision 2")
     rows = cluster_status(c.cfg)
     assert all(r.healthy for r in rows)
     assert sum(1 for r in rows if r.leader) == 1
