@@ -664,8 +664,9 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
         if sig == "valid":
             assert m.signature is not None
             checked.append(f"manifest signature valid (key {m.signature.key_id}): its checksums are the writer's")
-        elif sig == "invalid":
-            raise BackupCorrupt("manifest.json was changed after it was signed (signature invalid)")
+        elif sig == "invalid":  # the caller refuses it; listing shows it quarantined
+            not_checked.append("manifest signature INVALID: it was changed after it was signed, "
+                               "nothing it says can be trusted")
         elif sig == "unsigned":
             not_checked.append("manifest unsigned: its claims (time, host, cluster) are trusted for nothing")
         else:
