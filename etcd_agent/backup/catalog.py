@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -123,11 +123,11 @@ def entry_for(
     st = os.stat(path, follow_symlinks=False)
     mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc)
     when = name_time(name, utc) or mtime
-    base = dict(name=name, path=path, time=when, size=st.st_size, revision=None, verified=False, compression="?")
+    base = Entry(name, path, when, st.st_size, None, False, "?")
     if stat.S_ISLNK(st.st_mode):
-        return Entry(**base, problem="a symlink (not followed): backups are regular files")  # type: ignore[arg-type]
+        return replace(base, problem="a symlink (not followed): backups are regular files")
     if not stat.S_ISREG(st.st_mode):
-        return Entry(**base, problem="not a regular file")  # type: ignore[arg-type]
+        return replace(base, problem="not a regular file")
     now = clock.now()
     future = None
     if when > now + CLOCK_MARGIN:
@@ -141,37 +141,37 @@ def entry_for(
         peek = peek_archive(path, key=key)
     except AgentError as exc:
         msg = exc.message.replace(path + ": ", "")
-        return Entry(**base, problem=f"unreadable or corrupt: {msg}")  # type: ignore[arg-type]
+        return replace(base, problem=f"unreadable or corrupt: {msg}")
     except OSError as exc:
-        return Entry(**base, problem=f"unreadable: {exc.strerror or exc}")  # type: ignore[arg-type]
+        return replace(base, problem=f"unreadable: {exc.strerror or exc}")
     manifest = peek.manifest.to_json() if peek.manifest is not None else None
     ident = peek.identity
     member_ids: Tuple[str, ...] = tuple(m.id_hex for m in ident.members) if ident is not None else (
         cached.member_ids if cached is not None else ())
     revision = ident.revision if ident is not None else (cached.revision if cached else None)
-    info = dict(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
-                signature=peek.signature, member_ids=member_ids)
+    info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
+                   signature=peek.signature, member_ids=member_ids)
     if peek.signature == "invalid":
-        return Entry(**info, problem="its manifest was changed after it was signed (signature invalid)")  # type: ignore[arg-type]
+        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
     if future is not None:
-        return Entry(**info, problem=future)  # type: ignore[arg-type]
+        return replace(info, problem=future)
     if ident is not None and cfg is not None:
         layout = layout_problems(ident, cfg)
         if layout:
-            return Entry(**info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")  # type: ignore[arg-type]
+            return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
         if evidence is not None:
             v = judge(ident, cfg, evidence, new_cluster=False)
             if v.same_cluster is False:
-                return Entry(**info, problem=f"foreign: member ids {','.join(member_ids)} match nothing of the current cluster")  # type: ignore[arg-type]
+                return replace(info, problem=f"foreign: member ids {','.join(member_ids)} match nothing of the current cluster")
     if cached is not None:
         how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
-        return Entry(**info, verified=True, check=how)  # type: ignore[arg-type]
-    return Entry(**info, check="unchecked: its bytes were not checked since they last changed")  # type: ignore[arg-type]
+        return replace(info, verified=True, check=how)
+    return replace(info, check="unchecked: its bytes were not checked since they last changed")
 
 
-def _q(base: Dict[str, Any], problem: str, cached: C.Check) -> Entry:
-    return Entry(**base, problem=problem, kind=cached.kind, revision=cached.revision,
-                 check=f"failed ({cached.how})", member_ids=cached.member_ids)
+def _q(base: Entry, problem: str, cached: C.Check) -> Entry:
+    return replace(base, problem=problem, kind=cached.kind, revision=cached.revision,
+                   check=f"failed ({cached.how})", member_ids=cached.member_ids)
 
 
 def list_backups(

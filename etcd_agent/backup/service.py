@@ -305,7 +305,8 @@ def _local_files(cfg: Config, member: Member) -> Tuple[Dict[str, bytes], Dict[st
                 files[arc] = fh.read(1 << 20)
         except FileNotFoundError:
             missing[arc] = f"{path} not found"
-            log.warning("%s not found; the backup records it as missing", path)
+            if arc == archive.CONF:
+                log.warning("%s not found; the backup records it as missing", path)
         except OSError as exc:
             missing[arc] = f"{path} unreadable: {exc.strerror or exc}"
             log.warning("cannot read %s: %s", path, exc)
