@@ -175,6 +175,9 @@ def write_archive(
                 manifest = build_manifest(infos, facts, identity, status)
                 _write_compressed(out, compression, manifest, files, spool, mtime)
             out.flush()
+            # the file's mtime is the archive's time (its name's): a file modified later than its
+            # name says, or in the future, is then a sign of tampering or a wrong clock
+            os.utime(out.fileno(), (mtime, mtime))
             os.fsync(out.fileno())
         # link, not rename: never replace an existing backup of the same name
         os.link(tmp, final)

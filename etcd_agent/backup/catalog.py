@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..errors import AgentError, UsageError
+from ..errors import AgentError, RefusedError, UsageError
 from . import checks as C
 from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .identity import Evidence, judge, layout_problems
@@ -269,6 +269,6 @@ def resolve_from(cfg: "Config", spec: str) -> Entry:
 
 
 def _complete(entry: Entry, spec: str) -> Entry:
-    if not entry.complete:
-        raise UsageError(f"--from {spec}: {entry.name} is not usable: {entry.problem}")
+    if not entry.complete:  # hostile or broken content: a refusal (exit 3), nothing touched
+        raise RefusedError(f"--from {spec}: {entry.name} is not usable: {entry.problem}; nothing touched")
     return entry

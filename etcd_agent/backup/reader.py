@@ -707,7 +707,7 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
         head = os.pread(fd, BLOCK, 0)
     finally:
         os.close(fd)
-    if sniff(head) == "none" or not head:
+    if sniff(head) not in ("gzip", "zstd"):  # plain tar, or not a tar: open_archive says which
         a = open_archive(path, hash_snapshot=False, key=key, limits=limits)
         return Peek(path, a.kind, a.compression, a.manifest, a.signature, a.identity, a.snapshot.size)
     r = _Reading(path, None, False, False, limits)
