@@ -438,6 +438,7 @@ class _Reading:
         self.check: Optional[StreamCheck] = None
         self.written = 0
         self.peek = False  # stop at a compressed snapshot's header (listing)
+        self.prescan = False  # headers and the manifest only (a plain tar's manifest comes last)
         self.stopped = False
 
     def fail(self, exc: AgentError) -> AgentError:
@@ -549,7 +550,9 @@ class _Reading:
             if norm == M.SNAPSHOT and self.peek and compression != "none":
                 self.snap_size, self.stopped = h.size, True
                 return
-            if norm == M.SNAPSHOT:
+            if self.prescan and norm != M.MANIFEST:
+                st.skip(h.size)
+            elif norm == M.SNAPSHOT:
                 self.snapshot(st, h)
             else:
                 self.small(st, h, norm)
@@ -623,6 +626,15 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
             if not head:
                 raise BackupCorrupt("empty file")
             raise BackupCorrupt("not a tar archive (no ustar header, no gzip or zstd magic)")
+        if compression == "none" and r.extract:
+            # the snapshot is copied before a plain tar's manifest (last) would be read: read the
+            # headers and the manifest first (seeks only), so sizes are checked against it before
+            # a byte is written; then the one read of the data
+            r.prescan = True
+            r.walk(fh, compression)
+            r.prescan = False
+            r.found, r.order, r.mtimes = {}, [], {}
+            fh.seek(0)
         r.walk(fh, compression)
     checked: List[str] = []
     not_checked: List[str] = []

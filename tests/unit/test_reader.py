@@ -322,3 +322,19 @@ def test_two_changed_bytes_in_the_snapshot(tmp_path: Any) -> None:
         open_archive(path)
     # listing does not hash: the change is not seen there, so listing never calls it verified
     assert peek_archive(path).kind == "agent"
+
+
+def test_plain_tar_sizes_checked_against_its_last_member_manifest_before_staging(tmp_path: Any) -> None:
+    m = _manifest()
+    m["files"]["etcd_snapshot.db"]["size"] = 4096 + 32
+    path = str(tmp_path / "p.tar")
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as t:  # our writer's order: manifest last
+        for name, data in (("etcd_snapshot.db", SNAP), ("manifest.json", json.dumps(m).encode())):
+            t.addfile(_reg(name, len(data)), io.BytesIO(data))
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(RefusedError, match="declares 20512 bytes, the manifest says 4128"):
+        open_archive(path, staging_dir=str(stage), extract=True)
+    assert os.listdir(stage) == []
+    with pytest.raises(BackupCorrupt, match="20512 bytes, the manifest says 4128"):
+        open_archive(path)  # in place: nothing is written, the comparison comes after the walk
