@@ -18,6 +18,15 @@ reads only the few buckets that say whose data it is:
 - ``key``: the MVCC revisions (17-byte keys ``main(8, BE) '_' sub(8, BE)``, 18 with a trailing
   ``'t'`` for a tombstone): the last one is the snapshot's revision, as ``snapshot status`` says.
 
+How far the members bucket can be trusted: ids and peer URLs always; name, client URLs and
+isLearner only where etcd rewrites an existing entry - 3.4 and 3.5.20+. 3.5.1-3.5.19 refuse to
+overwrite (``unsafeSaveMemberToBackend`` returns ``errMemberAlreadyExist``), so there a member
+keeps what AddMember wrote: no client URLs, a name only if it was bootstrapped, and a promoted
+learner stays ``isLearner: true`` (``meta/confState`` is right). ``snapshot restore`` in 3.5
+rewrites members (new ids, members_removed emptied) but leaves ``meta/confState`` naming the old
+cluster's voters until the next membership change; 3.4's restore leaves the members bucket as it
+was and the new members are added beside the old ones when they first publish.
+
 The cluster ID is NOT stored in the database (3.4, 3.5 and 3.6): it lives in the WAL's metadata
 record (``etcdserverpb.Metadata{NodeID, ClusterID}``). It can be recomputed from the member ids
 while the membership is still the bootstrap one (``cluster_id_from``), and bootstrap member ids can
