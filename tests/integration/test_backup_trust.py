@@ -315,3 +315,37 @@ def test_one_host_cluster_and_list_truth(cluster_factory: Callable[..., Loopback
         fh.write(b"\0")
     listed = {b["name"]: b for b in json.loads(cli(c.config_path, "--json", "backup", "list").stdout)["backups"]}
     assert listed[os.path.basename(path)]["verified"] is False
+
+
+def test_manifest_key_reaches_every_master_through_etcd(cluster_factory: Callable[..., LoopbackCluster],
+                                                        tmp_path: Any) -> None:
+    c = cluster_factory(1, extra=state(tmp_path))
+    c.start_static()
+    r = cli(c.config_path, "--json", "backup", "--member", "m1")
+    assert r.returncode == 0, r.stderr
+    path = json.loads(r.stdout)["path"]
+    key_file = os.path.join(os.path.dirname(c.config_path), "manifest.key")
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    key_hex = open(key_file).read().strip()
+    assert key_hex not in r.stderr and key_hex not in r.stdout  # never logged
+    # another master: same config, no key yet; verify fetches and caches it from etcd
+    other = tmp_path / "master2"
+    other.mkdir()
+    cfg2 = str(other / "agent.toml")
+    shutil.copy(c.config_path, cfg2)
+    r = cli(cfg2, "backup", "verify", path)
+    assert r.returncode == 0 and "manifest valid" in r.stdout.splitlines()[0], r.stdout + r.stderr
+    assert open(other / "manifest.key").read().strip() == key_hex
+    # a differing cached key is a warning, replaced by the cluster's; never a crash
+    with open(other / "manifest.key", "w") as fh:
+        fh.write(os.urandom(32).hex() + "\n")
+    r = cli(cfg2, "--json", "backup", "--member", "m1")
+    assert r.returncode == 0, r.stderr
+    assert any("differs from the cluster's in etcd" in w for w in json.loads(r.stdout)["warnings"])
+    assert open(other / "manifest.key").read().strip() == key_hex
+    # the key unreadable and etcd down: the backup's verify says unknown-key, nothing crashes
+    os.unlink(other / "manifest.key")
+    c.stop()
+    r = cli(cfg2, "backup", "verify", path, "--no-status")
+    assert "manifest unknown-key" in r.stdout.splitlines()[0], r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
