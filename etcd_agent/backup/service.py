@@ -258,12 +258,16 @@ def _take(
             warnings=notes, manifest=written.manifest.to_json(),
         )
         if prune:  # still under the lock: prune never races another run
-            from .evidence import parse_lineage
+            from .evidence import local_hosts, parse_lineage
             from .identity import Evidence, KnownMember
 
             lineage, lcids = parse_lineage(lineage_raw)
+            # this host's data dirs too: etcd 3.4 keeps an earlier incarnation's member ids in the
+            # db after a restore, so backups from before it are still recognised as ours
+            hosts, _notes = local_hosts(cfg)
             evidence = Evidence(running=tuple(KnownMember(x.id, x.name, x.peer_urls) for x in members),
-                                running_cluster_id=st.cluster_id, lineage=lineage, lineage_cluster_ids=lcids)
+                                running_cluster_id=st.cluster_id, hosts=tuple(hosts), lineage=lineage,
+                                lineage_cluster_ids=lcids)
             try:
                 decisions = prune_backups(cfg, dry_run=False, protect=(name,), clock=clock, evidence=evidence,
                                           key=keystate.key)
