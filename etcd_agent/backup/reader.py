@@ -613,7 +613,7 @@ def open_archive(
 
 def _open(r: _Reading, key: Optional[bytes]) -> Archive:
     path = r.path
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as fh:
         import stat as _stat
 
@@ -714,7 +714,7 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
     """A cheap look for ``backup list``: a plain tar is read as by ``open_archive`` but without
     hashing the snapshot (its meta and identity pages are read in place); a compressed one up to
     the snapshot's header only (our manifest comes first in it). Same errors as open_archive."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         head = os.pread(fd, BLOCK, 0)
     finally:
