@@ -149,8 +149,15 @@ def entry_for(
     member_ids: Tuple[str, ...] = tuple(m.id_hex for m in ident.members) if ident is not None else (
         cached.member_ids if cached is not None else ())
     revision = ident.revision if ident is not None else (cached.revision if cached else None)
+    notes: List[str] = []
+    if peek.kind == "runbook":
+        notes.append("runbook tarball: no manifest, so no recorded sha256 to compare with")
+    elif peek.signature in ("unsigned", "unknown-key"):
+        notes.append(f"manifest {peek.signature}: its claims (time, host, cluster) are trusted for nothing")
+    if ident is None:
+        notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
     info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
-                   signature=peek.signature, member_ids=member_ids)
+                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes))
     if peek.signature == "invalid":
         return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
     if future is not None:
