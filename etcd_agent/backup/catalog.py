@@ -140,8 +140,9 @@ def entry_for(
     try:
         peek = peek_archive(path, key=key)
     except AgentError as exc:
-        msg = exc.message.replace(path + ": ", "")
-        return replace(base, problem=f"unreadable or corrupt: {msg}")
+        msg = exc.details[0] if exc.details else exc.message.replace(path + ": ", "")
+        what = "refused" if isinstance(exc, RefusedError) else "unreadable or corrupt"
+        return replace(base, problem=f"{what}: {msg}")
     except OSError as exc:
         return replace(base, problem=f"unreadable: {exc.strerror or exc}")
     manifest = peek.manifest.to_json() if peek.manifest is not None else None

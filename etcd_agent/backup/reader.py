@@ -446,7 +446,8 @@ class _Reading:
         if isinstance(exc, RefusedError) and exc.message.startswith("not enough space"):
             advice = "free some space there or pass another staging dir; nothing was written"
         cls = type(exc) if isinstance(exc, (RefusedError, BackupCorrupt)) else BackupCorrupt
-        return cls(f"{self.path}: {exc.message}; {advice}", details=exc.details)
+        # details[0]: the problem alone (for one-line listings)
+        return cls(f"{self.path}: {exc.message}; {advice}", details=[exc.message] + list(exc.details))
 
     # -- member data
 

@@ -162,7 +162,8 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
     kind = {"agent": "agent backup", "runbook": "runbook tarball (made by hand: etcdctl snapshot save + tar)"}.get(
         report.kind or "", "unreadable file")
     lines = [f"{path}: {'OK' if report.ok else 'FAILED'}: {kind}"
-             + (f", {report.compression}, manifest {report.signature}" if report.kind == "agent" else "")]
+             + (f", {'plain tar' if report.compression == 'none' else report.compression}, manifest {report.signature}"
+                if report.kind == "agent" else "")]
     lines += [f"  ok: {c}" for c in report.checked]
     lines += [f"  not checked: {c}" for c in report.not_checked]
     lines += [f"  PROBLEM: {p}" for p in report.problems]
