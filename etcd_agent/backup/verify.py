@@ -40,6 +40,7 @@ class VerifyReport:
     compression: Optional[str] = None
     revision: Optional[int] = None  # read from the snapshot's own db
     verdict: Optional[Verdict] = None
+    tool_failed: bool = False  # `snapshot status` itself failed (may be the tool, not the file)
 
     @property
     def ok(self) -> bool:
@@ -130,6 +131,7 @@ def _fill(report: VerifyReport, arc: Archive, status_fn: Optional[StatusFn], cfg
         try:
             st = status_fn(arc.snapshot.path)
         except BackupCorrupt as exc:
+            report.tool_failed = True
             report.problems.append(exc.message.replace(arc.snapshot.path, "etcd_snapshot.db"))
         else:
             report.status = st

@@ -154,7 +154,10 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
         cfg=cfg,
         evidence=evidence,
     )
-    if in_dir and checks.stamp_of(os.stat(path)) == checks.stamp_of(before):
+    # a failure of `snapshot status` alone may be the tool's (not installed, too old): not recorded
+    # against the file, so a good backup is not quarantined for it
+    content_verdict = report.ok or not (report.tool_failed and len(report.problems) == 1)
+    if in_dir and content_verdict and checks.stamp_of(os.stat(path)) == checks.stamp_of(before):
         c = checks.Check(stamp=checks.stamp_of(before), ok=report.ok, how="verify", at=checks.SYSTEM_WALL_CLOCK.now().timestamp(),
                          kind=report.kind or "?", revision=report.revision, problem=report.problems[0] if report.problems else None,
                          signature=report.signature)
