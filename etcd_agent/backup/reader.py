@@ -614,7 +614,7 @@ def open_archive(
 
 def _open(r: _Reading, key: Optional[bytes]) -> Archive:
     path = r.path
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a fifo must not block us
     with os.fdopen(fd, "rb") as fh:
         import stat as _stat
 
@@ -715,8 +715,12 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
     """A cheap look for ``backup list``: a plain tar is read as by ``open_archive`` but without
     hashing the snapshot (its meta and identity pages are read in place); a compressed one up to
     the snapshot's header only (our manifest comes first in it). Same errors as open_archive."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a fifo must not block us
     try:
+        import stat as _stat
+
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RefusedError(f"{path}: not a regular file; {_HOSTILE}", details=["not a regular file"])
         head = os.pread(fd, BLOCK, 0)
     finally:
         os.close(fd)
@@ -740,7 +744,7 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
 
 
 def _pread(path: str, offset: int, n: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a fifo must not block us
     try:
         return os.pread(fd, n, offset)
     finally:

@@ -338,3 +338,16 @@ def test_plain_tar_sizes_checked_against_its_last_member_manifest_before_staging
     assert os.listdir(stage) == []
     with pytest.raises(BackupCorrupt, match="20512 bytes, the manifest says 4128"):
         open_archive(path)  # in place: nothing is written, the comparison comes after the walk
+
+
+def test_a_fifo_never_blocks_the_reader(tmp_path: Any) -> None:
+    fifo = str(tmp_path / "etcd-2019-08-07.tar")
+    os.mkfifo(fifo)
+    with pytest.raises(RefusedError, match="not a regular file"):
+        open_archive(fifo)
+    with pytest.raises(RefusedError, match="not a regular file"):
+        peek_archive(fifo)
+    from etcd_agent.backup.catalog import list_backups
+
+    (e,) = list_backups(str(tmp_path))
+    assert e.problem == "not a regular file"
