@@ -17,7 +17,7 @@ import hmac
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import BackupCorrupt, SnapshotFormatError
 from ..etcd.snapdb import bounded_json
@@ -34,7 +34,6 @@ MAX_DEPTH = 8
 ALGORITHM = "hmac-sha256"
 SIGNATURE_STATES = ("valid", "invalid", "unsigned", "unknown-key")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-_HEXID = re.compile(r"[0-9a-f]{1,16}\Z")
 
 
 @dataclass(frozen=True)
@@ -322,11 +321,3 @@ def _bool(obj: Mapping[str, Any], key: str, f: _Fields) -> bool:
     if not isinstance(v, bool):
         raise f.bad(key, "true or false")
     return v
-
-
-def hex_ids(ids: Sequence[int]) -> str:
-    return ",".join(format(i, "x") for i in ids)
-
-
-def valid_member_id(text: str) -> bool:
-    return bool(_HEXID.match(text))

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AgentError, BackupCorrupt, RefusedError, SnapshotFormatError
 from ..etcd.snapdb import SnapshotIdentity, parse_identity
@@ -819,5 +819,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-ReadAt = Callable[[int, int], bytes]
