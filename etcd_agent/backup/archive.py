@@ -316,7 +316,7 @@ def now(utc: bool) -> datetime:
 def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
     """A tarfile reader, the compression found from the content (not the name). For code not yet
     on ``reader.open_archive``, which is the bounded reader every new caller should use."""
-    from .reader import sniff
+    from .tarstream import sniff
 
     with open(path, "rb") as fh:
         comp = sniff(fh.read(512))

@@ -15,7 +15,8 @@ from typing import Any, Dict, List
 import pytest
 
 from etcd_agent.backup import manifest as M
-from etcd_agent.backup.reader import open_archive, peek_archive, sniff
+from etcd_agent.backup.reader import open_archive, peek_archive
+from etcd_agent.backup.tarstream import sniff
 from etcd_agent.errors import BackupCorrupt, RefusedError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
