@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import BackupCorrupt, SnapshotFormatError
-from ..etcd.snapdb import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta, read_meta
+from ..etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
+from ..etcd.snapdb import read_meta
 
 # bytes of the stream needed to find both meta pages whatever the page size
 HEAD = MAX_PAGE_SIZE + PAGE_HEADER + META_SIZE

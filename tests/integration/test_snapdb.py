@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import pytest
 
-from etcd_agent.etcd import snapdb
+from etcd_agent.etcd import bbolt, snapdb
 from etcd_agent.etcd.snapdb import SnapshotFormatError, SnapshotIdentity
 
 pytestmark = pytest.mark.integration
@@ -633,7 +633,7 @@ def rich_snapshot(tmp_path_factory: Any) -> bytes:
 def _resign_meta(buf: bytearray, offset: int) -> None:
     """Recompute a meta page's FNV-64a so a mutation of its fields gets past the checksum."""
     body = bytes(buf[offset + 16 : offset + 16 + 56])
-    struct.pack_into("<Q", buf, offset + 16 + 56, snapdb._fnv64a(body))
+    struct.pack_into("<Q", buf, offset + 16 + 56, bbolt._fnv64a(body))
 
 
 def _mutate(data: bytes, rng: random.Random, ps: int) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import pytest
 
-from etcd_agent.etcd import snapdb
+from etcd_agent.etcd import bbolt, snapdb
 from etcd_agent.etcd.snapdb import SnapshotFormatError
 
 
@@ -85,7 +85,7 @@ class Bolt:
     def source(self, hwm: int, root: int, txid: int = 7) -> Tuple[snapdb.ReadAt, int, Dict[str, int]]:
         for i in (0, 1):
             body = struct.pack("<IIIIQQQQQ", 0xED0CDAED, 2, self.ps, 0, root, 0, 2**64 - 1, hwm, txid - i)
-            body += struct.pack("<Q", snapdb._fnv64a(body))
+            body += struct.pack("<Q", bbolt._fnv64a(body))
             self.pages[i] = struct.pack("<QHHI", i, 0x04, 0, 0) + body
         stats = {"reads": 0, "bytes": 0, "max": 0}
         ps = self.ps
