@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..errors import AgentError, RefusedError, UsageError
 from . import checks as C
 from .checks import SYSTEM_WALL_CLOCK, WallClock
-from .identity import Evidence, judge, layout_problems
+from .identity import Evidence, judge, layout_problems, shares_members
 from .reader import peek_archive
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,9 +164,13 @@ def entry_for(
     if future is not None:
         return replace(info, problem=future)
     if ident is not None and cfg is not None:
+        # quarantined only when no member is the config's: a backup from before a scale-up or a
+        # scale-down is still this cluster's history (restore says what differs)
         layout = layout_problems(ident, cfg)
-        if layout:
+        if layout and not shares_members(ident, cfg):
             return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
+        if layout:
+            info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
         if evidence is not None:
             v = judge(ident, cfg, evidence, new_cluster=False)
             if v.same_cluster is False:

@@ -115,6 +115,18 @@ def layout_problems(snapshot: SnapshotIdentity, cfg: "Config") -> List[str]:
     return problems
 
 
+def shares_members(snapshot: SnapshotIdentity, cfg: "Config") -> bool:
+    """Whether any snapshot member is a config member (same peer URL, and same name if named):
+    a scaled or partly moved cluster still does; another cluster's layout does not."""
+    by_peer = {m.peer_url: m for m in cfg.members}
+    for sm in snapshot.members:
+        for u in sm.peer_urls:
+            known = by_peer.get(u)
+            if known is not None and (not sm.name or sm.name == known.name):
+                return True
+    return False
+
+
 def judge(snapshot: SnapshotIdentity, cfg: "Config", evidence: Evidence, *, new_cluster: bool) -> Verdict:
     """Is ``snapshot`` this cluster's (see the module doc for the rules)?"""
     proven: List[str] = []

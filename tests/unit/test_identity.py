@@ -109,3 +109,11 @@ def test_layout_differences(ports: Any, names: Any, want: str) -> None:
     v = judge(SNAP["a"], config(ports, names), running(SNAP["a"]), new_cluster=False)
     assert not v.ok and want in v.refused[0]
     assert judge(SNAP["a"], config(ports, names), running(SNAP["a"]), new_cluster=True).ok
+
+
+def test_shares_members_tells_history_from_another_cluster() -> None:
+    from etcd_agent.backup.identity import shares_members
+
+    assert shares_members(SNAP["a"], config((17380, 17382, 17384, 17386), ("m1", "m2", "m3", "m4")))  # scale-up
+    assert shares_members(SNAP["a"], config((17380, 17382), ("m1", "m2")))  # scale-down
+    assert not shares_members(SNAP["b"], CFG)
