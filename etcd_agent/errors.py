@@ -107,6 +107,10 @@ class BackupCorrupt(BackupError):
     """A backup failed verification; ``details`` says exactly what."""
 
 
+class SnapshotFormatError(BackupCorrupt):
+    """An etcd snapshot's bbolt database is malformed (``etcd/snapdb``); the message says where."""
+
+
 class Interrupted(AgentError):
     """The operator interrupted the command (Ctrl-C / SIGTERM)."""
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import logging
 import os
 import re
@@ -30,26 +29,21 @@ from typing import (
     Callable,
     Dict,
     Iterable,
-    Iterator,
     List,
     Optional,
     Tuple,
 )
 
-from ..errors import BackupCorrupt, BackupError
+from ..errors import BackupCorrupt, BackupError, SnapshotFormatError
+from ..etcd.snapdb import SnapshotIdentity, parse_identity
 from ..fs import fsync_dir
-from .snapcheck import SnapshotFacts, StreamCheck, last_revision
+from .manifest import CONF, FORMAT, FORMAT_VERSION, MANIFEST, SNAPSHOT, UNIT, Manifest
+from .snapcheck import SnapshotFacts, StreamCheck
 
 log = logging.getLogger(__name__)
 
-FORMAT = "etcd-agent-backup"
-FORMAT_VERSION = 1
-CONF = "etcd.conf"
-UNIT = "etcd.service"
-SNAPSHOT = "etcd_snapshot.db"
-MANIFEST = "manifest.json"
+__all__ = ["CONF", "FORMAT", "FORMAT_VERSION", "MANIFEST", "SNAPSHOT", "UNIT"]
 MEMBER_NAMES = (CONF, UNIT, SNAPSHOT, MANIFEST)
-MAX_MANIFEST = 1 << 20
 EXTENSIONS = {"none": ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}
 NAME_RE = re.compile(r"^etcd-(\d{4})-(\d\d)-(\d\d)-(\d\d)-(\d\d)-(\d\d)\.tar(\.gz|\.zst)?$")
 PARTIAL_RE = re.compile(r"^\.etcd-.*\.partial$")
@@ -80,6 +74,7 @@ def parse_name(name: str) -> Optional[Tuple[datetime, str]]:
 
 
 def compression_of(path: str) -> str:
+    """The compression a name asks for (writing only: readers go by the content, ``reader.sniff``)."""
     if path.endswith(".tar.gz"):
         return "gzip"
     if path.endswith(".tar.zst"):
@@ -100,9 +95,14 @@ class FileInfo:
 class Written:
     path: str
     size: int
-    manifest: Dict[str, Any]
+    manifest: Manifest
     facts: SnapshotFacts
-    revision: Optional[int]
+    identity: SnapshotIdentity
+    sha256: str  # of the snapshot, as hashed while it streamed
+
+    @property
+    def revision(self) -> int:
+        return self.identity.revision
 
 
 def _header(name: str, size: int, mtime: int) -> bytes:
@@ -132,7 +132,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-ManifestBuilder = Callable[[Dict[str, FileInfo], SnapshotFacts, Optional[int], Optional[Dict[str, Any]]], Dict[str, Any]]
+# (files, snapshot facts, identity read from the snapshot's db, `snapshot status` or None) -> manifest
+ManifestBuilder = Callable[[Dict[str, FileInfo], SnapshotFacts, SnapshotIdentity, Optional[Dict[str, Any]]], Manifest]
 
 
 def write_archive(
@@ -147,7 +148,7 @@ def write_archive(
 ) -> Written:
     """Stream ``chunks`` (the snapshot) and ``files`` into ``directory/name`` atomically.
 
-    ``build_manifest(files, snapshot facts, revision, status)`` returns the manifest dict once
+    ``build_manifest(files, snapshot facts, identity, status)`` returns the manifest once
     the snapshot is in. ``status_of_file(path)`` (``snapshot status``) is only run when the
     snapshot exists as a file of its own anyway (compressed archives); plain archives rely on the
     stream checks. Raises BackupCorrupt / BackupError; never leaves a visible file on failure.
@@ -162,19 +163,21 @@ def write_archive(
         os.fchmod(fd, 0o600)  # whatever the umask
         with os.fdopen(fd, "wb", buffering=COPY_CHUNK) as out:
             if compression == "none":
-                facts, revision, manifest = _write_plain(out, chunks, files, infos, build_manifest, mtime)
+                facts, identity, manifest = _write_plain(out, chunks, files, infos, build_manifest, mtime)
             else:
                 # Compressed: the manifest (which needs the snapshot's sha256) goes first so that
                 # listing reads one member, and tar headers cannot be patched inside a compressed
                 # stream - so the snapshot is spooled to a 0600 temp file first (one extra write).
                 spool = os.path.join(directory, f".{name}.snapshot.partial")
-                facts, revision, status = _spool(spool, chunks)
-                if status_of_file is not None:
-                    status = status_of_file(spool)
-                infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256)
-                manifest = build_manifest(infos, facts, revision, status)
+                facts, identity = _spool(spool, chunks)
+                status = status_of_file(spool) if status_of_file is not None else None
+                infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+                manifest = build_manifest(infos, facts, identity, status)
                 _write_compressed(out, compression, manifest, files, spool, mtime)
             out.flush()
+            # the file's mtime is the archive's time (its name's): a file modified later than its
+            # name says, or in the future, is then a sign of tampering or a wrong clock
+            os.utime(out.fileno(), (mtime, mtime))
             os.fsync(out.fileno())
         # link, not rename: never replace an existing backup of the same name
         os.link(tmp, final)
@@ -189,7 +192,7 @@ def write_archive(
         if spool is not None:
             _unlink_quietly(spool)
     size = os.stat(final).st_size
-    return Written(final, size, manifest, facts, revision)
+    return Written(final, size, manifest, facts, identity, facts.sha256 or "")
 
 
 def _write_plain(
@@ -199,7 +202,7 @@ def _write_plain(
     infos: Dict[str, FileInfo],
     build_manifest: ManifestBuilder,
     mtime: int,
-) -> Tuple[SnapshotFacts, Optional[int], Dict[str, Any]]:
+) -> Tuple[SnapshotFacts, SnapshotIdentity, Manifest]:
     for n in (CONF, UNIT):
         if n in files:
             out.write(_member(n, files[n], mtime))
@@ -214,17 +217,25 @@ def _write_plain(
     facts = check.finish()
     fd = out.fileno()
     data_at = header_at + BLOCK
-    revision = last_revision(lambda off, n: os.pread(fd, n, data_at + off), facts)
+    identity = _identity(lambda off, n: os.pread(fd, n, data_at + off), facts.size)
     os.pwrite(fd, _header(SNAPSHOT, check.size, mtime), header_at)
-    infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256)
-    manifest = build_manifest(infos, facts, revision, None)
-    out.write(_member(MANIFEST, _manifest_bytes(manifest), mtime))
+    infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+    manifest = build_manifest(infos, facts, identity, None)
+    out.write(_member(MANIFEST, manifest.to_bytes(), mtime))
     end = out.tell() + 2 * BLOCK
     out.write(b"\0" * (2 * BLOCK + (-end % RECORD)))
-    return facts, revision, manifest
+    return facts, identity, manifest
 
 
-def _spool(path: str, chunks: Iterable[bytes]) -> Tuple[SnapshotFacts, Optional[int], Optional[Dict[str, Any]]]:
+def _identity(read_at: Callable[[int, int], bytes], size: int) -> SnapshotIdentity:
+    """Who the snapshot just written belongs to, read back from its own db (a handful of pages)."""
+    try:
+        return parse_identity(read_at, size)
+    except SnapshotFormatError as exc:
+        raise BackupCorrupt(f"snapshot: {exc.message}") from None
+
+
+def _spool(path: str, chunks: Iterable[bytes]) -> Tuple[SnapshotFacts, SnapshotIdentity]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "r+b", buffering=COPY_CHUNK) as fh:
@@ -234,12 +245,12 @@ def _spool(path: str, chunks: Iterable[bytes]) -> Tuple[SnapshotFacts, Optional[
             fh.write(chunk)
         fh.flush()
         facts = check.finish()
-        revision = last_revision(lambda off, n: os.pread(fd, n, off), facts)
-    return facts, revision, None
+        identity = _identity(lambda off, n: os.pread(fd, n, off), facts.size)
+    return facts, identity
 
 
 def _write_compressed(
-    out: BinaryIO, compression: str, manifest: Dict[str, Any], files: Dict[str, bytes], spool: str, mtime: int
+    out: BinaryIO, compression: str, manifest: Manifest, files: Dict[str, bytes], spool: str, mtime: int
 ) -> None:
     stream: Any
     if compression == "gzip":
@@ -247,7 +258,7 @@ def _write_compressed(
     else:
         stream = _zstd().ZstdCompressor(level=3).stream_writer(out, closefd=False)
     with tarfile.open(fileobj=stream, mode="w|", format=tarfile.GNU_FORMAT) as tar:
-        for n, data in [(MANIFEST, _manifest_bytes(manifest))] + [(n, files[n]) for n in (CONF, UNIT) if n in files]:
+        for n, data in [(MANIFEST, manifest.to_bytes())] + [(n, files[n]) for n in (CONF, UNIT) if n in files]:
             tar.addfile(_info(n, len(data), mtime), io.BytesIO(data))
         with open(spool, "rb") as src:
             tar.addfile(_info(SNAPSHOT, os.fstat(src.fileno()).st_size, mtime), src)
@@ -269,10 +280,6 @@ def _info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     return ti
 
 
-def _manifest_bytes(manifest: Dict[str, Any]) -> bytes:
-    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -283,8 +290,11 @@ def _unlink_quietly(path: str) -> None:
 
 
 def remove_partials(directory: str) -> List[str]:
-    """Remove hidden partial files left by a crashed run (call with the operation lock held)."""
-    removed = []
+    """Remove hidden partial files left by a crashed run, and staging dirs of readers that died
+    (call with the operation lock held)."""
+    from .reader import remove_stale_stages
+
+    removed = remove_stale_stages(directory)
     for entry in os.listdir(directory):
         if PARTIAL_RE.match(entry):
             _unlink_quietly(os.path.join(directory, entry))
@@ -300,70 +310,31 @@ def now(utc: bool) -> datetime:
     return t.replace(microsecond=0)
 
 
-# ---------------------------------------------------------------- reading
+# ---------------------------------------------------------------- reading (compatibility)
 
 
 def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
-    """A tarfile reader for any of our formats. ``seekable`` (plain tar only) skips data cheaply."""
-    comp = compression_of(path)
-    if comp == "none":
-        return tarfile.open(path, "r:" if seekable else "r|")
+    """A tarfile reader, the compression found from the content (not the name). For code not yet
+    on ``reader.open_archive``, which is the bounded reader every new caller should use."""
+    from .tarstream import sniff
+
+    with open(path, "rb") as fh:
+        comp = sniff(fh.read(512))
     if comp == "gzip":
         return tarfile.open(path, "r|gz")
-    zstandard = _zstd()
-    fh = open(path, "rb")
-    reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True)
-    tar = tarfile.open(fileobj=reader, mode="r|")
-    return tar
+    if comp == "zstd":
+        zstandard = _zstd()
+        fh = open(path, "rb")
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True)
+        return tarfile.open(fileobj=reader, mode="r|")
+    return tarfile.open(path, "r:" if seekable else "r|")
 
 
 def read_manifest(path: str) -> Dict[str, Any]:
-    """The archive's manifest; BackupCorrupt if there is no complete, parseable one."""
-    try:
-        tar = open_tar(path, seekable=True)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise BackupCorrupt(f"{path}: not a readable tar archive ({exc})")
-    try:
-        for ti in _members(tar):
-            if ti.name == MANIFEST and ti.isreg():
-                if ti.size > MAX_MANIFEST:
-                    raise BackupCorrupt(f"{path}: manifest.json is {ti.size} bytes, larger than any real one")
-                fh = tar.extractfile(ti)
-                data = fh.read() if fh is not None else b""
-                if len(data) != ti.size:
-                    raise BackupCorrupt(f"{path}: manifest.json truncated ({len(data)} of {ti.size} bytes)")
-                return parse_manifest(data, path)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise BackupCorrupt(f"{path}: archive unreadable before its manifest ({exc})")
-    finally:
-        tar.close()
-    raise BackupCorrupt(f"{path}: no manifest.json (incomplete or not an etcd-agent backup)")
+    """The archive's manifest as a dict (checked by the bounded reader); BackupCorrupt if none."""
+    from .reader import open_archive
 
-
-def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
-    while True:
-        ti = tar.next()
-        if ti is None:
-            return
-        yield ti
-
-
-def parse_manifest(data: bytes, where: str) -> Dict[str, Any]:
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BackupCorrupt(f"{where}: manifest.json is not valid JSON ({exc})")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BackupCorrupt(f"{where}: manifest.json is not an {FORMAT} manifest")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported (max {FORMAT_VERSION})")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or SNAPSHOT not in files:
-        raise BackupCorrupt(f"{where}: manifest.json lists no {SNAPSHOT}")
-    for n, f in files.items():
-        if n not in MEMBER_NAMES or not isinstance(f, dict):
-            raise BackupCorrupt(f"{where}: manifest.json lists an unexpected file {n!r}")
-        if not isinstance(f.get("size"), int) or not isinstance(f.get("sha256"), str):
-            raise BackupCorrupt(f"{where}: manifest.json entry for {n} lacks size/sha256")
-    return manifest
+    with open_archive(path, hash_snapshot=False) as a:
+        if a.manifest is None:
+            raise BackupCorrupt(f"{path}: no manifest.json (a runbook tarball, or not an etcd-agent backup)")
+        return a.manifest.to_json()

@@ -1,47 +1,69 @@
-"""The backups in the backup dir: listing, and ``--from`` resolution for restore.
+"""The backups in the backup dir: listing that a hostile file cannot break, and ``--from``.
 
-Only files named like a backup count; hidden partial files never do. An archive without a
-complete manifest is listed as incomplete (so the operator sees it) but is never chosen.
+Every regular, non-hidden file in the dir is an entry: our ``etcd-…`` archives, runbook tarballs
+(``etcd-2019-08-07.tar``), anything else that landed there. An entry is *good* (``complete``) or
+*quarantined* with one line saying why: unreadable, corrupt, foreign (another cluster layout, or
+member ids that match nothing of the current cluster), or dated in the future (by its name's
+timestamp or its mtime, beyond ``CLOCK_MARGIN``). Quarantined files are never chosen, never take
+a retention slot and are never deleted; they are shown so the operator can deal with them.
+
+*Verified* means the bytes on disk were checked (``checks``): never what a manifest says.
+Listing reads little: a cached check when the file is unchanged since, else ``reader.peek_archive``
+(a plain tar's headers, manifest, meta and identity pages; a compressed one up to its snapshot).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+import stat
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..errors import BackupCorrupt, UsageError
-from .archive import parse_name, read_manifest
+from ..errors import AgentError, RefusedError, UsageError
+from . import checks as C
+from .checks import SYSTEM_WALL_CLOCK, WallClock
+from .identity import Evidence, judge, layout_problems, shares_members
+from .reader import peek_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
 
 log = logging.getLogger(__name__)
 
+CLOCK_MARGIN = timedelta(minutes=5)
 DATE_SPEC_RE = re.compile(r"^\d{4}(-\d{2}){0,5}$")
+# any name that starts with a timestamp the runbook or the agent would write
+STAMP_RE = re.compile(r"^etcd-(\d{4})-(\d\d)-(\d\d)(?:-(\d\d)(?:-(\d\d)(?:-(\d\d))?)?)?(?=[._-]|$)")
 
 
 @dataclass(frozen=True)
 class Entry:
     name: str
     path: str
-    time: datetime  # aware
+    time: datetime  # aware: the name's timestamp, else the mtime
     size: int
     revision: Optional[int]
-    verified: bool
+    verified: bool  # the bytes on disk were checked (and found good) and have not changed since
     compression: str
-    problem: Optional[str] = None
+    problem: Optional[str] = None  # why it is quarantined (None: a good backup)
     manifest: Optional[Dict[str, Any]] = None
+    kind: str = "?"  # agent | runbook | ?
+    signature: str = "?"
+    check: Optional[str] = None  # how and when it was checked, or why it is unchecked
+    member_ids: Tuple[str, ...] = ()
+    notes: Tuple[str, ...] = field(default=())
 
     @property
     def complete(self) -> bool:
+        """A good backup (not quarantined): one that may be chosen and that takes a slot."""
         return self.problem is None
 
     @property
     def stamp(self) -> str:
-        return self.name.split(".", 1)[0][len("etcd-") :]
+        m = STAMP_RE.match(self.name)
+        return "-".join(x for x in m.groups() if x) if m else self.name
 
     def to_json(self) -> Dict[str, Any]:
         m = self.manifest or {}
@@ -52,91 +74,213 @@ class Entry:
             "size": self.size,
             "revision": self.revision,
             "verified": self.verified,
+            "check": self.check,
+            "kind": self.kind,
+            "signature": self.signature,
             "compression": self.compression,
             "member": m.get("member"),
-            "cluster_id": (m.get("cluster") or {}).get("id"),
+            "member_ids": list(self.member_ids),
             "problem": self.problem,
+            "quarantined": self.problem is not None,
+            "notes": list(self.notes),
         }
 
 
-def _aware(naive: datetime, utc: bool) -> datetime:
+def name_time(name: str, utc: bool = True) -> Optional[datetime]:
+    """The timestamp in a backup-like name (``etcd-2019-08-07[-13-00-05]…``), aware, or None."""
+    m = STAMP_RE.match(name)
+    if not m:
+        return None
+    y, mo, d, h, mi, sec = (int(x) if x else 0 for x in m.groups())
+    try:
+        naive = datetime(y, mo, d, h, mi, sec)
+    except ValueError:
+        return None
     return naive.replace(tzinfo=timezone.utc) if utc else naive.astimezone()
 
 
-def entry_for(path: str, *, utc: bool = True) -> Entry:
-    """Describe one archive (reads its manifest; a missing/broken one becomes ``problem``)."""
-    name = os.path.basename(path)
-    parsed = parse_name(name)
-    st = os.stat(path)
-    when = _aware(parsed[0], utc) if parsed else datetime.fromtimestamp(st.st_mtime, timezone.utc)
-    comp = parsed[1] if parsed else "none"
-    try:
-        m = read_manifest(path)
-    except BackupCorrupt as exc:
-        return Entry(name, path, when, st.st_size, None, False, comp, problem=exc.message.replace(path + ": ", ""))
-    rev = m.get("revision")
-    return Entry(
-        name, path, when, st.st_size, rev if isinstance(rev, int) else None, m.get("verified") is True, comp, None, m
-    )
-
-
-def list_backups(directory: str, *, utc: bool = True) -> List[Entry]:
-    """Every backup-named file in ``directory``, newest first."""
+def _candidates(directory: str) -> List[str]:
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    return sorted(n for n in names if not n.startswith("."))
+
+
+def entry_for(
+    path: str,
+    *,
+    utc: bool = True,
+    clock: WallClock = SYSTEM_WALL_CLOCK,
+    cfg: Optional["Config"] = None,
+    evidence: Optional[Evidence] = None,
+    key: Optional[bytes] = None,
+    cache: Optional[Dict[str, C.Check]] = None,
+) -> Entry:
+    """Describe one file; whatever is wrong with it becomes ``problem``, never an exception
+    (except FileNotFoundError: it vanished)."""
+    name = os.path.basename(path)
+    st = os.stat(path, follow_symlinks=False)
+    mtime = datetime.fromtimestamp(st.st_mtime, timezone.utc)
+    when = name_time(name, utc) or mtime
+    base = Entry(name, path, when, st.st_size, None, False, "?")
+    if stat.S_ISLNK(st.st_mode):
+        return replace(base, problem="a symlink (not followed): backups are regular files")
+    if not stat.S_ISREG(st.st_mode):
+        return replace(base, problem="not a regular file")
+    now = clock.now()
+    future = None
+    if when > now + CLOCK_MARGIN:
+        future = f"dated in the future by its name ({when.isoformat()}; now {now.isoformat(timespec='seconds')})"
+    elif mtime > now + CLOCK_MARGIN:
+        future = f"modified in the future (mtime {mtime.isoformat(timespec='seconds')}; now {now.isoformat(timespec='seconds')})"
+    cached = C.lookup(cache if cache is not None else C.load(os.path.dirname(path)), name, st)
+    if cached is not None and not cached.ok:
+        return _q(base, cached.problem or "failed its last check", cached)
+    try:
+        peek = peek_archive(path, key=key)
+    except AgentError as exc:
+        msg = exc.details[0] if exc.details else exc.message.replace(path + ": ", "")
+        what = "refused" if isinstance(exc, RefusedError) else "unreadable or corrupt"
+        return replace(base, problem=f"{what}: {msg}")
+    except OSError as exc:
+        return replace(base, problem=f"unreadable: {exc.strerror or exc}")
+    manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    ident = peek.identity
+    member_ids: Tuple[str, ...] = tuple(m.id_hex for m in ident.members) if ident is not None else (
+        cached.member_ids if cached is not None else ())
+    revision = ident.revision if ident is not None else (cached.revision if cached else None)
+    notes: List[str] = []
+    if peek.kind == "runbook":
+        notes.append("runbook tarball: no manifest, so no recorded sha256 to compare with")
+    elif peek.signature in ("unsigned", "unknown-key"):
+        notes.append(f"manifest {peek.signature}: its claims (time, host, cluster) are trusted for nothing")
+    if ident is None:
+        notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
+    info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
+                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes))
+    if peek.signature == "invalid":
+        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
+    if future is not None:
+        return replace(info, problem=future)
+    if ident is not None and cfg is not None:
+        # quarantined only when no member is the config's: a backup from before a scale-up or a
+        # scale-down is still this cluster's history (restore says what differs)
+        layout = layout_problems(ident, cfg)
+        if layout and not shares_members(ident, cfg):
+            return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
+        if layout:
+            info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
+        if evidence is not None:
+            v = judge(ident, cfg, evidence, new_cluster=False)
+            if v.same_cluster is False:
+                return replace(info, problem=f"foreign: member ids {','.join(member_ids)} match nothing of the current cluster")
+    if cached is not None:
+        how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
+        return replace(info, verified=True, check=how)
+    return replace(info, check="unchecked: its bytes were not checked since they last changed")
+
+
+def _q(base: Entry, problem: str, cached: C.Check) -> Entry:
+    return replace(base, problem=problem, kind=cached.kind, revision=cached.revision,
+                   check=f"failed ({cached.how})", member_ids=cached.member_ids)
+
+
+def list_backups(
+    directory: str,
+    *,
+    utc: bool = True,
+    clock: WallClock = SYSTEM_WALL_CLOCK,
+    cfg: Optional["Config"] = None,
+    evidence: Optional[Evidence] = None,
+    key: Optional[bytes] = None,
+) -> List[Entry]:
+    """Every file in ``directory`` (not hidden), newest first; good and quarantined alike."""
     out = []
-    for n in names:
+    cache = C.load(directory) if os.path.isdir(directory) else {}
+    for n in _candidates(directory):
         path = os.path.join(directory, n)
-        if parse_name(n) is None or not os.path.isfile(path) or os.path.islink(path):
-            continue
         try:
-            out.append(entry_for(path, utc=utc))
+            if os.path.isdir(path) and not os.path.islink(path):
+                continue
+            out.append(entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache))
         except FileNotFoundError:  # pruned while we looked
             continue
-    out.sort(key=lambda e: (e.time, e.name), reverse=True)
+        except Exception as exc:  # noqa: BLE001 - one hostile file must never break the listing
+            log.warning("cannot describe %s: %s", path, exc)
+            st_size = 0
+            try:
+                st_size = os.lstat(path).st_size
+            except OSError:
+                pass
+            out.append(Entry(n, path, datetime.fromtimestamp(0, timezone.utc), st_size, None, False, "?",
+                             problem=f"unreadable: {type(exc).__name__}: {exc}"))
+    out.sort(key=lambda e: (e.problem is None, e.time, e.name), reverse=True)
     return out
 
 
-def resolve(directory: str, spec: str, *, utc: bool = True) -> Entry:
-    """``spec`` -> a complete backup: a path, a file name in ``directory``, a date(-time) prefix
-    (``2019-08-07`` = the newest of that day, ``2019-08-07-13`` of that hour, ...), or ``latest``."""
+def good(entries: List[Entry]) -> List[Entry]:
+    """The good backups, newest first."""
+    return sorted((e for e in entries if e.complete), key=lambda e: (e.time, e.name), reverse=True)
+
+
+def latest(entries: List[Entry]) -> Tuple[Optional[Entry], List[str]]:
+    """The newest good backup, and a sentence for each newer file passed over."""
+    goods = good(entries)
+    if not goods:
+        return None, []
+    newest = goods[0]
+    skipped = [f"{e.name} is newer but quarantined ({e.problem}); using {newest.name}"
+               for e in entries if not e.complete and e.time > newest.time]
+    return newest, skipped
+
+
+def resolve(directory: str, spec: str, *, utc: bool = True, clock: WallClock = SYSTEM_WALL_CLOCK,
+            cfg: Optional["Config"] = None, evidence: Optional[Evidence] = None,
+            key: Optional[bytes] = None) -> Entry:
+    """``spec`` -> a good backup: a path, any file name in ``directory`` (whatever its form), a
+    date(-time) prefix (``2019-08-07`` = the newest of that day, ``2019-08-07-13`` of that hour),
+    or ``latest`` (the newest good one)."""
     spec = spec.strip()
     if not spec:
         raise UsageError("--from needs a backup: a path, a file name, a date like 2019-08-07, or latest")
-    if "/" in spec or (os.path.exists(spec) and parse_name(spec) is None):
+    kw: Dict[str, Any] = dict(utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
+    if "/" in spec:
         if not os.path.isfile(spec):
             raise UsageError(f"--from {spec}: no such file")
-        return _complete(entry_for(os.path.abspath(spec), utc=utc), spec)
-    if parse_name(spec) is not None:
-        path = os.path.join(directory, spec)
-        if not os.path.isfile(path):
-            raise UsageError(f"--from {spec}: no such backup in {directory}")
-        return _complete(entry_for(path, utc=utc), spec)
-    entries = [e for e in list_backups(directory, utc=utc) if e.complete]
+        return _complete(entry_for(os.path.abspath(spec), **kw), spec)
+    here = os.path.join(directory, spec)
+    if not spec.startswith(".") and os.path.isfile(here):
+        return _complete(entry_for(here, **kw), spec)
+    entries = list_backups(directory, **kw)
+    goods = good(entries)
     if spec == "latest":
-        if not entries:
-            raise UsageError(f"--from latest: no complete backup in {directory}")
-        return entries[0]
+        best, skipped = latest(entries)
+        if best is None:
+            bad = f" ({len(entries)} file(s) there, all quarantined: see `etcd-agent backup list`)" if entries else ""
+            raise UsageError(f"--from latest: no good backup in {directory}{bad}")
+        for s in skipped:
+            log.warning("%s", s)
+        return best
     if not DATE_SPEC_RE.match(spec):
         raise UsageError(
-            f"--from {spec!r}: not a path, a backup file name, a date(-time) prefix like 2019-08-07 or "
+            f"--from {spec!r}: not a path, a file in {directory}, a date(-time) prefix like 2019-08-07 or "
             "2019-08-07-13, or latest"
         )
-    matches = [e for e in entries if e.stamp == spec or e.stamp.startswith(spec + "-")]
+    matches = [e for e in goods if e.stamp == spec or e.stamp.startswith(spec + "-")]
     if not matches:
-        have = f"backups there range from {entries[-1].stamp} to {entries[0].stamp}" if entries else "there are none"
-        raise UsageError(f"--from {spec}: no complete backup from {spec} in {directory} ({have})")
+        have = f"good backups there range from {goods[-1].stamp} to {goods[0].stamp}" if goods else "there are none"
+        raise UsageError(f"--from {spec}: no good backup from {spec} in {directory} ({have})")
     return matches[0]
 
 
 def resolve_from(cfg: "Config", spec: str) -> Entry:
-    """``resolve`` against the configured backup dir."""
+    """``resolve`` against the configured backup dir. No layout check here: a restore with
+    ``--new-cluster`` may take another layout's backup on purpose, and judges identity itself."""
     return resolve(cfg.backup.dir, spec, utc=cfg.backup.utc)
 
 
 def _complete(entry: Entry, spec: str) -> Entry:
-    if not entry.complete:
-        raise UsageError(f"--from {spec}: {entry.problem}")
+    if not entry.complete:  # hostile or broken content: a refusal (exit 3), nothing touched
+        raise RefusedError(f"--from {spec}: {entry.name} is not usable: {entry.problem}; nothing touched")
     return entry

@@ -5,7 +5,12 @@ Rules, each applied independently to the whole list (a backup is kept when any r
 - the last ``keep_last`` backups;
 - the newest backup of each of the ``keep_hourly`` newest hours that hold a backup;
 - the newest backup of each of the ``keep_daily`` newest days that hold a backup;
-- the newest *verified* backup, whatever the rules above say (a restore must always have one).
+- the newest backup *verified by content* (its bytes checked, see ``checks``), whatever the rules
+  above say (a restore must always have one);
+- the backups named in ``protect`` (the one just written), whatever the rules say.
+
+Quarantined files (corrupt, foreign, dated in the future: ``catalog``) are not given to the policy
+at all: they take no slot and are never deleted.
 
 Buckets count hours/days that actually hold backups (as Borg does), so a cron that stopped for a
 week does not make the next prune throw every old backup away.
@@ -46,7 +51,8 @@ def _day(t: datetime) -> str:
 
 
 def plan(
-    backups: Sequence[BackupRef], *, keep_last: int, keep_hourly: int, keep_daily: int
+    backups: Sequence[BackupRef], *, keep_last: int, keep_hourly: int, keep_daily: int,
+    protect: Sequence[str] = (),
 ) -> List[Decision]:
     """One decision per backup, newest first, each with the reasons behind it."""
     if keep_last < 1:
@@ -68,6 +74,9 @@ def plan(
     newest_verified = next((b for b in ordered if b.verified), None)
     if newest_verified is not None:
         keep[newest_verified.name].append("newest verified backup (never deleted)")
+    for name in protect:
+        if name in keep:
+            keep[name].append("the backup just written (never deleted)")
 
     out = []
     for b in ordered:

@@ -12,16 +12,20 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
 from ..config import Config, Member
 from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
+from ..etcd.snapdb import SnapshotIdentity
 from ..fs import ensure_private_dir
 from ..locality import local_member
 from ..state.locks import OperationLock, lock_path_for
-from . import archive, catalog, retention
+from . import archive, catalog, checks, keys, retention
+from .checks import SYSTEM_WALL_CLOCK, WallClock
+from .manifest import FileEntry, Manifest, ManifestMember
+from .snapcheck import SnapshotFacts
 from .verify import verify
 
 log = logging.getLogger(__name__)
@@ -37,6 +41,8 @@ class BackupResult:
     member: str
     pruned: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    quarantined: List[str] = field(default_factory=list)
+    manifest: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -48,16 +54,20 @@ class BackupResult:
             "member": self.member,
             "pruned": self.pruned,
             "warnings": self.warnings,
+            "quarantined": self.quarantined,
         }
 
 
-def pick_member(cfg: Config, name: Optional[str]) -> Member:
-    """The member to snapshot: the one named, else this machine's own."""
-    if name is not None:
-        return cfg.member(name)
-    from ..locality import machine_identity
+def _local_candidates(cfg: Config) -> List[Member]:
+    """This machine's members; several on a one-host cluster (the demo), where any healthy one's
+    snapshot is the cluster's."""
+    from ..locality import local_members, machine_identity
 
-    return local_member(cfg, machine_identity())
+    me = machine_identity() if cfg.local.name is None else None
+    found = local_members(cfg, me)
+    if not found:
+        return [local_member(cfg, me or machine_identity())]  # raises the "not found" ConfigError
+    return found
 
 
 def required_space(db_size: int, compression: str, margin: float) -> int:
@@ -76,13 +86,16 @@ def take_backup(
     check_space: bool = True,
     full_verify: bool = False,
     prune: bool = True,
+    clock: WallClock = SYSTEM_WALL_CLOCK,
     hold_lock: bool = True,
 ) -> BackupResult:
-    """Take one backup of ``member``'s etcd (default: the local member) into ``cfg.backup.dir``.
+    """Take one backup of ``member``'s etcd (default: a local member) into ``cfg.backup.dir``.
+
+    ``clock`` names the archive and ages the others (retention): a test passes a fake one.
     ``hold_lock=False``: the caller already holds this host's operation lock (a node session)."""
     start = time.monotonic()
     try:
-        result = _take(cfg, member, check_space, full_verify, prune, start, hold_lock)
+        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock)
     except BusyError:
         raise  # another run is working: not a failed backup
     except AgentError:
@@ -95,7 +108,7 @@ def take_backup(
     from . import remote  # imported only when [backup.remote] is enabled
 
     try:
-        remote.upload_and_verify(cfg, result.path, archive.read_manifest(result.path))
+        remote.upload_and_verify(cfg, result.path, result.manifest)
     except AgentError as exc:
         # the local backup stands; the run still fails so cron / the timer reports it
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=False)
@@ -112,8 +125,30 @@ def take_backup(
     return result
 
 
+def _choose(cfg: Config, member_name: Optional[str], client_for: Any) -> Tuple[Member, List[str]]:
+    """The member to snapshot and what to say about the choice."""
+    if member_name is not None:
+        return cfg.member(member_name), []
+    cands = _local_candidates(cfg)
+    if len(cands) == 1:
+        return cands[0], []
+    for m in cands:
+        c = client_for(m)
+        try:
+            ok, _why = c.healthy(m.client_url, timeout=3.0)
+        finally:
+            c.close()
+        if ok:
+            note = (f"members {', '.join(x.name for x in cands)} all run on this host; backing up {m.name} "
+                    "(healthy: any healthy member's snapshot is the cluster's)")
+            log.info("%s", note)
+            return m, [note]
+    raise RefusedError(f"no healthy member on this host ({', '.join(x.name for x in cands)}) to back up; nothing written")
+
+
 def _take(
     cfg: Config, member_name: Optional[str], check_space: bool, full_verify: bool, prune: bool, start: float,
+    clock: WallClock,
     hold_lock: bool = True,
 ) -> BackupResult:
     from ..etcd.client import EtcdClient
@@ -122,7 +157,7 @@ def _take(
 
     directory = cfg.backup.dir
     ensure_private_dir(directory)
-    m = pick_member(cfg, member_name)
+    m, notes = _choose(cfg, member_name, lambda x: EtcdClient.from_config(cfg, endpoints=[x.client_url], timeout=5.0))
     with OperationLock(lock_path_for(directory), "backup") if hold_lock else contextlib.nullcontext():
         archive.remove_partials(directory)
         client = EtcdClient.from_config(cfg, endpoints=[m.client_url], timeout=10.0)
@@ -145,55 +180,56 @@ def _take(
                         f"{st.db_size}-byte db needs {need} (db + {cfg.backup.space_margin:.0%} margin"
                         f"{', x2 while compressing' if comp != 'none' else ''}); nothing written"
                     )
-            when, name = _free_name(directory, cfg.backup.utc, comp)
-            files, missing = _local_files(cfg, m.name)
+            when, name = _free_name(directory, cfg.backup.utc, comp, clock)
+            files, missing, rendered = _local_files(cfg, m)
+            keystate = keys.cluster_key(cfg, client, create=True)
+            for w in keystate.warnings:
+                log.warning("%s", w)
+                notes.append(w)
+            if keystate.key is None:
+                notes.append("no manifest key could be had: this backup's manifest is unsigned")
+            lineage_raw: Optional[bytes] = None
+            try:
+                from ..cluster.lineage import LINEAGE_KEY
+
+                lineage_raw = client.get(LINEAGE_KEY)
+            except AgentError:
+                pass
             host = LocalHost()
 
-            def build(infos: Dict[str, archive.FileInfo], facts: Any, revision: Optional[int], status: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+            def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity,
+                      status: Optional[Dict[str, Any]]) -> Manifest:
                 checks = ["etcd sha256 trailer", "bbolt meta pages", "size = pages x page size"]
                 if status is not None:
                     checks.append("snapshot status")
-                return {
-                    "format": archive.FORMAT,
-                    "format_version": archive.FORMAT_VERSION,
-                    "name": name,
-                    "created": when.isoformat(),
-                    "created_unix": int(when.timestamp()),
-                    "host": socket.gethostname(),
-                    "member": m.name,
-                    "endpoint": m.client_url,
-                    "member_id": f"{st.member_id:x}",
-                    "cluster": {"name": cfg.cluster.name, "id": f"{st.cluster_id:x}"},
-                    "members": [
-                        {
-                            "id": f"{x.id:x}",
-                            "name": x.name,
-                            "peer_urls": list(x.peer_urls),
-                            "client_urls": list(x.client_urls),
-                            "is_learner": x.is_learner,
-                        }
-                        for x in members
-                    ],
-                    # as `snapshot status` counts it: the newest revision in the key bucket, 0
-                    # when the snapshot holds no key (a fresh or fully compacted-away keyspace)
-                    "revision": revision if revision is not None else (status or {}).get("revision", 0),
-                    # the member's store revision when the snapshot began (header of Status)
-                    "store_revision": st.revision,
-                    "etcd_version": st.version,
-                    "agent_version": __version__,
-                    "db_size": st.db_size,
-                    "compression": comp,
-                    "files": {n: {"size": i.size, "sha256": i.sha256} for n, i in infos.items()},
-                    "missing": missing,
-                    "snapshot": {
-                        "page_size": facts.page_size,
-                        "pages": facts.high_water,
-                        "txid": facts.txid,
-                        "checks": checks,
-                        "status": status,
-                    },
-                    "verified": True,
-                }
+                man = Manifest(
+                    files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()},
+                    name=name,
+                    created=when.isoformat(),
+                    created_unix=int(when.timestamp()),
+                    host=socket.gethostname(),
+                    member=m.name,
+                    endpoint=m.client_url,
+                    member_id=f"{st.member_id:x}",
+                    cluster_name=cfg.cluster.name,
+                    cluster_id=f"{st.cluster_id:x}",
+                    members=tuple(ManifestMember(f"{x.id:x}", x.name, tuple(x.peer_urls), tuple(x.client_urls),
+                                                 x.is_learner) for x in members),
+                    # as `snapshot status` counts it, read from the snapshot's db: the newest
+                    # revision in the key bucket, 0 when it holds no key
+                    revision=ident.revision,
+                    store_revision=st.revision,  # the member's store revision when the snapshot began
+                    etcd_version=st.version,
+                    agent_version=__version__,
+                    db_size=st.db_size,
+                    compression=comp,
+                    missing=missing,
+                    rendered=rendered,
+                    snapshot={"page_size": facts.page_size, "pages": facts.high_water, "txid": facts.txid,
+                              "checks": checks, "status": status},
+                    verified=True,
+                )
+                return man.signed(keystate.key) if keystate.key is not None else man
 
             log.info("backing up member %s (%s, db %d bytes) to %s", m.name, m.client_url, st.db_size, name)
             written = archive.write_archive(
@@ -207,66 +243,115 @@ def _take(
             )
         finally:
             client.close()
+        ids = tuple(x.id_hex for x in written.identity.members)
+        _record_check(directory, written.path, "written", clock, revision=written.revision, sha256=written.sha256,
+                      member_ids=ids, signature="valid" if keystate.key is not None else "unsigned")
         if full_verify:
-            rep = verify(written.path, status_fn=lambda p: snapshot_status(host, cfg, p), tmp_parent=directory)
+            rep = verify(written.path, status_fn=lambda p: snapshot_status(host, cfg, p), tmp_parent=directory,
+                         key=keystate.key)
             if not rep.ok:
                 os.unlink(written.path)  # a backup that fails its check must not count
                 raise BackupCorrupt(f"backup {written.path} failed verification; removed", details=rep.problems)
+            _record_check(directory, written.path, "verify", clock, revision=written.revision,
+                          sha256=written.sha256, member_ids=ids, signature=rep.signature)
         duration = time.monotonic() - start
         log.info("backup %s: %d bytes, revision %s, %.2fs", written.path, written.size, written.revision, duration)
         result = BackupResult(
-            written.path, written.size, written.manifest.get("revision"), written.facts.sha256, duration, m.name
+            written.path, written.size, written.revision, written.sha256, duration, m.name,
+            warnings=notes, manifest=written.manifest.to_json(),
         )
         if prune:  # still under the lock: prune never races another run
+            from .evidence import local_hosts, parse_lineage
+            from .identity import Evidence, KnownMember
+
+            lineage, lcids = parse_lineage(lineage_raw)
+            # this host's data dirs too: etcd 3.4 keeps an earlier incarnation's member ids in the
+            # db after a restore, so backups from before it are still recognised as ours
+            hosts, _notes = local_hosts(cfg)
+            evidence = Evidence(running=tuple(KnownMember(x.id, x.name, x.peer_urls) for x in members),
+                                running_cluster_id=st.cluster_id, hosts=tuple(hosts), lineage=lineage,
+                                lineage_cluster_ids=lcids)
             try:
-                result.pruned = [d.name for d in prune_backups(cfg, dry_run=False) if not d.keep]
+                decisions = prune_backups(cfg, dry_run=False, protect=(name,), clock=clock, evidence=evidence,
+                                          key=keystate.key)
+                result.pruned = [d.name for d in decisions if not d.keep]
+                result.quarantined = [f"{d.name}: {d.reason}" for d in decisions if d.reason.startswith("quarantined")]
             except (AgentError, OSError) as exc:
                 result.warnings.append(f"prune failed: {exc}")
                 log.warning("prune after backup failed: %s", exc)
     return result
 
 
-def _free_name(directory: str, utc: bool, compression: str) -> Tuple[datetime, str]:
+def _record_check(directory: str, path: str, how: str, clock: WallClock, **kw: Any) -> None:
+    c = checks.check_of(path, ok=True, how=how, clock=clock, kind="agent", **kw)
+    if c is not None:
+        checks.record(directory, os.path.basename(path), c)
+
+
+def _free_name(directory: str, utc: bool, compression: str, clock: WallClock) -> Tuple[datetime, str]:
     """A timestamp whose name no backup uses yet (waits for the next second if needed)."""
     for _ in range(3):
-        when = archive.now(utc)
+        t = clock.now()
+        when = (t.astimezone(timezone.utc) if utc else t.astimezone()).replace(microsecond=0)
         stem = archive.archive_name(when, "none")
         if not any(os.path.exists(os.path.join(directory, stem[: -len(".tar")] + ext)) for ext in archive.EXTENSIONS.values()):
             return when, archive.archive_name(when, compression)
-        time.sleep(1.0 - (time.time() % 1.0) + 0.01)
+        clock.sleep(1.0 - (t.timestamp() % 1.0) + 0.01)
     raise BackupError(f"cannot find a free backup name in {directory}")
 
 
-def _local_files(cfg: Config, member: str) -> Tuple[Dict[str, bytes], Dict[str, str]]:
-    """etcd.conf and etcd.service as found on disk; what is missing is recorded, not fatal."""
+def _local_files(cfg: Config, member: Member) -> Tuple[Dict[str, bytes], Dict[str, str], Dict[str, str]]:
+    """etcd.conf and etcd.service as found on disk; a missing unit file is rendered instead (the
+    unit the agent would install on a systemd host) and recorded so; a missing conf is recorded."""
     files: Dict[str, bytes] = {}
     missing: Dict[str, str] = {}
-    for arc, path in ((archive.CONF, cfg.conf_file(member)), (archive.UNIT, cfg.etcd.unit_file)):
+    rendered: Dict[str, str] = {}
+    for arc, path in ((archive.CONF, cfg.conf_file(member.name)), (archive.UNIT, cfg.etcd.unit_file)):
         try:
             with open(path, "rb") as fh:
                 files[arc] = fh.read(1 << 20)
         except FileNotFoundError:
             missing[arc] = f"{path} not found"
-            log.warning("%s not found; the backup records it as missing", path)
+            if arc == archive.CONF:
+                log.warning("%s not found; the backup records it as missing", path)
         except OSError as exc:
             missing[arc] = f"{path} unreadable: {exc.strerror or exc}"
             log.warning("cannot read %s: %s", path, exc)
-    return files, missing
+    if archive.UNIT not in files:
+        from ..member.local import LocalMember
+
+        files[archive.UNIT] = LocalMember(cfg, member).unit_text().encode()
+        rendered[archive.UNIT] = (f"{missing.pop(archive.UNIT)} ({cfg.etcd.service_manager} backend): the unit "
+                                  "the agent would install on a systemd host")
+    return files, missing, rendered
 
 
-def prune_backups(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:
-    """Apply the retention policy to the backup dir; returns every decision (newest first)."""
+def prune_backups(
+    cfg: Config,
+    *,
+    dry_run: bool,
+    protect: Tuple[str, ...] = (),
+    clock: WallClock = SYSTEM_WALL_CLOCK,
+    evidence: Optional[Any] = None,
+    key: Optional[bytes] = None,
+) -> List[retention.Decision]:
+    """Apply the retention policy to the good backups in the backup dir; quarantined files are
+    listed after them (kept, never deleted, no slot). Returns every decision, newest first."""
     directory = cfg.backup.dir
-    entries = catalog.list_backups(directory, utc=cfg.backup.utc)
+    entries = catalog.list_backups(directory, utc=cfg.backup.utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
+    goods = catalog.good(entries)
     decisions = retention.plan(
-        [retention.BackupRef(e.name, e.time, e.verified) for e in entries],
+        [retention.BackupRef(e.name, e.time, e.verified) for e in goods],
         keep_last=cfg.backup.keep_last,
         keep_hourly=cfg.backup.keep_hourly,
         keep_daily=cfg.backup.keep_daily,
+        protect=protect,
     )
+    quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
+                   for e in entries if not e.complete]
     if dry_run:
-        return decisions
-    by_name = {e.name: e for e in entries}
+        return decisions + quarantined
+    by_name = {e.name: e for e in goods}
     for d in decisions:
         if not d.keep:
             log.info("pruning %s: %s", d.name, d.reason)
@@ -275,7 +360,7 @@ def prune_backups(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:
         from ..fs import fsync_dir
 
         fsync_dir(directory)
-    return decisions
+    return decisions + quarantined
 
 
 def prune_locked(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:

@@ -1,95 +1,106 @@
 """Integrity of an etcd snapshot, checked while it streams past: no second read, no temp copy.
 
 An etcd v3 snapshot is a bbolt database followed by a 32-byte sha256 of everything before it
-(etcd's server appends it; ``etcdctl snapshot restore`` checks it). While the bytes stream into
-the archive we hash them, keep the first pages, and at the end check:
+(etcd's server appends it; ``etcdctl snapshot restore`` checks it). While the bytes stream by we
+hash them and keep the first pages, and:
 
-- the trailer: etcd's own sha256 of the data equals ours (end-to-end: etcd's memory -> our file);
-- the two bbolt meta pages: magic, version, page size, FNV-64a checksum;
-- the size: bbolt's high-water mark x page size + 32 == bytes received (nothing lost or added).
+- as soon as the first pages are in (at most 64 KiB + 80 bytes), the bbolt meta pages are checked
+  (magic, version, page size, FNV-64a checksum, high-water mark against the declared size), so a
+  member that is not a database at all is refused after a few KB, not after all of it;
+- at the end: etcd's own sha256 of the data equals ours (end-to-end: etcd's memory -> our file),
+  and bbolt's high-water mark x page size + 32 == bytes received (nothing lost or added).
 
-Then ``last_revision()`` reads a handful of pages (the rightmost path of the ``key`` bucket) from
-the written file to find the snapshot's revision. This is what ``etcdctl snapshot status`` would
-tell, except its full key count and crc hash (which need every page read once more); ``backup
-verify`` runs the real ``snapshot status`` on an extracted copy when that cost is acceptable.
+The bbolt format itself is read by ``etcd/snapdb`` (one parser): this module only feeds it the
+head of the stream. The snapshot's revision and members are read afterwards from the file with
+``snapdb.parse_identity`` (a handful of pages).
 """
 from __future__ import annotations
 
 import hashlib
-import struct
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
-from ..errors import BackupCorrupt
+from ..errors import BackupCorrupt, SnapshotFormatError
+from ..etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
+from ..etcd.snapdb import read_meta
 
-TRAILER = 32
-BOLT_MAGIC = 0xED0CDAED
-BOLT_VERSION = 2
-PAGE_HEADER = 16
-META_FLAG, BRANCH_FLAG, LEAF_FLAG = 0x04, 0x01, 0x02
-BUCKET_LEAF_FLAG = 0x01
-MAX_PAGE = 65536
-# etcd's MVCC bucket: keys are revisions (8-byte main, '_', 8-byte sub)
-KEY_BUCKET = b"key"
+# bytes of the stream needed to find both meta pages whatever the page size
+HEAD = MAX_PAGE_SIZE + PAGE_HEADER + META_SIZE
+# stands for "size not known yet" when checking the head of a stream of unknown length
+_UNKNOWN = 1 << 62
 
 
 @dataclass(frozen=True)
 class SnapshotFacts:
-    size: int
-    sha256: str
+    """What the stream (or the file) proved about a snapshot."""
+
+    size: int  # bytes, trailer included
+    sha256: Optional[str]  # our own hash of all of it (None: not hashed)
     page_size: int
     txid: int
     high_water: int  # pages in the bbolt file
     root_pgid: int
+    trailer_checked: bool  # etcd's sha256 trailer was compared with our hash of the data (and matched)
+
+    def lines(self) -> str:
+        """One line for a report: what was proven."""
+        trailer = "etcd sha256 trailer ok" if self.trailer_checked else "etcd sha256 trailer not checked"
+        return (f"{trailer}, bbolt meta ok, size {self.size} = {self.high_water} pages x {self.page_size} "
+                "+ 32-byte trailer")
 
 
-def _fnv64a(data: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in data:
-        h ^= b
-        h = (h * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
+def _meta_of(head: bytes, size: int, what: str) -> BoltMeta:
+    def read_at(off: int, n: int) -> bytes:
+        return head[off : off + n]
+
+    try:
+        return read_meta(read_at, size)
+    except SnapshotFormatError as exc:
+        raise BackupCorrupt(f"{what}: not an etcd snapshot ({exc.message})") from None
 
 
-def parse_meta(page: bytes) -> Tuple[int, int, int, int]:
-    """(page_size, root_pgid, high_water, txid) of a bbolt meta page; ValueError if invalid."""
-    if len(page) < PAGE_HEADER + 64:
-        raise ValueError("meta page too short")
-    _pgid, flags, _count, _overflow = struct.unpack_from("<QHHI", page, 0)
-    if not flags & META_FLAG:
-        raise ValueError(f"page flags {flags:#x} are not a meta page")
-    meta = page[PAGE_HEADER : PAGE_HEADER + 64]
-    magic, version, page_size, _mflags, root, _seq, _freelist, hwm, txid, checksum = struct.unpack(
-        "<IIIIQQQQQQ", meta
-    )
-    if magic != BOLT_MAGIC:
-        raise ValueError(f"bad bbolt magic {magic:#x}")
-    if version != BOLT_VERSION:
-        raise ValueError(f"unsupported bbolt version {version}")
-    if checksum != _fnv64a(meta[:56]):
-        raise ValueError("meta page checksum mismatch")
-    if page_size < 512 or page_size > MAX_PAGE or page_size & (page_size - 1):
-        raise ValueError(f"implausible page size {page_size}")
-    return page_size, root, hwm, txid
+def check_size(size: int, what: str = "snapshot") -> None:
+    """etcd's rule for a snapshot with its trailer: a whole number of 512-byte blocks plus 32."""
+    if size == 0:
+        raise BackupCorrupt(f"{what}: empty (no data)")
+    if size % 512 != TRAILER:
+        raise BackupCorrupt(
+            f"{what}: {size} bytes is not a bbolt db plus etcd's 32-byte sha256 trailer (incomplete stream?)"
+        )
 
 
 class StreamCheck:
-    """Feed it the snapshot bytes in order; ``finish()`` says whether they form a sound snapshot."""
+    """Feed it the snapshot bytes in order; ``finish()`` says whether they form a sound snapshot.
 
-    def __init__(self) -> None:
+    ``declared``: the size the container says the snapshot has (a tar header), when known: the
+    meta pages are then checked against it as soon as they arrive, and ``meta_ok`` turns true;
+    a reader holds its writes back until then. ``what`` names the snapshot in errors."""
+
+    def __init__(self, declared: Optional[int] = None, what: str = "snapshot") -> None:
         self.size = 0
+        self.declared = declared
+        self.what = what
+        self.meta: Optional[BoltMeta] = None
         self._sha = hashlib.sha256()
         self._body = hashlib.sha256()  # everything but the last 32 bytes seen so far
         self._tail = b""
         self._head = bytearray()
 
+    @property
+    def meta_ok(self) -> bool:
+        return self.meta is not None
+
     def update(self, chunk: bytes) -> None:
         if not chunk:
             return
         self.size += len(chunk)
+        if self.declared is not None and self.size > self.declared:
+            raise BackupCorrupt(f"{self.what}: more data than the {self.declared} bytes declared")
         self._sha.update(chunk)
-        if len(self._head) < 2 * MAX_PAGE:
-            self._head += chunk[: 2 * MAX_PAGE - len(self._head)]
+        if len(self._head) < HEAD:
+            self._head += chunk[: HEAD - len(self._head)]
+            if self.meta is None and len(self._head) >= min(HEAD, self.declared or HEAD):
+                self.meta = _meta_of(bytes(self._head), self.declared or _UNKNOWN, self.what)
         if len(chunk) >= TRAILER:
             if self._tail:
                 self._body.update(self._tail)
@@ -104,102 +115,14 @@ class StreamCheck:
     def sha256(self) -> str:
         return self._sha.hexdigest()
 
-    def finish(self, what: str = "snapshot") -> SnapshotFacts:
+    def finish(self) -> SnapshotFacts:
         """The facts, or BackupCorrupt naming exactly what is wrong."""
-        if self.size == 0:
-            raise BackupCorrupt(f"{what}: empty (etcd sent no data)")
-        if self.size % 512 != TRAILER:
-            raise BackupCorrupt(
-                f"{what}: {self.size} bytes is not a bbolt db plus etcd's 32-byte sha256 trailer "
-                "(incomplete stream?)"
-            )
+        what = self.what
+        if self.declared is not None and self.size != self.declared:
+            raise BackupCorrupt(f"{what}: {self.size} bytes arrived, {self.declared} declared (truncated)")
+        check_size(self.size, what)
         if self._body.digest() != self._tail:
             raise BackupCorrupt(f"{what}: sha256 trailer does not match the data (corrupted in transit or on disk)")
-        head = bytes(self._head)
-        metas = []
-        problems = []
-        for i in (0, 1):
-            try:
-                ps = struct.unpack_from("<I", head, PAGE_HEADER + 8)[0] if i else 0
-                off = i * ps
-                metas.append(parse_meta(head[off : off + PAGE_HEADER + 64]))
-            except (ValueError, struct.error) as exc:
-                problems.append(f"meta page {i}: {exc}")
-        if not metas:
-            raise BackupCorrupt(f"{what}: not a bbolt database ({'; '.join(problems)})")
-        page_size, root, hwm, txid = max(metas, key=lambda m: m[3])
-        if hwm * page_size != self.size - TRAILER:
-            raise BackupCorrupt(
-                f"{what}: bbolt says {hwm} pages of {page_size} bytes = {hwm * page_size} bytes, "
-                f"but {self.size - TRAILER} arrived"
-            )
-        return SnapshotFacts(self.size, self.sha256, page_size, txid, hwm, root)
-
-
-ReadAt = Callable[[int, int], bytes]
-
-
-def last_revision(read_at: ReadAt, facts: SnapshotFacts) -> Optional[int]:
-    """The highest MVCC revision in the snapshot (None if it holds no keys).
-
-    ``read_at(offset, n)`` reads from the snapshot's first byte (offset 0 = page 0).
-    """
-    ps = facts.page_size
-
-    def page(pgid: int) -> bytes:
-        if not 0 < pgid < facts.high_water:
-            raise BackupCorrupt(f"snapshot: page id {pgid} outside the db (high water {facts.high_water})")
-        head = read_at(pgid * ps, PAGE_HEADER)
-        overflow = struct.unpack_from("<I", head, 12)[0]
-        return read_at(pgid * ps, (overflow + 1) * ps)
-
-    # find the "key" bucket among the root bucket's entries
-    buf = page(facts.root_pgid)
-    value = _lookup(buf, KEY_BUCKET, page)
-    if value is None:
-        return None
-    sub_root = struct.unpack_from("<Q", value, 0)[0]
-    buf = value[16:] if sub_root == 0 else page(sub_root)  # inline bucket: the page follows
-    for _ in range(64):  # descend the rightmost path
-        _id, flags, count, _ov = struct.unpack_from("<QHHI", buf, 0)
-        if count == 0:
-            return None
-        last = PAGE_HEADER + (count - 1) * 16
-        if flags & BRANCH_FLAG:
-            _pos, _ksize, child = struct.unpack_from("<IIQ", buf, last)
-            buf = page(child)
-        elif flags & LEAF_FLAG:
-            _f, pos, ksize, _vsize = struct.unpack_from("<IIII", buf, last)
-            key = buf[last + pos : last + pos + ksize]
-            return int.from_bytes(key[:8], "big") if len(key) >= 8 else None
-        else:
-            raise BackupCorrupt(f"snapshot: unexpected page flags {flags:#x} in the key bucket")
-    raise BackupCorrupt("snapshot: key bucket tree deeper than 64 levels")
-
-
-def _lookup(buf: bytes, name: bytes, page: Callable[[int], bytes]) -> Optional[bytes]:
-    """The value of bucket ``name`` in the tree rooted at page ``buf``."""
-    for _ in range(64):
-        _id, flags, count, _ov = struct.unpack_from("<QHHI", buf, 0)
-        if flags & BRANCH_FLAG:
-            child = None
-            for i in range(count):
-                at = PAGE_HEADER + i * 16
-                pos, ksize, pgid = struct.unpack_from("<IIQ", buf, at)
-                if i == 0 or bytes(buf[at + pos : at + pos + ksize]) <= name:
-                    child = pgid
-                else:
-                    break
-            if child is None:
-                return None
-            buf = page(child)
-        elif flags & LEAF_FLAG:
-            for i in range(count):
-                at = PAGE_HEADER + i * 16
-                eflags, pos, ksize, vsize = struct.unpack_from("<IIII", buf, at)
-                if bytes(buf[at + pos : at + pos + ksize]) == name and eflags & BUCKET_LEAF_FLAG:
-                    return bytes(buf[at + pos + ksize : at + pos + ksize + vsize])
-            return None
-        else:
-            raise BackupCorrupt(f"snapshot: unexpected page flags {flags:#x} in the root bucket")
-    raise BackupCorrupt("snapshot: root bucket tree deeper than 64 levels")
+        meta = _meta_of(bytes(self._head), self.size, what)
+        self.meta = meta
+        return SnapshotFacts(self.size, self.sha256, meta.page_size, meta.txid, meta.high_water, meta.root, True)

@@ -1,10 +1,10 @@
-"""`etcd-agent backup` and `backup list | verify FILE | prune [--dry-run]`."""
+"""`etcd-agent backup` and `backup list | verify FILE | import FILE | prune [--dry-run]`."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List
 
 from ..errors import EXIT_FAILED, EXIT_OK, UsageError
 from .main import Context, Output
@@ -30,11 +30,15 @@ def register(sub: Any) -> None:
     pl.add_argument("--remote", action="store_true", help="list the off-host copies ([backup.remote]) instead")
     pl.set_defaults(func=cmd_list)
 
-    pv = bsub.add_parser("verify", help="check an archive: manifest, every sha256, snapshot status, cluster id")
+    pv = bsub.add_parser("verify", help="check an archive: members, every sha256, the snapshot, its identity")
     pv.add_argument("file", metavar="FILE", help="a path, a file name in the backup dir, a date prefix, or latest")
-    pv.add_argument("--cluster-id", metavar="HEX", help="expected cluster id (default: ask the configured etcd)")
-    pv.add_argument("--no-status", action="store_true", help="skip `snapshot status` (no extraction)")
+    pv.add_argument("--no-status", action="store_true", help="skip `snapshot status` (no staged copy)")
     pv.set_defaults(func=cmd_verify)
+
+    pi = bsub.add_parser("import", help="turn a tarball made by hand (etcdctl snapshot save + tar) into a backup")
+    pi.add_argument("file", metavar="FILE", help="the tarball (etcd.conf, etcd.service, etcd_snapshot.db)")
+    pi.add_argument("--dry-run", action="store_true", help="check it and print the name it would get; write nothing")
+    pi.set_defaults(func=cmd_import)
 
     pp = bsub.add_parser("prune", help="apply the retention policy; every decision is printed with its reason")
     pp.add_argument("--dry-run", action="store_true", help="decide and print, delete nothing")
@@ -65,21 +69,33 @@ def _size(n: int) -> str:
 
 
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.catalog import list_backups
+    from ..backup import keys
+    from ..backup.catalog import latest, list_backups
 
     cfg = ctx.config()
     if args.remote:
         return _list_remote(cfg)
-    entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc)
-    rows: List[str] = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10} {'REVISION':>10}  VERIFIED"]
+    entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
     for e in entries:
-        verified = "yes" if e.verified else ("INCOMPLETE: " + (e.problem or "") if not e.complete else "no")
-        rows.append(
-            f"{e.name:<32} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>10}  {verified}"
-        )
+        if not e.complete:
+            state = f"QUARANTINED: {e.problem}"
+        elif e.verified:
+            state = f"yes: {e.check}"
+        else:
+            state = f"no: {e.check}"
+        rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
+                    f"{e.kind:<8} {e.signature:<11} {state}")
+        rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
+    best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
-    return Output({"dir": cfg.backup.dir, "backups": [e.to_json() for e in entries]}, "\n".join(rows))
+    else:
+        rows.append(f"latest: {best.name if best else 'none (no good backup)'}")
+        rows += skipped
+    data = {"dir": cfg.backup.dir, "backups": [e.to_json() for e in entries], "latest": best.name if best else None,
+            "notes": skipped}
+    return Output(data, "\n".join(rows))
 
 
 def _require_remote(cfg: "Config") -> None:
@@ -100,41 +116,88 @@ def _list_remote(cfg: "Config") -> Output:
     return Output({"remote": True, "backups": [o.to_json() for o in objs]}, "\n".join(rows))
 
 
-def _expected_cluster(ctx: Context, given: Optional[str]) -> Tuple[Optional[str], List[str]]:
-    """The cluster id a backup must carry (--cluster-id, else the running cluster's) and the ids
-    this cluster had before restores (its lineage)."""
-    if given:
-        return given.lower(), []
-    from ..cluster.lineage import current_cluster
+def _client(cfg: "Config") -> Any:
+    from ..etcd.client import EtcdClient
 
-    return current_cluster(ctx.config())
+    return EtcdClient.from_config(cfg, timeout=2.0)
+
+
+def _resolve_file(cfg: "Config", spec: str) -> str:
+    from ..backup.catalog import resolve
+
+    if os.path.isfile(spec):
+        return spec
+    candidate = os.path.join(cfg.backup.dir, spec)
+    if not spec.startswith(".") and os.path.isfile(candidate):
+        return candidate
+    return resolve(cfg.backup.dir, spec, utc=cfg.backup.utc).path
 
 
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.catalog import resolve
+    from ..backup import checks, keys
+    from ..backup.evidence import gather
     from ..backup.verify import verify
     from ..etcd.tools import snapshot_status
     from ..hosts.local import LocalHost
 
     cfg = ctx.config()
-    path = args.file
-    if not os.path.isfile(path):
-        candidate = os.path.join(cfg.backup.dir, path)
-        path = candidate if os.path.isfile(candidate) else resolve(cfg.backup.dir, path, utc=cfg.backup.utc).path
-    expect, lineage = _expected_cluster(ctx, args.cluster_id)
+    path = _resolve_file(cfg, args.file)
+    with _client(cfg) as client:
+        keystate = keys.cluster_key(cfg, client, create=False)
+    for w in keystate.warnings:
+        log.warning("%s", w)
+    evidence = gather(cfg)
     host = LocalHost()
+    in_dir = os.path.dirname(os.path.abspath(path)) == os.path.abspath(cfg.backup.dir)
+    before = os.stat(path)
     report = verify(
         path,
         status_fn=None if args.no_status else (lambda p: snapshot_status(host, cfg, p)),
-        expect_cluster_id=expect,
-        lineage=lineage,
+        tmp_parent=cfg.backup.dir if in_dir else os.path.dirname(os.path.abspath(path)),
+        key=keystate.key,
+        cfg=cfg,
+        evidence=evidence,
     )
-    if expect is None:
-        report.checked.append("cluster id not checked: no --cluster-id and no configured etcd answered")
-    lines = [f"{path}: {'OK' if report.ok else 'FAILED'}"]
+    # a failure of `snapshot status` alone may be the tool's (not installed, too old): not recorded
+    # against the file, so a good backup is not quarantined for it
+    content_verdict = report.ok or not (report.tool_failed and len(report.problems) == 1)
+    if in_dir and content_verdict and checks.stamp_of(os.stat(path)) == checks.stamp_of(before):
+        c = checks.Check(stamp=checks.stamp_of(before), ok=report.ok, how="verify", at=checks.SYSTEM_WALL_CLOCK.now().timestamp(),
+                         kind=report.kind or "?", revision=report.revision, problem=report.problems[0] if report.problems else None,
+                         signature=report.signature)
+        checks.record(cfg.backup.dir, os.path.basename(path), c)
+    kind = {"agent": "agent backup", "runbook": "runbook tarball (made by hand: etcdctl snapshot save + tar)"}.get(
+        report.kind or "", "unreadable file")
+    lines = [f"{path}: {'OK' if report.ok else 'FAILED'}: {kind}"
+             + (f", {'plain tar' if report.compression == 'none' else report.compression}, manifest {report.signature}"
+                if report.kind == "agent" else "")]
     lines += [f"  ok: {c}" for c in report.checked]
+    lines += [f"  not checked: {c}" for c in report.not_checked]
     lines += [f"  PROBLEM: {p}" for p in report.problems]
     return Output(report.to_json(), "\n".join(lines), EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def cmd_import(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..backup.evidence import gather
+    from ..backup.importer import import_backup
+    from ..etcd.tools import snapshot_status
+    from ..hosts.local import LocalHost
+
+    cfg = ctx.config()
+    if not os.path.isfile(args.file):
+        raise UsageError(f"backup import {args.file}: no such file")
+    host = LocalHost()
+    with _client(cfg) as client:
+        res = import_backup(cfg, args.file, dry_run=args.dry_run, evidence=gather(cfg),
+                            status_fn=lambda p: snapshot_status(host, cfg, p), client=client)
+    for w in res.warnings:
+        log.warning("%s", w)
+    head = f"would import {res.source} as {res.path}" if res.dry_run else res.path
+    lines = [head, f"  {res.kind} tarball, revision {res.revision}"]
+    lines += [f"  ok: {c}" for c in res.checked]
+    lines += [f"  identity: {p}" for p in (res.verdict.proven if res.verdict else ())]
+    lines += [f"  not proven: {p}" for p in (res.verdict.unproven if res.verdict else ())]
+    return Output(res.to_json(), "\n".join(lines))
 
 
 def cmd_prune(args: argparse.Namespace, ctx: Context) -> Output:

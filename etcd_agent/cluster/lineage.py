@@ -1,55 +1,38 @@
-"""Which clusters a running cluster descends from: its restore lineage.
+"""Which incarnations a running cluster descends from: its restore lineage, kept in etcd.
 
-A restore creates a new cluster id; the restored cluster records the ids its data came from under
-``LINEAGE_KEY``, so a later restore still recognises backups taken before the first one as this
-cluster's own.
+A restore makes new member ids (they derive from the peer URLs and the new cluster token), so a
+backup taken before the restore lists ids the running cluster no longer has. Each finished
+restore appends the member ids of the snapshot it restored under ``LINEAGE_KEY`` (a list of id
+lists, newest last): a later restore recognises backups of any earlier incarnation as this
+cluster's own (``backup.evidence.parse_lineage`` reads it; older entries were cluster ids). The
+hosts keep the same record in their state dir (``state.lineage``) for when etcd is down.
 """
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Tuple
+from typing import Any, List
 
 from ..config import Config
-from ..errors import AgentError
 
-# Written into the restored cluster: the ids of the clusters its data came from.
 LINEAGE_KEY = "/etcd-agent/restore/lineage"
+MAX_ENTRIES = 50
 
 
-def current_cluster(cfg: Config) -> Tuple[Optional[str], List[str]]:
-    """The running cluster's id and restore lineage if any member answers (None in an outage)."""
+def record_lineage(cfg: Config, member_ids: List[str]) -> None:
+    """Append ``member_ids`` (hex) to the running cluster's lineage."""
     from ..etcd.client import EtcdClient
 
-    try:
-        with EtcdClient.from_config(cfg, timeout=2.0) as c:
-            for url in cfg.client_urls:
-                try:
-                    cid = f"{c.status(url, timeout=2.0).cluster_id:x}"
-                except AgentError:
-                    continue
-                try:
-                    raw = c.get(LINEAGE_KEY)
-                    lineage = [str(x) for x in json.loads(raw)] if raw else []
-                except (AgentError, ValueError, TypeError):
-                    lineage = []
-                return cid, lineage
-    except AgentError:
-        pass
-    return None, []
-
-
-def record_lineage(cfg: Config, archive_cluster_id: Optional[str]) -> None:
-    """Append the archive's cluster id to the restored cluster's lineage (see LINEAGE_KEY)."""
-    from ..etcd.client import EtcdClient
-
+    if not member_ids:
+        return
     with EtcdClient.from_config(cfg, timeout=5.0) as c:
         raw = c.get(LINEAGE_KEY)
+        entries: List[Any] = []
         try:
-            ids = [str(x) for x in json.loads(raw)] if raw else []
+            doc = json.loads(raw) if raw else []
+            entries = doc if isinstance(doc, list) else []
         except ValueError:
-            ids = []
-        if archive_cluster_id and archive_cluster_id not in ids:
-            ids.append(archive_cluster_id)
-        c.put(LINEAGE_KEY, json.dumps(ids[-50:]).encode())
-
-
+            pass
+        entry = sorted(x.lower() for x in member_ids)
+        if entry not in entries:
+            entries.append(entry)
+        c.put(LINEAGE_KEY, json.dumps(entries[-MAX_ENTRIES:]).encode())

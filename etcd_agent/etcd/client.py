@@ -343,6 +343,11 @@ class EtcdClient:
     def put(self, key: str, value: bytes) -> None:
         self._kv(f"put {key}", "put", key, value)
 
+    def put_if_absent(self, key: str, value: bytes) -> bool:
+        """Create ``key`` only if it does not exist yet (one transaction on create_revision == 0);
+        True when this call created it, False when it was already there."""
+        return bool(self._kv(f"create {key}", "put_if_not_exists", key, value))
+
     def get(self, key: str) -> Optional[bytes]:
         value, _meta = self._kv(f"get {key}", "get", key)
         return value  # type: ignore[no-any-return]

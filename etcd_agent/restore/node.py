@@ -9,7 +9,6 @@ orchestrator can never drive this host while the first one's session lives.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -129,6 +128,7 @@ class NodeRestore:
         fence_ok, fence_detail = self._fence_possible()
         t = cfg.tls
         rec = bootstrap.read(cfg, m.name)
+        db_ids, db_note = self._db_member_ids() if state == "member" else ((), "")
         j = self.journal()
         return P.NodeFacts(
             member=m.name, protocol=P.NODE_PROTOCOL, agent_version=__version__,
@@ -143,7 +143,21 @@ class NodeRestore:
             journal=j.summary() if j is not None else None, peer_url=m.peer_url, client_url=m.client_url,
             bootstrap_member_id=rec.member_id if rec else None, bootstrap_cluster_id=rec.cluster_id if rec else None,
             lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
+            db_member_ids=db_ids, db_note=db_note,
         )
+
+    def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:
+        """The member ids in this data dir's own db: which cluster this host runs, readable with
+        etcd down (evidence for whose backup may be restored here)."""
+        from ..etcd.snapdb import read_identity
+
+        db = os.path.join(self.data_dir, "member", "snap", "db")
+        try:
+            return tuple(f"{x:x}" for x in read_identity(db).member_ids), ""
+        except FileNotFoundError:
+            return (), ""
+        except (AgentError, OSError, ValueError) as exc:
+            return (), f"{db} could not be read ({getattr(exc, 'message', None) or exc})"
 
     def _fence_possible(self) -> Tuple[bool, str]:
         k = self.cfg.kubernetes
@@ -498,8 +512,7 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
     for stale in (tmp, final, os.path.join(nr.work_dir, RECEIVED)):
         if os.path.lexists(stale):
             os.unlink(stale)
-    sha = hashlib.sha256()
-    check = StreamCheck()
+    check = StreamCheck(declared=size, what=f"{member}: the shipped snapshot")  # hashes it too
     got = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -509,7 +522,6 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
                 if not chunk:
                     break
                 got += len(chunk)
-                sha.update(chunk)
                 check.update(chunk)
                 out.write(chunk)
             if got != size:
@@ -518,14 +530,14 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
                 raise OperationFailed(f"{member}: more than the announced {size} bytes arrived")
             out.flush()
             os.fsync(out.fileno())
-        facts = check.finish(SNAPSHOT)
+        facts = check.finish()
         os.rename(tmp, final)
     except BaseException:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
     st = os.stat(final)
-    digest = sha.hexdigest()
+    digest = facts.sha256 or check.sha256
     rec: Dict[str, Any] = {"sha256": digest, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
            "pages": facts.high_water, "page_size": facts.page_size}
     write_atomic(os.path.join(nr.work_dir, RECEIVED), (json.dumps(rec) + "\n").encode(), mode=0o600)

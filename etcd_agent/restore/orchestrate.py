@@ -15,6 +15,7 @@ rolled back the error names it and the command to run once it is back.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -24,8 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from ..backup.evidence import gather
+from ..backup.identity import Evidence, HostIds, Verdict, judge
 from ..cluster.health import wait_converged
-from ..cluster.lineage import current_cluster, record_lineage
+from ..cluster.lineage import record_lineage
 from ..config import Config, Member
 from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
 from ..fs import ensure_private_dir
@@ -81,8 +84,9 @@ class Outcome:
 class LiveCluster(Protocol):
     """What the orchestrator asks the cluster itself (over etcd's client API)."""
 
-    def identity(self) -> Tuple[Optional[str], List[str]]:
-        """The running cluster's id and restore lineage, (None, []) when no member answers."""
+    def evidence(self) -> Evidence:
+        """What the running cluster says of itself (member list, id, restore lineage in etcd);
+        empty when no member answers (an outage)."""
         ...
 
     def leader(self) -> Optional[str]:
@@ -97,7 +101,8 @@ class LiveCluster(Protocol):
         """member -> (its id, the cluster id), as each answers now."""
         ...
 
-    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
+    def record_lineage(self, member_ids: List[str]) -> None:
+        """Append the restored snapshot's member ids to the lineage kept in etcd."""
         ...
 
 
@@ -107,8 +112,8 @@ class EtcdCluster:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    def identity(self) -> Tuple[Optional[str], List[str]]:
-        return current_cluster(self.cfg)
+    def evidence(self) -> Evidence:
+        return gather(self.cfg, local=False)
 
     def leader(self) -> Optional[str]:
         from ..etcd.client import EtcdClient
@@ -138,8 +143,8 @@ class EtcdCluster:
                     pass
         return out
 
-    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
-        record_lineage(self.cfg, archive_cluster_id)
+    def record_lineage(self, member_ids: List[str]) -> None:
+        record_lineage(self.cfg, member_ids)
 
 
 # ---------------------------------------------------------------- restore
@@ -152,8 +157,8 @@ class Restore:
 
     def __init__(self, cfg: Config, opts: Options, *, nodes: Optional[Callable[[Config], List[HostNode]]] = None,
                  cluster: Optional[LiveCluster] = None,
-                 open_source: Optional[Callable[[Config, str, str], Source]] = None) -> None:
-        # open_source(cfg, --from spec, staging parent dir): the backup resolved and read
+                 open_source: Optional[Callable[[Config, str, str, bool], Source]] = None) -> None:
+        # open_source(cfg, --from spec, staging parent dir, hash now): the backup resolved and read
         self.cfg = cfg
         self.opts = opts
         self.say = opts.progress
@@ -163,7 +168,7 @@ class Restore:
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
-        self._open_source = open_source or _open_source
+        self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now))
 
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))
@@ -172,7 +177,7 @@ class Restore:
         t0 = time.monotonic()
         cfg = self.cfg
         ensure_private_dir(cfg.backup.dir)
-        source = self._open_source(cfg, self.opts.spec, cfg.backup.dir)
+        source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run)
         self.say(f"read {source.path}")
         try:
             self.nodes = self._make_nodes(cfg)
@@ -223,12 +228,14 @@ class Restore:
         if bad_token:
             raise UsageError(bad_token)
         host_of = {m.name: n.where for n in self.nodes for m in n.members}
-        plan = P.build_plan(cfg, op=op, backup=source.path, manifest=source.manifest, token=token, host_of=host_of,
+        verdict = self._identity(source, facts, new_cluster) if resume is None else None
+        lines = tuple(verdict.lines()) if verdict is not None else (
+            "resuming: the backup's identity was judged when this restore began",)
+        plan = P.build_plan(cfg, op=op, backup=source.path, source=source.facts(lines), token=token, host_of=host_of,
                             facts=facts, new_cluster=new_cluster, resuming=resume is not None)
         plan.problems += rproblems
-        if resume is None:
-            cid, lineage = self.cluster.identity()
-            plan.problems += P.check_manifest(cfg, source.manifest, cid, new_cluster, lineage)
+        if verdict is not None:
+            plan.problems += list(verdict.refused)
         from .. import __version__
 
         for hp in plan.hosts:
@@ -257,6 +264,25 @@ class Restore:
         return outcome
 
     # ------------------------------------------------------------ the steps
+
+    def _identity(self, source: Source, facts: Dict[str, P.NodeFacts], new_cluster: bool) -> Verdict:
+        """Whose snapshot is this, from its own db, against everything of the current cluster
+        that could be found: the running cluster (if any member answers), each host's data dir db
+        and bootstrap record, and every restore lineage recorded on the hosts or in etcd."""
+        if source.identity is None:
+            raise RefusedError(f"{source.path}: the snapshot's members could not be read; nothing touched")
+        ev = self.cluster.evidence()
+        hosts = list(ev.hosts)
+        lineage = list(ev.lineage)
+        for name, f in facts.items():
+            if f.db_member_ids:
+                hosts.append(HostIds(f"{name}'s data dir ({f.data_dir})", frozenset(int(x, 16) for x in f.db_member_ids)))
+            if f.bootstrap_member_id:
+                hosts.append(HostIds(f"{name}'s bootstrap record", frozenset({int(f.bootstrap_member_id, 16)})))
+            lineage += [frozenset(int(x, 16) for x in ids) for ids in f.lineage if ids]
+        notes = list(ev.notes) + [f"{n}: {f.db_note}" for n, f in facts.items() if f.db_note]
+        evidence = dataclasses.replace(ev, hosts=tuple(hosts), lineage=tuple(lineage), notes=tuple(notes))
+        return judge(source.identity, self.cfg, evidence, new_cluster=new_cluster)
 
     def _phase(self, name: str, fn: Callable[[Member], Any], members: Optional[Sequence[Member]] = None) -> None:
         """``fn`` for every member: hosts in parallel, a host's own members one after another."""
@@ -311,7 +337,7 @@ class Restore:
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
-            self.cluster.record_lineage(str((source.manifest.get("cluster") or {}).get("id") or "") or None)
+            self.cluster.record_lineage(list(source.member_ids))
             self._phase("unfence", lambda m: self._call(m, "unfence"))
             outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:

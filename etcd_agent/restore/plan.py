@@ -71,12 +71,15 @@ class NodeFacts:
     bootstrap_member_id: Optional[str] = None
     bootstrap_cluster_id: Optional[str] = None
     lineage: Tuple[Tuple[str, ...], ...] = ()
+    db_member_ids: Tuple[str, ...] = ()  # the members in the data dir's own db (read with etcd down)
+    db_note: str = ""  # why the data dir's db could not be read, if it could not
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
         d["journal"] = self.journal.to_json() if self.journal else None
         d["tls_missing"] = list(self.tls_missing)
         d["lineage"] = [list(x) for x in self.lineage]
+        d["db_member_ids"] = list(self.db_member_ids)
         return d
 
     @classmethod
@@ -113,6 +116,8 @@ class NodeFacts:
             bootstrap_member_id=opt("bootstrap_member_id"),
             bootstrap_cluster_id=opt("bootstrap_cluster_id"),
             lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
+            db_member_ids=tuple(str(x) for x in (d.get("db_member_ids") or ()) if isinstance(x, str)),
+            db_note=str(d.get("db_note") or ""),
         )
 
 
@@ -155,52 +160,6 @@ def required_free(snapshot_size: int) -> int:
     return int(snapshot_size * 2 * 1.1) + 64 * 1024 * 1024
 
 
-
-
-def check_manifest(
-    cfg: Config,
-    manifest: Mapping[str, Any],
-    current_cluster_id: Optional[str],
-    new_cluster: bool,
-    lineage: Sequence[str] = (),
-) -> List[str]:
-    """Problems of the archive against the config: foreign cluster, members the config lacks."""
-    problems: List[str] = []
-    if new_cluster:
-        return problems  # the operator seeds a different cluster from this data, on purpose
-    arch = [m for m in (manifest.get("members") or []) if isinstance(m, dict)]
-    by_name = {m.name: m for m in cfg.members}
-    by_peer = {m.peer_url: m for m in cfg.members}
-    for am in arch:
-        name = str(am.get("name") or "")
-        peers = [str(u) for u in (am.get("peer_urls") or [])]
-        known = by_name.get(name) or next((by_peer[u] for u in peers if u in by_peer), None)
-        if known is None:
-            problems.append(
-                f"archive member {name or '(unstarted)'} ({', '.join(peers) or 'no peer URL'}) is not in the config: "
-                "this backup is from another cluster layout (use --new-cluster to seed a new cluster from it)"
-            )
-        elif peers and known.peer_url not in peers:
-            problems.append(
-                f"archive member {name} has peer URL {', '.join(peers)}, the config says {known.peer_url} "
-                "(use --new-cluster to restore into a cluster with other addresses)"
-            )
-    arch_names = {str(am.get("name") or "") for am in arch}
-    missing = [m.name for m in cfg.members if m.name not in arch_names]
-    if arch and missing:
-        problems.append(
-            f"config member(s) {', '.join(missing)} were not in the backed-up cluster "
-            "(use --new-cluster to seed a cluster of this config's members)"
-        )
-    arch_id = str((manifest.get("cluster") or {}).get("id") or "")
-    ancestors = {x.lower() for x in lineage}
-    if (current_cluster_id is not None and arch_id and arch_id.lower() != current_cluster_id.lower()
-            and arch_id.lower() not in ancestors):
-        problems.append(
-            f"foreign cluster: the archive is from cluster id {arch_id}, the running cluster's id is "
-            f"{current_cluster_id} (use --new-cluster to replace it with the archive's data anyway)"
-        )
-    return problems
 
 
 def check_host(
@@ -349,6 +308,8 @@ class Plan:
     bump_note: str
     new_cluster: bool
     resuming: bool
+    kind: str = "agent"  # agent | runbook
+    evidence: List[str] = field(default_factory=list)  # what was proven of the backup, and how
     hosts: List[HostPlan] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)  # cluster-wide
 
@@ -367,6 +328,8 @@ class Plan:
             "bump_note": self.bump_note,
             "new_cluster": self.new_cluster,
             "resuming": self.resuming,
+            "kind": self.kind,
+            "evidence": self.evidence,
             "ok": self.ok,
             "problems": self.problems,
             "hosts": [
@@ -379,6 +342,17 @@ class Plan:
                 for h in self.hosts
             ],
         }
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    """What the plan needs of the backup being restored (``restore.source.Source``)."""
+
+    kind: str
+    revision: Optional[int]
+    size: int
+    sha256: Optional[str]
+    lines: Tuple[str, ...]  # checked / proven / not proven, one line each
 
 
 def fence_owners(cfg: Config, host_of: Mapping[str, str]) -> Dict[str, bool]:
@@ -397,7 +371,7 @@ def build_plan(
     *,
     op: str,
     backup: str,
-    manifest: Mapping[str, Any],
+    source: "SourceFacts",
     token: str,
     host_of: Mapping[str, str],
     facts: Mapping[str, NodeFacts],
@@ -418,7 +392,8 @@ def build_plan(
         else:
             why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
         note = f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch caches start over"
-    plan = Plan(op, backup, token, ic, manifest.get("revision"), bump, note, new_cluster, resuming)
+    plan = Plan(op, backup, token, ic, source.revision, bump, note, new_cluster, resuming, kind=source.kind,
+                evidence=list(source.lines))
     owners = fence_owners(cfg, host_of)
     k = cfg.kubernetes
     for m in cfg.members:
@@ -443,7 +418,9 @@ def build_plan(
             add(Step("fence", f"move {k.manifest} into {k.manifest_aside_dir} (moved back at the end)"))
         add(Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''})"))
         add(Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"))
-        add(Step("receive", f"ship the snapshot to {snap} (0600), sha256 {str(manifest.get('files', {}).get('etcd_snapshot.db', {}).get('sha256', '?'))[:16]}... checked on arrival"))
+        claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"
+        add(Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
+                            f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"))
         add(Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)))
         if cfg.etcd.service_manager == "systemd":
             add(Step("chown", f"chown -R {cfg.etcd.user}:{cfg.etcd.group} {data_dir}", ("chown", "-R", f"{cfg.etcd.user}:{cfg.etcd.group}", data_dir)))
@@ -460,7 +437,7 @@ def build_plan(
         add(Step("repair", conf_text))
         tls = [x for x in (cfg.tls.peer_cert, cfg.tls.peer_key, cfg.tls.peer_ca, cfg.tls.client_cert, cfg.tls.client_key, cfg.tls.client_ca) if x]
         add(Step("start", "start etcd (all members at once)" + (f"; TLS files {', '.join(tls)}" if tls else "")))
-        add(Step("wait", f"wait until every member is healthy at the same revision (>= {manifest.get('revision')}); "
+        add(Step("wait", f"wait until every member is healthy at the same revision (>= {source.revision}); "
                          f"record the archive's cluster id under {LINEAGE_KEY}"))
         if owners[m.name] and k.fence != "none":
             add(Step("unfence", "start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back"))
@@ -474,10 +451,12 @@ def render_plan(plan: Plan) -> str:
     lines = [
         f"restore {plan.op}{' (resuming)' if plan.resuming else ''} from {plan.backup}"
         f"{' into a NEW cluster' if plan.new_cluster else ''}",
-        f"  snapshot revision {plan.revision}; token {plan.token}",
+        f"  {'a runbook tarball (made by hand, no manifest)' if plan.kind == 'runbook' else 'an etcd-agent backup'}; "
+        f"snapshot revision {plan.revision}; token {plan.token}",
         f"  initial cluster {plan.initial_cluster}",
         f"  {plan.bump_note}",
     ]
+    lines += [f"  {e}" for e in plan.evidence]
     for p in plan.problems:
         lines.append(f"  REFUSED: {p}")
     for h in plan.hosts:

@@ -1,107 +1,87 @@
 """The backup a restore reads from: its snapshot bytes, what is claimed about them, what was checked.
 
-``open_source`` reads the archive once: its members are checked against the manifest and the
-snapshot is extracted into a private staging dir, from which every host is shipped.
+``open_source`` resolves ``--from`` (a path, a file name in the backup dir in any timestamp form,
+a date, ``latest``) and reads the archive with the one bounded reader (``backup.reader``), which
+accepts the agent's own tarballs and the runbook's (``etcdctl snapshot save`` + ``tar``, gzip or
+not, no manifest). Cheap first: headers, manifest, signature and the snapshot's own identity
+(its members, from a few pages of its db) are read without reading the whole snapshot; a plain
+tar's snapshot is then shipped straight from the archive (no copy here) and hashed as it is read,
+a compressed one is decompressed once into a private staging dir.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tarfile
-import tempfile
-from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import BinaryIO, Optional, Tuple
 
-from ..backup import archive
-from ..backup.verify import member_problem, verify
+from ..backup.manifest import SNAPSHOT
+from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
+from ..etcd.snapdb import SnapshotIdentity
+from .plan import SourceFacts
 
 
 @dataclass
 class Source:
     path: str
     kind: str  # "agent" | "runbook"
-    manifest: Dict[str, Any]
-    snapshot_path: str
-    offset: int
     size: int
-    sha256: Optional[str]  # the manifest's claim; checked against the bytes as they are shipped
+    sha256: Optional[str]  # the signed manifest's, or the reader's own hash; None until shipped
     revision: Optional[int]
-    etcd_version: Optional[str]
-    member_ids: Tuple[str, ...] = ()  # of the snapshot's own members (from its db)
-    checked: List[str] = field(default_factory=list)
-    staging: Optional[str] = None
+    etcd_version: Optional[str]  # the manifest's claim; None for a runbook tarball
+    identity: Optional[SnapshotIdentity]  # from the snapshot's own db
+    checked: Tuple[str, ...] = ()
+    archive: Optional[Archive] = None
+    # a component test's source: bytes at (file, offset) without an archive around them
+    snapshot_path: Optional[str] = None
+    offset: int = 0
+
+    @property
+    def member_ids(self) -> Tuple[str, ...]:
+        return tuple(f"{x:x}" for x in self.identity.member_ids) if self.identity else ()
 
     def open(self) -> BinaryIO:
+        """A reader of exactly the snapshot's bytes."""
+        if self.archive is not None:
+            return self.archive.snapshot.open()
+        assert self.snapshot_path is not None
         fh = open(self.snapshot_path, "rb")
         fh.seek(self.offset)
         return fh
 
+    def facts(self, lines: Tuple[str, ...] = ()) -> SourceFacts:
+        return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines)
+
     def close(self) -> None:
-        if self.staging is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging = None
+        if self.archive is not None:
+            self.archive.close()
 
 
-def open_source(cfg: Config, spec: str, staging_parent: str) -> Source:
-    """The backup ``spec`` names (``--from``: a path, a name, a date, latest), read and checked."""
+def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False) -> Source:
+    """The backup ``spec`` names, read and checked (``hash_now``: hash the whole snapshot now, as
+    a dry run does; otherwise it is hashed as it is shipped)."""
     from ..backup.catalog import resolve_from
-    from ..etcd.tools import snapshot_status
-    from ..hosts.local import LocalHost
+    from ..backup.keys import local_key
 
     path = resolve_from(cfg, spec).path
-    staging = tempfile.mkdtemp(prefix=".etcd-agent-restore-", dir=staging_parent)
+    arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key)
     try:
-        rep = verify(path, status_fn=lambda p: snapshot_status(LocalHost(), cfg, p), tmp_parent=staging)
-        if not rep.ok:
-            raise RefusedError(f"backup {path} fails verification; nothing touched", details=rep.problems)
-        manifest = rep.manifest or {}
-        snap = _extract_snapshot(path, staging, manifest)
-        info = manifest["files"][archive.SNAPSHOT]
-        rev = manifest.get("revision")
-        return Source(path, "agent", manifest, snap, 0, int(info["size"]), str(info["sha256"]),
-                      rev if isinstance(rev, int) else None,
-                      manifest.get("etcd_version") if isinstance(manifest.get("etcd_version"), str) else None,
-                      checked=list(rep.checked), staging=staging)
+        if arc.signature == "invalid":
+            raise RefusedError(f"{path}: its manifest was changed after it was written (the signature does not "
+                               "match); nothing touched. Restore another backup, or `backup import` the tarball "
+                               "to have it checked from its content alone")
+        m = arc.manifest
+        entry = m.files.get(SNAPSHOT) if m is not None and arc.signature == "valid" else None
+        claimed = entry.sha256 if entry is not None else None
+        lines = list(arc.checked)
+        if arc.signature in ("unsigned", "unknown-key") and m is not None:
+            lines.append(f"manifest {arc.signature}: what it says is trusted for nothing; checked from the content")
+        lines += [f"not checked here: {n}" for n in arc.not_checked]
+        return Source(
+            path=path, kind=arc.kind, size=arc.snapshot.size, sha256=arc.snapshot.sha256 or claimed,
+            revision=arc.identity.revision, etcd_version=m.etcd_version if m is not None else None,
+            identity=arc.identity, checked=tuple(lines), archive=arc,
+        )
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        arc.close()
         raise
-
-
-def _extract_snapshot(path: str, dest: str, manifest: Dict[str, Any]) -> str:
-    """Extract the snapshot into ``dest`` (0700); every member is checked before a byte is
-    written, only our snapshot is written, with O_EXCL|O_NOFOLLOW: nothing lands outside."""
-    seen: Dict[str, int] = {}
-    tar = archive.open_tar(path, seekable=False)
-    target = os.path.join(dest, archive.SNAPSHOT)
-    try:
-        while True:
-            ti = tar.next()
-            if ti is None:
-                break
-            problem = member_problem(ti, seen)
-            if problem:
-                raise RefusedError(f"{path}: refused: {problem}; nothing restored")
-            seen[ti.name] = ti.offset
-            if ti.name != archive.SNAPSHOT:
-                continue
-            src = tar.extractfile(ti)
-            assert src is not None
-            h = hashlib.sha256()
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    h.update(chunk)
-                    fh.write(chunk)
-            want = (manifest.get("files") or {}).get(ti.name, {}).get("sha256")
-            if want != h.hexdigest():
-                raise RefusedError(f"{path}: {ti.name} sha256 does not match the manifest; nothing restored")
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise RefusedError(f"{path}: unreadable archive ({exc}); nothing restored") from None
-    finally:
-        tar.close()
-    if not os.path.exists(target):
-        raise RefusedError(f"{path}: no {archive.SNAPSHOT} in the archive")
-    return target

@@ -4,6 +4,7 @@ minutes: rollback, resume, busy, unreachable and stop-order cases that the real-
 can only reach with real faults."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -13,6 +14,7 @@ import pytest
 
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import EXIT_BUSY, EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
+from etcd_agent.etcd.snapdb import SnapshotIdentity
 from etcd_agent.restore.orchestrate import Options, Restore, rollback_open
 from etcd_agent.restore.source import Source
 from tests.harness.scripted import Script, ScriptedCluster, ScriptedHost, scripted_nodes
@@ -40,6 +42,20 @@ host = "10.0.0.3"
 """
 
 
+def identity_of(cfg: Config) -> SnapshotIdentity:
+    """A snapshot identity whose members are the config's (what a real snapshot's db would say)."""
+    from etcd_agent.etcd.snapdb import Member as SnapshotMember
+    from etcd_agent.etcd.snapdb import member_id_from
+
+    members = tuple(SnapshotMember(member_id_from([m.peer_url], "comp"), m.name, (m.peer_url,), (), False)
+                    for m in cfg.members)
+    fields = {f.name: None for f in dataclasses.fields(SnapshotIdentity)}
+    fields.update(size=4096, page_size=4096, txid=1, high_water=1, has_trailer=True, trailer_sha256=None,
+                  trailer_verified=False, buckets=("key", "members", "meta"), members=members, removed_member_ids=(),
+                  first_revision=None, last_revision=None, bucket_entries=None)
+    return SnapshotIdentity(**fields)  # type: ignore[arg-type]
+
+
 class Bed:
     def __init__(self, tmp: str, leader: str = "h2") -> None:
         cfg, errors = parse_text(CFG.format(d=tmp), path=os.path.join(tmp, "agent.toml"))
@@ -57,12 +73,12 @@ class Bed:
             fh.write(os.urandom(3 << 20))
         with open(snap, "rb") as fh:
             sha = hashlib.sha256(fh.read()).hexdigest()
-        self.source = Source(snap, "agent", {}, snap, 0, 3 << 20, sha, 42, "3.5.16")
+        self.source = Source(snap, "agent", 3 << 20, sha, 42, "3.5.16", identity_of(cfg), snapshot_path=snap)
 
     def restore(self, **kw: object) -> Restore:
         opts = Options(spec="latest", progress=lambda s: None, **kw)  # type: ignore[arg-type]
         return Restore(self.cfg, opts, nodes=scripted_nodes(self.script, self.hosts), cluster=self.cluster,
-                       open_source=lambda cfg, spec, staging: self.source)
+                       open_source=lambda cfg, spec, staging, now: self.source)
 
     def order(self, step: str) -> List[str]:
         return [m for _h, s, m in self.script.calls if s == step]
@@ -198,3 +214,24 @@ def test_the_cluster_not_converging_rolls_back(bed: Bed) -> None:
     with pytest.raises(OperationFailed) as ei:
         bed.restore(health_timeout=1.0).run()
     assert "rolled back" in ei.value.message and sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
+
+
+def test_a_snapshot_of_another_cluster_is_refused_from_its_content(bed: Bed) -> None:
+    # the hosts' data dirs hold a cluster whose member ids the snapshot's db does not have
+    for m in ("h1", "h2", "h3"):
+        bed.script.facts[m] = {"db_member_ids": ["abc1", "abc2", "abc3"], "data_dir_state": "member"}
+    with pytest.raises(RefusedError) as ei:
+        bed.restore().run()
+    text = " ".join(ei.value.details)
+    assert "--new-cluster" in text, ei.value.details
+    assert "begin" not in [s for _h, s, _m in bed.script.calls]
+    # the operator says so on purpose: it proceeds
+    out = bed.restore(new_cluster=True).run()
+    assert out.done
+
+
+def test_a_snapshot_proven_ours_says_how(bed: Bed) -> None:
+    ids = [f"{x:x}" for x in bed.source.identity.member_ids]  # type: ignore[union-attr]
+    bed.script.facts["h1"] = {"bootstrap_member_id": ids[0]}
+    out = bed.restore(dry_run=True).run()
+    assert out.plan.ok and any(e.startswith("proven:") and ids[0] in e for e in out.plan.evidence), out.plan.evidence

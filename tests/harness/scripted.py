@@ -15,6 +15,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from etcd_agent.backup.identity import Evidence
 from etcd_agent.config import Config
 from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
 from etcd_agent.hosts.base import LineBuffer
@@ -270,10 +271,10 @@ class ScriptedCluster:
         self.cfg = cfg
         self._leader = leader
         self.converge = converge
-        self.lineage: List[Optional[str]] = []
+        self.lineage: List[List[str]] = []
 
-    def identity(self) -> Tuple[Optional[str], List[str]]:
-        return None, []
+    def evidence(self) -> Evidence:
+        return Evidence(notes=("scripted: no running cluster",))
 
     def leader(self) -> Optional[str]:
         return self._leader
@@ -288,5 +289,5 @@ class ScriptedCluster:
     def member_ids(self) -> Dict[str, Tuple[str, str]]:
         return {m.name: (f"{i + 1:x}", "c1") for i, m in enumerate(self.cfg.members)}
 
-    def record_lineage(self, archive_cluster_id: Optional[str]) -> None:
-        self.lineage.append(archive_cluster_id)
+    def record_lineage(self, member_ids: List[str]) -> None:
+        self.lineage.append(list(member_ids))

@@ -69,3 +69,10 @@ def test_empty_and_invalid() -> None:
     assert plan([], keep_last=1, keep_hourly=1, keep_daily=1) == []
     with pytest.raises(ValueError):
         plan(refs([0]), keep_last=0, keep_hourly=0, keep_daily=0)
+
+
+def test_the_backup_just_written_is_never_deleted() -> None:
+    # b0 is unverified (e.g. its check could not be recorded) and outside every rule: still kept
+    ds = {d.name: d for d in plan(refs([0, 1, 2]), keep_last=1, keep_hourly=0, keep_daily=0, protect=("b2",))}
+    assert ds["b2"].keep and "the backup just written (never deleted)" in ds["b2"].reasons
+    assert not ds["b1"].keep
