@@ -42,6 +42,7 @@ COMMAND_MODULES: List[str] = [
     "upgrade",
     "maintenance",
     "restore",
+    "k8s",
     "node",
 ]
 

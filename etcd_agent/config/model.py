@@ -167,6 +167,16 @@ class KubernetesSection:
     apiserver_unit: str = "kube-apiserver.service"
     manifest: str = "/etc/kubernetes/manifests/kube-apiserver.yaml"
     manifest_aside_dir: str = "/etc/kubernetes/manifests-aside"
+    # each master's apiserver readiness endpoint; {host} is the member's host. Set, the restore
+    # unfences the apiservers one at a time, each after the one before answers 200 here.
+    readyz_url: Optional[str] = None
+    readyz_ca: Optional[str] = None  # CA of the apiserver's serving certificate (kubeadm: /etc/kubernetes/pki/ca.crt)
+    readyz_timeout: float = 180.0
+    # the etcd prefix the apiservers store their objects under (--etcd-prefix)
+    etcd_prefix: str = "/registry"
+    # after a restore (and `k8s cleanup`): drop the controller-manager and scheduler leader leases
+    # too, so new leaders are chosen at once instead of when the restored leases time out
+    drop_leader_leases: bool = False
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,13 @@ host = "10.0.0.13"
 # apiserver_unit = "kube-apiserver.service"
 # manifest = "/etc/kubernetes/manifests/kube-apiserver.yaml"
 # manifest_aside_dir = "/etc/kubernetes/manifests-aside"
+# Each master's apiserver /readyz ({host}: the member's host): set, the restore starts the
+# apiservers again one at a time, each once the one before answers 200.
+# readyz_url = "https://{host}:6443/readyz"
+# readyz_ca = "/etc/kubernetes/pki/ca.crt"
+# readyz_timeout = 180.0
+# etcd_prefix = "/registry"           # the apiservers' --etcd-prefix
+# drop_leader_leases = false          # also drop kube-controller-manager/kube-scheduler leader leases
 
 [daemon]
 # interval = 10.0                     # seconds between two convergence cycles

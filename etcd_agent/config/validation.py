@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import os
+import re
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlsplit
 
@@ -122,6 +123,7 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
         ("ssh.identity_file", s.identity_file, READ), ("ssh.known_hosts", s.known_hosts, READ),
         ("ssh.agent_path", s.agent_path, READ),
         ("kubernetes.manifest", k.manifest, WRITE), ("kubernetes.manifest_aside_dir", k.manifest_aside_dir, DIR),
+        ("kubernetes.readyz_ca", k.readyz_ca, READ),
         ("daemon.state_dir", cfg.daemon.state_dir, DATA),
     ]
 
@@ -286,6 +288,18 @@ def validate(
         errs.append(f"kubernetes.fence must be one of {', '.join(FENCE_METHODS)}, got {k.fence!r}")
     if not UNIT_RE.match(k.apiserver_unit):
         errs.append(f"kubernetes.apiserver_unit {k.apiserver_unit!r} must be a systemd service name")
+    if k.readyz_url is not None:
+        probe = k.readyz_url.replace("{host}", "h.example")
+        parts = urlsplit(probe)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or "@" in parts.netloc:
+            errs.append(f"kubernetes.readyz_url {k.readyz_url!r} must be http(s)://{{host}}:PORT/readyz (no query)")
+        elif "{host}" not in k.readyz_url:
+            errs.append("kubernetes.readyz_url must name the master as {host}, e.g. https://{host}:6443/readyz")
+    if k.readyz_ca is not None and not file_exists(k.readyz_ca):
+        errs.append(f"kubernetes.readyz_ca: file {k.readyz_ca} does not exist")
+    errs.extend(_seconds("kubernetes.readyz_timeout", k.readyz_timeout))
+    if not re.match(r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", k.etcd_prefix):
+        errs.append(f"kubernetes.etcd_prefix {k.etcd_prefix!r} must be a key prefix like /registry")
 
     d = cfg.daemon
     errs.extend(_seconds("daemon.interval", d.interval))

@@ -360,6 +360,22 @@ class EtcdClient:
         raw = self._call(endpoint, method, req) if endpoint else self._call_any(method, req)
         return wire.get_int(wire.fields(raw), 4)
 
+    def keys(self, prefix: str, limit: int = 10000) -> List[str]:
+        """The keys under ``prefix`` (keys_only, at most ``limit``: a bound, not a page)."""
+        req = (wire.encode_field(1, prefix.encode()) + wire.encode_field(2, prefix_end(prefix.encode()))
+               + wire.encode_field(3, limit) + wire.encode_field(8, 1))
+        raw = self._call_any("/etcdserverpb.KV/Range", req)
+        out = []
+        for kv in wire.fields(raw).get(2, []):
+            if isinstance(kv, bytes):
+                out.append(wire.get_bytes(wire.fields(kv), 1).decode("utf-8", "replace"))
+        return out
+
+    def delete(self, key: str) -> int:
+        """Delete exactly ``key``; how many keys went (0 or 1)."""
+        raw = self._call_any("/etcdserverpb.KV/DeleteRange", wire.encode_field(1, key.encode()))
+        return wire.get_int(wire.fields(raw), 2)
+
     @contextlib.contextmanager
     def locked(self, name: str, ttl: int, timeout: Optional[float] = None) -> Iterator[None]:
         """Hold etcd lock ``name`` (lease ``ttl`` seconds) around the body; BusyError when another

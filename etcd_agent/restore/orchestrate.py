@@ -66,6 +66,8 @@ class Outcome:
     timings: Dict[str, float] = field(default_factory=dict)
     revisions: Dict[str, int] = field(default_factory=dict)
     downtime: Optional[float] = None  # fence -> unfence
+    cleanup: List[str] = field(default_factory=list)  # what the Kubernetes cleanup did
+    ready: Dict[str, str] = field(default_factory=dict)  # member -> its apiserver's /readyz wait
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -75,6 +77,8 @@ class Outcome:
             "downtime": None if self.downtime is None else round(self.downtime, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "revisions": self.revisions,
+            "kubernetes_cleanup": self.cleanup,
+            "apiservers": self.ready,
         }
 
 
@@ -103,6 +107,14 @@ class LiveCluster(Protocol):
 
     def record_lineage(self, member_ids: List[str]) -> None:
         """Append the restored snapshot's member ids to the lineage kept in etcd."""
+        ...
+
+    def k8s_cleanup(self) -> List[str]:
+        """Remove what Kubernetes left stale in the restored data (``cluster.kubernetes``)."""
+        ...
+
+    def wait_ready(self, member: Member) -> Optional[float]:
+        """Wait for the member's apiserver /readyz; seconds, or None when no URL is set."""
         ...
 
 
@@ -145,6 +157,19 @@ class EtcdCluster:
 
     def record_lineage(self, member_ids: List[str]) -> None:
         record_lineage(self.cfg, member_ids)
+
+    def k8s_cleanup(self) -> List[str]:
+        from ..cluster.kubernetes import cleanup
+        from ..etcd.client import EtcdClient
+
+        with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
+            plan = cleanup(self.cfg, c, dry_run=False)
+        return [f"deleted {r.key}: {r.why}" for r in plan.delete] + plan.notes
+
+    def wait_ready(self, member: Member) -> Optional[float]:
+        from ..cluster.kubernetes import wait_ready
+
+        return wait_ready(self.cfg, member)
 
 
 # ---------------------------------------------------------------- restore
@@ -338,7 +363,10 @@ class Restore:
             )
             outcome.timings["wait"] = time.monotonic() - t
             self.cluster.record_lineage(list(source.member_ids))
-            self._phase("unfence", lambda m: self._call(m, "unfence"))
+            outcome.cleanup = self.cluster.k8s_cleanup()
+            for line in outcome.cleanup:
+                self.say(f"kubernetes: {line}")
+            self._unfence(outcome)
             outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
@@ -355,6 +383,27 @@ class Restore:
         self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
                                                    cluster_id=ids[m.name][1] if m.name in ids else None,
                                                    ancestors=list(source.member_ids)))
+
+    def _unfence(self, outcome: Outcome) -> None:
+        """The apiservers start again one host at a time: each host's unfence, then (with
+        ``[kubernetes] readyz_url``) a wait until that apiserver answers /readyz, then the next.
+        A slow apiserver is reported, not rolled back: etcd is restored and healthy by now."""
+        t = time.monotonic()
+        owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
+        for m in self.cfg.members:
+            self._call(m, "unfence")
+            if not owners[m.name] or self.cfg.kubernetes.fence == "none":
+                continue
+            try:
+                waited = self.cluster.wait_ready(m)
+            except OperationFailed as exc:
+                outcome.ready[m.name] = f"NOT ready: {exc.message}"
+                self.say(f"{m.name}: apiserver {outcome.ready[m.name]}; starting the next one anyway")
+                continue
+            if waited is not None:
+                outcome.ready[m.name] = f"ready after {waited:.1f}s"
+                self.say(f"{m.name}: apiserver ready after {waited:.1f}s")
+        self.timings["unfence"] = time.monotonic() - t
 
     def _leader_last(self) -> Tuple[Optional[Member], List[Member]]:
         """The members in stop order: followers first, the leader last (stopping the leader

@@ -310,6 +310,7 @@ class Plan:
     resuming: bool
     kind: str = "agent"  # agent | runbook
     evidence: List[str] = field(default_factory=list)  # what was proven of the backup, and how
+    kubernetes: List[str] = field(default_factory=list)  # what the Kubernetes cleanup will delete
     hosts: List[HostPlan] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)  # cluster-wide
 
@@ -330,6 +331,7 @@ class Plan:
             "resuming": self.resuming,
             "kind": self.kind,
             "evidence": self.evidence,
+            "kubernetes": self.kubernetes,
             "ok": self.ok,
             "problems": self.problems,
             "hosts": [
@@ -391,9 +393,18 @@ def build_plan(
             why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
         else:
             why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
-        note = f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch caches start over"
+        if cfg.kubernetes.fence == "none":
+            note = (f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch "
+                    "caches start over (no fencing is configured, so the restore cannot do it)")
+        else:
+            note = (f"revision NOT bumped: {why}; the apiservers are restarted by the unfence step, so their "
+                    "watch caches start over")
+    from ..cluster.kubernetes import master_addresses, rule_text
+
+    masters, _unknown = master_addresses(cfg, resolve=False)
     plan = Plan(op, backup, token, ic, source.revision, bump, note, new_cluster, resuming, kind=source.kind,
-                evidence=list(source.lines))
+                evidence=list(source.lines), kubernetes=[f"after etcd is healthy, before the apiservers start: "
+                                                         f"{rule_text(cfg, masters)}"])
     owners = fence_owners(cfg, host_of)
     k = cfg.kubernetes
     for m in cfg.members:
@@ -440,7 +451,10 @@ def build_plan(
         add(Step("wait", f"wait until every member is healthy at the same revision (>= {source.revision}); "
                          f"record the archive's cluster id under {LINEAGE_KEY}"))
         if owners[m.name] and k.fence != "none":
-            add(Step("unfence", "start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back"))
+            ready = (f", then wait until {k.readyz_url.replace('{host}', m.host)} answers (the next host only after)"
+                     if k.readyz_url else "")
+            add(Step("unfence", ("start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back")
+                     + ready))
         add(Step("finish", f"journal marked done (kept in {wd} until the next restore); the shipped snapshot deleted; release the lock"))
         plan.hosts.append(hp)
     return plan
@@ -457,6 +471,7 @@ def render_plan(plan: Plan) -> str:
         f"  {plan.bump_note}",
     ]
     lines += [f"  {e}" for e in plan.evidence]
+    lines += [f"  kubernetes: {k}" for k in plan.kubernetes]
     for p in plan.problems:
         lines.append(f"  REFUSED: {p}")
     for h in plan.hosts:

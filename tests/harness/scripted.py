@@ -291,3 +291,9 @@ class ScriptedCluster:
 
     def record_lineage(self, member_ids: List[str]) -> None:
         self.lineage.append(list(member_ids))
+
+    def k8s_cleanup(self) -> List[str]:
+        return []
+
+    def wait_ready(self, member: object) -> Optional[float]:
+        return None

@@ -39,11 +39,13 @@ APISERVER = "kube-apiserver.service"
 KEYS = 10_000
 LATER = 300
 AGENT_UNIT = os.path.join(REPO, "systemd", "etcd-agent.service")
-STAND_IN = """[Unit]
-Description=kube-apiserver stand-in (the restore fences it)
+# answers /readyz 503 for its first READY_AFTER seconds, then 200 (as an apiserver warming up)
+READY_AFTER = 2.0
+STAND_IN = f"""[Unit]
+Description=kube-apiserver stand-in (the restore fences it; /readyz on :6443 after {READY_AFTER:g} s)
 
 [Service]
-ExecStart=/bin/sleep infinity
+ExecStart=/usr/bin/python3 -c 'import http.server as h,time;t0=time.time();R=type("R",(h.BaseHTTPRequestHandler,),{{"log_message":lambda s,*a:None,"do_GET":lambda s:(s.send_response(200 if s.path=="/readyz" and time.time()-t0>={READY_AFTER} else 503),s.end_headers())}});h.HTTPServer(("",6443),R).serve_forever()'
 
 [Install]
 WantedBy=multi-user.target
@@ -53,7 +55,8 @@ WantedBy=multi-user.target
 def agent_toml(hosts: Sequence[Container]) -> str:
     """One config for every host: each agent finds itself by name / IP."""
     return agentbed.agent_toml("rs", hosts, extra=(
-        '\n[kubernetes]\nfence = "unit"\napiserver_unit = "kube-apiserver.service"\n\n'
+        '\n[kubernetes]\nfence = "unit"\napiserver_unit = "kube-apiserver.service"\n'
+        'readyz_url = "http://{host}:6443/readyz"\nreadyz_timeout = 60.0\n\n'
         '[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
         'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 120.0\n'))
 
@@ -171,7 +174,16 @@ def test_disaster_restore_with_daemons_running(rs: NspawnBed, backup: Dict) -> N
     res = agent(rs[0], "--json", "restore", "--from", backup["path"], "--yes")
     wall = time.monotonic() - t0
     assert res.returncode == 0, res.stdout + res.stderr
-    phases = json.loads(res.stdout)["timings"]
+    outcome = json.loads(res.stdout)
+    phases = outcome["timings"]
+    # the apiservers came back one at a time, each after the one before answered /readyz
+    assert sorted(outcome["apiservers"]) == [c.name for c in rs.containers], outcome["apiservers"]
+    assert all(v.startswith("ready after") for v in outcome["apiservers"].values()), outcome["apiservers"]
+    # the containers share the host kernel's monotonic clock: their start times compare directly
+    order = [int(c.systemctl("show", APISERVER, "-p", "ExecMainStartTimestampMonotonic", "--value").stdout.strip() or 0)
+             / 1e6 for c in rs.containers]
+    for a, b in zip(order, order[1:]):
+        assert b - a >= READY_AFTER - 0.2, f"the next apiserver started {b - a:.2f} s after the previous one: {order}"
     revs = revisions(cfg)
     assert len(set(revs.values())) == 1, revs
     for c in rs.containers:
@@ -198,6 +210,8 @@ def test_disaster_restore_with_daemons_running(rs: NspawnBed, backup: Dict) -> N
     record("restore --yes over SSH, data dirs deleted on 3 hosts, daemons running",
            f"wall {wall:.1f} s, {KEYS} keys back, none of {LATER} later, revision {set(revs.values())}")
     record("restore phases", ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    record("apiservers unfenced one at a time", ", ".join(f"{n} {v}" for n, v in outcome["apiservers"].items())
+           + "; started " + ", ".join(f"+{t - order[0]:.1f} s" for t in order))
     print("\n".join(line for line in res.stderr.splitlines() if "restore:" in line))
 
 

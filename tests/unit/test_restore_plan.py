@@ -65,10 +65,15 @@ def check(c: Any, name: str, **kw: Any) -> list:
                         snapshot_version="3.4.23", agent_version="0.1.0", resuming=False)
 
 
+def source() -> P.SourceFacts:
+    m = manifest()
+    return P.SourceFacts("agent", m["revision"], 1000, m["files"]["etcd_snapshot.db"]["sha256"], ("checked: test",))
+
+
 def test_plan_argv_per_host() -> None:
     c = cfg()
     host_of = {m.name: m.ssh_host for m in c.members}
-    plan = P.build_plan(c, op="op1", backup="/b/etcd-x.tar", manifest=manifest(), token="tok-1", host_of=host_of,
+    plan = P.build_plan(c, op="op1", backup="/b/etcd-x.tar", source=source(), token="tok-1", host_of=host_of,
                         facts={m.name: facts(c, m.name) for m in c.members}, new_cluster=False, resuming=False)
     ic = "master1=http://10.0.0.1:2380,master2=http://10.0.0.2:2380,master3=http://10.0.0.3:2380"
     assert plan.initial_cluster == ic and plan.ok
@@ -92,19 +97,19 @@ def test_bump_only_with_etcdutl_3510() -> None:
     c = cfg(CFG_TEXT.replace("[etcd]", '[etcd]\netcdutl = "/usr/bin/etcdutl"'))
     # 3.5.0-3.5.9 reject --bump-revision as an unknown flag (seen with etcdutl 3.5.1)
     old = {m.name: facts(c, m.name, etcdutl_version="3.5.9") for m in c.members}
-    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+    plan = P.build_plan(c, op="o", backup="b", source=source(), token="t", host_of={m.name: "x" for m in c.members},
                         facts=old, new_cluster=False, resuming=False)
     argv = next(s for s in plan.hosts[0].steps if s.name == "restore").argv
     assert not plan.bump and "etcdutl 3.5.9 has no --bump-revision" in plan.bump_note
     assert argv is not None and argv[0] == "/usr/bin/etcdutl" and not any("bump" in a or "compacted" in a for a in argv)
     fs = {m.name: facts(c, m.name, etcdutl_version="3.5.10") for m in c.members}
-    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+    plan = P.build_plan(c, op="o", backup="b", source=source(), token="t", host_of={m.name: "x" for m in c.members},
                         facts=fs, new_cluster=False, resuming=False)
     argv = next(s for s in plan.hosts[0].steps if s.name == "restore").argv
     assert argv is not None and argv[0] == "/usr/bin/etcdutl"
     assert f"--bump-revision={P.BUMP_REVISION}" in argv and "--mark-compacted" in argv
     fs["master3"] = facts(c, "master3", etcdutl_version="3.4.0")
-    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+    plan = P.build_plan(c, op="o", backup="b", source=source(), token="t", host_of={m.name: "x" for m in c.members},
                         facts=fs, new_cluster=False, resuming=False)
     assert not plan.bump
 
@@ -129,20 +134,6 @@ def test_host_rules() -> None:
     assert any("TLS file" in p for p in check(c, "master1", tls_missing=["/x.crt"]))
     assert any("unfinished restore" in p for p in check(c, "master1", journal={"op": "x", "state": "running"}))
     assert check(c, "master1", journal={"op": "x", "state": "done"}) == []
-
-
-def test_manifest_rules() -> None:
-    c = cfg()
-    assert P.check_manifest(c, manifest(), "abc", False) == []
-    assert P.check_manifest(c, manifest(), None, False) == []  # full outage: layout only
-    foreign = P.check_manifest(c, manifest(), "def", False)
-    assert any("foreign cluster" in p for p in foreign)
-    assert P.check_manifest(c, manifest(), "def", False, lineage=["abc"]) == []  # restored before
-    extra = manifest(members=manifest()["members"] + [{"name": "master4", "peer_urls": ["http://10.0.0.4:2380"]}])
-    assert any("master4" in p and "not in the config" in p for p in P.check_manifest(c, extra, None, False))
-    moved = manifest(members=[{"name": "master1", "peer_urls": ["http://10.9.9.9:2380"]}] + manifest()["members"][1:])
-    assert any("peer URL" in p for p in P.check_manifest(c, moved, None, False))
-    assert P.check_manifest(c, extra, "def", True) == []  # --new-cluster: deliberate
 
 
 def _journal(op: str, state: str = "running", backup: str = "/b/x.tar", sha: "str | None" = "s") -> JournalSummary:
