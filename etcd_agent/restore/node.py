@@ -53,6 +53,21 @@ def _free_name(base: str, tag: str) -> str:
     return target if n == 1 else f"{target}.{n}"
 
 
+# what each binary reports, once per session: a host's members share their tools
+_VERSIONS: Dict[str, Optional[str]] = {}
+
+
+def _version(host: LocalHost, binary: Optional[str]) -> Optional[str]:
+    if not binary:
+        return None
+    if binary not in _VERSIONS:
+        try:
+            _VERSIONS[binary] = version_of(host, binary)
+        except CommandError:
+            _VERSIONS[binary] = None
+    return _VERSIONS[binary]
+
+
 class NodeRestore:
     """The restore of one member on this host."""
 
@@ -104,12 +119,8 @@ class NodeRestore:
 
     def precheck(self) -> P.NodeFacts:
         cfg, m = self.cfg, self.member
-        versions: Dict[str, Optional[str]] = {}
-        for key, binary in (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl)):
-            try:
-                versions[key] = version_of(self.host, binary) if binary else None
-            except CommandError:
-                versions[key] = None
+        tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
+        versions = {key: _version(self.host, binary) for key, binary in tools}
         probe = os.path.dirname(self.data_dir) or "/"
         while not os.path.exists(probe) and probe != "/":
             probe = os.path.dirname(probe)
