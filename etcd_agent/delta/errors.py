@@ -1,0 +1,48 @@
+"""The delta feature's errors, inside the agent's one hierarchy (exit codes come with the base)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
+
+
+class DeltaError(BackupError):
+    """Delta segments could not be written or read."""
+
+
+class SegmentCorrupt(BackupCorrupt):
+    """A segment file failed its checks (format, bounds, digest); ``path`` names it."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"segment {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class ChainBroken(DeltaError):
+    """The watch cannot continue the chain: events from ``at_revision`` on are not captured.
+
+    The caller must take a new full backup and start a new chain from its revision.
+    ``compact_revision`` is etcd's compaction point when compaction is the cause.
+    """
+
+    def __init__(
+        self,
+        at_revision: int,
+        reason: str,
+        *,
+        compact_revision: Optional[int] = None,
+        details: Optional[Sequence[str]] = None,
+    ) -> None:
+        super().__init__(f"chain broken at rev {at_revision} because {reason}", details=details)
+        self.at_revision = at_revision
+        self.reason = reason
+        self.compact_revision = compact_revision
+
+
+class ScratchError(OperationFailed):
+    """The throwaway etcd could not be restored, started or stopped; ``details`` has its log tail."""
+
+
+class ReplayError(OperationFailed):
+    """A replay failed for a reason other than a broken chain (which it reports, not raises)."""

@@ -1,0 +1,249 @@
+"""The segment format: writer, bounded reader, chain check, fuzz (pure: no etcd)."""
+import os
+import random
+import stat
+import time
+
+import pytest
+
+from etcd_agent.delta.errors import DeltaError, SegmentCorrupt
+from etcd_agent.delta.segments import (
+    DELETE,
+    PUT,
+    Event,
+    LeaseRecord,
+    SegmentHeader,
+    SegmentWriter,
+    Txn,
+    check_chain,
+    list_segments,
+    parse_name,
+    read_segment,
+    read_summary,
+    remove_stale_temps,
+)
+
+T0 = 1_700_000_000_000
+
+
+def put(rev, key, value=b"v", create=None, version=1, lease=0):
+    return Event(PUT, key, value, rev, create or rev, version, lease)
+
+
+def delete(rev, key):
+    return Event(DELETE, key, b"", rev, 0, 0, 0)
+
+
+def write_chain(directory, base, sizes, chain_id="ab" * 16, t0=T0):
+    """A chain of segments after ``base``: sizes[i] revisions in segment i (0: idle segment)."""
+    infos = []
+    rev = base + 1
+    prev = ""
+    t = t0
+    for seq, n in enumerate(sizes):
+        h = SegmentHeader(chain_id, seq, base, rev, prev, t)
+        w = SegmentWriter(directory, h)
+        for _ in range(n):
+            t += 10
+            evs = (put(rev, b"k%d" % (rev % 7), b"x" * (rev % 50)),)
+            if rev % 5 == 0:
+                evs = evs + (delete(rev, b"gone%d" % rev), put(rev, b"t%d" % rev, lease=0x10))
+            w.add_txn(Txn(rev, t, evs))
+            rev += 1
+        w.add_lease(LeaseRecord(0x10, 60, 50, t))
+        t += 100
+        info = w.close(t, confirmed=True)
+        infos.append(info)
+        prev = info.sha256
+    return infos
+
+
+def test_roundtrip_and_file_mode(tmp_path):
+    old = os.umask(0)
+    try:
+        infos = write_chain(str(tmp_path), 100, [5, 0, 3])
+    finally:
+        os.umask(old)
+    for info in infos:
+        assert stat.S_IMODE(os.stat(info.path).st_mode) == 0o600
+    seg = read_segment(infos[0].path)
+    assert [t.revision for t in seg.txns] == [101, 102, 103, 104, 105]
+    assert seg.txns[4].events[1] == Event(DELETE, b"gone105", b"", 105, 0, 0, 0)
+    assert seg.info.lease_records == (LeaseRecord(0x10, 60, 50, seg.txns[-1].time_ms),)
+    assert seg.info.sha256 == infos[0].sha256
+    # idle segment: empty revision range, visible in the name
+    assert parse_name(os.path.basename(infos[1].path)) == (106, 105)
+    assert read_segment(infos[1].path).txns == ()
+    header, footer = read_summary(infos[2].path)
+    assert (header.start_revision, footer.end_revision, footer.txns) == (106, 108, 3)
+    assert [os.path.basename(p) for p in list_segments(str(tmp_path))] == [os.path.basename(i.path) for i in infos]
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".")]  # no temp file left
+
+
+def test_writer_keeps_revisions_contiguous(tmp_path):
+    w = SegmentWriter(str(tmp_path), SegmentHeader("cd" * 16, 0, 10, 11, "", T0))
+    w.add_txn(Txn(11, T0, (put(11, b"a"),)))
+    with pytest.raises(DeltaError):
+        w.add_txn(Txn(13, T0, (put(13, b"a"),)))
+    with pytest.raises(DeltaError):
+        w.add_txn(Txn(12, T0, ()))
+    w.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_time_never_goes_backwards(tmp_path):
+    w = SegmentWriter(str(tmp_path), SegmentHeader("cd" * 16, 0, 10, 11, "", T0))
+    w.add_txn(Txn(11, T0 + 500, (put(11, b"a"),)))
+    w.add_txn(Txn(12, T0 + 100, (put(12, b"a"),)))  # wall clock stepped back
+    info = w.close(T0, confirmed=False)
+    seg = read_segment(info.path)
+    assert [t.time_ms for t in seg.txns] == [T0 + 500, T0 + 500]
+    assert seg.info.footer.end_time_ms == T0 + 500
+
+
+def test_check_chain_good(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [4, 0, 0, 6, 2])
+    chk = check_chain(list_segments(str(tmp_path)), 100)
+    assert chk.stop is None
+    assert [i.path for i in chk.segments] == [i.path for i in infos]
+    assert chk.end_revision == 112
+
+
+def test_check_chain_gap(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [4, 3, 5])
+    os.unlink(infos[1].path)
+    chk = check_chain(list_segments(str(tmp_path)), 100)
+    assert [i.path for i in chk.segments] == [infos[0].path]
+    assert chk.stop.kind == "gap" and chk.stop.at_revision == 105 and chk.stop.last_good_revision == 104
+    assert "105..107" in chk.stop.reason
+    assert chk.lost == (infos[2].path,)
+
+
+def test_check_chain_corrupt_middle(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [4, 3, 5])
+    with open(infos[1].path, "r+b") as fh:
+        fh.seek(120)
+        b = fh.read(1)
+        fh.seek(120)
+        fh.write(bytes([b[0] ^ 0x40]))
+    chk = check_chain(list_segments(str(tmp_path)), 100)
+    assert len(chk.segments) == 1
+    assert chk.stop.kind == "corrupt" and chk.stop.at_revision == 105 and chk.stop.path == infos[1].path
+    assert "digest" in chk.stop.reason
+    assert set(chk.lost) == {infos[1].path, infos[2].path}
+
+
+def test_check_chain_link_mismatch_and_other_chains(tmp_path):
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    infos_a = write_chain(str(a), 100, [4, 3])
+    infos_b = write_chain(str(b), 100, [4, 3], chain_id="cd" * 16, t0=T0 + 5000)
+    # a's second segment replaced by b's second: same revisions, wrong chain/link
+    os.unlink(infos_a[1].path)
+    os.rename(infos_b[1].path, os.path.join(str(a), os.path.basename(infos_b[1].path)))
+    chk = check_chain(list_segments(str(a)), 100)
+    assert len(chk.segments) == 1 and chk.stop.kind == "mismatch" and chk.stop.at_revision == 105
+    # a chain of another full backup in the same dir is ignored, not an error
+    c = write_chain(str(a), 500, [2])
+    chk = check_chain(list_segments(str(a)), 500)
+    assert chk.stop is None and [i.path for i in chk.segments] == [c[0].path]
+
+
+def test_duplicate_start_picks_the_linked_one(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [4, 3])
+    # a damaged copy with the same start revision beside the good one
+    bad = os.path.join(str(tmp_path), "etcd-delta-0000000000000105-0000000000000109-20200101T000000Z.seg")
+    with open(infos[1].path, "rb") as fh:
+        data = bytearray(fh.read())
+    data[-40] ^= 1
+    with open(bad, "wb") as fh:
+        fh.write(bytes(data))
+    chk = check_chain(list_segments(str(tmp_path)), 100)
+    assert chk.stop is None and [i.path for i in chk.segments] == [i.path for i in infos]
+
+
+def test_stale_temps_are_ours_only(tmp_path):
+    from etcd_agent.backup.archive import PARTIAL_RE
+
+    w = SegmentWriter(str(tmp_path), SegmentHeader("ef" * 16, 0, 1, 2, "", T0))
+    name = os.path.basename(w.tmp)
+    assert not PARTIAL_RE.match(name)  # the backup's cleanup never deletes an open segment
+    (tmp_path / ".etcd-x.partial").write_bytes(b"")
+    (tmp_path / "other").write_bytes(b"")
+    w._fh.close()
+    w._fh = None
+    assert remove_stale_temps(str(tmp_path)) == [name]
+    assert sorted(os.listdir(tmp_path)) == [".etcd-x.partial", "other"]
+
+
+def _mutations(data, rng, n):
+    for _ in range(n):
+        b = bytearray(data)
+        op = rng.randrange(4)
+        if op == 0:
+            for _ in range(rng.randint(1, 4)):
+                i = rng.randrange(len(b))
+                b[i] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            del b[rng.randrange(len(b)) :]
+        elif op == 2:
+            i = rng.randrange(len(b))
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        else:
+            i = rng.randrange(len(b))
+            del b[i : i + rng.randint(1, 64)]
+        yield bytes(b)
+
+
+def test_fuzz_reader_raises_only_segment_corrupt(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [30])
+    with open(infos[0].path, "rb") as fh:
+        data = fh.read()
+    rng = random.Random(1234)
+    target = str(tmp_path / "fuzz.seg")
+    start = time.monotonic()
+    n = 0
+    for mutated in _mutations(data, rng, 1500):
+        if mutated == data:
+            continue
+        with open(target, "wb") as fh:
+            fh.write(mutated)
+        with pytest.raises(SegmentCorrupt):
+            read_segment(target)
+        n += 1
+    assert n > 1400
+    assert time.monotonic() - start < 20
+
+
+def test_fuzz_structure_behind_a_valid_digest(tmp_path):
+    """A forged file with a correct digest must still be parsed within bounds: either it is a
+    well-formed segment or SegmentCorrupt - never another exception, never a huge allocation."""
+    import hashlib
+
+    infos = write_chain(str(tmp_path), 100, [30])
+    with open(infos[0].path, "rb") as fh:
+        data = fh.read()
+    body = data[:-32]
+    rng = random.Random(99)
+    target = str(tmp_path / "forged.seg")
+    ok = bad = 0
+    for mutated in _mutations(body, rng, 1500):
+        forged = mutated + hashlib.sha256(mutated).digest()
+        with open(target, "wb") as fh:
+            fh.write(forged)
+        try:
+            read_segment(target)
+            ok += 1
+        except SegmentCorrupt:
+            bad += 1
+    assert bad > 1000
+
+
+def test_size_limit(tmp_path):
+    infos = write_chain(str(tmp_path), 100, [3])
+    with pytest.raises(SegmentCorrupt, match="limit"):
+        read_segment(infos[0].path, max_bytes=100)
+    with pytest.raises(SegmentCorrupt, match="cannot open"):
+        read_segment(str(tmp_path / "missing.seg"))

@@ -1,0 +1,414 @@
+"""Watcher and replay against real etcd 3.5.16 on loopback."""
+import os
+import time
+
+import pytest
+
+from etcd_agent.delta import proto
+from etcd_agent.delta.errors import ChainBroken
+from etcd_agent.delta.replay import Target, replay
+from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
+from etcd_agent.delta.segments import (
+    PUT,
+    Event,
+    LeaseRecord,
+    SegmentHeader,
+    SegmentWriter,
+    Txn,
+    check_chain,
+    list_segments,
+    read_segment,
+)
+from etcd_agent.delta.watcher import DeltaWatcher
+
+from .helpers import Writer, dump, put, values, wait_for, wait_watcher_caught_up
+
+pytestmark = pytest.mark.integration
+
+FAST = dict(close_seconds=0.5, idle_seconds=1.0, progress_timeout=1.0, heartbeat_seconds=2.0)
+
+
+def full_backup(live, directory):
+    # (an empty store's snapshot says revision 0 while the server says 1: keep one key)
+    put(live.rpc, b"seed", b"s")
+    path = os.path.join(directory, "full.db")
+    status = live.snapshot_save(path)
+    assert status.revision == live.rpc.header().revision
+    return path, status.revision
+
+
+def started(live, base, segdir, **kw):
+    opts = dict(FAST)
+    opts.update(kw)
+    w = DeltaWatcher(live.endpoint, base, segdir, **opts)
+    w.start()
+    return w
+
+
+def finish(w, live):
+    """Let the watcher write everything up to the live revision, then stop it."""
+    wait_watcher_caught_up(w, live.rpc.header().revision)
+    w.stop()
+
+
+def restored(path):
+    return scratch_etcd(path, ScratchOptions())
+
+
+def test_replay_newest_equals_live(live, tmp_path):
+    r = live.rpc
+    snap_lease, _ = r.lease_grant(300)
+    for i in range(20):
+        put(r, b"k%03d" % i, b"before")
+    put(r, b"snap-lease-key", b"s", snap_lease)
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir, close_bytes=32 * 1024)
+    Writer(r).run(4.0)
+    time.sleep(3.5)  # the writer's 2 s leases run out: their deletes are in the chain too
+    finish(w, live)
+    final = r.header().revision
+    live_kv = dump(r)
+    paths = list_segments(segdir)
+    assert len(paths) >= 4 and check_chain(paths, base).stop is None
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
+
+    res = replay(full, paths, Target.newest(), output=str(tmp_path / "pitr.db"))
+    assert res.complete and res.lost_after is None
+    assert res.reached_revision == final and res.base_revision == base
+    assert res.revisions_applied == final - base
+    assert res.leases.keys_reattached == 1  # the full backup's lease, moved to its remaining TTL
+    with restored(res.snapshot_path) as s:
+        got = dump(s.rpc)
+        assert values(got) == values(live_kv)
+        for k, v in live_kv.items():
+            if k != b"snap-lease-key":
+                assert got[k] == v, k  # same value, create/mod revision, version and lease id
+        assert s.rpc.header().revision == res.snapshot_revision == final + 1  # + the lease fix-up
+
+
+def test_point_in_time(live, tmp_path):
+    r = live.rpc
+    put(r, b"a", b"0")
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    rev_a = r.txn([proto.op_put(b"a", b"1"), proto.op_put(b"c", b"1")]).revision
+    t_a = int(time.time() * 1000)
+    time.sleep(1.0)
+    t_b = int(time.time() * 1000)
+    r.txn([proto.op_put(b"b", b"2")])
+    put(r, b"a", b"3")
+    finish(w, live)
+    from datetime import datetime, timezone
+
+    mid = datetime.fromtimestamp((t_a + t_b) / 2000.0, tz=timezone.utc)
+    res = replay(full, list_segments(segdir), Target.to_time(mid), output=str(tmp_path / "t.db"))
+    assert res.complete and res.reached_revision == rev_a
+    assert abs((res.reached_time - mid).total_seconds()) <= 0.001
+    with restored(res.snapshot_path) as s:
+        assert values(dump(s.rpc)) == {b"a": b"1", b"c": b"1", b"seed": b"s"}
+    res = replay(full, list_segments(segdir), Target.to_revision(rev_a + 1), output=str(tmp_path / "r.db"))
+    assert res.complete and res.reached_revision == rev_a + 1
+    with restored(res.snapshot_path) as s:
+        assert values(dump(s.rpc)) == {b"a": b"1", b"b": b"2", b"c": b"1", b"seed": b"s"}
+        assert values(dump(s.rpc)) == values(dump(r, revision=rev_a + 1))
+
+
+def test_lease_rule_live(live, tmp_path):
+    r = live.rpc
+    snap_lease, _ = r.lease_grant(90)
+    put(r, b"s1", b"snap", snap_lease)
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    short, _ = r.lease_grant(2)
+    long_, _ = r.lease_grant(60)
+    r.txn([proto.op_put(b"x1", b"x", short), proto.op_put(b"x2", b"x", short)])
+    r.txn([proto.op_put(b"y1", b"y", long_), proto.op_put(b"y2", b"y", long_)])
+    rev_before_expiry = r.header().revision
+    assert wait_for(lambda: not r.range(b"x1").kvs, 10)
+    expiry_rev = r.header().revision
+    assert expiry_rev == rev_before_expiry + 1  # both keys of the lease go in one revision
+    time.sleep(1.5)  # a segment close refreshes the TTLs
+    finish(w, live)
+    left_long = r.lease_ttl(long_).ttl
+    left_snap = r.lease_ttl(snap_lease).ttl
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "l.db"))
+    assert res.complete
+    fates = {f.lease_id: f for f in res.leases.fates}
+    assert fates[short].alive is False and fates[long_].alive and fates[snap_lease].alive
+    with restored(res.snapshot_path) as s:
+        got = dump(s.rpc)
+        assert b"x1" not in got and b"x2" not in got
+        assert got[b"y1"][4] == long_ and got[b"y2"][4] == long_
+        granted = s.rpc.lease_ttl(long_).granted_ttl
+        assert abs(granted - left_long) <= 2, (granted, left_long)
+        moved = got[b"s1"][4]
+        assert moved != snap_lease and got[b"s1"][0] == b"snap"
+        assert abs(s.rpc.lease_ttl(moved).granted_ttl - left_snap) <= 2
+        assert set(s.rpc.lease_list()) == {long_, moved}  # the expired one is not carried over
+
+
+def _synthetic_chain(segdir, base, t0):
+    h = SegmentHeader("12" * 16, 0, base, base + 1, "", t0)
+    w = SegmentWriter(segdir, h)
+    w.add_txn(Txn(base + 1, t0, (Event(PUT, b"k-exp", b"e", base + 1, base + 1, 1, 0x111),)))
+    w.add_txn(Txn(base + 2, t0, (Event(PUT, b"k-live", b"l", base + 2, base + 2, 1, 0x222),)))
+    w.add_txn(Txn(base + 3, t0 + 10, (Event(PUT, b"plain", b"p", base + 3, base + 3, 1, 0),)))
+    w.add_lease(LeaseRecord(0x111, 10, 3, t0 + 10))
+    w.add_lease(LeaseRecord(0x222, 300, 250, t0 + 10))
+    return w.close(t0 + 20_000, confirmed=True)
+
+
+def test_lease_expired_by_target_without_its_deletes(live, tmp_path):
+    """The target falls after a lease's TTL ran out but before etcd's revocation reached the
+    chain: its key is dropped in a fix-up revision; the live lease gets its remaining TTL."""
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    os.makedirs(segdir)
+    t0 = int(time.time() * 1000) - 60_000
+    _synthetic_chain(segdir, base, t0)
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "n.db"))
+    assert res.reached_revision == base + 3 and res.fixup_revisions == (base + 4,)
+    assert res.leases.keys_dropped == 1 and res.snapshot_revision == base + 4
+    with restored(res.snapshot_path) as s:
+        got = dump(s.rpc)
+        assert set(got) == {b"k-live", b"plain", b"seed"}
+        assert s.rpc.lease_ttl(0x222).granted_ttl == 231  # 250 s at t0+10ms, target t0+20 s: 230.01, up
+        assert s.rpc.lease_list() == [0x222]
+    # one second after t0 both were alive
+    from etcd_agent.delta.segments import ms_to_datetime
+
+    res = replay(full, list_segments(segdir), Target.to_time(ms_to_datetime(t0 + 1000)), output=str(tmp_path / "e.db"))
+    assert res.fixup_revisions == () and res.reached_revision == base + 3
+    with restored(res.snapshot_path) as s:
+        assert set(dump(s.rpc)) == {b"k-exp", b"k-live", b"plain", b"seed"}
+        assert s.rpc.lease_ttl(0x111).granted_ttl == 5  # 2 s left, raised to the 5 s minimum
+
+
+def test_compaction_while_stopped_breaks_the_chain(live, tmp_path):
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    for i in range(30):
+        put(r, b"k%d" % i, b"v")
+    finish(w, live)
+    end = check_chain(list_segments(segdir), base).end_revision
+    for i in range(10):
+        put(r, b"later%d" % i, b"v")
+    compacted = r.header().revision
+    r.compact(compacted, physical=True)
+    w2 = DeltaWatcher(live.endpoint, base, segdir, **FAST)
+    w2.start()
+    with pytest.raises(ChainBroken) as ei:
+        w2.join(30)
+    assert ei.value.at_revision == end + 1 and ei.value.compact_revision == compacted
+    assert f"chain broken at rev {end + 1}" in ei.value.message
+    assert w2.status().state == "broken"
+    # a new chain from a compacted full backup revision breaks at once, too
+    w3 = DeltaWatcher(live.endpoint, base, str(tmp_path / "seg3"), **FAST)
+    w3.start()
+    with pytest.raises(ChainBroken) as ei:
+        w3.join(30)
+    assert ei.value.at_revision == base + 1
+
+
+def _three_segment_chain(live, tmp_path):
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir, close_seconds=100, close_bytes=8 * 1024)
+    Writer(r, seed=3).run(2.0)
+    finish(w, live)
+    paths = list_segments(segdir)
+    infos = check_chain(paths, base).segments
+    assert len(infos) >= 3 and all(not i.empty for i in infos[:3])
+    return full, base, paths, infos
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_broken_middle_segment_stops_at_the_last_good_point(live, tmp_path, damage):
+    full, base, paths, infos = _three_segment_chain(live, tmp_path)
+    middle = infos[1].path
+    if damage == "corrupt":
+        with open(middle, "r+b") as fh:
+            fh.seek(os.path.getsize(middle) // 2)
+            fh.write(b"\xff\x00\xff")
+    else:
+        os.unlink(middle)
+    res = replay(full, list_segments(os.path.dirname(middle)), Target.newest(), output=str(tmp_path / "b.db"))
+    good_end = infos[0].end_revision
+    assert not res.complete
+    assert res.reached_revision == good_end
+    assert res.reached_time is not None and int(res.reached_time.timestamp() * 1000) == infos[0].footer.end_time_ms
+    assert res.lost_after.kind == ("corrupt" if damage == "corrupt" else "gap")
+    assert res.lost_after.at_revision == good_end + 1
+    assert str(good_end) in res.stopped_because
+    with restored(res.snapshot_path) as s:
+        assert values(dump(s.rpc)) == values(dump(live.rpc, revision=good_end))  # history of the live member
+
+
+def test_resume_and_outage(live, tmp_path):
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    Writer(r, seed=1).run(1.0)
+    finish(w, live)
+    Writer(r, seed=2).run(0.5)  # while no watcher runs
+    w = started(live, base, segdir)
+    Writer(r, seed=4).run(1.0)
+    live.restart(down_seconds=1.5)  # the member goes away and comes back
+    Writer(r, seed=5).run(1.0)
+    time.sleep(3.0)  # short leases run out before the chain ends
+    finish(w, live)
+    assert w.reconnects >= 1
+    chk = check_chain(list_segments(segdir), base)
+    assert chk.stop is None and len({i.header.chain_id for i in chk.segments}) == 1
+    assert [i.header.seq for i in chk.segments] == list(range(len(chk.segments)))
+    assert any(i.footer.catchup_until for i in chk.segments)  # the resumed part was caught up
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "o.db"), compact_every=7)
+    assert res.complete and res.reached_revision == r.header().revision
+    with restored(res.snapshot_path) as s:
+        assert values(dump(s.rpc)) == values(dump(r))
+
+
+def test_member_down_too_long_breaks_the_chain(live, tmp_path):
+    full, base = full_backup(live, str(tmp_path))
+    w = started(live, base, str(tmp_path / "seg"), max_outage=2.0, rpc_timeout=1.0)
+    put(live.rpc, b"a", b"1")
+    time.sleep(1.0)
+    live.stop_process()
+    with pytest.raises(ChainBroken, match="could not be watched") as ei:
+        w.join(30)
+    assert ei.value.at_revision == base + 2
+
+
+def test_another_cluster_breaks_the_chain(live, tmp_path):
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    put(live.rpc, b"a", b"1")
+    finish(w, live)
+    other = start_scratch(full, ScratchOptions())  # the same data, restored: a new cluster id
+    try:
+        w2 = DeltaWatcher(other.endpoint, base, segdir, **FAST)
+        w2.start()
+        with pytest.raises(ChainBroken, match="cluster"):
+            w2.join(30)
+    finally:
+        other.stop()
+
+
+def test_catch_up_batches_many_revisions(live, tmp_path):
+    """History written before the watcher starts comes as one big batched response (etcd 3.5
+    sends a new watch's first batch whole even with fragment=true); it is cut into whole
+    revisions, one TXN record each."""
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    blob = os.urandom(120 * 1024)
+    for i in range(25):
+        r.txn([proto.op_put(b"big%02d-%d" % (i, j), blob[j:] + b"%d" % i) for j in range(8)])
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir, close_bytes=3 * 1024 * 1024)
+    finish(w, live)
+    assert w.responses < 10  # 25 revisions arrived in a few responses
+    txns = [t for p in list_segments(segdir) for t in read_segment(p).txns]
+    assert [len(t.events) for t in txns] == [8] * 25 and all(t.catchup for t in txns)
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "c.db"))
+    assert res.complete and res.revisions_applied == 25
+    with restored(res.snapshot_path) as s:
+        assert dump(s.rpc) == dump(r)
+
+
+def test_fragments_of_a_slow_watch_are_reassembled(live, tmp_path):
+    """With fragment=True, a watch that fell behind gets multi-revision batches cut into
+    ~2 MB fragments (1.5 MiB --max-request-bytes + 512 KiB), which may split a revision; the
+    watcher reassembles them, so each revision still lands whole."""
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    stalled = []
+
+    def stall(info):
+        if not stalled:
+            stalled.append(info)
+            # the reader's queue (1) fills, gRPC flow control holds etcd back, etcd's per-watcher
+            # channel (128 responses) overflows: the watcher becomes a "victim", then catches up
+            # in batched (and fragmented) responses
+            time.sleep(8)
+
+    w = started(live, base, segdir, fragment=True, queue_size=1, on_segment=stall, close_bytes=1)
+    put(r, b"first", b"1")
+    assert wait_for(lambda: stalled, 10)
+    blob = os.urandom(60 * 1024)
+    for i in range(300):
+        r.txn([proto.op_put(b"big%03d-%d" % (i, j), blob[j * 7:] + b"%d" % i) for j in range(4)])
+    finish(w, live)
+    assert w.fragments >= 1
+    txns = [t for p in list_segments(segdir) for t in read_segment(p).txns]
+    assert [len(t.events) for t in txns[-300:]] == [4] * 300
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "f.db"))
+    assert res.complete
+    with restored(res.snapshot_path) as s:
+        assert dump(s.rpc) == dump(r)
+
+
+def test_huge_revision_unfragmented(tmp_path):
+    """One revision of 118000 keys (2.0 MB of request, a 2.7 MB watch response: above etcd's
+    fragment threshold). Unfragmented (the default) it arrives at once and is one TXN record."""
+    from .conftest import HAVE_ETCD
+
+    if not HAVE_ETCD:
+        pytest.fail("etcd 3.5.16 not installed (packaging/install-deps.sh test)")
+    live = start_scratch(None, ScratchOptions(max_request_bytes=2 * 1024 * 1024, max_txn_ops=200000), name="live")
+    try:
+        r = live.rpc
+        full, base = full_backup(live, str(tmp_path))
+        segdir = str(tmp_path / "seg")
+        w = started(live, base, segdir)
+        rev = r.txn([proto.op_put(b"f%07d" % i, b"x") for i in range(118000)], timeout=60).revision
+        put(r, b"after", b"1")
+        finish(w, live)
+        txns = {t.revision: t for p in list_segments(segdir) for t in read_segment(p).txns}
+        assert len(txns[rev].events) == 118000
+        res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "h.db"))
+        assert res.complete
+        with restored(res.snapshot_path) as s:
+            assert dump(s.rpc) == dump(r)
+    finally:
+        live.stop()
+
+
+def test_replay_from_a_backup_archive(live, tmp_path):
+    """The full backup may be a backup tarball (here the runbook's: etcdctl snapshot save + tar):
+    the one bounded reader stages its snapshot in the replay's private dir; the result
+    round-trips through JSON."""
+    import subprocess
+
+    from etcd_agent.delta.replay import ReplayResult
+
+    r = live.rpc
+    put(r, b"seed", b"s")
+    base = r.header().revision
+    snap_dir = tmp_path / "runbook"
+    snap_dir.mkdir()
+    subprocess.run([live.options.binaries.etcdctl, f"--endpoints={live.endpoint}", "snapshot", "save",
+                    str(snap_dir / "etcd_snapshot.db")], check=True, capture_output=True)
+    tarball = str(tmp_path / "etcd-2026-01-01.tar")
+    subprocess.run(["tar", "cf", tarball, "-C", str(snap_dir), "etcd_snapshot.db"], check=True)
+
+    class written:  # what the test below reads of it
+        path = tarball
+
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    r.txn([proto.op_put(b"x", b"1"), proto.op_delete(b"seed")])  # the newest revision is a delete too
+    finish(w, live)
+    res = replay(written.path, list_segments(segdir), Target.newest(), output=str(tmp_path / "a.db"))
+    assert res.complete and res.reached_revision == base + 1 == res.snapshot_revision
+    assert ReplayResult.from_json(res.to_json()) == res
+    with restored(res.snapshot_path) as s:
+        assert values(dump(s.rpc)) == {b"x": b"1"}
