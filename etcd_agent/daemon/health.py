@@ -16,6 +16,7 @@ Rules, in the order they are checked:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..member.quorum import has_quorum, quorum
 
@@ -72,13 +73,19 @@ def others_have_quorum(o: Observation) -> bool:
 
 
 def decide(o: Observation) -> Decision:
+    """The one action for this cycle, and why (rules in the module docstring, in this order)."""
+    return _hands_off(o) or (_with_data(o) if o.has_data else _without_data(o))
+
+
+def _hands_off(o: Observation) -> Optional[Decision]:
+    """A restore or an upgrade works on this member on purpose: never heal what it stopped."""
     if o.restore_op:
         backup = o.restore_backup or "<the same backup>"
         return Decision(
             WAIT,
             f"restore {o.restore_op} (from {backup}) is in progress on this host; hands off until it "
             f"finishes. If it crashed: `etcd-agent restore --from {backup} --yes` resumes it, "
-            "`etcd-agent restore rollback` rolls every member back",
+            "`etcd-agent restore rollback --yes` rolls every member back",
         )
     if o.upgrade_to:
         return Decision(
@@ -86,58 +93,58 @@ def decide(o: Observation) -> Decision:
             f"an upgrade is stepping this member to etcd {o.upgrade_to}; hands off: it stops and "
             "restarts etcd on purpose (and rolls back itself on failure)",
         )
-    running = o.unit_state in ("active", "activating", "reloading")
-    if o.has_data:
-        if not o.conf_present:
-            return Decision(RENDER, "etcd.conf is missing; rendering it from the config and the member list")
-        if running:
-            if o.local_healthy:
-                return Decision(NONE, "healthy")
-            if o.self_learner and o.self_listed:
-                # a learner refuses linearizable reads, so it never looks "healthy" until promoted
-                return Decision(PROMOTE, "this member is a learner; promoting it once it has caught up")
-            if o.cluster_reachable and not has_quorum(o.voters, o.healthy_voters):
-                return Decision(
-                    WAIT, f"etcd runs but the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); waiting"
-                )
-            if o.cluster_reachable and o.voters and not o.self_listed:
-                return Decision(
-                    WAIT,
-                    "this member was removed from the cluster; its data is kept: "
-                    "`etcd-agent leave` or `etcd-agent reset` to clean up",
-                )
-            return Decision(NONE, f"etcd is {o.unit_state} but not healthy yet; giving it time")
-        if o.cluster_reachable and o.voters and not o.self_listed:
-            return Decision(
-                WAIT,
-                "this member was removed from the cluster; not restarting it on its old data "
-                "(`etcd-agent leave` or `etcd-agent reset`, then it rejoins)",
-            )
-        if o.failures >= MAX_RESTARTS and o.self_listed and others_have_quorum(o):
-            return Decision(
-                REPLACE,
-                f"etcd failed {o.failures} restarts on its data while the cluster keeps quorum; "
-                "treating the data as corrupt: setting it aside and replacing the member",
-            )
-        return Decision(RESTART, f"etcd is {o.unit_state} with its data in place; restarting it")
+    return None
 
-    # no data from here on
+
+def _removed(o: Observation) -> bool:
+    """etcd's member list answers and does not hold us: we were removed."""
+    return o.cluster_reachable and o.voters > 0 and not o.self_listed
+
+
+def _with_data(o: Observation) -> Decision:
+    if not o.conf_present:
+        return Decision(RENDER, "etcd.conf is missing; rendering it from the config and the member list")
+    if o.unit_state in ("active", "activating", "reloading"):
+        return _running(o)
+    if _removed(o):
+        return Decision(
+            WAIT,
+            "this member was removed from the cluster; not restarting it on its old data "
+            "(`etcd-agent leave` or `etcd-agent reset`, then it rejoins)",
+        )
+    if o.failures >= MAX_RESTARTS and o.self_listed and others_have_quorum(o):
+        return Decision(
+            REPLACE,
+            f"etcd failed {o.failures} restarts on its data while the cluster keeps quorum; "
+            "treating the data as corrupt: setting it aside and replacing the member",
+        )
+    return Decision(RESTART, f"etcd is {o.unit_state} with its data in place; restarting it")
+
+
+def _running(o: Observation) -> Decision:
+    if o.local_healthy:
+        return Decision(NONE, "healthy")
+    if o.self_learner and o.self_listed:
+        # a learner refuses linearizable reads, so it never looks "healthy" until promoted
+        return Decision(PROMOTE, "this member is a learner; promoting it once it has caught up")
+    if o.cluster_reachable and not has_quorum(o.voters, o.healthy_voters):
+        return Decision(WAIT, f"etcd runs but the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); waiting")
+    if _removed(o):
+        return Decision(
+            WAIT,
+            "this member was removed from the cluster; its data is kept: "
+            "`etcd-agent leave` or `etcd-agent reset` to clean up",
+        )
+    return Decision(NONE, f"etcd is {o.unit_state} but not healthy yet; giving it time")
+
+
+def _without_data(o: Observation) -> Decision:
     if o.left:
         return Decision(
             WAIT, "this member left the cluster on purpose (`etcd-agent leave`); `etcd-agent join` brings it back"
         )
     if o.cluster_reachable:
-        if not has_quorum(o.voters, o.healthy_voters - (1 if o.local_healthy else 0)):
-            return Decision(
-                WAIT,
-                f"no local data and the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); "
-                "not changing membership now",
-            )
-        if o.self_listed and o.self_started:
-            return Decision(REPLACE, "local data is gone but the cluster lists this member; replacing it")
-        if o.self_listed and o.bootstrap == "static" and not o.ever_bootstrapped:
-            return Decision(START_STATIC, "listed in the forming static cluster; starting with state=new")
-        return Decision(JOIN, "the cluster runs without this member; member add, then start with state=existing")
+        return _join_or_replace(o)
     if o.ever_bootstrapped:
         return Decision(
             WAIT,
@@ -149,3 +156,18 @@ def decide(o: Observation) -> Decision:
     if o.is_seed:
         return Decision(START_SEED, "incremental bootstrap: no cluster answers; this seed member creates it")
     return Decision(WAIT, "incremental bootstrap: waiting for the seed member to create the cluster")
+
+
+def _join_or_replace(o: Observation) -> Decision:
+    """No local data, the cluster answers: changes of membership, which need its quorum."""
+    if not has_quorum(o.voters, o.healthy_voters - (1 if o.local_healthy else 0)):
+        return Decision(
+            WAIT,
+            f"no local data and the cluster has no quorum ({o.healthy_voters} of {o.voters} healthy); "
+            "not changing membership now",
+        )
+    if o.self_listed and o.self_started:
+        return Decision(REPLACE, "local data is gone but the cluster lists this member; replacing it")
+    if o.self_listed and o.bootstrap == "static" and not o.ever_bootstrapped:
+        return Decision(START_STATIC, "listed in the forming static cluster; starting with state=new")
+    return Decision(JOIN, "the cluster runs without this member; member add, then start with state=existing")

@@ -216,63 +216,13 @@ class Restore:
             source.close()
 
     def _run(self, source: Source, t0: float) -> Outcome:
-        cfg, say = self.cfg, self.say
-        timings: Dict[str, float] = {"read": time.monotonic() - t0}
         t = time.monotonic()
-        facts: Dict[str, P.NodeFacts] = {}
-        host_problems: Dict[str, List[str]] = {}
-
-        def precheck(n: HostNode) -> Dict[str, P.NodeFacts]:
-            return {m.name: P.NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
-
-        for n in self.nodes:
-            if n.where in self.unreachable:
-                for m in n.members:
-                    host_problems[m.name] = [f"unreachable: {self.unreachable[n.where]}"]
-        for n, got, err in parallel(precheck, [n for n in self.nodes if n.where not in self.unreachable]):
-            if err is not None or got is None:
-                for m in n.members:
-                    host_problems[m.name] = [f"pre-check failed: {message(err) if err else 'no answer'}"]
-            else:
-                facts.update(got)
-        timings["precheck"] = time.monotonic() - t
-        journals: Dict[str, Optional[JournalSummary]] = {m: f.journal for m, f in facts.items()}
-        resume, rproblems = P.resume_decision(journals, source.path, source.sha256)
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        if resume is not None:
-            op, token = resume.op, resume.token
-            new_cluster = resume.new_cluster or self.opts.new_cluster
-            if self.opts.new_token and self.opts.new_token != token:
-                rproblems.append(f"resuming restore {op} with token {token}; --new-token {self.opts.new_token} cannot change it midway")
-        else:
-            op = f"{stamp}-{(source.sha256 or 'runbook')[:8]}"
-            token = self.opts.new_token or P.default_token(cfg.cluster.name, stamp)
-            new_cluster = self.opts.new_cluster
-        self.op = op
-        bad_token = P.token_problem(token)
-        if bad_token:
-            raise UsageError(bad_token)
-        host_of = {m.name: n.where for n in self.nodes for m in n.members}
-        verdict = self._identity(source, facts, new_cluster) if resume is None else None
-        lines = tuple(verdict.lines()) if verdict is not None else (
-            "resuming: the backup's identity was judged when this restore began",)
-        plan = P.build_plan(cfg, op=op, backup=source.path, source=source.facts(lines), token=token, host_of=host_of,
-                            facts=facts, new_cluster=new_cluster, resuming=resume is not None)
-        plan.problems += rproblems
-        if verdict is not None:
-            plan.problems += list(verdict.refused)
-        from .. import __version__
-
-        for hp in plan.hosts:
-            m = cfg.member(hp.member)
-            hp.problems += host_problems.get(hp.member, [])
-            if hp.member in facts:
-                hp.problems += P.check_host(cfg, m, facts[hp.member], snapshot_size=source.size,
-                                            snapshot_version=source.etcd_version, agent_version=__version__,
-                                            resuming=resume is not None)
+        facts, host_problems = self._precheck()
+        timings = {"read": t - t0, "precheck": time.monotonic() - t}
+        plan = self._plan(source, facts, host_problems)
         outcome = Outcome(plan, timings=timings)
         for hp in plan.hosts:
-            say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
+            self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
         if self.opts.dry_run:
             outcome.duration = time.monotonic() - t0
             return outcome
@@ -284,9 +234,66 @@ class Restore:
         self._execute(plan, source, facts, outcome)
         outcome.done = True
         outcome.duration = time.monotonic() - t0
-        say(f"restore {op} done in {outcome.duration:.1f}s (etcd down {outcome.downtime or 0:.1f}s): every member "
-            f"healthy at revision {sorted(set(outcome.revisions.values()))}")
+        self.say(f"restore {plan.op} done in {outcome.duration:.1f}s (etcd down {outcome.downtime or 0:.1f}s): every "
+                 f"member healthy at revision {sorted(set(outcome.revisions.values()))}")
         return outcome
+
+    def _precheck(self) -> Tuple[Dict[str, P.NodeFacts], Dict[str, List[str]]]:
+        """Every reachable host's facts (read-only); a problem line for every member that has none."""
+        facts: Dict[str, P.NodeFacts] = {}
+        problems: Dict[str, List[str]] = {}
+
+        def precheck(n: HostNode) -> Dict[str, P.NodeFacts]:
+            return {m.name: P.NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
+
+        for n in self.nodes:
+            if n.where in self.unreachable:
+                for m in n.members:
+                    problems[m.name] = [f"unreachable: {self.unreachable[n.where]}"]
+        for n, got, err in parallel(precheck, [n for n in self.nodes if n.where not in self.unreachable]):
+            if err is not None or got is None:
+                for m in n.members:
+                    problems[m.name] = [f"pre-check failed: {message(err) if err else 'no answer'}"]
+            else:
+                facts.update(got)
+        return facts, problems
+
+    def _op(self, source: Source, resume: Optional[JournalSummary], problems: List[str]) -> Tuple[str, str, bool]:
+        """(op id, token, new cluster?) of this run: a resumed one's, or new ones."""
+        if resume is not None:
+            if self.opts.new_token and self.opts.new_token != resume.token:
+                problems.append(f"resuming restore {resume.op} with token {resume.token}; --new-token "
+                                f"{self.opts.new_token} cannot change it midway")
+            return resume.op, resume.token, resume.new_cluster or self.opts.new_cluster
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        token = self.opts.new_token or P.default_token(self.cfg.cluster.name, stamp)
+        return f"{stamp}-{(source.sha256 or 'runbook')[:8]}", token, self.opts.new_cluster
+
+    def _plan(self, source: Source, facts: Dict[str, P.NodeFacts], host_problems: Dict[str, List[str]]) -> P.Plan:
+        """The plan with every refusal filled in: resume conflicts, identity, each host's checks."""
+        from .. import __version__
+
+        cfg = self.cfg
+        journals: Dict[str, Optional[JournalSummary]] = {m: f.journal for m, f in facts.items()}
+        resume, rproblems = P.resume_decision(journals, source.path, source.sha256)
+        self.op, token, new_cluster = self._op(source, resume, rproblems)
+        bad_token = P.token_problem(token)
+        if bad_token:
+            raise UsageError(bad_token)
+        verdict = self._identity(source, facts, new_cluster) if resume is None else None
+        lines = tuple(verdict.lines()) if verdict is not None else (
+            "resuming: the backup's identity was judged when this restore began",)
+        plan = P.build_plan(cfg, op=self.op, backup=source.path, source=source.facts(lines), token=token,
+                            host_of={m.name: n.where for n in self.nodes for m in n.members}, facts=facts,
+                            new_cluster=new_cluster, resuming=resume is not None)
+        plan.problems += rproblems + (list(verdict.refused) if verdict is not None else [])
+        for hp in plan.hosts:
+            hp.problems += host_problems.get(hp.member, [])
+            if hp.member in facts:
+                hp.problems += P.check_host(cfg, cfg.member(hp.member), facts[hp.member], snapshot_size=source.size,
+                                            snapshot_version=source.etcd_version, agent_version=__version__,
+                                            resuming=resume is not None)
+        return plan
 
     # ------------------------------------------------------------ the steps
 

@@ -368,6 +368,95 @@ def fence_owners(cfg: Config, host_of: Mapping[str, str]) -> Dict[str, bool]:
     return out
 
 
+def bump_decision(cfg: Config, facts: Mapping[str, NodeFacts]) -> Tuple[bool, str]:
+    """Whether the restore bumps the revision (etcdutl >= 3.5.10 everywhere), and what the plan
+    says about it: apiserver watch caches must never see the revision go back."""
+    tool_versions = [f.etcdutl_version for f in facts.values()]
+    bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
+    need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
+    if bump:
+        return True, (f"etcdutl {need}+: revision bumped by {BUMP_REVISION} and marked compacted "
+                      "(apiserver watch caches stay valid)")
+    if cfg.etcd.etcdutl:
+        old = sorted({str(v) for v in tool_versions if v and not can_bump(v)}) or ["(not runnable)"]
+        why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
+    else:
+        why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
+    if cfg.kubernetes.fence == "none":
+        return False, (f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch "
+                       "caches start over (no fencing is configured, so the restore cannot do it)")
+    return False, (f"revision NOT bumped: {why}; the apiservers are restarted by the unfence step, so their "
+                   "watch caches start over")
+
+
+def _fence_text(cfg: Config, owner: bool) -> str:
+    k = cfg.kubernetes
+    if k.fence == "none":
+        return "no apiserver fencing"
+    if not owner:
+        return "apiserver fenced by this host's first member"
+    if k.fence == "unit":
+        return f"stop {k.apiserver_unit} (started again at the end if it was running)"
+    return f"move {k.manifest} into {k.manifest_aside_dir} (moved back at the end)"
+
+
+def _unfence_text(cfg: Config, m: Member) -> str:
+    k = cfg.kubernetes
+    ready = (f", then wait until {k.readyz_url.replace('{host}', m.host)} answers (the next host only after)"
+             if k.readyz_url else "")
+    return ("start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back") + ready
+
+
+def _repair_text(cfg: Config, m: Member, f: Optional[NodeFacts]) -> str:
+    text = f"{cfg.conf_file(m.name)}: "
+    if f is not None and not f.conf_present:
+        text += "missing: rendered from the agent's config for this member (an archive's etcd.conf is never applied)"
+    else:
+        text += "identity and cluster keys (ETCD_NAME, *_URLS, INITIAL_CLUSTER*) set to the restored cluster's"
+    if cfg.etcd.service_manager == "systemd":
+        unit = "missing: rendered from the agent's template" if f is not None and f.unit_present is False else "kept"
+        text += f"; {cfg.etcd.unit_file} {unit}"
+    return text
+
+
+def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, owner: bool, ic: str, token: str,
+               bump: bool, source: "SourceFacts") -> HostPlan:
+    data_dir = cfg.data_dir(m.name)
+    wd = f.work_dir if f else work_dir_for(data_dir, m.name)
+    snap = f"{wd}/etcd_snapshot.db"
+    tmp = f"{data_dir.rstrip('/')}.restoring"
+    argv = snapshot_restore_argv(cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
+                                 data_dir=tmp, bump_revision=BUMP_REVISION if bump else None)
+    spec = f"{cfg.etcd.user}:{cfg.etcd.group}"
+    claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"
+    tls = [x for x in (cfg.tls.peer_cert, cfg.tls.peer_key, cfg.tls.peer_ca, cfg.tls.client_cert, cfg.tls.client_key,
+                       cfg.tls.client_ca) if x]
+    steps = [
+        Step("lock", f"take the operation lock {cfg.backup.dir}/.etcd-agent.lock (held until the end)"),
+        Step("begin", f"journal in {wd}/journal.json (0700 dir)"),
+        Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
+                        f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"),
+        Step("fence", _fence_text(cfg, owner)),
+        Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend"
+                     f"{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''}); followers first, "
+                     "the leader last"),
+        Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"),
+        Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)),
+        Step("chown", f"chown -R {spec} {data_dir}" if cfg.etcd.service_manager == "systemd" else
+             f"chown -R {spec} {data_dir} when the agent runs as root and {cfg.etcd.user} exists (etcd runs as it)",
+             ("chown", "-R", spec, data_dir) if cfg.etcd.service_manager == "systemd" else None),
+        Step("repair", _repair_text(cfg, m, f)),
+        Step("start", "start etcd (all members at once)" + (f"; TLS files {', '.join(tls)}" if tls else "")),
+        Step("wait", f"wait until every member is healthy at the same revision (>= {source.revision}); "
+                     f"record the snapshot's member ids as this cluster's lineage ({LINEAGE_KEY})"),
+    ]
+    if owner and cfg.kubernetes.fence != "none":
+        steps.append(Step("unfence", _unfence_text(cfg, m)))
+    steps.append(Step("finish", f"journal marked done (kept in {wd} until the next restore); the shipped snapshot "
+                                "deleted; release the lock"))
+    return HostPlan(m.name, where, steps)
+
+
 def build_plan(
     cfg: Config,
     *,
@@ -381,82 +470,18 @@ def build_plan(
     resuming: bool,
 ) -> Plan:
     """The whole restore, per host, with every argument; problems filled in by the caller."""
-    ic = initial_cluster(member_pairs(cfg.members))
-    tool_versions = [f.etcdutl_version for f in facts.values()]
-    bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
-    need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
-    if bump:
-        note = f"etcdutl {need}+: revision bumped by {BUMP_REVISION} and marked compacted (apiserver watch caches stay valid)"
-    else:
-        if cfg.etcd.etcdutl:
-            old = sorted({str(v) for v in tool_versions if v and not can_bump(v)}) or ["(not runnable)"]
-            why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
-        else:
-            why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
-        if cfg.kubernetes.fence == "none":
-            note = (f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch "
-                    "caches start over (no fencing is configured, so the restore cannot do it)")
-        else:
-            note = (f"revision NOT bumped: {why}; the apiservers are restarted by the unfence step, so their "
-                    "watch caches start over")
     from ..cluster.kubernetes import master_addresses, rule_text
 
+    ic = initial_cluster(member_pairs(cfg.members))
+    bump, note = bump_decision(cfg, facts)
     masters, _unknown = master_addresses(cfg, resolve=False)
     plan = Plan(op, backup, token, ic, source.revision, bump, note, new_cluster, resuming, kind=source.kind,
-                evidence=list(source.lines), kubernetes=[f"after etcd is healthy, before the apiservers start: "
-                                                         f"{rule_text(cfg, masters)}"])
+                evidence=list(source.lines),
+                kubernetes=[f"after etcd is healthy, before the apiservers start: {rule_text(cfg, masters)}"])
     owners = fence_owners(cfg, host_of)
-    k = cfg.kubernetes
     for m in cfg.members:
-        f = facts.get(m.name)
-        data_dir = cfg.data_dir(m.name)
-        wd = f.work_dir if f else work_dir_for(data_dir, m.name)
-        snap = f"{wd}/etcd_snapshot.db"
-        tmp = f"{data_dir.rstrip('/')}.restoring"
-        argv = snapshot_restore_argv(
-            cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
-            data_dir=tmp, bump_revision=BUMP_REVISION if bump else None,
-        )
-        hp = HostPlan(m.name, host_of[m.name])
-        add = hp.steps.append
-        add(Step("lock", f"take the operation lock {cfg.backup.dir}/.etcd-agent.lock (held until the end)"))
-        add(Step("begin", f"journal in {wd}/journal.json (0700 dir)"))
-        if k.fence == "none" or not owners[m.name]:
-            add(Step("fence", "no apiserver fencing" if k.fence == "none" else "apiserver fenced by this host's first member"))
-        elif k.fence == "unit":
-            add(Step("fence", f"stop {k.apiserver_unit} (started again at the end if it was running)"))
-        else:
-            add(Step("fence", f"move {k.manifest} into {k.manifest_aside_dir} (moved back at the end)"))
-        add(Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''})"))
-        add(Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"))
-        claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"
-        add(Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
-                            f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"))
-        add(Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)))
-        if cfg.etcd.service_manager == "systemd":
-            add(Step("chown", f"chown -R {cfg.etcd.user}:{cfg.etcd.group} {data_dir}", ("chown", "-R", f"{cfg.etcd.user}:{cfg.etcd.group}", data_dir)))
-        else:
-            add(Step("chown", "skipped: the process backend runs etcd as the agent's own user"))
-        conf_text = f"{cfg.conf_file(m.name)}: "
-        if f is not None and not f.conf_present:
-            conf_text += "missing, repaired from the archive's etcd.conf with this member's own addresses"
-        else:
-            conf_text += "identity and cluster keys (ETCD_NAME, *_URLS, INITIAL_CLUSTER*) set to the restored cluster's"
-        if cfg.etcd.service_manager == "systemd":
-            unit_state = "missing: repaired from the archive" if f is not None and f.unit_present is False else "kept"
-            conf_text += f"; {cfg.etcd.unit_file} {unit_state}"
-        add(Step("repair", conf_text))
-        tls = [x for x in (cfg.tls.peer_cert, cfg.tls.peer_key, cfg.tls.peer_ca, cfg.tls.client_cert, cfg.tls.client_key, cfg.tls.client_ca) if x]
-        add(Step("start", "start etcd (all members at once)" + (f"; TLS files {', '.join(tls)}" if tls else "")))
-        add(Step("wait", f"wait until every member is healthy at the same revision (>= {source.revision}); "
-                         f"record the archive's cluster id under {LINEAGE_KEY}"))
-        if owners[m.name] and k.fence != "none":
-            ready = (f", then wait until {k.readyz_url.replace('{host}', m.host)} answers (the next host only after)"
-                     if k.readyz_url else "")
-            add(Step("unfence", ("start the apiserver again" if k.fence == "unit" else f"move {k.manifest} back")
-                     + ready))
-        add(Step("finish", f"journal marked done (kept in {wd} until the next restore); the shipped snapshot deleted; release the lock"))
-        plan.hosts.append(hp)
+        plan.hosts.append(_host_plan(cfg, m, facts.get(m.name), where=host_of[m.name], owner=owners[m.name], ic=ic,
+                                     token=token, bump=bump, source=source))
     return plan
 
 
