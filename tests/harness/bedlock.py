@@ -38,12 +38,22 @@ class BedBusy(RuntimeError):
 
 
 def holder(path: str = LOCK_PATH) -> str:
-    """Who holds the lock, as the holder wrote it ("pid N: argv"), or "unknown"."""
+    """Who holds the lock, as the holder wrote it ("pid N: argv"); "unknown" when nothing (or a
+    note of a process that is gone) is there - `flock(1)` users write no note."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().strip() or "unknown"
+            note = f.read().strip()
     except OSError:
         return "unknown"
+    parts = note.split()
+    if len(parts) >= 2 and parts[0] == "pid" and parts[1].rstrip(":").isdigit():
+        try:
+            os.kill(int(parts[1].rstrip(":")), 0)
+        except ProcessLookupError:
+            return "unknown (a stale note of a process that is gone)"
+        except PermissionError:
+            pass
+    return note or "unknown"
 
 
 def acquire(path: str = LOCK_PATH, timeout: float = DEFAULT_TIMEOUT,

@@ -9,10 +9,10 @@ import pytest
 from tests.harness import bedlock
 
 HOLD = """
-import fcntl, sys, time
+import fcntl, os, sys, time
 f = open(sys.argv[1], "a+")
 fcntl.flock(f, fcntl.LOCK_EX)
-f.seek(0); f.truncate(); f.write("pid 1234: other session\\n"); f.flush()
+f.seek(0); f.truncate(); f.write(f"pid {os.getpid()}: other session\\n"); f.flush()
 print("held", flush=True)
 sys.stdin.read()
 """
@@ -44,10 +44,11 @@ def test_waits_with_a_deadline_and_names_the_holder(tmp_path) -> None:  # type: 
         def sleep(s: float) -> None:
             now[0] += s
 
-        with pytest.raises(bedlock.BedBusy, match="held after 5 s by pid 1234: other session"):
+        with pytest.raises(bedlock.BedBusy, match=f"held after 5 s by pid {other.pid}: other session"):
             bedlock.acquire(path, timeout=5, say=said.append, clock=lambda: now[0], sleep=sleep)
-        assert len(said) == 1 and "waiting for the test bed lock" in said[0] and "pid 1234" in said[0]
+        assert len(said) == 1 and "waiting for the test bed lock" in said[0] and f"pid {other.pid}" in said[0]
     finally:
         other.communicate("", timeout=30)
+    assert bedlock.holder(path).startswith("unknown"), "a note of a process that is gone names nobody"
     bedlock.acquire(path, timeout=1)  # the holder is gone: taken at once
     bedlock.release()
