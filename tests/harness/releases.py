@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -33,6 +33,7 @@ ROLES = _roles()
 LEGACY: str = ROLES["legacy"]    # 3.4.23: bootstrap, backup, restore, upgrade source
 DEFAULT: str = ROLES["default"]  # 3.5.16: every tier's etcd
 NEWER: str = ROLES["newer"]      # 3.5.30: upgrade and restore target
+ALL = (LEGACY, DEFAULT, NEWER)
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,28 @@ class Release:
         return "\n".join(lines) + "\n"
 
 
-def reported_version(binary: str) -> str:
-    """What a binary says it is (``etcd --version`` / ``etcdctl version``); "" when it does not run."""
-    argv = [binary, "--version"] if os.path.basename(binary) == "etcd" else [binary, "version"]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                             env={**os.environ, "ETCDCTL_API": "3"}).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+def version_argv(binary: str) -> List[str]:
+    """How a tool says its version: ``etcd --version``, ``etcdctl version``, ``etcdutl version``."""
+    return [binary, "--version"] if os.path.basename(binary) == "etcd" else [binary, "version"]
+
+
+def parse_reported(out: str) -> str:
+    """The version in such output ("etcd Version: 3.5.16", "etcdutl version: 3.5.16"), or ""."""
     for line in out.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("etcd version", "etcdctl version", "etcdutl version"):
             return value.strip()
     return ""
+
+
+def reported_version(binary: str) -> str:
+    """What a binary here says it is; "" when it does not run."""
+    try:
+        out = subprocess.run(version_argv(binary), capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "ETCDCTL_API": "3"}).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return parse_reported(out)
 
 
 _checked: Dict[str, Release] = {}

@@ -43,7 +43,8 @@ def bump_tools() -> Dict[str, str]:
 
 
 def make(cluster_factory: Any, tools: Dict[str, str]) -> LoopbackCluster:
-    c = cluster_factory(3, extra=EXTRA, binary=tools["etcd"], etcdctl=tools["etcdctl"], etcdutl=tools["etcdutl"])
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    assert (c.cfg.etcd.binary, c.cfg.etcd.etcdctl, c.cfg.etcd.etcdutl) == (tools["etcd"], tools["etcdctl"], tools["etcdutl"])
     c.start_static()
     with c.client() as cl:
         assert {cl.status(m.client_url).version for m in c.cfg.members} == {tool_version(tools["etcdctl"])}

@@ -1,12 +1,12 @@
-"""Rolling upgrade on real etcd: 3.4.23 (Debian's) -> 3.5.16 (Debian trixie's), writes flowing.
+"""Rolling upgrade on real etcd: 3.4.23 (Debian's) -> 3.5.16 (Debian trixie's) -> 3.5.30 (Debian
+sid's), one step per run, writes flowing.
 
 One 3-member loopback cluster for the module, in this order: the refused long jump (nothing
 touched), a forced failure (a "3.5.2" whose etcd exits at once) rolled back, then the real
-upgrade with a writer thread putting sequential keys throughout.
+upgrades with a writer thread putting sequential keys throughout.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,7 +23,7 @@ from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.state.pins import pin_path, read_pin
 from tests.harness.loopback import LoopbackCluster
-from tests.harness.releases import DEFAULT, LEGACY, release
+from tests.harness.releases import DEFAULT, LEGACY, NEWER, release
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ TARGET = DEFAULT
 def bed(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("upgrade"))
     versions = os.path.join(d, "versions")
-    for ver in (LEGACY, TARGET):
+    for ver in (LEGACY, TARGET, NEWER):
         rel = release(ver)
         os.makedirs(os.path.join(versions, ver))
         for name in ("etcd", "etcdctl", "etcdutl"):
@@ -55,8 +55,7 @@ def bed(tmp_path_factory):
         fh.write(FAKE_ETCD)
     os.chmod(fake, 0o755)
 
-    legacy = release(LEGACY)  # the upgrade's source
-    c = LoopbackCluster(d, 3, extra=f'[daemon]\nstate_dir = "{d}/state"\n', binary=legacy.etcd, etcdctl=legacy.etcdctl)
+    c = LoopbackCluster(d, 3, extra=f'[daemon]\nstate_dir = "{d}/state"\n', version=LEGACY)  # the upgrade's source
     with open(c.config_path) as fh:
         text = fh.read().replace("[etcd]\n", f'[etcd]\nversions_dir = "{versions}"\n', 1)
     with open(c.config_path, "w") as fh:
@@ -119,15 +118,18 @@ def test_failed_member_is_rolled_back_and_upgrade_stops(bed):
     print(f"\nforced failure: {err.value.message}")
 
 
-def test_rolling_upgrade_with_writes_flowing(bed):
+def upgrade_with_writes(bed, source, target):
+    """``upgrade --to target --yes`` with a writer putting sequential keys throughout; asserts every
+    member moved, the leader last, each pinned, and no acknowledged write lost. The report."""
     acked, failed = [], []
     stop = threading.Event()
+    prefix = f"/upgrade-writes-{target}/"
 
     def writer():
         with EtcdClient.from_config(bed.cfg, timeout=2.0) as cl:
             i = 0
             while not stop.is_set():
-                key = f"/upgrade-writes/{i:07d}"
+                key = f"{prefix}{i:07d}"
                 try:
                     cl.put(key, str(i).encode())
                     acked.append(key)
@@ -136,12 +138,13 @@ def test_rolling_upgrade_with_writes_flowing(bed):
                 i += 1
                 time.sleep(0.005)
 
+    assert set(versions_of(bed).values()) == {source}
     t = threading.Thread(target=writer, daemon=True)
     t.start()
     try:
         time.sleep(1.0)
         t0 = time.monotonic()
-        res = cli(bed, "--json", "upgrade", "--to", TARGET, "--yes", "--timeout", "60")
+        res = cli(bed, "--json", "upgrade", "--to", target, "--yes", "--timeout", "60")
         took = time.monotonic() - t0
         time.sleep(1.0)
     finally:
@@ -152,17 +155,29 @@ def test_rolling_upgrade_with_writes_flowing(bed):
     steps = report["plan"]["hops"][0]["steps"]
     assert [s["outcome"] for s in steps] == ["upgraded"] * 3
     assert steps[-1]["name"] == report["plan"]["leader"]
-    assert set(versions_of(bed).values()) == {TARGET}
+    assert set(versions_of(bed).values()) == {target}
     for m in bed.cfg.members:
-        assert read_pin(bed.cfg, m.name)["version"] == TARGET
+        assert read_pin(bed.cfg, m.name)["version"] == target
         # a later start (daemon, reboot) resolves the pinned binary
-        assert LocalMember(bed.cfg, m).cfg.etcd.binary.endswith(f"/{TARGET}/etcd")
+        assert LocalMember(bed.cfg, m).cfg.etcd.binary.endswith(f"/{target}/etcd")
     with bed.client() as cl:
         missing = [k for k in acked if cl.get(k) is None]
-        total = cl.count_prefix("/upgrade-writes/")
-    assert not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
+        total = cl.count_prefix(prefix)
+    assert acked and not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
     per = ", ".join(f"{s['name']} {s['seconds']:.1f}s" for s in steps)
-    print(f"\nupgrade {LEGACY} -> {TARGET}: {per}; whole run {took:.1f}s (backup {report['backups'][0]})")
+    print(f"\nupgrade {source} -> {target}: {per}; whole run {took:.1f}s (backup {report['backups'][0]})")
     print(f"writes: {len(acked)} acknowledged, {len(failed)} refused while a member restarted, "
           f"{total} keys present, 0 acknowledged lost")
-    assert shutil.which("etcd")
+    return report
+
+
+def test_rolling_upgrade_with_writes_flowing(bed):
+    """The minor step every 3.4 cluster takes: 3.4.23 -> 3.5.16."""
+    upgrade_with_writes(bed, LEGACY, TARGET)
+
+
+def test_patch_upgrade_to_the_newer_release(bed):
+    """Then a patch step on 3.5: 3.5.16 -> 3.5.30 (its etcdutl comes along in the pin)."""
+    upgrade_with_writes(bed, TARGET, NEWER)
+    for m in bed.cfg.members:
+        assert read_pin(bed.cfg, m.name)["etcdutl"].endswith(f"/{NEWER}/etcdutl")

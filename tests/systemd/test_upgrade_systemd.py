@@ -1,9 +1,10 @@
 """`etcd-agent upgrade` on real systemd: three nspawn hosts eu1..eu3 (10.213.8.11-13) running
 ``etcd-agent.service`` (the daemon, 1 s cycles) and etcd.service rendered by the agent on
-Debian's etcd 3.4.23. Releases sit side by side as the README documents: Debian's linked as
-``/opt/etcd/3.4.23/``, Debian trixie's 3.5.16 (from this machine's /opt/etcd, laid out by
-``packaging/install-deps.sh test``) copied to ``/opt/etcd/3.5.16/``, and a broken "3.5.2"
-(reports its version, exits at once when started).
+Debian's etcd 3.4.23 at the product's default ``/usr/bin/etcd`` (the legacy column as an operator
+starts it). Releases sit side by side as the README documents, from the containers' releases
+layer (tests/harness/rootfs.py): Debian's linked as ``/opt/etcd/3.4.23/``, 3.5.16 and 3.5.30
+in ``/opt/etcd/<v>/``; the test adds a broken "3.5.2" (reports its version, exits at once when
+started).
 
 The operator's command runs inside eu1 (nsenter: a root shell on master 1); the members of eu2
 and eu3 are stepped by ``etcd-agent upgrade-member`` over SSH to their real sshd (host keys
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -31,7 +31,7 @@ from etcd_agent.etcd.client import EtcdClient
 from tests.harness import agentbed
 from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
-from tests.harness.releases import DEFAULT, release
+from tests.harness.releases import DEFAULT
 from tests.harness.rootfs import DEPS_VENV
 
 from .conftest import METRICS, REPO
@@ -53,7 +53,7 @@ DAEMON_RENDER = f"wrote {UNIT_FILE}"
 
 
 def agent_toml(hosts: Sequence[Container]) -> str:
-    return agentbed.agent_toml("eu", hosts, extra=(
+    return agentbed.agent_toml("eu", hosts, version=None, extra=(
         '\n[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
         'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 300.0\n'))
 
@@ -132,17 +132,10 @@ TARGET = DEFAULT
 
 
 def install_releases(c: Container) -> None:
-    """/opt/etcd/3.4.23 -> Debian's binaries, /opt/etcd/3.5.16 copied, the broken 3.5.2."""
-    opt = os.path.join(c.root, "opt/etcd")
-    os.makedirs(os.path.join(opt, "3.4.23"), exist_ok=True)
-    for tool in ("etcd", "etcdctl"):
-        os.symlink(f"/usr/bin/{tool}", os.path.join(opt, "3.4.23", tool))  # resolved inside
-    rel = release(TARGET)
-    os.makedirs(os.path.join(opt, TARGET), exist_ok=True)
-    for tool in ("etcd", "etcdctl", "etcdutl"):
-        dst = os.path.join(opt, TARGET, tool)
-        shutil.copyfile(getattr(rel, tool), dst)
-        os.chmod(dst, 0o755)
+    """The broken 3.5.2 beside the real releases the container carries."""
+    for v in ("3.4.23", TARGET):
+        res = c.exec([f"/opt/etcd/{v}/etcd", "--version"])
+        assert f"etcd Version: {v}" in res.stdout, f"{c.name}: /opt/etcd/{v}/etcd: {res.stdout}{res.stderr}"
     c.write_file("/opt/etcd/3.5.2/etcd", FAKE_ETCD, mode=0o755)
 
 
