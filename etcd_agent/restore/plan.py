@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..cluster.lineage import LINEAGE_KEY
-from ..config import NAME_RE, Config, Member
+from ..config import NAME_RE, Config, Member, merged
 from ..etcd.tools import snapshot_restore_argv
 from ..node.protocol import PROTOCOL
 from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
@@ -71,6 +71,10 @@ class NodeFacts:
     bootstrap_member_id: Optional[str] = None
     bootstrap_cluster_id: Optional[str] = None
     lineage: Tuple[Tuple[str, ...], ...] = ()
+    # the tools the host restores with: its agent.toml's, or its version pin's after a rolling
+    # upgrade (None from agents that do not say: the plan assumes this config's)
+    etcdctl_path: Optional[str] = None
+    etcdutl_path: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -113,6 +117,8 @@ class NodeFacts:
             bootstrap_member_id=opt("bootstrap_member_id"),
             bootstrap_cluster_id=opt("bootstrap_cluster_id"),
             lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
+            etcdctl_path=opt("etcdctl_path"),
+            etcdutl_path=opt("etcdutl_path"),
         )
 
 
@@ -228,9 +234,9 @@ def check_host(
     tool = facts.etcdutl_version or facts.etcdctl_version
     if tool is None:
         p.append("neither etcdutl nor etcdctl runs on this host")
-    elif cfg.etcd.etcdutl and facts.etcdutl_version is None:
+    elif (facts.etcdutl_path or cfg.etcd.etcdutl) and facts.etcdutl_version is None:
         # the restore argv would name etcdutl: refuse now rather than fail and roll back later
-        p.append(f"etcdutl {cfg.etcd.etcdutl} is configured but does not run on this host")
+        p.append(f"etcdutl {facts.etcdutl_path or cfg.etcd.etcdutl} is configured but does not run on this host")
     if facts.etcd_version is None:
         p.append("etcd does not run on this host (etcd --version failed)")
     want = parse_version(snapshot_version)
@@ -406,17 +412,25 @@ def build_plan(
 ) -> Plan:
     """The whole restore, per host, with every argument; problems filled in by the caller."""
     ic = initial_cluster(member_pairs(cfg.members))
+    # What the hosts restore with decides, not this config alone: after a rolling upgrade a host
+    # runs its pinned release's etcdutl though agent.toml still names the old tools. All or none:
+    # members restored with and without the bump would disagree on the revision.
     tool_versions = [f.etcdutl_version for f in facts.values()]
-    bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
+    bump = bool(tool_versions) and all(can_bump(v) for v in tool_versions)
     need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
     if bump:
         note = f"etcdutl {need}+: revision bumped by {BUMP_REVISION} and marked compacted (apiserver watch caches stay valid)"
     else:
-        if cfg.etcd.etcdutl:
-            old = sorted({str(v) for v in tool_versions if v and not can_bump(v)}) or ["(not runnable)"]
+        old = sorted({str(v) for v in tool_versions if v and not can_bump(v)})
+        without = sorted(m for m, f in facts.items() if f.etcdutl_version is None)
+        if old:
             why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
+        elif cfg.etcd.etcdutl:
+            why = f"etcdutl not runnable on {', '.join(without) or 'any host'}"
         else:
             why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
+            if len(without) < len(cfg.members) and facts:
+                why = f"{', '.join(without)} restore with etcdctl (etcd 3.4), which has no --bump-revision/--mark-compacted"
         note = f"revision NOT bumped: {why}; restart every kube-apiserver after the restore so their watch caches start over"
     plan = Plan(op, backup, token, ic, manifest.get("revision"), bump, note, new_cluster, resuming)
     owners = fence_owners(cfg, host_of)
@@ -427,8 +441,11 @@ def build_plan(
         wd = f.work_dir if f else work_dir_for(data_dir, m.name)
         snap = f"{wd}/etcd_snapshot.db"
         tmp = f"{data_dir.rstrip('/')}.restoring"
+        host_cfg = cfg  # the argv as that host will run it: with its own (pinned) tools
+        if f is not None and (f.etcdctl_path or f.etcdutl_path):
+            host_cfg = merged(cfg, etcd={"etcdctl": f.etcdctl_path or cfg.etcd.etcdctl, "etcdutl": f.etcdutl_path})
         argv = snapshot_restore_argv(
-            cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
+            host_cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
             data_dir=tmp, bump_revision=BUMP_REVISION if bump else None,
         )
         hp = HostPlan(m.name, host_of[m.name])

@@ -1,9 +1,11 @@
 """Rolling upgrade on real etcd: 3.4.23 (Debian's) -> 3.5.16 (Debian trixie's) -> 3.5.30 (Debian
-sid's), one step per run, writes flowing.
+sid's), one step per run, writes flowing; and restores across the releases afterwards.
 
 One 3-member loopback cluster for the module, in this order: the refused long jump (nothing
-touched), a forced failure (a "3.5.2" whose etcd exits at once) rolled back, then the real
-upgrades with a writer thread putting sequential keys throughout.
+touched), a forced failure (a "3.5.2" whose etcd exits at once) rolled back, the upgrade to
+3.5.16 with a writer thread putting sequential keys throughout, a restore of the 3.4.23 backup
+that upgrade took, the patch upgrade to 3.5.30, and a restore of the 3.5.16 backup onto it. The
+agent.toml names 3.4.23's binaries throughout: the upgraded members run their version pins.
 """
 import json
 import os
@@ -14,6 +16,7 @@ import time
 
 import pytest
 
+from etcd_agent.backup import catalog
 from etcd_agent.cluster.health import cluster_health
 from etcd_agent.cluster.upgrade import plan_upgrade, run_upgrade
 from etcd_agent.config import load, with_local
@@ -21,6 +24,7 @@ from etcd_agent.errors import EtcdError, OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
+from etcd_agent.restore.plan import BUMP_REVISION
 from etcd_agent.state.pins import pin_path, read_pin
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY, NEWER, release
@@ -176,8 +180,56 @@ def test_rolling_upgrade_with_writes_flowing(bed):
     upgrade_with_writes(bed, LEGACY, TARGET)
 
 
+def newest_backup_of(c, version):
+    """The newest backup taken while the cluster ran ``version`` (the upgrade takes one first)."""
+    found = [e for e in catalog.list_backups(c.cfg.backup.dir)
+             if e.complete and (e.manifest or {}).get("etcd_version") == version]
+    assert found, f"no backup of etcd {version} in {c.cfg.backup.dir}"
+    return found[0]
+
+
+def restore_across(bed, backup_version, running):
+    """Restore the newest backup of ``backup_version`` onto the cluster now on ``running``:
+    agent.toml still names 3.4.23's binaries; every member's version pin names ``running``."""
+    b = newest_backup_of(bed, backup_version)
+    with bed.client() as cl:
+        for i in range(10):
+            cl.put(f"/after-upgrade-to-{running}/{i}", b"x")
+    plan = cli(bed, "restore", "--from", b.path, "--dry-run")
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    # each host restores with its pinned release's etcdutl, so the revision is bumped
+    argvs = [ln.strip() for ln in plan.stdout.splitlines() if ln.strip().startswith("$ ") and "snapshot restore" in ln]
+    assert len(argvs) == 3 and all(a.startswith(f"$ {bed.dir}/versions/{running}/etcdutl snapshot restore ") for a in argvs), argvs
+    assert all(a.endswith("--mark-compacted") for a in argvs) and "revision bumped by" in plan.stdout, plan.stdout
+    assert bed.cfg.etcd.binary.endswith(f"/{LEGACY}/etcd") and bed.cfg.etcd.etcdutl is None  # agent.toml unchanged
+    t0 = time.monotonic()
+    res = cli(bed, "restore", "--from", b.path, "--yes")
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the restored members run the pinned release, not agent.toml's 3.4.23
+    assert set(versions_of(bed).values()) == {running}
+    with bed.client() as cl:
+        assert cl.get("/seed") == b"1" and cl.count_prefix(f"/after-upgrade-to-{running}/") == 0
+        revs = {cl.status(m.client_url).revision for m in bed.cfg.members}
+    assert len(revs) == 1 and min(revs) > b.revision + BUMP_REVISION, (revs, b.revision)
+    print(f"\nFIGURE cross-version restore: backup of etcd {backup_version} (revision {b.revision}) onto the "
+          f"cluster upgraded to {running}: exit 0 in {took:.1f}s, members on {sorted(set(versions_of(bed).values()))}, "
+          f"revision {min(revs)} (bumped by {running}'s etcdutl); {argvs[0][:60]}...")
+
+
+def test_restore_a_backup_of_the_old_release_after_the_upgrade(bed):
+    """The common case after an upgrade: the newest good backup predates it (taken on 3.4.23 by
+    the upgrade itself); the cluster now runs 3.5.16 from its pins."""
+    restore_across(bed, LEGACY, TARGET)
+
+
 def test_patch_upgrade_to_the_newer_release(bed):
     """Then a patch step on 3.5: 3.5.16 -> 3.5.30 (its etcdutl comes along in the pin)."""
     upgrade_with_writes(bed, TARGET, NEWER)
     for m in bed.cfg.members:
         assert read_pin(bed.cfg, m.name)["etcdutl"].endswith(f"/{NEWER}/etcdutl")
+
+
+def test_restore_onto_the_newer_release(bed):
+    """3.5.30 as a restore target: the 3.5.16 backup its upgrade took, restored onto it."""
+    restore_across(bed, TARGET, NEWER)

@@ -109,6 +109,34 @@ def test_bump_only_with_etcdutl_3510() -> None:
     assert not plan.bump
 
 
+def test_bump_follows_the_tools_the_hosts_run() -> None:
+    """After a rolling upgrade agent.toml still names 3.4's etcdctl and no etcdutl; each host
+    restores with its pinned release's tools, and those decide the bump - all hosts or none."""
+    c = cfg()
+    assert c.etcd.etcdutl is None
+    pinned = {"etcd_version": "3.5.16", "etcdctl_version": "3.5.16", "etcdutl_version": "3.5.16",
+              "etcdctl_path": "/opt/etcd/3.5.16/etcdctl", "etcdutl_path": "/opt/etcd/3.5.16/etcdutl"}
+    fs = {m.name: facts(c, m.name, **pinned) for m in c.members}
+    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    assert plan.bump and "revision bumped by" in plan.bump_note
+    for h in plan.hosts:
+        argv = next(s for s in h.steps if s.name == "restore").argv
+        assert argv is not None and argv[0] == "/opt/etcd/3.5.16/etcdutl" and argv[-1] == "--mark-compacted", argv
+    assert all(check(c, m.name, **pinned) == [] for m in c.members)
+    # one host not upgraded (no pin): nobody bumps, and the note names it
+    fs["master2"] = facts(c, "master2", etcdctl_path="/usr/bin/etcdctl")
+    plan = P.build_plan(c, op="o", backup="b", manifest=manifest(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    assert not plan.bump and "master2 restore with etcdctl (etcd 3.4)" in plan.bump_note, plan.bump_note
+    tools = {h.member: next(s for s in h.steps if s.name == "restore").argv for h in plan.hosts}
+    assert tools["master2"][0] == "/usr/bin/etcdctl" and tools["master1"][0] == "/opt/etcd/3.5.16/etcdutl"
+    assert not any("--mark-compacted" in a for argv in tools.values() for a in argv)
+    # a pinned etcdutl that does not run is refused before anything is touched
+    assert any("etcdutl /opt/etcd/3.5.16/etcdutl is configured but does not run" in p
+               for p in check(c, "master1", **{**pinned, "etcdutl_version": None}))
+
+
 def test_fence_once_per_host() -> None:
     c = cfg()
     assert P.fence_owners(c, {"master1": "local", "master2": "local", "master3": "h3"}) == {
