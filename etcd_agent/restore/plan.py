@@ -209,6 +209,29 @@ def check_manifest(
     return problems
 
 
+def version_problems(snapshot_version: Optional[str], facts: NodeFacts) -> List[str]:
+    """A backup of a newer minor release than the host's etcd (or its snapshot tool) is refused:
+    that restore is a downgrade, which etcd does not support (3.4 may even start on 3.5 data, and
+    then run on a store written by a release it does not know). Patch releases may differ."""
+    want = parse_version(snapshot_version)
+    if want is None:
+        return []
+    tool_name = "etcdutl" if facts.etcdutl_version else "etcdctl"
+    tool = facts.etcdutl_version or facts.etcdctl_version
+    older = []
+    for label, have in (("etcd", facts.etcd_version), (tool_name, tool)):
+        hv = parse_version(have)
+        if hv is not None and hv[:2] < want[:2]:
+            older.append(f"{label} {have}")
+    if not older:
+        return []
+    line = f"{want[0]}.{want[1]}"
+    return [f"the backup is from etcd {snapshot_version}, this host has {' and '.join(older)}: restoring it "
+            f"would downgrade the cluster to an older minor release, which etcd does not support; install "
+            f"etcd {line} here and upgrade the cluster to it first (etcd-agent upgrade --to {line}.x), "
+            f"or restore a backup taken on the release this host runs"]
+
+
 def check_host(
     cfg: Config,
     member: Member,
@@ -239,11 +262,7 @@ def check_host(
         p.append(f"etcdutl {facts.etcdutl_path or cfg.etcd.etcdutl} is configured but does not run on this host")
     if facts.etcd_version is None:
         p.append("etcd does not run on this host (etcd --version failed)")
-    want = parse_version(snapshot_version)
-    for label, have in (("snapshot tool", tool), ("etcd", facts.etcd_version)):
-        hv = parse_version(have)
-        if want is not None and hv is not None and hv[:2] < want[:2]:
-            p.append(f"{label} {have} is older than the snapshot's etcd {snapshot_version}: it cannot restore/run it")
+    p += version_problems(snapshot_version, facts)
     need = required_free(snapshot_size)
     if facts.free_bytes < need and not resuming:
         p.append(f"{facts.free_bytes} bytes free beside {facts.data_dir}, the restore needs {need}")

@@ -137,6 +137,22 @@ def test_bump_follows_the_tools_the_hosts_run() -> None:
                for p in check(c, "master1", **{**pinned, "etcdutl_version": None}))
 
 
+def test_a_newer_minor_backup_is_refused_with_the_way_out() -> None:
+    c = cfg()
+    probs = P.check_host(c, c.member("master1"), facts(c, "master1"), snapshot_size=1000,
+                         snapshot_version="3.5.16", agent_version="0.1.0", resuming=False)
+    assert probs == [
+        "the backup is from etcd 3.5.16, this host has etcd 3.4.23 and etcdctl 3.4.23: restoring it would downgrade "
+        "the cluster to an older minor release, which etcd does not support; install etcd 3.5 here and upgrade "
+        "the cluster to it first (etcd-agent upgrade --to 3.5.x), or restore a backup taken on the release this host runs"
+    ]
+    # older and newer patches of one minor, and any older minor, restore
+    newer = {"etcd_version": "3.5.30", "etcdctl_version": "3.5.30", "etcdutl_version": "3.5.30"}
+    for snap in ("3.5.30", "3.5.1", "3.4.23"):
+        assert P.check_host(c, c.member("master1"), facts(c, "master1", **newer), snapshot_size=1000,
+                            snapshot_version=snap, agent_version="0.1.0", resuming=False) == [], snap
+
+
 def test_fence_once_per_host() -> None:
     c = cfg()
     assert P.fence_owners(c, {"master1": "local", "master2": "local", "master3": "h3"}) == {
@@ -153,7 +169,7 @@ def test_host_rules() -> None:
     assert any("wrong ssh_host" in p for p in check(c, "master1", identity_match=False))
     assert any("fencing" in p for p in check(c, "master1", fence_ok=False, fence_detail="no unit"))
     assert any("neither etcdutl nor etcdctl" in p for p in check(c, "master1", etcdctl_version=None))
-    assert any("older than the snapshot" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
+    assert any("this host has etcdctl 3.3.1: restoring it would downgrade" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
     assert any("TLS file" in p for p in check(c, "master1", tls_missing=["/x.crt"]))
     assert any("unfinished restore" in p for p in check(c, "master1", journal={"op": "x", "state": "running"}))
     assert check(c, "master1", journal={"op": "x", "state": "done"}) == []
