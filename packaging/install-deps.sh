@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # install-deps.sh demo|test : install the Debian packages the demo or the test suite needs, only
 # those missing. Root (or sudo) is needed to install; nothing is installed that is already there.
+# `test` also lays out the etcd releases the suite runs on under /opt/etcd (etcd-releases.sh:
+# Debian's 3.4 linked, 3.5 releases fetched from newer Debian suites; fast when present).
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-test}
 pkgs=(etcd-server etcd-client)
 if [ "$what" = test ]; then
@@ -12,20 +15,26 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-if ! command -v apt-get >/dev/null; then
-  echo "install-deps: missing ${missing[*]} and no apt-get here; install them by hand" >&2
-  exit 1
+as_root() {  # run "$@" as root: directly, or through sudo
+  if [ "$(id -u)" = 0 ]; then "$@"; return; fi
+  command -v sudo >/dev/null || { echo "install-deps: need root (or sudo) for: $*" >&2; exit 1; }
+  sudo "$@"
+}
+if [ ${#missing[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null; then
+    echo "install-deps: missing ${missing[*]} and no apt-get here; install them by hand" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}" >&2
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Debian starts etcd on install on some setups: the demo and the tests need its ports free.
+  if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
+    as_root systemctl disable --now etcd || true
+  fi
 fi
-SUDO=""
-if [ "$(id -u)" != 0 ]; then
-  command -v sudo >/dev/null || { echo "install-deps: need root to install ${missing[*]}" >&2; exit 1; }
-  SUDO=sudo
-fi
-echo "install-deps: installing ${missing[*]}" >&2
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-# Debian starts etcd on install on some setups: the demo and the tests need its ports free.
-if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
-  $SUDO systemctl disable --now etcd || true
+if [ "$what" = test ]; then
+  # the releases every tier runs on (packaging/etcd-test-releases); a missing one is an install
+  # failure here, never a skipped test later. Checking needs no root, installing does.
+  "$here/etcd-releases.sh" --check /opt/etcd >/dev/null 2>&1 || as_root "$here/etcd-releases.sh" /opt/etcd
 fi

@@ -29,6 +29,7 @@ from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
 from ..state import bootstrap, lineage, markers
 from ..state.locks import holder_of
+from ..state.pins import pinned_config
 from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
@@ -72,14 +73,17 @@ class NodeRestore:
     """The restore of one member on this host."""
 
     def __init__(self, cfg: Config, member: str, op: Optional[str] = None) -> None:
-        self.cfg = cfg
+        # The member's release after a rolling upgrade (its version pin), not agent.toml's
+        # binaries: the pre-check reports what really runs here, `snapshot restore` uses that
+        # release's etcdutl, and the process backend starts the pinned etcd - not the old one.
+        self.cfg = pinned_config(cfg, member)
         self.member: Member = cfg.member(member)
         self.op = op
         self.data_dir = cfg.data_dir(member).rstrip("/")
         self.work_dir = P.work_dir_for(self.data_dir, member)
         self.journal_path = J.path_in(self.work_dir)
         self.host = LocalHost(member)
-        self.backend = backend_for(cfg, member)
+        self.backend = backend_for(self.cfg, member)
 
     # ------------------------------------------------------------ journal
 
@@ -155,6 +159,7 @@ class NodeRestore:
             bootstrap_member_id=rec.member_id if rec else None, bootstrap_cluster_id=rec.cluster_id if rec else None,
             lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
             db_member_ids=db_ids, db_note=db_note,
+            etcdctl_path=cfg.etcd.etcdctl, etcdutl_path=cfg.etcd.etcdutl,
         )
 
     def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:

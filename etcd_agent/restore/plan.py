@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..cluster.lineage import LINEAGE_KEY
-from ..config import NAME_RE, Config, Member
+from ..config import NAME_RE, Config, Member, merged
 from ..etcd.tools import snapshot_restore_argv
 from ..node.protocol import PROTOCOL
 from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
@@ -73,6 +73,10 @@ class NodeFacts:
     lineage: Tuple[Tuple[str, ...], ...] = ()
     db_member_ids: Tuple[str, ...] = ()  # the members in the data dir's own db (read with etcd down)
     db_note: str = ""  # why the data dir's db could not be read, if it could not
+    # the tools the host restores with: its agent.toml's, or its version pin's after a rolling
+    # upgrade (None from agents that do not say: the plan assumes this config's)
+    etcdctl_path: Optional[str] = None
+    etcdutl_path: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -118,6 +122,8 @@ class NodeFacts:
             lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
             db_member_ids=tuple(str(x) for x in (d.get("db_member_ids") or ()) if isinstance(x, str)),
             db_note=str(d.get("db_note") or ""),
+            etcdctl_path=opt("etcdctl_path"),
+            etcdutl_path=opt("etcdutl_path"),
         )
 
 
@@ -162,6 +168,29 @@ def required_free(snapshot_size: int) -> int:
 
 
 
+def version_problems(snapshot_version: Optional[str], facts: NodeFacts) -> List[str]:
+    """A backup of a newer minor release than the host's etcd (or its snapshot tool) is refused:
+    that restore is a downgrade, which etcd does not support (3.4 may even start on 3.5 data, and
+    then run on a store written by a release it does not know). Patch releases may differ."""
+    want = parse_version(snapshot_version)
+    if want is None:
+        return []
+    tool_name = "etcdutl" if facts.etcdutl_version else "etcdctl"
+    tool = facts.etcdutl_version or facts.etcdctl_version
+    older = []
+    for label, have in (("etcd", facts.etcd_version), (tool_name, tool)):
+        hv = parse_version(have)
+        if hv is not None and hv[:2] < want[:2]:
+            older.append(f"{label} {have}")
+    if not older:
+        return []
+    line = f"{want[0]}.{want[1]}"
+    return [f"the backup is from etcd {snapshot_version}, this host has {' and '.join(older)}: restoring it "
+            f"would downgrade the cluster to an older minor release, which etcd does not support; install "
+            f"etcd {line} here and upgrade the cluster to it first (etcd-agent upgrade --to {line}.x), "
+            f"or restore a backup taken on the release this host runs"]
+
+
 def check_host(
     cfg: Config,
     member: Member,
@@ -187,16 +216,12 @@ def check_host(
     tool = facts.etcdutl_version or facts.etcdctl_version
     if tool is None:
         p.append("neither etcdutl nor etcdctl runs on this host")
-    elif cfg.etcd.etcdutl and facts.etcdutl_version is None:
+    elif (facts.etcdutl_path or cfg.etcd.etcdutl) and facts.etcdutl_version is None:
         # the restore argv would name etcdutl: refuse now rather than fail and roll back later
-        p.append(f"etcdutl {cfg.etcd.etcdutl} is configured but does not run on this host")
+        p.append(f"etcdutl {facts.etcdutl_path or cfg.etcd.etcdutl} is configured but does not run on this host")
     if facts.etcd_version is None:
         p.append("etcd does not run on this host (etcd --version failed)")
-    want = parse_version(snapshot_version)
-    for label, have in (("snapshot tool", tool), ("etcd", facts.etcd_version)):
-        hv = parse_version(have)
-        if want is not None and hv is not None and hv[:2] < want[:2]:
-            p.append(f"{label} {have} is older than the snapshot's etcd {snapshot_version}: it cannot restore/run it")
+    p += version_problems(snapshot_version, facts)
     need = required_free(snapshot_size)
     if facts.free_bytes < need and not resuming:
         p.append(f"{facts.free_bytes} bytes free beside {facts.data_dir}, the restore needs {need}")
@@ -369,17 +394,26 @@ def fence_owners(cfg: Config, host_of: Mapping[str, str]) -> Dict[str, bool]:
 
 
 def bump_decision(cfg: Config, facts: Mapping[str, NodeFacts]) -> Tuple[bool, str]:
-    """Whether the restore bumps the revision (etcdutl >= 3.5.10 everywhere), and what the plan
-    says about it: apiserver watch caches must never see the revision go back."""
+    """Whether the restore bumps the revision, and what the plan says about it: apiserver watch
+    caches must never see the revision go back.
+
+    What the hosts restore with decides, not this config alone: after a rolling upgrade a host
+    runs its pinned release's etcdutl though agent.toml still names the old tools. All or none:
+    members restored with and without the bump would disagree on the revision."""
     tool_versions = [f.etcdutl_version for f in facts.values()]
-    bump = bool(cfg.etcd.etcdutl) and bool(tool_versions) and all(can_bump(v) for v in tool_versions)
+    bump = bool(tool_versions) and all(can_bump(v) for v in tool_versions)
     need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
     if bump:
         return True, (f"etcdutl {need}+: revision bumped by {BUMP_REVISION} and marked compacted "
                       "(apiserver watch caches stay valid)")
-    if cfg.etcd.etcdutl:
-        old = sorted({str(v) for v in tool_versions if v and not can_bump(v)}) or ["(not runnable)"]
+    old = sorted({str(v) for v in tool_versions if v and not can_bump(v)})
+    without = sorted(m for m, f in facts.items() if f.etcdutl_version is None)
+    if old:
         why = f"etcdutl {', '.join(old)} has no --bump-revision/--mark-compacted (added in {need})"
+    elif cfg.etcd.etcdutl:
+        why = f"etcdutl not runnable on {', '.join(without) or 'any host'}"
+    elif facts and len(without) < len(cfg.members):
+        why = f"{', '.join(without)} restore with etcdctl (etcd 3.4), which has no --bump-revision/--mark-compacted"
     else:
         why = "restoring with etcdctl (etcd 3.4) has no --bump-revision/--mark-compacted"
     if cfg.kubernetes.fence == "none":
@@ -425,7 +459,10 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
     wd = f.work_dir if f else work_dir_for(data_dir, m.name)
     snap = f"{wd}/etcd_snapshot.db"
     tmp = f"{data_dir.rstrip('/')}.restoring"
-    argv = snapshot_restore_argv(cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
+    host_cfg = cfg  # the argv as that host will run it: with its own (version-pinned) tools
+    if f is not None and (f.etcdctl_path or f.etcdutl_path):
+        host_cfg = merged(cfg, etcd={"etcdctl": f.etcdctl_path or cfg.etcd.etcdctl, "etcdutl": f.etcdutl_path})
+    argv = snapshot_restore_argv(host_cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
                                  data_dir=tmp, bump_revision=BUMP_REVISION if bump else None)
     spec = f"{cfg.etcd.user}:{cfg.etcd.group}"
     claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"

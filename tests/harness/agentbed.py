@@ -10,6 +10,8 @@ import pytest
 from etcd_agent.cluster.status import cluster_status
 from etcd_agent.config import Config, parse_text
 from tests.harness.nspawn import Container
+from tests.harness.releases import DEFAULT
+from tests.harness.rootfs import TREE_VERSIONS_DIR
 
 if TYPE_CHECKING:  # pragma: no cover
     from tests.harness.nspawn import NspawnBed
@@ -22,13 +24,25 @@ def members_toml(hosts: Sequence[Container]) -> str:
     return "".join(f'[[member]]\nname = "{c.name}"\nhost = "{c.ip}"\n\n' for c in hosts)
 
 
-def agent_toml(name: str, hosts: Sequence[Container], *, bootstrap: str = "static", extra: str = "") -> str:
+def release_toml(version: str) -> str:
+    """``[etcd]`` keys running one release from the containers' /opt/etcd (the releases layer);
+    from 3.5 on with etcdutl, so restores use it (and bump the revision)."""
+    d = f"{TREE_VERSIONS_DIR}/{version}"
+    keys = f'binary = "{d}/etcd"\netcdctl = "{d}/etcdctl"\n'
+    return keys if version.startswith("3.4.") else keys + f'etcdutl = "{d}/etcdutl"\n'
+
+
+def agent_toml(name: str, hosts: Sequence[Container], *, bootstrap: str = "static", extra: str = "",
+               version: Optional[str] = DEFAULT) -> str:
     """One config for every host (no [local] name: each agent finds itself by name / IP), etcd
-    under systemd, a fast daemon; ``extra`` appends sections ([ssh], [kubernetes] ...)."""
+    ``version`` from /opt/etcd under systemd (None: the product's defaults, Debian's /usr/bin/etcd
+    3.4.23 in the tree), a fast daemon; ``extra`` appends sections ([ssh], [kubernetes] ...)."""
     return (
         f'[cluster]\nname = "{name}"\ntoken = "{name}-cluster-1"\nbootstrap = "{bootstrap}"\n\n'
         + members_toml(hosts)
-        + '[etcd]\nservice_manager = "systemd"\n\n'
+        + '[etcd]\nservice_manager = "systemd"\n'
+        + (release_toml(version) if version else "")
+        + "\n"
         + DAEMON_FAST
         + extra
     )

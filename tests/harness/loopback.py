@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 from typing import List, Optional, Tuple
 
@@ -17,9 +16,7 @@ from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.topology import NEW, Bootstrap, initial_cluster, member_pairs
-
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
+from tests.harness.releases import DEFAULT, release
 
 
 def _free(port: int) -> bool:
@@ -60,14 +57,14 @@ def config_text(
     token: str = "test-token",
     ports: Optional[List[Tuple[int, int]]] = None,
     extra: str = "",
-    binary: str = ETCD,
-    etcdctl: str = ETCDCTL,
-    etcdutl: Optional[str] = None,
+    version: str = DEFAULT,
     cluster_extra: str = "",
 ) -> str:
-    """The agent.toml of an n-member loopback cluster; binary/etcdctl/etcdutl pick the etcd
-    release (Debian's 3.4 by default, no etcdutl); ``cluster_extra`` adds [cluster] keys."""
+    """The agent.toml of an n-member loopback cluster on the installed etcd ``version``
+    (tests/harness/releases.py; 3.5+ with etcdutl, so restores use it); ``cluster_extra`` adds
+    [cluster] keys."""
     ports = ports or free_port_pairs(n)
+    rel = release(version)
     lines = [
         "[cluster]",
         'name = "test"',
@@ -75,9 +72,7 @@ def config_text(
         f'bootstrap = "{bootstrap}"',
         cluster_extra,
         "[etcd]",
-        f'binary = "{binary}"',
-        f'etcdctl = "{etcdctl}"',
-        f'etcdutl = "{etcdutl}"' if etcdutl else "",
+        rel.toml(),
         'service_manager = "process"',
         # test dirs live under pytest's 0700 temp root: etcd runs as the test's own user
         'user = "root"', 'group = "root"',
@@ -104,7 +99,7 @@ def config_text(
 
 
 class LoopbackCluster:
-    """n members on loopback, each a LocalMember with the process backend."""
+    """n members on loopback, each a LocalMember with the process backend, on etcd ``version``."""
 
     def __init__(
         self,
@@ -113,17 +108,16 @@ class LoopbackCluster:
         *,
         bootstrap: str = "static",
         extra: str = "",
-        binary: str = ETCD,
-        etcdctl: str = ETCDCTL,
-        etcdutl: Optional[str] = None,
+        version: str = DEFAULT,
         cluster_extra: str = "",
     ) -> None:
         self.dir = directory
+        self.version = version
         os.makedirs(os.path.join(directory, "conf"), exist_ok=True)
         self.config_path = os.path.join(directory, "agent.toml")
         with open(self.config_path, "w") as fh:
-            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra, binary=binary, etcdctl=etcdctl,
-                                 etcdutl=etcdutl, cluster_extra=cluster_extra))
+            fh.write(config_text(directory, n, bootstrap=bootstrap, extra=extra, version=version,
+                                 cluster_extra=cluster_extra))
         self.cfg: Config = load(self.config_path)
         self.members = [
             LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members

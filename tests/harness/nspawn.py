@@ -1,7 +1,8 @@
 """Test hosts that boot real systemd: nspawn containers on overlay clones of the base tree.
 
-Each container gets an overlayfs clone of the cached base tree (tests/harness/rootfs.py), its own
-hostname, /etc/hosts, machine-id and ssh host keys, and boots `systemd-nspawn -b` inside a network
+Each container gets an overlayfs clone of the cached base tree (tests/harness/rootfs.py) with the
+cached etcd releases layer above it (/opt/etcd/<version>: 3.4.23 linked to the tree's own etcd,
+3.5.16, 3.5.30), its own hostname, /etc/hosts, machine-id and ssh host keys, and boots `systemd-nspawn -b` inside a network
 namespace of a NetnsBed. This machine has no systemd as PID 1 and no machined, hence
 `--register=no --keep-unit` and one cgroup per container (machine.slice/NAME) made by hand:
 without it, the containers' systemd instances kill each other's services (status=219/CGROUP).
@@ -22,7 +23,7 @@ from typing import IO, Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
-from .rootfs import BASE_DIR, DEPS_VENV, lock_path, mounts_under, remove_tree
+from .rootfs import BASE_DIR, DEPS_VENV, ensure_releases_layer, lock_path, mounts_under, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,11 @@ class Container:
 
     def __init__(self, name: str, *, run_dir: str, base: str = BASE_DIR,
                  netns: Optional[str] = None, ip: Optional[str] = None,
-                 hosts: Sequence[Tuple[str, str]] = (), authorized_key: Optional[str] = None
-                 ) -> None:
+                 hosts: Sequence[Tuple[str, str]] = (), authorized_key: Optional[str] = None,
+                 layers: Sequence[str] = ()) -> None:
         self.name = name
         self.base = base
+        self.layers = list(layers)  # read-only trees above the base (topmost first)
         self.netns = netns
         self.ip = ip
         self.hosts = list(hosts)
@@ -121,7 +123,8 @@ class Container:
         self._cleanup_files()
         for d in (self.root, self.upper, self.work):
             os.makedirs(d, exist_ok=True)
-        opts = f"lowerdir={self.base},upperdir={self.upper},workdir={self.work}"
+        lower = ":".join([*self.layers, self.base])
+        opts = f"lowerdir={lower},upperdir={self.upper},workdir={self.work}"
         subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, self.root],
                        check=True, capture_output=True, timeout=30)
         etc = os.path.join(self.root, "etc")
@@ -427,7 +430,7 @@ class NspawnBed:
     """
 
     def __init__(self, n: int = 3, *, prefix: str = "es", subnet: str = "10.213.2",
-                 base: str = BASE_DIR, run_dir: Optional[str] = None) -> None:
+                 base: str = BASE_DIR, run_dir: Optional[str] = None, releases: bool = True) -> None:
         from .netns import NetnsBed  # the namespaces: bridge, veths, addresses
 
         self.net = NetnsBed(n, prefix=prefix, subnet=subnet)
@@ -443,6 +446,8 @@ class NspawnBed:
             for h in self.net.hosts
         ]
         self.timings: Dict[str, float] = {}
+        self.releases = releases  # mount the etcd releases layer (tests/harness/rootfs.py)
+        self.releases_layer: Optional[str] = None
         self._base_lock: Optional[IO[str]] = None
         # units stopped host by host before the poweroff (patterns match loaded units only)
         self.stop_first: Tuple[str, ...] = ("etcd*.service",)
@@ -474,10 +479,21 @@ class NspawnBed:
             raise RuntimeError(f"no base tree at {self.base}: python -m tests.harness.rootfs")
         t0 = time.monotonic()
         self._stop_containers()  # leftovers of a crashed run with the same prefix
+        if self.releases:  # made (exclusively) before this bed takes the base tree shared
+            layer = ensure_releases_layer(base=self.base)
+            self.releases_layer = layer.path
+            if layer.built:
+                self.timings["releases_layer"] = layer.seconds
         # a rebuild of the base tree under mounted overlays would pull the floor from under them
         self._base_lock = open(lock_path(self.base), "a")
         fcntl.flock(self._base_lock, fcntl.LOCK_SH)
         try:
+            if self.releases_layer is not None:
+                if not os.path.isdir(self.releases_layer):  # replaced between the two locks
+                    raise RuntimeError(f"releases layer {self.releases_layer} vanished: another session "
+                                       "made a layer of another release list; re-run")
+                for c in self.containers:
+                    c.layers = [self.releases_layer]
             self.net.up()
             self.timings["netns_up"] = time.monotonic() - t0
             os.makedirs(os.path.dirname(self.client_key), mode=0o700, exist_ok=True)

@@ -4,6 +4,14 @@ Built once with debootstrap (50-110 s) into a temporary directory and renamed in
 complete, so a killed build never leaves a tree that looks finished. The tree carries a recipe
 hash; it is rebuilt only when missing or when the recipe below changes.
 
+The etcd releases the tests run on come as a second, small cached layer: ``/opt/etcd/<version>``
+copied from this machine's ``/opt/etcd`` (laid out by ``packaging/install-deps.sh test``) into
+``RELEASES_PREFIX-<key>``, where the key digests the versions and their binaries' sizes. Every
+container mounts it above the base tree (overlayfs lowerdir=layer:base), so its root carries
+/opt/etcd/<v> as ``[etcd] versions_dir`` expects. A cache without the layer, or with another
+release list, gets a new layer (seconds: a copy, no debootstrap), and the base tree - shared with
+other checkouts of this project on the machine - is never modified under them.
+
     python -m tests.harness.rootfs [--force]
 """
 from __future__ import annotations
@@ -22,7 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import IO, Dict, List, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,9 @@ DEPS = (
 # Bump when the build steps change in a way the lists above do not show.
 RECIPE_VERSION = 1
 RECIPE_FILE = ".etcd-agent-recipe"
+# The releases layer: <RELEASES_PREFIX>-<key>/opt/etcd/<version>/..., read-only once made.
+RELEASES_PREFIX = "/var/lib/machines/etcd-agent-releases"
+TREE_VERSIONS_DIR = "/opt/etcd"  # the product's default versions_dir, inside every container
 
 # The chroot must not see the host's pip settings (find-links, certs, constraints).
 CHROOT_ENV = {
@@ -194,6 +205,125 @@ def _build(tmp: str) -> None:
                   "import etcd3, psutil, tenacity, paramiko, prometheus_client, zstandard"], 120)
 
 
+def releases_key(versions: Sequence[str], source_dir: str) -> str:
+    """What decides the releases layer: each version and its files (sizes; a link counts as its
+    target). Fails the test, naming the fix, when a release is not installed here."""
+    from .releases import release
+
+    parts = []
+    for v in versions:
+        release(v, source_dir)
+        d = os.path.join(source_dir, v)
+        files = []
+        for name in sorted(os.listdir(d)):
+            p = os.path.join(d, name)
+            files.append(f"{name}->{os.readlink(p)}" if os.path.islink(p) else f"{name}:{os.path.getsize(p)}")
+        parts.append(f"{v}[{','.join(files)}]")
+    return ";".join(parts)
+
+
+# Beds of other sessions hold the base tree shared for a whole tier (~10 min): wait that out, not more.
+LAYER_LOCK_TIMEOUT = 1800.0
+
+
+def _lock_exclusive(f: "IO[str]", what: str, timeout: float) -> None:
+    """flock(LOCK_EX) within ``timeout`` seconds, saying once that it waits."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: still held (shared by a running bed?) after {timeout:.0f} s") from None
+            if not said:
+                log.warning("waiting for %s (a bed of another session holds it)", what)
+                said = True
+            time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class ReleasesLayer:
+    """The cached /opt/etcd layer the containers mount above the base tree."""
+
+    path: str
+    versions: Tuple[str, ...]
+    built: bool
+    seconds: float
+
+
+def _check_in_tree(base: str, layer: str, versions: Sequence[str]) -> None:
+    """Every binary of the layer reports its version when run in the base tree (chroot into a
+    temporary overlay of both, so 3.4's links resolve to the tree's own /usr/bin/etcd)."""
+    from .releases import parse_reported, version_argv
+
+    work = tempfile.mkdtemp(prefix=".releases-check-", dir=os.path.dirname(layer))
+    root, upper, wd = (os.path.join(work, d) for d in ("root", "upper", "work"))
+    for d in (root, upper, wd):
+        os.makedirs(d)
+    opts = f"lowerdir={layer}:{base},upperdir={upper},workdir={wd}"
+    _run(["mount", "-t", "overlay", "overlay", "-o", opts, root], timeout=30)
+    try:
+        for v in versions:
+            for name in sorted(os.listdir(os.path.join(layer, TREE_VERSIONS_DIR.lstrip("/"), v))):
+                inner = f"{TREE_VERSIONS_DIR}/{v}/{name}"
+                res = subprocess.run(["chroot", root, *version_argv(inner)], capture_output=True, text=True,
+                                     timeout=60, env={**CHROOT_ENV, "ETCDCTL_API": "3"})
+                got = parse_reported(res.stdout)
+                if got != v:
+                    raise RuntimeError(f"{inner} reports {got or 'nothing'} in the base tree, not {v}: {res.stderr.strip()[:200]}")
+    finally:
+        subprocess.run(["umount", root], capture_output=True, timeout=60)
+        remove_tree(work)
+
+
+def ensure_releases_layer(versions: Optional[Sequence[str]] = None, source_dir: Optional[str] = None,
+                          base: str = BASE_DIR, prefix: str = RELEASES_PREFIX) -> ReleasesLayer:
+    """The releases layer for ``versions`` (default: every release of packaging/etcd-test-releases),
+    made from ``source_dir`` (default /opt/etcd) when missing. Made under the base tree's exclusive
+    lock (so never while a bed is up: beds hold it shared), in a temporary dir renamed into place
+    once every binary was seen to report its version inside the tree; layers of other keys are
+    removed then (no bed can be using them)."""
+    from . import releases as rel
+
+    vs = tuple(versions if versions is not None else rel.ALL)
+    src = source_dir or rel.VERSIONS_DIR
+    key = hashlib.sha256(releases_key(vs, src).encode()).hexdigest()[:12]
+    path = f"{prefix}-{key}"
+    if os.path.isfile(os.path.join(path, RECIPE_FILE)):
+        return ReleasesLayer(path, vs, False, 0.0)
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    with open(lock_path(base), "a") as lockf:
+        _lock_exclusive(lockf, lock_path(base), LAYER_LOCK_TIMEOUT)
+        if os.path.isfile(os.path.join(path, RECIPE_FILE)):
+            return ReleasesLayer(path, vs, False, 0.0)
+        t0 = time.monotonic()
+        for stale in glob.glob(f"{prefix}-*") + glob.glob(os.path.join(parent, f".{os.path.basename(prefix)}-*")):
+            if stale != path:
+                log.info("removing releases layer %s (another release list)", stale)
+                remove_tree(stale)
+        if os.path.lexists(path):
+            remove_tree(path)  # no record: an interrupted layer
+        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+        try:
+            dest = os.path.join(tmp, TREE_VERSIONS_DIR.lstrip("/"))
+            os.makedirs(dest)
+            for v in vs:
+                shutil.copytree(os.path.join(src, v), os.path.join(dest, v), symlinks=True)
+            _check_in_tree(base, tmp, vs)
+            with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
+                json.dump({"releases": releases_key(vs, src), "versions": list(vs),
+                           "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+            os.chmod(tmp, 0o755)
+            os.rename(tmp, path)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        return ReleasesLayer(path, vs, True, time.monotonic() - t0)
+
+
 def lock_path(path: str = BASE_DIR) -> str:
     """The lock file of a tree: builders hold it exclusively, running beds shared."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
@@ -256,6 +386,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     what = "built" if info.built else "current, reused"
     print(f"rootfs: {info.path} {what} (recipe {info.recipe}) in {time.monotonic() - t0:.1f} s, "
           f"{info.size_bytes / 1e6:.0f} MB")
+    layer = ensure_releases_layer(base=args.path)
+    print(f"rootfs: etcd releases {', '.join(layer.versions)} in {layer.path} "
+          f"({'made in %.1f s' % layer.seconds if layer.built else 'cached'})")
     return 0
 
 

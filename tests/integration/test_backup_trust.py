@@ -23,10 +23,6 @@ from tests.harness.loopback import LoopbackCluster
 
 pytestmark = pytest.mark.integration
 
-E35 = "/opt/etcd/3.5.16"
-REL35: Dict[str, Any] = dict(binary=f"{E35}/etcd", etcdctl=f"{E35}/etcdctl", etcdutl=f"{E35}/etcdutl")
-if not os.access(f"{E35}/etcd", os.X_OK):  # pragma: no cover
-    pytest.fail(f"etcd 3.5.16 is not installed in {E35}", pytrace=False)
 
 
 def state(d: Any) -> str:
@@ -59,7 +55,7 @@ def operator_files(c: LoopbackCluster, work: str, *, unit: bool = True) -> str:
 
 
 def test_runbook_tarballs_verify_and_import(cluster_factory: Callable[..., LoopbackCluster], tmp_path: Any) -> None:
-    c = cluster_factory(3, extra=state(tmp_path), **REL35)
+    c = cluster_factory(3, extra=state(tmp_path))
     c.start_static()
     work = operator_files(c, str(tmp_path / "op"))
     shapes = {
@@ -121,9 +117,9 @@ def _strip_claims(src: str, dst: str) -> None:
 
 def test_foreign_snapshots_refused_whatever_the_manifest(cluster_factory: Callable[..., LoopbackCluster],
                                                          tmp_path: Any) -> None:
-    ours = cluster_factory(3, extra=state(tmp_path / "ours"), **REL35)
+    ours = cluster_factory(3, extra=state(tmp_path / "ours"))
     ours.start_static()
-    other = cluster_factory(3, extra=state(tmp_path / "other"), **REL35)
+    other = cluster_factory(3, extra=state(tmp_path / "other"))
     other.start_static()
     foreign = take_backup(other.cfg, member="m1", prune=False).path
     bare = str(tmp_path / "etcd-2019-08-07-13-00-00.tar")

@@ -1,4 +1,5 @@
-"""Both bootstrap modes, status with a dead member, and client reconnects - on real etcd."""
+"""Both bootstrap modes (on 3.5.16 and on the 3.4.23 column), status with a dead member, and
+client reconnects - on real etcd."""
 import json
 import os
 import subprocess
@@ -11,12 +12,15 @@ from etcd_agent.cluster.status import cluster_status
 from etcd_agent.errors import RefusedError
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.waiting import poll
+from tests.harness.releases import DEFAULT, LEGACY
 
 pytestmark = pytest.mark.integration
+BOTH = pytest.mark.parametrize("version", [DEFAULT, LEGACY])
 
 
-def test_static_bootstrap_three_members(cluster_factory):
-    c = cluster_factory(3, bootstrap="static")
+@BOTH
+def test_static_bootstrap_three_members(cluster_factory, version):
+    c = cluster_factory(3, bootstrap="static", version=version)
     t = time.monotonic()
     c.start_static()
     took = time.monotonic() - t
@@ -26,15 +30,17 @@ def test_static_bootstrap_three_members(cluster_factory):
         cl.put("k", b"v")
         for m in c.cfg.members:
             # a follower applies the put a moment after the leader acknowledged it
-            poll(lambda: cl.status(m.client_url).revision >= 2, timeout=5, what=f"{m.name} at revision 2")
+            poll(lambda: cl.status(m.client_url).revision >= 2, timeout=10, what=f"{m.name} at revision 2")
+        assert {cl.status(m.client_url).version for m in c.cfg.members} == {version}
     rows = cluster_status(c.cfg)
     assert all(r.healthy for r in rows)
     assert sum(1 for r in rows if r.leader) == 1
-    print(f"static 3-member bootstrap healthy in {took:.1f}s")
+    print(f"static 3-member bootstrap on etcd {version} healthy in {took:.1f}s")
 
 
-def test_incremental_bootstrap_follows_the_documented_walk(cluster_factory):
-    c = cluster_factory(3, bootstrap="incremental")
+@BOTH
+def test_incremental_bootstrap_follows_the_documented_walk(cluster_factory, version):
+    c = cluster_factory(3, bootstrap="incremental", version=version)
     c.start_incremental()
     # what each member was started with is what the docs' infra0/1/2 walk-through says
     confs = {}
@@ -51,6 +57,7 @@ def test_incremental_bootstrap_follows_the_documented_walk(cluster_factory):
         assert f"{m.name}={m.peer_url}" in confs["m3"]
     with c.client() as cl:
         assert sorted(m.name for m in cl.members()) == ["m1", "m2", "m3"]
+        assert {cl.status(m.client_url).version for m in c.cfg.members} == {version}
     assert all(r.healthy for r in cluster_status(c.cfg))
 
 

@@ -12,6 +12,7 @@ import pytest
 from etcd_agent.cluster.status import cluster_status
 from etcd_agent.daemon import health
 from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.waiting import poll
 from tests.harness.loopback import LoopbackCluster
 
 pytestmark = pytest.mark.integration
@@ -170,4 +171,6 @@ def test_daemons_join_as_learners_then_promote(daemons):
         members = c.members()
     assert sorted(m.name for m in members) == ["m1", "m2", "m3"]
     assert not any(m.is_learner for m in members)
-    assert "joined as learner" in d.log("m2") and "joined as learner" in d.log("m3")
+    # the daemon logs the join once its member is healthy, a moment after the cluster says so
+    for m in ("m2", "m3"):
+        poll(lambda m=m: "joined as learner" in d.log(m), timeout=30, what=f"{m}'s daemon logging its learner join")

