@@ -158,10 +158,10 @@ def import_backup(
                               "status": status or st},
                     imported=imported, verified=True,
                 )
-                return man.signed(keystate.key) if keystate.key is not None else man
+                return man  # the writer adds what it encrypted, then signs
 
             written = archive.write_archive(directory, name, chunks=_chunks(arc), files=files, build_manifest=build,
-                                            mtime=int(when.timestamp()))
+                                            mtime=int(when.timestamp()), key=keystate.key)
         finally:
             arc.close()
         c = checks.check_of(written.path, ok=True, how="import", clock=clock, kind="agent",
