@@ -29,9 +29,8 @@ import logging
 import os
 import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from dataclasses import replace
 from typing import (
     TYPE_CHECKING,
     Any,
