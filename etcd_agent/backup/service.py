@@ -232,7 +232,7 @@ def _take(
                 )
                 return man  # the writer adds what it encrypted, then signs
 
-            recipients = _recipients(cfg)
+            recipients = recipients_of(cfg)
             log.info("backing up member %s (%s, db %d bytes) to %s%s", m.name, m.client_url, st.db_size, name,
                      f", encrypted to {len(recipients)} age recipient(s)" if recipients else "")
             written = archive.write_archive(
@@ -287,7 +287,7 @@ def _take(
     return result
 
 
-def _recipients(cfg: Config) -> Tuple[Any, ...]:
+def recipients_of(cfg: Config) -> Tuple[Any, ...]:
     """``[backup] encrypt_to`` parsed (validated with the config already); () = not encrypted."""
     if not cfg.backup.encrypt_to:
         return ()
