@@ -206,8 +206,7 @@ class _Reading:
 
     def fail(self, exc: AgentError) -> AgentError:
         if isinstance(exc, IdentityRefused):  # says itself what to do; nothing was decrypted
-            return IdentityRefused(f"{self.path}: {exc.message}" if not exc.message.startswith(self.path) else exc.message,
-                                   details=[exc.message])
+            return IdentityRefused(exc.message if exc.message.startswith(self.path) else f"{self.path}: {exc.message}")
         advice = _HOSTILE if isinstance(exc, RefusedError) else _CORRUPT
         if isinstance(exc, RefusedError) and exc.message.startswith("not enough space"):
             advice = "free some space there or pass another staging dir; nothing was written"
