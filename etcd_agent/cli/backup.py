@@ -177,6 +177,9 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
     # a failure of `snapshot status` alone may be the tool's (not installed, too old): not recorded
     # against the file, so a good backup is not quarantined for it
     content_verdict = report.ok or not (report.tool_failed and len(report.problems) == 1)
+    if report.keyless and report.ok and report.signature != "valid":
+        # without the key only a signed ciphertext sha256 ties these bytes to what the writer checked
+        content_verdict = False
     if in_dir and content_verdict and checks.stamp_of(os.stat(path)) == checks.stamp_of(before):
         # without the key the revision and member ids stay those the writer read (same bytes)
         prior = checks.lookup(checks.load(cfg.backup.dir), os.path.basename(path), before) if report.keyless else None
