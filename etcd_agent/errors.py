@@ -111,6 +111,19 @@ class SnapshotFormatError(BackupCorrupt):
     """An etcd snapshot's bbolt database is malformed (``etcd/snapdb``); the message says where."""
 
 
+class CiphertextCorrupt(BackupCorrupt):
+    """An age-encrypted snapshot is malformed, truncated or fails authentication (``etcd_agent.age``)."""
+
+
+class IdentityRefused(RefusedError):
+    """An age identity (``--identity FILE``) is missing, unusable, open to others, or holds no key
+    that opens this backup: a refusal, nothing touched."""
+
+
+class RecipientInvalid(ConfigError):
+    """An ``encrypt_to`` entry is not a usable age recipient; the message never quotes a secret key."""
+
+
 class Interrupted(AgentError):
     """The operator interrupted the command (Ctrl-C / SIGTERM)."""
 

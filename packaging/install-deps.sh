@@ -8,8 +8,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-test}
 pkgs=(etcd-server etcd-client)
 if [ "$what" = test ]; then
-  # sshd in network namespaces, systemd in nspawn containers, the RPM tools, throwaway TLS certs
-  pkgs+=(openssh-server systemd-container debootstrap rpm iproute2 openssl procps cron)
+  # sshd in network namespaces, systemd in nspawn containers, the RPM tools, throwaway TLS certs,
+  # the age CLI (encrypted backups must stay decryptable by hand: the interop tests use it)
+  pkgs+=(openssh-server systemd-container debootstrap rpm iproute2 openssl procps cron age)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

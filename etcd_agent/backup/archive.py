@@ -3,6 +3,13 @@
 Members: ``etcd.conf``, ``etcd.service`` (each only if it existed; the manifest says when not),
 ``etcd_snapshot.db`` and ``manifest.json`` (every other file's size and sha256).
 
+With recipients (``[backup] encrypt_to``) the snapshot member is ``etcd_snapshot.db.age``: the
+snapshot is encrypted to them as it streams (``etcd_agent.age``), in the same single pass; the
+in-stream checks still run on the plaintext, the few pages the revision lookup needs are read back
+through the encryptor (the key never leaves this process), and the manifest records the
+recipients and the plaintext's size and sha256 (``manifest.Encryption``). No plaintext byte of
+the snapshot is written to the backup dir.
+
 Plain ``.tar`` is written in a single pass: the snapshot member's header goes out with a
 placeholder size, the snapshot streams from etcd straight into the file (hashed and checked on
 the way, see ``snapcheck``), then the header is rewritten in place with the real size and
@@ -16,14 +23,16 @@ hidden partial file, which the next run removes and which no reader ever lists.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import logging
 import os
 import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import (
+    TYPE_CHECKING,
     Any,
     BinaryIO,
     Callable,
@@ -31,18 +40,33 @@ from typing import (
     Iterable,
     List,
     Optional,
+    Sequence,
     Tuple,
 )
 
 from ..errors import BackupCorrupt, BackupError, SnapshotFormatError
 from ..etcd.snapdb import SnapshotIdentity, parse_identity
 from ..fs import fsync_dir
-from .manifest import CONF, FORMAT, FORMAT_VERSION, MANIFEST, SNAPSHOT, UNIT, Manifest
+from .manifest import (
+    CONF,
+    ENCRYPTED_FORMAT_VERSION,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SNAPSHOT,
+    SNAPSHOT_AGE,
+    UNIT,
+    Encryption,
+    Manifest,
+)
 from .snapcheck import SnapshotFacts, StreamCheck
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..age import X25519Recipient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONF", "FORMAT", "FORMAT_VERSION", "MANIFEST", "SNAPSHOT", "UNIT"]
+__all__ = ["CONF", "FORMAT", "FORMAT_VERSION", "MANIFEST", "SNAPSHOT", "SNAPSHOT_AGE", "UNIT"]
 MEMBER_NAMES = (CONF, UNIT, SNAPSHOT, MANIFEST)
 EXTENSIONS = {"none": ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}
 NAME_RE = re.compile(r"^etcd-(\d{4})-(\d\d)-(\d\d)-(\d\d)-(\d\d)-(\d\d)\.tar(\.gz|\.zst)?$")
@@ -98,7 +122,11 @@ class Written:
     manifest: Manifest
     facts: SnapshotFacts
     identity: SnapshotIdentity
-    sha256: str  # of the snapshot, as hashed while it streamed
+    sha256: str  # of the snapshot (the plaintext when encrypted), as hashed while it streamed
+
+    @property
+    def encryption(self) -> Optional[Encryption]:
+        return self.manifest.encryption
 
     @property
     def revision(self) -> int:
@@ -127,8 +155,6 @@ def _member(name: str, data: bytes, mtime: int) -> bytes:
 
 
 def _sha256(data: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(data).hexdigest()
 
 
@@ -145,15 +171,26 @@ def write_archive(
     build_manifest: ManifestBuilder,
     mtime: int,
     status_of_file: Optional[Callable[[str], Dict[str, Any]]] = None,
+    encrypt_to: Sequence["X25519Recipient"] = (),
+    key: Optional[bytes] = None,
 ) -> Written:
     """Stream ``chunks`` (the snapshot) and ``files`` into ``directory/name`` atomically.
 
     ``build_manifest(files, snapshot facts, identity, status)`` returns the manifest once
-    the snapshot is in. ``status_of_file(path)`` (``snapshot status``) is only run when the
-    snapshot exists as a file of its own anyway (compressed archives); plain archives rely on the
-    stream checks. Raises BackupCorrupt / BackupError; never leaves a visible file on failure.
+    the snapshot is in; the writer adds the encryption it did and signs it with ``key`` (None:
+    unsigned). ``status_of_file(path)`` (``snapshot status``) is only run when the snapshot exists
+    as a file of its own anyway (compressed archives); plain archives rely on the stream checks.
+    ``encrypt_to``: encrypt the snapshot to these recipients (plain tar only). Raises
+    BackupCorrupt / BackupError; never leaves a visible file on failure.
     """
     compression = compression_of(name)
+    if encrypt_to and compression != "none":
+        raise BackupError(f"{name}: an encrypted snapshot is written to a plain tar only (ciphertext does not "
+                          "compress)")
+
+    def finish(man: Manifest) -> Manifest:
+        return man.signed(key) if key is not None else man
+
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.partial")
     infos = {n: FileInfo(len(d), _sha256(d)) for n, d in files.items()}
@@ -163,7 +200,8 @@ def write_archive(
         os.fchmod(fd, 0o600)  # whatever the umask
         with os.fdopen(fd, "wb", buffering=COPY_CHUNK) as out:
             if compression == "none":
-                facts, identity, manifest = _write_plain(out, chunks, files, infos, build_manifest, mtime)
+                facts, identity, manifest = _write_plain(out, chunks, files, infos, build_manifest, finish, mtime,
+                                                         encrypt_to)
             else:
                 # Compressed: the manifest (which needs the snapshot's sha256) goes first so that
                 # listing reads one member, and tar headers cannot be patched inside a compressed
@@ -172,7 +210,7 @@ def write_archive(
                 facts, identity = _spool(spool, chunks)
                 status = status_of_file(spool) if status_of_file is not None else None
                 infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
-                manifest = build_manifest(infos, facts, identity, status)
+                manifest = finish(build_manifest(infos, facts, identity, status))
                 _write_compressed(out, compression, manifest, files, spool, mtime)
             out.flush()
             # the file's mtime is the archive's time (its name's): a file modified later than its
@@ -201,26 +239,60 @@ def _write_plain(
     files: Dict[str, bytes],
     infos: Dict[str, FileInfo],
     build_manifest: ManifestBuilder,
+    finish: Callable[[Manifest], Manifest],
     mtime: int,
+    encrypt_to: Sequence["X25519Recipient"] = (),
 ) -> Tuple[SnapshotFacts, SnapshotIdentity, Manifest]:
     for n in (CONF, UNIT):
         if n in files:
             out.write(_member(n, files[n], mtime))
     header_at = out.tell()
-    out.write(_header(SNAPSHOT, 0, mtime))  # placeholder size, patched below
-    check = StreamCheck()
-    for chunk in chunks:
-        check.update(chunk)
-        out.write(chunk)
-    out.write(_pad(check.size))
-    out.flush()
-    facts = check.finish()
+    member = SNAPSHOT_AGE if encrypt_to else SNAPSHOT
+    out.write(_header(member, 0, mtime))  # placeholder size, patched below
     fd = out.fileno()
     data_at = header_at + BLOCK
-    identity = _identity(lambda off, n: os.pread(fd, n, data_at + off), facts.size)
-    os.pwrite(fd, _header(SNAPSHOT, check.size, mtime), header_at)
-    infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+    check = StreamCheck()
+    if encrypt_to:
+        from ..age import Encryptor
+
+        enc = Encryptor(encrypt_to)
+        ct_sha = hashlib.sha256()
+        for chunk in chunks:
+            check.update(chunk)  # etcd's trailer, the bbolt meta, the size: on the plaintext
+            sealed = enc.update(chunk)
+            if sealed:
+                ct_sha.update(sealed)
+                out.write(sealed)
+        sealed = enc.finish()
+        ct_sha.update(sealed)
+        out.write(sealed)
+        size = enc.ciphertext_size
+        out.write(_pad(size))
+        out.flush()
+        facts = check.finish()
+        # the revision lookup reads a few pages: decrypted back from what was just written
+        read_at = enc.plaintext_reader(lambda off, n: os.pread(fd, n, data_at + off))
+        infos[SNAPSHOT_AGE] = FileInfo(size, ct_sha.hexdigest())
+    else:
+        for chunk in chunks:
+            check.update(chunk)
+            out.write(chunk)
+        size = check.size
+        out.write(_pad(size))
+        out.flush()
+        facts = check.finish()
+
+        def read_at(off: int, n: int) -> bytes:
+            return os.pread(fd, n, data_at + off)
+
+        infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+    identity = _identity(read_at, facts.size)
+    os.pwrite(fd, _header(member, size, mtime), header_at)
     manifest = build_manifest(infos, facts, identity, None)
+    if encrypt_to:
+        manifest = replace(manifest, format_version=ENCRYPTED_FORMAT_VERSION, encryption=Encryption(
+            tuple(str(r) for r in enc.recipients), facts.size, facts.sha256 or ""))
+    manifest = finish(manifest)
     out.write(_member(MANIFEST, manifest.to_bytes(), mtime))
     end = out.tell() + 2 * BLOCK
     out.write(b"\0" * (2 * BLOCK + (-end % RECORD)))

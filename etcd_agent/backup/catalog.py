@@ -54,6 +54,7 @@ class Entry:
     check: Optional[str] = None  # how and when it was checked, or why it is unchecked
     member_ids: Tuple[str, ...] = ()
     notes: Tuple[str, ...] = field(default=())
+    encrypted: bool = False  # the snapshot member is age-encrypted (etcd_snapshot.db.age)
 
     @property
     def complete(self) -> bool:
@@ -82,6 +83,8 @@ class Entry:
             "member_ids": list(self.member_ids),
             "problem": self.problem,
             "quarantined": self.problem is not None,
+            "encrypted": self.encrypted,
+            "encryption": m.get("encryption"),
             "notes": list(self.notes),
         }
 
@@ -155,10 +158,14 @@ def entry_for(
         notes.append("runbook tarball: no manifest, so no recorded sha256 to compare with")
     elif peek.signature in ("unsigned", "unknown-key"):
         notes.append(f"manifest {peek.signature}: its claims (time, host, cluster) are trusted for nothing")
-    if ident is None:
+    enc = peek.manifest.encryption if peek.manifest is not None else None
+    if peek.encrypted:
+        to = f", to {len(enc.recipients)} recipient(s)" if enc is not None else ""
+        notes.append(f"encrypted (age{to}): listing cannot read its snapshot (backup verify --identity FILE does)")
+    elif ident is None:
         notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
     info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
-                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes))
+                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted)
     if peek.signature == "invalid":
         return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
     if future is not None:

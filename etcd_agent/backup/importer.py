@@ -8,6 +8,11 @@ it streams in, its identity read back, the manifest built from what the content 
 from the snapshot's own db, no cluster id claimed) and signed. The name keeps the original's date
 (``etcd-2019-08-07.tar`` -> ``etcd-2019-08-07-HH-MM-SS.tar``, the time of day from the snapshot's
 tar header when it falls on that date, else 00:00:00); an existing name is never overwritten.
+
+An encrypted backup (``etcd_snapshot.db.age``) is imported only with ``--identity`` (its identity
+is in the encrypted db) and only into a config with ``[backup] encrypt_to``: it is re-encrypted
+to the configured recipients as it is written anew, like every backup there; without encrypt_to
+it would land in the clear, so it is refused. With encrypt_to, a plain tarball is encrypted too.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 from .. import __version__
 from ..config import Config
@@ -29,8 +34,11 @@ from .catalog import name_time
 from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .identity import Evidence, Verdict, judge
 from .manifest import FileEntry, Manifest, ManifestMember
-from .reader import Archive, open_archive
+from .reader import Archive, SnapshotSource, open_archive, peek_archive
 from .snapcheck import SnapshotFacts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ def _when(arc: Archive, source: str, utc: bool, clock: WallClock) -> datetime:
     """The original's date (name), the time of day from the snapshot's tar mtime when it is on
     that date; no date in the name: the snapshot's tar mtime, else the file's mtime."""
     tz = timezone.utc if utc else datetime.now().astimezone().tzinfo
-    mt = dict(arc.mtimes).get(archive.SNAPSHOT) or int(os.stat(source).st_mtime)
+    mt = dict(arc.mtimes).get(arc.snapshot_member) or int(os.stat(source).st_mtime)
     member_time = datetime.fromtimestamp(mt, tz)
     day = name_time(os.path.basename(source), utc)
     if day is None:
@@ -82,8 +90,8 @@ def _free(directory: str, when: datetime, compression: str) -> str:
     raise RefusedError(f"no free backup name near {when.isoformat()} in {directory}")
 
 
-def _chunks(arc: Archive) -> Iterator[bytes]:
-    with arc.snapshot.open() as fh:
+def _chunks(snap: SnapshotSource) -> Iterator[bytes]:
+    with snap.open() as fh:
         while True:
             chunk = fh.read(1 << 20)
             if not chunk:
@@ -100,27 +108,35 @@ def import_backup(
     status_fn: Optional[Any] = None,
     clock: WallClock = SYSTEM_WALL_CLOCK,
     client: Optional[Any] = None,
+    identities: Optional["Identities"] = None,
 ) -> ImportResult:
-    """Import ``source`` into ``cfg.backup.dir`` (see the module doc); RefusedError if foreign."""
+    """Import ``source`` into ``cfg.backup.dir`` (see the module doc); RefusedError if foreign,
+    IdentityRefused for an encrypted one without (the right) ``identities``."""
     directory = cfg.backup.dir
     ensure_private_dir(directory)
+    if peek_archive(source).encrypted and not cfg.backup.encrypt_to:  # cheap: headers and the manifest
+        raise RefusedError(f"{source}: not imported: its snapshot is encrypted and this config has no [backup] "
+                           "encrypt_to, so the import would store it in the clear; set encrypt_to (it is then "
+                           "re-encrypted to those recipients) or decrypt it by hand first")
     if os.path.dirname(os.path.abspath(source)) == os.path.abspath(directory) and dry_run is False:
         log.info("importing %s from the backup dir itself; the original stays", source)
     keystate = keys.cluster_key(cfg, client, create=True) if client is not None else keys.local_key(cfg)
     with OperationLock(lock_path_for(directory), "import"):
-        arc = open_archive(source, staging_dir=directory, key=keystate.key, extract=status_fn is not None)
+        arc = open_archive(source, staging_dir=directory, key=keystate.key, extract=status_fn is not None,
+                           identities=identities, need_plaintext=True)
         try:
-            verdict = judge(arc.identity, cfg, evidence, new_cluster=False)
+            snap, ident = arc.plaintext()
+            verdict = judge(ident, cfg, evidence, new_cluster=False)
             if verdict.refused:
                 raise RefusedError(f"{source}: not imported: {verdict.refused[0]}")
-            status = status_fn(arc.snapshot.path) if status_fn is not None else None
-            if status is not None and status.get("revision") != arc.identity.revision:
+            status = status_fn(snap.path) if status_fn is not None else None
+            if status is not None and status.get("revision") != ident.revision:
                 raise RefusedError(f"{source}: `snapshot status` says revision {status.get('revision')}, the db "
-                                   f"holds {arc.identity.revision}: not imported")
+                                   f"holds {ident.revision}: not imported")
             when = _when(arc, source, cfg.backup.utc, clock)
             comp = cfg.backup.compression
             name = _free(directory, when, comp)
-            result = ImportResult(source, os.path.join(directory, name), dry_run, arc.kind, arc.identity.revision,
+            result = ImportResult(source, os.path.join(directory, name), dry_run, arc.kind, ident.revision,
                                   list(arc.checked), list(arc.not_checked), verdict, list(keystate.warnings))
             if dry_run:
                 return result
@@ -141,6 +157,8 @@ def import_backup(
                 rendered[archive.UNIT] = f"not in the imported {os.path.basename(source)}: rendered for {local.name}"
             imported = {"from": os.path.abspath(source), "kind": arc.kind, "compression": arc.compression,
                         "size": os.stat(source).st_size, "at": clock.now().isoformat(timespec="seconds")}
+            if arc.sealed is not None:  # re-encrypted below to the configured recipients
+                imported["encrypted_to"] = list(arc.sealed.recipients)
 
             def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity,
                       st: Optional[Dict[str, Any]]) -> Manifest:
@@ -158,10 +176,12 @@ def import_backup(
                               "status": status or st},
                     imported=imported, verified=True,
                 )
-                return man.signed(keystate.key) if keystate.key is not None else man
+                return man  # the writer adds what it encrypted, then signs
 
-            written = archive.write_archive(directory, name, chunks=_chunks(arc), files=files, build_manifest=build,
-                                            mtime=int(when.timestamp()))
+            from .service import recipients_of
+
+            written = archive.write_archive(directory, name, chunks=_chunks(snap), files=files, build_manifest=build,
+                                            mtime=int(when.timestamp()), key=keystate.key, encrypt_to=recipients_of(cfg))
         finally:
             arc.close()
         c = checks.check_of(written.path, ok=True, how="import", clock=clock, kind="agent",

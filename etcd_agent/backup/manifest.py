@@ -8,7 +8,11 @@ never from ``cluster`` or ``members`` here.
 
 Format 2 adds ``rendered`` (files the agent rendered because the host had none), ``imported``
 (a runbook tarball turned into a backup by ``backup import``) and ``signature``; format 1
-manifests (unsigned) still parse.
+manifests (unsigned) still parse. Format 3 is a backup whose snapshot is encrypted (``[backup]
+encrypt_to``): the member is ``etcd_snapshot.db.age``, ``files`` has its ciphertext's size and
+sha256, and ``encryption`` says for whom (the recipients' public keys, never a key that decrypts)
+and what decrypting it must give (the plaintext's size and sha256). Plain backups are still
+written as format 2, so an older agent reads them.
 """
 from __future__ import annotations
 
@@ -23,17 +27,23 @@ from ..errors import BackupCorrupt, SnapshotFormatError
 from ..etcd.snapdb import bounded_json
 
 FORMAT = "etcd-agent-backup"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # what a plain backup's manifest is written as
+ENCRYPTED_FORMAT_VERSION = 3  # an encrypted one's; also the highest this agent reads
 CONF = "etcd.conf"
 UNIT = "etcd.service"
 SNAPSHOT = "etcd_snapshot.db"
+# the encrypted snapshot: a standard age file, so `age -d -i KEY -o etcd_snapshot.db etcd_snapshot.db.age`
+SNAPSHOT_AGE = SNAPSHOT + ".age"
 MANIFEST = "manifest.json"
-FILE_NAMES = (CONF, UNIT, SNAPSHOT)
+FILE_NAMES = (CONF, UNIT, SNAPSHOT, SNAPSHOT_AGE)
+SNAPSHOTS = (SNAPSHOT, SNAPSHOT_AGE)
 MAX_MANIFEST = 256 * 1024
 MAX_DEPTH = 8
 ALGORITHM = "hmac-sha256"
 SIGNATURE_STATES = ("valid", "invalid", "unsigned", "unknown-key")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_AGE_RECIPIENT = re.compile(r"age1[02-9ac-hj-np-z]{58}\Z")  # bech32 of 32 bytes; the checksum is age's
+MAX_RECIPIENTS = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,20 @@ class ManifestMember:
     peer_urls: Tuple[str, ...]
     client_urls: Tuple[str, ...] = ()
     is_learner: bool = False
+
+
+@dataclass(frozen=True)
+class Encryption:
+    """How the snapshot member is encrypted, and what decrypting it must give."""
+
+    recipients: Tuple[str, ...]  # age1... public keys, as written to the header (in order)
+    plaintext_size: int
+    plaintext_sha256: str
+    format: str = "age"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"format": self.format, "recipients": list(self.recipients), "plaintext_size": self.plaintext_size,
+                "plaintext_sha256": self.plaintext_sha256}
 
 
 @dataclass(frozen=True)
@@ -86,9 +110,15 @@ class Manifest:
     rendered: Mapping[str, str] = field(default_factory=dict)
     snapshot: Mapping[str, Any] = field(default_factory=dict)
     imported: Optional[Mapping[str, Any]] = None
+    encryption: Optional[Encryption] = None
     verified: bool = False
     signature: Optional[Signature] = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def snapshot_member(self) -> str:
+        """The snapshot's member name: ``etcd_snapshot.db``, or ``etcd_snapshot.db.age`` encrypted."""
+        return SNAPSHOT_AGE if self.encryption is not None else SNAPSHOT
 
     # ------------------------------------------------------------ JSON
 
@@ -134,6 +164,8 @@ class Manifest:
             out["rendered"] = dict(self.rendered)
         if self.imported is not None:
             out["imported"] = dict(self.imported)
+        if self.encryption is not None:
+            out["encryption"] = self.encryption.to_json()
         if self.signature is not None:
             out["signature"] = {"alg": self.signature.alg, "key_id": self.signature.key_id, "mac": self.signature.mac}
         return out
@@ -185,7 +217,7 @@ def key_id(key: bytes) -> str:
 _TOP = {
     "format", "format_version", "name", "created", "created_unix", "host", "member", "endpoint", "member_id",
     "cluster", "members", "revision", "store_revision", "etcd_version", "agent_version", "db_size", "compression",
-    "files", "missing", "snapshot", "verified", "rendered", "imported", "signature",
+    "files", "missing", "snapshot", "verified", "rendered", "imported", "signature", "encryption",
 }
 
 
@@ -242,8 +274,9 @@ def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
         raise BackupCorrupt(f"{where}: unknown field {unknown[0][:40]!r}: not a manifest this agent writes")
     f = _Fields(obj, where)
     version = f.num("format_version")
-    if version is None or not 1 <= version <= FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported (1..{FORMAT_VERSION})")
+    if version is None or not 1 <= version <= ENCRYPTED_FORMAT_VERSION:
+        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported "
+                            f"(1..{ENCRYPTED_FORMAT_VERSION})")
     files_obj = f.sub("files") or {}
     files: Dict[str, FileEntry] = {}
     for n, entry in files_obj.items():
@@ -254,8 +287,13 @@ def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
         if size is None or sha is None or not _HEX64.match(sha):
             raise BackupCorrupt(f"{where}: entry for {n} lacks a size and sha256")
         files[n] = FileEntry(size, sha)
-    if SNAPSHOT not in files:
-        raise BackupCorrupt(f"{where}: lists no {SNAPSHOT}")
+    encryption = _encryption(f.sub("encryption"), where)
+    if encryption is not None and version < ENCRYPTED_FORMAT_VERSION:
+        raise BackupCorrupt(f"{where}: an encrypted snapshot in a format {version} manifest: not one the agent writes")
+    want = SNAPSHOT_AGE if encryption is not None else SNAPSHOT
+    if want not in files or len([n for n in SNAPSHOTS if n in files]) != 1:
+        raise BackupCorrupt(f"{where}: lists no {want}" + (f" (encryption says the snapshot is {want})"
+                                                             if encryption is not None else ""))
     cluster = f.sub("cluster")
     cf = _Fields(cluster or {}, where, "cluster.")
     members: Optional[Tuple[ManifestMember, ...]] = None
@@ -303,10 +341,31 @@ def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
         rendered=f.str_map("rendered"),
         snapshot=dict(snapshot),
         imported=dict(imported) if imported is not None else None,
+        encryption=encryption,
         verified=_bool(obj, "verified", f),
         signature=signature,
         format_version=version,
     )
+
+
+def _encryption(obj: Optional[Mapping[str, Any]], where: str) -> Optional[Encryption]:
+    if obj is None:
+        return None
+    ef = _Fields(obj, where, "encryption.")
+    unknown = sorted(set(obj) - {"format", "recipients", "plaintext_size", "plaintext_sha256"})
+    if unknown:
+        raise BackupCorrupt(f"{where}: unknown field encryption.{unknown[0][:40]!r}: not a manifest this agent writes")
+    if obj.get("format") != "age":
+        raise BackupCorrupt(f"{where}: encryption format {str(obj.get('format'))[:40]!r} is not one this agent reads "
+                            "(age)")
+    raw = obj.get("recipients")
+    if (not isinstance(raw, list) or not 1 <= len(raw) <= MAX_RECIPIENTS
+            or not all(isinstance(r, str) and _AGE_RECIPIENT.match(r) for r in raw)):
+        raise ef.bad("recipients", f"a list of 1 to {MAX_RECIPIENTS} age recipients (age1...)")
+    size, sha = ef.num("plaintext_size"), ef.text("plaintext_sha256", None)
+    if size is None or sha is None or not _HEX64.match(sha):
+        raise BackupCorrupt(f"{where}: encryption lacks the plaintext's size and sha256")
+    return Encryption(tuple(raw), size, sha)
 
 
 def _strs(obj: Mapping[str, Any], key: str, f: _Fields) -> Tuple[str, ...]:

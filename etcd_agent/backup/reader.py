@@ -22,6 +22,11 @@ name's extension), and checks everything *before* it writes a byte:
 A plain tar is read in place: its snapshot stays in the archive (``SnapshotSource`` points at the
 member's data); a compressed one is decompressed once, its snapshot copied (0600) into a private
 directory in ``staging_dir``. Either way the archive is read once.
+
+An encrypted snapshot (``etcd_snapshot.db.age``, ``sealed``) is decrypted into that private
+directory when an identity is given, and then checked like any snapshot; without one, the
+archive still reads (``Archive.sealed`` says what its bytes showed, ``snapshot`` and ``identity``
+are None), and a caller that needs the snapshot itself (``need_plaintext``) is refused.
 """
 from __future__ import annotations
 
@@ -31,18 +36,22 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import BinaryIO, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Dict, List, Optional, Tuple
 
-from ..errors import AgentError, BackupCorrupt, RefusedError, SnapshotFormatError
+from ..errors import AgentError, BackupCorrupt, IdentityRefused, RefusedError, SnapshotFormatError
 from ..etcd.snapdb import SnapshotIdentity, parse_identity
 from . import manifest as M
 from .manifest import Manifest
+from .sealed import OVERHEAD_MAX, Sealed, check_member, compare, decrypt_member, locked
 from .snapcheck import SnapshotFacts, StreamCheck, check_size
 from .tarstream import BLOCK, CHUNK, Header, Stream, headers, normalise, refuse_type, sniff
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..age import Identities
+
 log = logging.getLogger(__name__)
 
-KNOWN = (M.CONF, M.UNIT, M.SNAPSHOT, M.MANIFEST)
+KNOWN = (M.CONF, M.UNIT, M.SNAPSHOT, M.SNAPSHOT_AGE, M.MANIFEST)
 STAGE_PREFIX = ".etcd-agent-stage-"
 
 _CORRUPT = "the file is damaged or incomplete: use another backup (etcd-agent backup list)"
@@ -127,13 +136,24 @@ class Archive:
     signature: str  # "valid" | "invalid" | "unsigned" | "unknown-key"
     conf: Optional[bytes]
     unit: Optional[bytes]
-    snapshot: SnapshotSource
-    identity: SnapshotIdentity
+    snapshot: Optional[SnapshotSource]  # None: encrypted and not decrypted (no identity)
+    identity: Optional[SnapshotIdentity]  # from the snapshot's own db; None as ``snapshot``
     checked: Tuple[str, ...]
     not_checked: Tuple[str, ...]
     members: Tuple[str, ...] = ()  # member names in archive order, normalised
     mtimes: Tuple[Tuple[str, int], ...] = ()  # each member's mtime from its tar header (a claim)
+    sealed: Optional[Sealed] = None  # the snapshot was encrypted: what its ciphertext showed
     _stage: Optional[str] = field(default=None, repr=False, compare=False)
+
+    def plaintext(self) -> Tuple[SnapshotSource, SnapshotIdentity]:
+        """The snapshot and whose it is; IdentityRefused when it is encrypted and was not decrypted."""
+        if self.snapshot is None or self.identity is None:
+            raise locked(self.path, self.manifest)
+        return self.snapshot, self.identity
+
+    @property
+    def snapshot_member(self) -> str:
+        return M.SNAPSHOT_AGE if self.sealed is not None else M.SNAPSHOT
 
     def close(self) -> None:
         """Remove an extracted copy (and its private staging dir)."""
@@ -161,7 +181,7 @@ class _Reading:
     """One pass over one archive."""
 
     def __init__(self, path: str, staging_dir: Optional[str], hash_snapshot: bool, extract: bool,
-                 limits: Limits) -> None:
+                 limits: Limits, identities: Optional["Identities"] = None, need_plaintext: bool = False) -> None:
         self.path = path
         self.staging_dir = staging_dir or os.path.dirname(os.path.abspath(path))
         self.hash_snapshot = hash_snapshot
@@ -177,11 +197,16 @@ class _Reading:
         self.snap_size = 0
         self.check: Optional[StreamCheck] = None
         self.written = 0
+        self.identities = identities
+        self.need_plaintext = need_plaintext
+        self.sealed: Optional[Sealed] = None
         self.peek = False  # stop at a compressed snapshot's header (listing)
         self.prescan = False  # headers and the manifest only (a plain tar's manifest comes last)
         self.stopped = False
 
     def fail(self, exc: AgentError) -> AgentError:
+        if isinstance(exc, IdentityRefused):  # says itself what to do; nothing was decrypted
+            return IdentityRefused(exc.message if exc.message.startswith(self.path) else f"{self.path}: {exc.message}")
         advice = _HOSTILE if isinstance(exc, RefusedError) else _CORRUPT
         if isinstance(exc, RefusedError) and exc.message.startswith("not enough space"):
             advice = "free some space there or pass another staging dir; nothing was written"
@@ -253,6 +278,28 @@ class _Reading:
             out.flush()
             os.fsync(out.fileno())
 
+    def sealed_member(self, st: Stream, h: Header) -> None:
+        """``etcd_snapshot.db.age``: decrypted into a private staging dir with an identity, checked
+        without the key otherwise (``sealed``)."""
+        if h.size > self.limits.max_snapshot + OVERHEAD_MAX:
+            raise RefusedError(f"{M.SNAPSHOT_AGE} declares {h.size} bytes (limit {self.limits.max_snapshot})")
+        self.snap_size = h.size
+        if self.identities is None:
+            if self.need_plaintext and st.compression != "none":
+                raise locked(self.path, self.manifest)  # said at once: a compressed stream is slow to skip
+            self.sealed = check_member(st, h.size, hash_it=self.hash_snapshot or st.compression != "none",
+                                       archive_path=self.path, offset=h.offset_data)
+            return
+        free = shutil.disk_usage(self.staging_dir).free
+        if free < h.size + self.limits.space_margin:
+            raise RefusedError(
+                f"not enough space in {self.staging_dir} to decrypt the {h.size}-byte snapshot ({free} bytes free)"
+            )
+        self.stage = tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=self.staging_dir)
+        self.snap_path, self.check, self.sealed = decrypt_member(st, h.size, self.identities, self.stage)
+        self.snap_offset, self.snap_size = 0, self.check.size
+        self.written = self.check.size
+
     def hash_in_place(self) -> None:
         assert self.snap_path is not None
         check = StreamCheck(declared=self.snap_size, what=M.SNAPSHOT)
@@ -278,8 +325,10 @@ class _Reading:
                 continue
             if norm not in KNOWN:
                 raise RefusedError(f"unexpected member {h.name!r} (a backup holds only {', '.join(KNOWN)})")
-            if norm in self.found or (norm == M.SNAPSHOT and self.snap_path is not None):
-                raise RefusedError(f"duplicate member {norm!r}")
+            if norm in self.found or (norm in M.SNAPSHOTS and (self.snap_path is not None or self.sealed is not None
+                                                               or any(n in M.SNAPSHOTS for n in self.order))):
+                raise RefusedError(f"duplicate member {norm!r}" if norm in self.order else
+                                   f"two snapshots ({M.SNAPSHOT} and {M.SNAPSHOT_AGE})")
             if self.manifest is not None and norm != M.MANIFEST:
                 want = self.manifest.files.get(norm)
                 if want is None:
@@ -288,17 +337,19 @@ class _Reading:
                     raise RefusedError(f"member {norm} declares {h.size} bytes, the manifest says {want.size}")
             self.order.append(norm)
             self.mtimes[norm] = h.mtime
-            if norm == M.SNAPSHOT and self.peek and compression != "none":
+            if norm in M.SNAPSHOTS and self.peek and compression != "none":
                 self.snap_size, self.stopped = h.size, True
                 return
             if self.prescan and norm != M.MANIFEST:
                 st.skip(h.size)
             elif norm == M.SNAPSHOT:
                 self.snapshot(st, h)
+            elif norm == M.SNAPSHOT_AGE:
+                self.sealed_member(st, h)
             else:
                 self.small(st, h, norm)
             pad = -h.size % BLOCK
-            if st.skip(pad) < pad and norm != M.SNAPSHOT:
+            if st.skip(pad) < pad and norm not in M.SNAPSHOTS:
                 pass  # a missing last padding is harmless: the data was complete
         if compression != "none":
             self.drain(st)
@@ -326,6 +377,8 @@ def open_archive(
     key: Optional[bytes] = None,
     limits: Limits = DEFAULT_LIMITS,
     extract: bool = False,
+    identities: Optional["Identities"] = None,
+    need_plaintext: bool = False,
 ) -> Archive:
     """Read, check and (when compressed, or with ``extract``) stage the archive at ``path``.
 
@@ -334,8 +387,10 @@ def open_archive(
     a compressed snapshot is always hashed, as it must stream past anyway. ``key``: the cluster's
     manifest key, for the signature. ``extract``: copy a plain tar's snapshot into ``staging_dir``
     too, in the same pass (for tools that need a file of its own: ``snapshot status``).
+    ``identities``: decrypt an encrypted snapshot with them (into ``staging_dir``);
+    ``need_plaintext``: refuse (IdentityRefused) an encrypted one that cannot be decrypted.
     Raises BackupCorrupt or RefusedError, each one sentence with what the operator can do."""
-    r = _Reading(path, staging_dir, hash_snapshot, extract, limits)
+    r = _Reading(path, staging_dir, hash_snapshot, extract, limits, identities, need_plaintext)
     try:
         return _open(r, key)
     except AgentError as exc:
@@ -367,7 +422,7 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
             if not head:
                 raise BackupCorrupt("empty file")
             raise BackupCorrupt("not a tar archive (no ustar header, no gzip or zstd magic)")
-        if compression == "none" and r.extract:
+        if compression == "none" and (r.extract or r.identities is not None):
             # the snapshot is copied before a plain tar's manifest (last) would be read: read the
             # headers and the manifest first (seeks only), so sizes are checked against it before
             # a byte is written; then the one read of the data
@@ -382,8 +437,11 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
     what = {"none": "plain tar", "gzip": "gzip-compressed tar (magic 1f8b)", "zstd": "zstd-compressed tar (magic 28b52ffd)"}
     checked.append(f"format: {what[compression]}, read from the content; members "
                    f"{', '.join(r.order)}: names, types and sizes all allowed")
-    if r.snap_path is None:
+    if r.snap_path is None and r.sealed is None:
         raise BackupCorrupt(f"no {M.SNAPSHOT} in the archive")
+    if r.sealed is not None and r.snap_path is None:
+        return _sealed_archive(r, compression, checked, not_checked, key)
+    assert r.snap_path is not None
     if r.check is None and r.hash_snapshot:
         r.hash_in_place()
     facts: SnapshotFacts
@@ -403,6 +461,42 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
     if facts.sha256 is None:
         not_checked.append(f"{M.SNAPSHOT}: not hashed this time (listing): sha256 and etcd's trailer not compared")
     checked.append(f"{M.SNAPSHOT}: identity read from its own db: {describe_identity(identity)}")
+    sealed = r.sealed
+    if sealed is not None:
+        sealed = compare(sealed, r.manifest, facts.sha256, checked, not_checked)
+    kind, sig = _manifest_lines(r, facts, key, checked, not_checked)
+    return Archive(
+        path=r.path, kind=kind, compression=compression, manifest=r.manifest, signature=sig,
+        conf=_data(r, M.CONF), unit=_data(r, M.UNIT),
+        snapshot=source, identity=identity, checked=tuple(checked), not_checked=tuple(not_checked),
+        members=tuple(r.order), mtimes=tuple(sorted(r.mtimes.items())), sealed=sealed, _stage=r.stage,
+    )
+
+
+def _data(r: _Reading, name: str) -> Optional[bytes]:
+    f = r.found.get(name)
+    return f.data if f is not None else None
+
+
+def _sealed_archive(r: _Reading, compression: str, checked: List[str], not_checked: List[str],
+                    key: Optional[bytes]) -> Archive:
+    """An encrypted snapshot read without its key: everything but the snapshot itself."""
+    assert r.sealed is not None
+    if r.need_plaintext:
+        raise locked(r.path, r.manifest)
+    sealed = compare(r.sealed, r.manifest, None, checked, not_checked)
+    kind, sig = _manifest_lines(r, None, key, checked, not_checked)
+    return Archive(
+        path=r.path, kind=kind, compression=compression, manifest=r.manifest, signature=sig,
+        conf=_data(r, M.CONF), unit=_data(r, M.UNIT), snapshot=None, identity=None,
+        checked=tuple(checked), not_checked=tuple(not_checked), members=tuple(r.order),
+        mtimes=tuple(sorted(r.mtimes.items())), sealed=sealed, _stage=r.stage,
+    )
+
+
+def _manifest_lines(r: _Reading, facts: Optional[SnapshotFacts], key: Optional[bytes], checked: List[str],
+                    not_checked: List[str]) -> Tuple[str, str]:
+    """(kind, signature state), the members compared with the manifest, and what that proved."""
     conf = r.found.get(M.CONF)
     unit = r.found.get(M.UNIT)
     m = r.manifest
@@ -430,12 +524,7 @@ def _open(r: _Reading, key: Optional[bytes]) -> Archive:
     for n, f in ((M.CONF, conf), (M.UNIT, unit)):
         if f is None and not (m is not None and n in m.missing):
             not_checked.append(f"{n}: not in the archive")
-    return Archive(
-        path=path, kind=kind, compression=compression, manifest=m, signature=sig,
-        conf=conf.data if conf else None, unit=unit.data if unit else None,
-        snapshot=source, identity=identity, checked=tuple(checked), not_checked=tuple(not_checked),
-        members=tuple(r.order), mtimes=tuple(sorted(r.mtimes.items())), _stage=r.stage,
-    )
+    return kind, sig
 
 
 @dataclass(frozen=True)
@@ -447,8 +536,9 @@ class Peek:
     compression: str
     manifest: Optional[Manifest]
     signature: str
-    identity: Optional[SnapshotIdentity]  # None: compressed, snapshot not read
+    identity: Optional[SnapshotIdentity]  # None: compressed or encrypted, snapshot not read
     snapshot_size: int
+    encrypted: bool = False  # the snapshot member is etcd_snapshot.db.age
 
 
 def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEFAULT_LIMITS) -> Peek:
@@ -466,7 +556,8 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
         os.close(fd)
     if sniff(head) not in ("gzip", "zstd"):  # plain tar, or not a tar: open_archive says which
         a = open_archive(path, hash_snapshot=False, key=key, limits=limits)
-        return Peek(path, a.kind, a.compression, a.manifest, a.signature, a.identity, a.snapshot.size)
+        size = a.snapshot.size if a.snapshot is not None else a.sealed.plaintext_size if a.sealed is not None else 0
+        return Peek(path, a.kind, a.compression, a.manifest, a.signature, a.identity, size, a.sealed is not None)
     r = _Reading(path, None, False, False, limits)
     r.peek = True
     try:
@@ -480,7 +571,8 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
         raise r.fail(BackupCorrupt(f"no {M.SNAPSHOT} in the archive"))
     m = r.manifest
     sig = m.signature_state(key) if m is not None else "unsigned"
-    return Peek(path, "agent" if m is not None else "runbook", sniff(head), m, sig, None, r.snap_size)
+    encrypted = M.SNAPSHOT_AGE in r.order
+    return Peek(path, "agent" if m is not None else "runbook", sniff(head), m, sig, None, r.snap_size, encrypted)
 
 
 def _pread(path: str, offset: int, n: int) -> bytes:
@@ -491,12 +583,20 @@ def _pread(path: str, offset: int, n: int) -> bytes:
         os.close(fd)
 
 
-def _compare(r: _Reading, m: Manifest, facts: SnapshotFacts, checked: List[str], not_checked: List[str]) -> None:
-    """Every member against the manifest: present, same size, same sha256."""
+def _compare(r: _Reading, m: Manifest, facts: Optional[SnapshotFacts], checked: List[str],
+             not_checked: List[str]) -> None:
+    """Every member against the manifest: present, same size, same sha256 (an encrypted snapshot
+    is ``sealed.compare``'s)."""
+    if r.sealed is None and m.encryption is not None:
+        raise BackupCorrupt(f"the manifest says the snapshot is encrypted ({M.SNAPSHOT_AGE}), the archive holds "
+                            f"{M.SNAPSHOT}")
     for n in M.FILE_NAMES:
         want = m.files.get(n)
+        if n == M.SNAPSHOT_AGE:
+            continue
         if n == M.SNAPSHOT:
-            assert want is not None
+            if want is None or facts is None:
+                continue
             if facts.size != want.size:
                 raise BackupCorrupt(f"{n}: {facts.size} bytes, the manifest says {want.size}")
             if facts.sha256 is None:

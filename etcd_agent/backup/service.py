@@ -71,9 +71,10 @@ def _local_candidates(cfg: Config) -> List[Member]:
 
 
 def required_space(db_size: int, compression: str, margin: float) -> int:
-    """Free bytes needed before writing: the archive is at most the db (+ headers); compressed
-    output also spools the raw snapshot first, so both exist at once for a moment."""
-    expected = db_size + 64 * 1024
+    """Free bytes needed before writing: the archive is at most the db (+ headers, + 16 bytes per
+    64 KiB when encrypted); compressed output also spools the raw snapshot first, so both exist at
+    once for a moment."""
+    expected = db_size + db_size // 4096 + 64 * 1024
     if compression != "none":
         expected *= 2
     return int(expected * (1.0 + margin))
@@ -229,9 +230,11 @@ def _take(
                               "checks": checks, "status": status},
                     verified=True,
                 )
-                return man.signed(keystate.key) if keystate.key is not None else man
+                return man  # the writer adds what it encrypted, then signs
 
-            log.info("backing up member %s (%s, db %d bytes) to %s", m.name, m.client_url, st.db_size, name)
+            recipients = recipients_of(cfg)
+            log.info("backing up member %s (%s, db %d bytes) to %s%s", m.name, m.client_url, st.db_size, name,
+                     f", encrypted to {len(recipients)} age recipient(s)" if recipients else "")
             written = archive.write_archive(
                 directory,
                 name,
@@ -240,6 +243,8 @@ def _take(
                 build_manifest=build,
                 mtime=int(when.timestamp()),
                 status_of_file=(lambda p: snapshot_status(host, cfg, p)) if comp != "none" else None,
+                encrypt_to=recipients,
+                key=keystate.key,
             )
         finally:
             client.close()
@@ -280,6 +285,15 @@ def _take(
                 result.warnings.append(f"prune failed: {exc}")
                 log.warning("prune after backup failed: %s", exc)
     return result
+
+
+def recipients_of(cfg: Config) -> Tuple[Any, ...]:
+    """``[backup] encrypt_to`` parsed (validated with the config already); () = not encrypted."""
+    if not cfg.backup.encrypt_to:
+        return ()
+    from ..age import parse_recipients
+
+    return parse_recipients(cfg.backup.encrypt_to)
 
 
 def _record_check(directory: str, path: str, how: str, clock: WallClock, **kw: Any) -> None:

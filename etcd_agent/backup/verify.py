@@ -14,12 +14,13 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from ..errors import BackupCorrupt, RefusedError
+from ..errors import BackupCorrupt, IdentityRefused, RefusedError
 from .archive import MEMBER_NAMES
 from .identity import Evidence, Verdict, judge
 from .reader import DEFAULT_LIMITS, Archive, Limits, open_archive
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..age import Identities
     from ..config import Config
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,12 @@ class VerifyReport:
     revision: Optional[int] = None  # read from the snapshot's own db
     verdict: Optional[Verdict] = None
     tool_failed: bool = False  # `snapshot status` itself failed (may be the tool, not the file)
+    encryption: Optional[Dict[str, Any]] = None  # the snapshot is encrypted: for whom, and was it decrypted
+
+    @property
+    def keyless(self) -> bool:
+        """An encrypted snapshot checked without its key: good as far as it goes, not all of it."""
+        return self.encryption is not None and not self.encryption["decrypted"]
 
     @property
     def ok(self) -> bool:
@@ -63,6 +70,7 @@ class VerifyReport:
                 "refused": list(self.verdict.refused),
             },
             "snapshot_status": self.status,
+            "encryption": self.encryption,
         }
 
 
@@ -96,14 +104,20 @@ def verify(
     evidence: Optional[Evidence] = None,
     new_cluster: bool = False,
     limits: Limits = DEFAULT_LIMITS,
+    identities: Optional["Identities"] = None,
 ) -> VerifyReport:
     """Check ``path`` completely; problems are collected in the report, never raised.
 
     With ``cfg`` (and ``evidence``: what could be found of the current cluster) the snapshot's
-    identity is judged too; ``status_fn`` runs ``snapshot status`` on a staged copy."""
+    identity is judged too; ``status_fn`` runs ``snapshot status`` on a staged copy. An encrypted
+    snapshot is decrypted with ``identities`` into the staging dir; without them everything that
+    needs no key is checked, and the report says what was not (IdentityRefused for a wrong key)."""
     report = VerifyReport(path)
     try:
-        arc = open_archive(path, staging_dir=tmp_parent, key=key, limits=limits, extract=status_fn is not None)
+        arc = open_archive(path, staging_dir=tmp_parent, key=key, limits=limits, extract=status_fn is not None,
+                           identities=identities)
+    except IdentityRefused:
+        raise  # a wrong key is the operator's to fix, not a problem of the file
     except (BackupCorrupt, RefusedError) as exc:
         report.problems.append(exc.message)
         return report
@@ -118,33 +132,43 @@ def _fill(report: VerifyReport, arc: Archive, status_fn: Optional[StatusFn], cfg
           evidence: Optional[Evidence], new_cluster: bool) -> None:
     report.kind, report.signature, report.compression = arc.kind, arc.signature, arc.compression
     report.manifest = arc.manifest.to_json() if arc.manifest is not None else None
-    report.revision = arc.identity.revision
     report.checked += list(arc.checked)
     report.not_checked += list(arc.not_checked)
+    if arc.sealed is not None:
+        report.encryption = {"format": "age", "recipients": list(arc.sealed.recipients),
+                             "decrypted": arc.sealed.decrypted, "plaintext_size": arc.sealed.plaintext_size}
     if arc.signature == "invalid":
         report.problems.append("manifest.json was changed after it was signed (signature invalid): "
                                "do not trust this backup")
     m = arc.manifest
-    if m is not None and m.revision != arc.identity.revision:
-        report.problems.append(f"the manifest says revision {m.revision}, the snapshot's db holds {arc.identity.revision}")
+    if arc.snapshot is None or arc.identity is None:  # encrypted, no identity given
+        if status_fn is not None:
+            report.not_checked.append("`snapshot status` not run: the snapshot is encrypted (pass --identity FILE "
+                                      "to decrypt it into the staging dir first)")
+        report.not_checked.append("identity not judged: the snapshot's members are inside the encrypted db")
+        return
+    snap, ident = arc.snapshot, arc.identity
+    report.revision = ident.revision
+    if m is not None and m.revision != ident.revision:
+        report.problems.append(f"the manifest says revision {m.revision}, the snapshot's db holds {ident.revision}")
     if status_fn is not None:
         try:
-            st = status_fn(arc.snapshot.path)
+            st = status_fn(snap.path)
         except BackupCorrupt as exc:
             report.tool_failed = True
-            report.problems.append(exc.message.replace(arc.snapshot.path, "etcd_snapshot.db"))
+            report.problems.append(exc.message.replace(snap.path, "etcd_snapshot.db"))
         else:
             report.status = st
-            if st.get("revision") != arc.identity.revision:
+            if st.get("revision") != ident.revision:
                 report.problems.append(f"`snapshot status` says revision {st.get('revision')}, "
-                                       f"the db holds {arc.identity.revision}")
+                                       f"the db holds {ident.revision}")
             else:
-                report.checked.append(f"snapshot status ok on the staged copy: revision {st.get('revision')}, "
-                                      f"{st.get('totalKey')} keys, hash {st.get('hash')}")
+                report.checked.append(f"snapshot status ok on the {'decrypted' if arc.sealed else 'staged'} copy: "
+                                      f"revision {st.get('revision')}, {st.get('totalKey')} keys, hash {st.get('hash')}")
     else:
         report.not_checked.append("`snapshot status` not run (no staged copy asked for)")
     if cfg is not None:
-        verdict = judge(arc.identity, cfg, evidence or Evidence(), new_cluster=new_cluster)
+        verdict = judge(ident, cfg, evidence or Evidence(), new_cluster=new_cluster)
         report.verdict = verdict
         report.checked += [f"identity: {p}" for p in verdict.proven]
         report.not_checked += [f"identity: {u}" for u in verdict.unproven]

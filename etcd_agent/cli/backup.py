@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..errors import EXIT_FAILED, EXIT_OK, UsageError
 from .main import Context, Output
@@ -13,6 +13,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
 
 log = logging.getLogger(__name__)
+
+IDENTITY_HELP = "an age identity file (mode 0600) holding the secret key of one of an encrypted backup's recipients"
+
+
+def load_identity(path: Optional[str]) -> Any:
+    """``--identity FILE`` loaded (refused unless only its owner can read it), or None."""
+    if path is None:
+        return None
+    from ..age import load_identities
+
+    return load_identities(path)
 
 
 def register(sub: Any) -> None:
@@ -33,11 +44,14 @@ def register(sub: Any) -> None:
     pv = bsub.add_parser("verify", help="check an archive: members, every sha256, the snapshot, its identity")
     pv.add_argument("file", metavar="FILE", help="a path, a file name in the backup dir, a date prefix, or latest")
     pv.add_argument("--no-status", action="store_true", help="skip `snapshot status` (no staged copy)")
+    pv.add_argument("--identity", metavar="FILE", help=IDENTITY_HELP + "; without it an encrypted backup is "
+                    "checked as far as its ciphertext allows")
     pv.set_defaults(func=cmd_verify)
 
     pi = bsub.add_parser("import", help="turn a tarball made by hand (etcdctl snapshot save + tar) into a backup")
     pi.add_argument("file", metavar="FILE", help="the tarball (etcd.conf, etcd.service, etcd_snapshot.db)")
     pi.add_argument("--dry-run", action="store_true", help="check it and print the name it would get; write nothing")
+    pi.add_argument("--identity", metavar="FILE", help=IDENTITY_HELP + " (it is re-encrypted to [backup] encrypt_to)")
     pi.set_defaults(func=cmd_import)
 
     pp = bsub.add_parser("prune", help="apply the retention policy; every decision is printed with its reason")
@@ -141,6 +155,7 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
     from ..hosts.local import LocalHost
 
     cfg = ctx.config()
+    identities = load_identity(args.identity)
     path = _resolve_file(cfg, args.file)
     with _client(cfg) as client:
         keystate = keys.cluster_key(cfg, client, create=False)
@@ -157,20 +172,31 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
         key=keystate.key,
         cfg=cfg,
         evidence=evidence,
+        identities=identities,
     )
     # a failure of `snapshot status` alone may be the tool's (not installed, too old): not recorded
     # against the file, so a good backup is not quarantined for it
     content_verdict = report.ok or not (report.tool_failed and len(report.problems) == 1)
+    if report.keyless and report.ok and report.signature != "valid":
+        # without the key only a signed ciphertext sha256 ties these bytes to what the writer checked
+        content_verdict = False
     if in_dir and content_verdict and checks.stamp_of(os.stat(path)) == checks.stamp_of(before):
-        c = checks.Check(stamp=checks.stamp_of(before), ok=report.ok, how="verify", at=checks.SYSTEM_WALL_CLOCK.now().timestamp(),
-                         kind=report.kind or "?", revision=report.revision, problem=report.problems[0] if report.problems else None,
-                         signature=report.signature)
+        # without the key the revision and member ids stay those the writer read (same bytes)
+        prior = checks.lookup(checks.load(cfg.backup.dir), os.path.basename(path), before) if report.keyless else None
+        c = checks.Check(stamp=checks.stamp_of(before), ok=report.ok, how="verify-nokey" if report.keyless else "verify",
+                         at=checks.SYSTEM_WALL_CLOCK.now().timestamp(), kind=report.kind or "?",
+                         revision=report.revision if prior is None else prior.revision,
+                         member_ids=() if prior is None else prior.member_ids,
+                         problem=report.problems[0] if report.problems else None, signature=report.signature)
         checks.record(cfg.backup.dir, os.path.basename(path), c)
     kind = {"agent": "agent backup", "runbook": "runbook tarball (made by hand: etcdctl snapshot save + tar)"}.get(
         report.kind or "", "unreadable file")
+    enc = report.encryption
+    sealed = "" if enc is None else (", encrypted (age), decrypted with the identity" if enc["decrypted"] else
+                                     ", encrypted (age), checked WITHOUT the key: the snapshot inside was not read")
     lines = [f"{path}: {'OK' if report.ok else 'FAILED'}: {kind}"
              + (f", {'plain tar' if report.compression == 'none' else report.compression}, manifest {report.signature}"
-                if report.kind == "agent" else "")]
+                if report.kind == "agent" else "") + sealed]
     lines += [f"  ok: {c}" for c in report.checked]
     lines += [f"  not checked: {c}" for c in report.not_checked]
     lines += [f"  PROBLEM: {p}" for p in report.problems]
@@ -184,12 +210,13 @@ def cmd_import(args: argparse.Namespace, ctx: Context) -> Output:
     from ..hosts.local import LocalHost
 
     cfg = ctx.config()
+    identities = load_identity(args.identity)
     if not os.path.isfile(args.file):
         raise UsageError(f"backup import {args.file}: no such file")
     host = LocalHost()
     with _client(cfg) as client:
         res = import_backup(cfg, args.file, dry_run=args.dry_run, evidence=gather(cfg),
-                            status_fn=lambda p: snapshot_status(host, cfg, p), client=client)
+                            status_fn=lambda p: snapshot_status(host, cfg, p), client=client, identities=identities)
     for w in res.warnings:
         log.warning("%s", w)
     head = f"would import {res.source} as {res.path}" if res.dry_run else res.path

@@ -25,6 +25,9 @@ def register(sub: Any) -> None:
         help="seed the cluster of this config from the backup even though the backup is of another cluster "
              "(other members, addresses or cluster id)",
     )
+    p.add_argument("--identity", metavar="FILE",
+                   help="an age identity file (mode 0600) with the secret key of one of the backup's recipients: "
+                        "an encrypted backup is decrypted on this master only")
     p.set_defaults(func=cmd_restore)
     rsub = p.add_subparsers(dest="restore_command", metavar="SUBCOMMAND")
     pc = rsub.add_parser("cleanup", help="list / remove set-aside data dirs (<data dir>.pre-restore-*), keeping the newest")
@@ -46,9 +49,11 @@ def _progress(line: str) -> None:
 def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     from ..restore.orchestrate import Options, restore
     from ..restore.plan import render_plan
+    from .backup import load_identity
 
     if not args.spec:
         raise UsageError("restore needs --from BACKUP (a path, a file name, a date like 2019-08-07, or latest)")
+    identities = load_identity(args.identity)  # refused before anything else when others can read it
 
     def confirm(text: str) -> bool:
         sys.stderr.write(text)
@@ -56,7 +61,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
 
     opts = Options(
         spec=args.spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
-        confirm=None if args.yes else confirm, progress=_progress,
+        confirm=None if args.yes else confirm, progress=_progress, identities=identities,
     )
     out = restore(ctx.config(), opts)
     text = render_plan(out.plan)

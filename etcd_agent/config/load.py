@@ -49,6 +49,11 @@ def control_char(value: str) -> Optional[str]:
     return None
 
 
+def _is_str_tuple(hint: Any) -> bool:
+    """``Tuple[str, ...]``: a TOML array of strings (``[backup] encrypt_to``)."""
+    return typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, Ellipsis)
+
+
 def _base_type(hint: Any) -> Any:
     """``Optional[X]`` -> X; anything else unchanged."""
     if typing.get_origin(hint) is typing.Union:
@@ -72,6 +77,13 @@ def _shown(value: Any) -> str:
 def _value_problem(value: Any, hint: Any) -> Optional[str]:
     """Why a value of the right type is still unusable, or None."""
     base = _base_type(hint)
+    if isinstance(value, list):  # of strings (checked by _check_type): each one a one-line value
+        for i, item in enumerate(value):
+            bad = control_char(item)
+            if bad:
+                return (f"entry {i} contains a control character ({bad}); "
+                        "a value must be one line of printable text")
+        return None
     if isinstance(value, str):
         bad = control_char(value)
         if bad:
@@ -96,12 +108,16 @@ def _check_type(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if _is_str_tuple(hint):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return False
 
 
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Union:
         return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
+    if _is_str_tuple(hint):
+        return "a list of strings"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
         hint, str(hint)
     )
@@ -126,14 +142,16 @@ def _build(cls: type, raw: Any, where: str, errors: List[str]) -> Any:
                 kwargs[key] = sub
             continue
         if not _check_type(value, hints[key]):
-            shown = _shown(value) if known[key].repr else "<hidden>"  # never echo a secret
+            # never echo a secret: hidden fields, and an age secret key pasted where a recipient goes
+            secret = not known[key].repr or (isinstance(value, str) and "age-secret-key-" in value.lower())
+            shown = "<hidden>" if secret else _shown(value)
             errors.append(f"{where}.{key}: expected {_type_name(hints[key])}, got {shown}")
             continue
         problem = _value_problem(value, hints[key])
         if problem:  # rejected like a wrong type: one error for this value, never echoed
             errors.append(f"{where}.{key}: {problem}")
             continue
-        kwargs[key] = float(value) if hints[key] is float else value
+        kwargs[key] = float(value) if hints[key] is float else tuple(value) if isinstance(value, list) else value
     missing = [
         n
         for n, f in known.items()

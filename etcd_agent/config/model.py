@@ -146,6 +146,9 @@ class BackupSection:
     # node_exporter textfile; None = no metrics (e.g.
     # /var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom)
     metrics_file: Optional[str] = None
+    # age recipients (age1..., public keys): the snapshot is encrypted to them as it streams, so
+    # the masters never hold the key that decrypts; empty = not encrypted
+    encrypt_to: Tuple[str, ...] = ()
     remote: RemoteSection = field(default_factory=RemoteSection)
 
 

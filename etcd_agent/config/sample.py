@@ -75,6 +75,11 @@ host = "10.0.0.13"
 # space_margin = 0.2                  # free space needed: expected size x (1 + margin)
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom"
 #                                     # node_exporter textfile: last success time, size, failures
+# encrypt_to = []                     # age recipients, e.g. ["age1...", "age1..."] (at most 20; public
+#                                     # keys: `age-keygen -y KEYFILE` prints one): the snapshot is
+#                                     # encrypted as it streams, the masters never hold the key; restore,
+#                                     # backup verify and import then take --identity KEYFILE. Written
+#                                     # uncompressed (compression must stay "none")
 
 [backup.remote]
 # An off-host copy of every backup in S3-compatible storage (AWS S3, MinIO, Ceph RGW, Aliyun OSS),

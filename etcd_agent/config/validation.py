@@ -273,6 +273,7 @@ def validate(
         errs.append("backup.keep_last must be >= 1: the newest backup is always kept")
     if b.space_margin < 0:
         errs.append("backup.space_margin must be >= 0")
+    errs.extend(_validate_encrypt_to(b))
     errs.extend(_validate_remote(b.remote))
 
     s = cfg.ssh
@@ -335,6 +336,31 @@ def _loopback_address_ok(addr: str) -> bool:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return bool(host) and valid_host(host)
+
+
+def _validate_encrypt_to(b: BackupSection) -> List[str]:
+    """``[backup] encrypt_to``: each entry an age X25519 recipient (a secret key there is an error
+    that never quotes it), at most MAX_RECIPIENTS, and not together with compression."""
+    if not b.encrypt_to:
+        return []
+    from ..age import MAX_RECIPIENTS, parse_recipient  # cryptography: only for configs that encrypt
+    from ..errors import RecipientInvalid
+
+    errs: List[str] = []
+    for i, text in enumerate(b.encrypt_to):
+        try:
+            parse_recipient(text, f"backup.encrypt_to[{i}]")
+        except RecipientInvalid as exc:
+            errs.append(exc.message)
+    if len(b.encrypt_to) > MAX_RECIPIENTS:
+        errs.append(f"backup.encrypt_to lists {len(b.encrypt_to)} recipients; at most {MAX_RECIPIENTS} are supported")
+    if b.compression != "none":
+        # ciphertext does not compress, and compressing first would make each archive's size depend
+        # on what is in etcd (some of it written by anyone who may create a ConfigMap)
+        errs.append(f"backup.compression = {b.compression!r} cannot go with backup.encrypt_to: encrypted snapshots "
+                    "are written uncompressed (ciphertext does not compress, and compressing before encrypting "
+                    "would let each backup's size tell about its content); set compression = \"none\"")
+    return errs
 
 
 def _validate_remote(r: RemoteSection) -> List[str]:

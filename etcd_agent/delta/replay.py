@@ -376,12 +376,13 @@ def _snapshot_file(full_snapshot: str, workdir: str) -> str:
         head = fh.read(512)
     if sniff(head) == "unknown":
         return full_snapshot  # a bare snapshot db
-    arc = open_archive(full_snapshot, staging_dir=workdir, extract=True)
+    # an encrypted full backup needs its identity; replay takes none yet, so it is refused here
+    arc = open_archive(full_snapshot, staging_dir=workdir, extract=True, need_plaintext=True)
     # the staged copy lives in the archive's private stage dir under workdir; move it out of it so
     # the caller owns one file (closing the archive removes the stage)
     dest = os.path.join(workdir, "full.db")
     try:
-        os.rename(arc.snapshot.path, dest)
+        os.rename(arc.plaintext()[0].path, dest)
     finally:
         arc.close()
     return dest

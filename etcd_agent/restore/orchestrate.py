@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..backup.evidence import gather
 from ..backup.identity import Evidence, HostIds, Verdict, judge
@@ -39,6 +39,9 @@ from . import plan as P
 from .journal import JournalSummary
 from .source import Source
 from .source import open_source as _open_source
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class Options:
     confirm: Optional[Callable[[str], bool]] = None  # shown the plan; False = abort
     progress: Progress = lambda s: None
     health_timeout: Optional[float] = None
+    identities: Optional["Identities"] = None  # decrypts an encrypted backup (--identity)
 
 
 @dataclass
@@ -193,7 +197,8 @@ class Restore:
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
-        self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now))
+        self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
+                                                                                   identities=opts.identities))
 
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))

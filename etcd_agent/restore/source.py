@@ -6,19 +6,24 @@ accepts the agent's own tarballs and the runbook's (``etcdctl snapshot save`` + 
 not, no manifest). Cheap first: headers, manifest, signature and the snapshot's own identity
 (its members, from a few pages of its db) are read without reading the whole snapshot; a plain
 tar's snapshot is then shipped straight from the archive (no copy here) and hashed as it is read,
-a compressed one is decompressed once into a private staging dir.
+a compressed one is decompressed once into a private staging dir. An encrypted one
+(``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into that private staging dir on
+this master only: the other masters receive the plaintext through their node sessions, as always.
+Without an identity it is refused before anything is touched.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import BinaryIO, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Optional, Tuple
 
-from ..backup.manifest import SNAPSHOT
 from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
 from ..etcd.snapdb import SnapshotIdentity
 from .plan import SourceFacts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..age import Identities
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Source:
     def open(self) -> BinaryIO:
         """A reader of exactly the snapshot's bytes."""
         if self.archive is not None:
-            return self.archive.snapshot.open()
+            return self.archive.plaintext()[0].open()
         assert self.snapshot_path is not None
         fh = open(self.snapshot_path, "rb")
         fh.seek(self.offset)
@@ -57,30 +62,40 @@ class Source:
             self.archive.close()
 
 
-def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False) -> Source:
+def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False,
+                identities: Optional["Identities"] = None) -> Source:
     """The backup ``spec`` names, read and checked (``hash_now``: hash the whole snapshot now, as
-    a dry run does; otherwise it is hashed as it is shipped)."""
+    a dry run does; otherwise it is hashed as it is shipped). An encrypted one is decrypted with
+    ``identities`` (IdentityRefused without them, or with a wrong key: exit 3, nothing touched)."""
     from ..backup.catalog import resolve_from
     from ..backup.keys import local_key
 
     path = resolve_from(cfg, spec).path
-    arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key)
+    arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
+                       identities=identities, need_plaintext=True)
     try:
         if arc.signature == "invalid":
             raise RefusedError(f"{path}: its manifest was changed after it was written (the signature does not "
                                "match); nothing touched. Restore another backup, or `backup import` the tarball "
                                "to have it checked from its content alone")
         m = arc.manifest
-        entry = m.files.get(SNAPSHOT) if m is not None and arc.signature == "valid" else None
-        claimed = entry.sha256 if entry is not None else None
-        lines = list(arc.checked)
+        snap, ident = arc.plaintext()
+        claimed = None
+        if m is not None and arc.signature == "valid":
+            claimed = m.encryption.plaintext_sha256 if m.encryption is not None else m.files[m.snapshot_member].sha256
+        lines = []
+        if arc.sealed is not None:
+            lines.append(f"encrypted ({arc.sealed.describe()}): decrypted with {arc.sealed.identity_file} into a "
+                         "private staging dir on this master only; the other masters receive the plaintext over "
+                         "their node sessions, into their 0700 work dirs")
+        lines += list(arc.checked)
         if arc.signature in ("unsigned", "unknown-key") and m is not None:
             lines.append(f"manifest {arc.signature}: what it says is trusted for nothing; checked from the content")
         lines += [f"not checked here: {n}" for n in arc.not_checked]
         return Source(
-            path=path, kind=arc.kind, size=arc.snapshot.size, sha256=arc.snapshot.sha256 or claimed,
-            revision=arc.identity.revision, etcd_version=m.etcd_version if m is not None else None,
-            identity=arc.identity, checked=tuple(lines), archive=arc,
+            path=path, kind=arc.kind, size=snap.size, sha256=snap.sha256 or claimed,
+            revision=ident.revision, etcd_version=m.etcd_version if m is not None else None,
+            identity=ident, checked=tuple(lines), archive=arc,
         )
     except BaseException:
         arc.close()

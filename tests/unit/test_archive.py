@@ -134,3 +134,85 @@ def test_names() -> None:
     assert archive.parse_name("etcd-2019-08-07-13-05-09.tar.gz") == (datetime(2019, 8, 7, 13, 5, 9), "gzip")
     for bad in (".etcd-2019-08-07-13-05-09.tar.partial", "etcd-2019-13-07-13-05-09.tar", "etcd-latest.tar"):
         assert archive.parse_name(bad) is None
+
+
+# ---------------------------------------------------------------- encrypted (encrypt_to)
+
+
+def _key(tmp_path: Any) -> Any:
+    from etcd_agent import age
+
+    secret, recipient = age.generate_identity()
+    path = tmp_path / "key.txt"
+    path.write_text(secret + "\n")
+    os.chmod(path, 0o600)
+    return str(path), age.parse_recipient(recipient)
+
+
+def test_encrypted_member_is_written_in_one_pass_and_signed(tmp_path: Any) -> None:
+    from etcd_agent import age
+
+    keyfile, recipient = _key(tmp_path)
+    other = age.parse_recipient(age.generate_identity()[1])
+    d = tmp_path / "out"
+    d.mkdir()
+    w = archive.write_archive(str(d), "etcd-2019-08-07-13-00-00.tar", chunks=chunked(SNAP, [7, 32, 1000, 65536]),
+                              files={"etcd.conf": b"ETCD_NAME=m1\n"}, build_manifest=build, mtime=1565182800,
+                              encrypt_to=(recipient, other), key=b"k" * 32)
+    # the revision lookup read its pages back through the encryptor
+    assert w.revision == 3 and {m.name for m in w.identity.members} == {"m1", "m2", "m3"}
+    assert w.sha256 == hashlib.sha256(SNAP).hexdigest()
+    with tarfile.open(w.path) as tar:
+        assert tar.getnames() == ["etcd.conf", "etcd_snapshot.db.age", "manifest.json"]
+        ct = tar.extractfile("etcd_snapshot.db.age").read()
+        m = json.loads(tar.extractfile("manifest.json").read())
+    assert SNAP[4096:4200] not in open(w.path, "rb").read()  # no plaintext page in the archive
+    assert len(ct) == age.encrypted_size(len(SNAP), 2)
+    assert m["format_version"] == 3 and "etcd_snapshot.db" not in m["files"]
+    assert m["files"]["etcd_snapshot.db.age"] == {"size": len(ct), "sha256": hashlib.sha256(ct).hexdigest()}
+    assert m["encryption"] == {"format": "age", "recipients": [str(recipient), str(other)],
+                               "plaintext_size": len(SNAP), "plaintext_sha256": hashlib.sha256(SNAP).hexdigest()}
+    assert "AGE-SECRET-KEY" not in json.dumps(m).upper()
+    man = Manifest.from_json(json.dumps(m).encode())
+    assert man.encryption == w.manifest.encryption and man.snapshot_member == "etcd_snapshot.db.age"
+    assert man.signature_state(b"k" * 32) == "valid"  # signed after the encryption was added
+    dec = age.Decryptor(age.load_identities(keyfile))
+    assert b"".join(dec.update(ct)) + dec.finish() == SNAP
+
+
+def test_encrypted_and_compressed_is_refused_by_the_writer(tmp_path: Any) -> None:
+    _, recipient = _key(tmp_path)
+    with pytest.raises(Exception, match="plain tar only"):
+        archive.write_archive(str(tmp_path), "etcd-2019-08-07-13-00-00.tar.zst", chunks=iter([SNAP]), files={},
+                              build_manifest=build, mtime=0, encrypt_to=(recipient,))
+
+
+def test_encrypted_stream_checks_still_run_on_the_plaintext(tmp_path: Any) -> None:
+    _, recipient = _key(tmp_path)
+    d = tmp_path / "out"
+    d.mkdir()
+    with pytest.raises(BackupCorrupt, match="sha256 trailer"):
+        archive.write_archive(str(d), "etcd-2019-08-07-13-00-00.tar", chunks=iter([SNAP[:-1] + b"x"]), files={},
+                              build_manifest=build, mtime=0, encrypt_to=(recipient,))
+    assert os.listdir(d) == []
+
+
+@pytest.mark.parametrize("bad", [
+    {"format": "gpg"}, {"recipients": []}, {"recipients": ["age1short"]}, {"plaintext_sha256": "x"},
+    {"extra": 1},
+])
+def test_manifest_encryption_is_parsed_strictly(bad: Dict[str, Any]) -> None:
+    good = {"format": "age", "recipients": ["age1" + "q" * 58], "plaintext_size": 5, "plaintext_sha256": "0" * 64}
+    doc = {"format": "etcd-agent-backup", "format_version": 3, "encryption": {**good, **bad},
+           "files": {"etcd_snapshot.db.age": {"size": 300, "sha256": "1" * 64}}}
+    with pytest.raises(BackupCorrupt):
+        Manifest.from_json(json.dumps(doc).encode())
+    doc["encryption"] = good
+    assert Manifest.from_json(json.dumps(doc).encode()).encryption is not None
+    for wrong in ({"etcd_snapshot.db": {"size": 5, "sha256": "1" * 64}},  # encryption says .age
+                  {"etcd_snapshot.db.age": {"size": 5, "sha256": "1" * 64},
+                   "etcd_snapshot.db": {"size": 5, "sha256": "1" * 64}}):  # both
+        with pytest.raises(BackupCorrupt, match="lists no"):
+            Manifest.from_json(json.dumps({**doc, "files": wrong}).encode())
+    with pytest.raises(BackupCorrupt, match="format 2 manifest"):
+        Manifest.from_json(json.dumps({**doc, "format_version": 2}).encode())

@@ -319,3 +319,36 @@ def test_data_backup_and_state_dirs_do_not_overlap():
     ])
     # a common prefix is not an overlap
     assert parse_text(GOOD + '[backup]\ndir = "/var/lib/etcd.backup"\n[etcd]\ndata_dir = "/var/lib/etcd"\n')[1] == []
+
+
+def test_encrypt_to_is_a_list_of_age_recipients():
+    from etcd_agent.age import generate_identity
+
+    r1, r2 = generate_identity()[1], generate_identity()[1]
+    cfg, errors = parse_text(GOOD + f'[backup]\nencrypt_to = ["{r1}", "{r2}"]\n')
+    assert errors == [] and cfg.backup.encrypt_to == (r1, r2)
+    assert parse_text(GOOD)[0].backup.encrypt_to == ()
+    secret = generate_identity()[0]
+    for value, message in ((f'"{r1}"', f"backup.encrypt_to: expected a list of strings, got {r1!r}"),
+                           (f'"{secret}"', "backup.encrypt_to: expected a list of strings, got <hidden>"),
+                           (f'["{r1}", 3]', "backup.encrypt_to: expected a list of strings, got an array"),
+                           ('["age1\\u0085x"]', "backup.encrypt_to: entry 0 contains a control character (U+0085); "
+                                                "a value must be one line of printable text")):
+        _, errors = parse_text(GOOD + f"[backup]\nencrypt_to = {value}\n")
+        assert errors == [message], errors
+
+
+def test_encrypt_to_every_problem_at_once_and_never_a_secret():
+    from etcd_agent.age import generate_identity
+
+    secret, good = generate_identity()
+    typo = good[:-1] + ("q" if good[-1] != "q" else "p")
+    many = ", ".join(f'"{generate_identity()[1]}"' for _ in range(21))
+    _, errors = parse_text(GOOD + f'[backup]\ncompression = "zstd"\nencrypt_to = ["{good}", "{secret}", "{typo}"]\n')
+    assert len(errors) == 3, errors
+    assert errors[0].startswith("backup.encrypt_to[1] is an age SECRET key, not a recipient")
+    assert errors[1].startswith("backup.encrypt_to[2] ") and "bad checksum" in errors[1]
+    assert errors[2].startswith("backup.compression = 'zstd' cannot go with backup.encrypt_to")
+    assert not any(secret in e or secret.lower() in e for e in errors)
+    _, errors = parse_text(GOOD + f"[backup]\nencrypt_to = [{many}]\n")
+    assert errors == ["backup.encrypt_to lists 21 recipients; at most 20 are supported"]
