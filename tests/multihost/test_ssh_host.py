@@ -27,7 +27,9 @@ from .conftest import CONNECT_TIMEOUT
 pytestmark = pytest.mark.multihost
 
 OpenSsh = Callable[..., SshHost]
-SLACK = 0.6  # scheduling slack on a busy 2-core machine
+# The timeouts under test are seconds; the commands they cut would run 31 s. A bound well above
+# the timeout and far below the command proves the cut without timing the machine (loaded CI).
+SLACK = 5.0
 
 
 def fp_of(public_key_line: str) -> str:
