@@ -154,6 +154,9 @@ def plan_cluster_hops(versions: Dict[str, str], target: str, via: Tuple[str, ...
     if len(distinct) > 2:
         raise RefusedError(f"members run three or more releases ({shown}); bring them to one first")
     low = next(v for v in versions.values() if parse(v).key == distinct[0])
+    # --via releases the whole cluster is already past were passed by an earlier run of this same
+    # command: re-running it resumes (the failure message says so), it is not a descending --via
+    via = tuple(v for v in via if parse(v).key > parse(low).key)
     plan = plan_hops(low, target, via)
     if not plan.ok:
         raise RefusedError(f"refused: {plan.reason}", details=[f"{n}: {v}" for n, v in versions.items()])

@@ -167,6 +167,8 @@ def plan_hops(current: str, target: str, via: Sequence[str] = ()) -> HopPlan:
     stops = [parse(v) for v in via] + [parse(target)]
     if stops[-1].key < cur.key:
         return HopPlan(False, check_step(cur, stops[-1]).reason, ())
+    if stops[-1].key == cur.key and len(stops) == 1:
+        return HopPlan(True, f"already on {cur}: no hops", ())
     for a, b in zip([cur] + stops, stops):
         if b.key <= a.key:
             return HopPlan(False, f"--via releases must ascend from {cur} to {stops[-1]}: {a} -> {b} does not", ())

@@ -110,7 +110,7 @@ def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progres
                                                   "it), then run the same command again"]) from None
     held = [n.where for n in nodes if n.client is not None]
     if held:
-        say("operation lock held on " + ", ".join(held))
+        say("took the operation lock on " + ", ".join(held))
     return failed
 
 

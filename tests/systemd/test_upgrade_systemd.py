@@ -31,7 +31,7 @@ from etcd_agent.etcd.client import EtcdClient
 from tests.harness import agentbed
 from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
-from tests.harness.releases import DEFAULT
+from tests.harness.releases import DEFAULT, LEGACY, NEWER
 from tests.harness.rootfs import DEPS_VENV
 
 from .conftest import METRICS, REPO
@@ -128,12 +128,12 @@ def make_leader(cfg: Config, name: str) -> None:
         time.sleep(0.2)
 
 
-TARGET = DEFAULT
+VIA, TARGET = DEFAULT, NEWER  # the multi-hop upgrade: 3.4.23 -> 3.5.16 -> 3.5.30 in one command
 
 
 def install_releases(c: Container) -> None:
     """The broken 3.5.2 beside the real releases the container carries."""
-    for v in ("3.4.23", TARGET):
+    for v in (LEGACY, VIA, TARGET):
         res = c.exec([f"/opt/etcd/{v}/etcd", "--version"])
         assert f"etcd Version: {v}" in res.stdout, f"{c.name}: /opt/etcd/{v}/etcd: {res.stdout}{res.stderr}"
     c.write_file("/opt/etcd/3.5.2/etcd", FAKE_ETCD, mode=0o755)
@@ -161,7 +161,8 @@ def test_refused_jump_prints_the_path(eu: NspawnBed) -> None:
     res = agent(eu[0], "upgrade", "--to", "3.6.0", "--yes")
     assert res.returncode == 3, res.stdout + res.stderr
     assert "3.4.23 -> 3.5.26 -> 3.6.0" in res.stderr, res.stderr
-    record("refused jump", f"exit {res.returncode}: {res.stderr.strip().splitlines()[0]}")
+    line = next(ln for ln in res.stderr.splitlines() if "3.5.26" in ln)
+    record("refused jump", f"exit {res.returncode}: {line.strip()}")
     # the dry run checks the release on every host, the remote ones over SSH
     res = agent(eu[0], "--json", "upgrade", "--to", TARGET, "--dry-run")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -231,7 +232,28 @@ def test_daemon_keeps_hands_off_a_member_being_stepped(eu: NspawnBed) -> None:
                            f"daemon {time.monotonic() - t0:.1f} s after the marker was removed")
 
 
-def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
+def test_multi_hop_dry_run_shows_every_hop(eu: NspawnBed) -> None:
+    cfg = client_config(eu.containers)
+    make_leader(cfg, "eu1")
+    res = agent(eu[0], "upgrade", "--to", TARGET, "--via", VIA, "--dry-run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = res.stdout
+    assert f"upgrade to etcd {TARGET}: {LEGACY} -> {VIA} -> {TARGET}" in text, text
+    assert f"hop 1: {LEGACY} -> {VIA}: a verified backup first" in text and f"hop 2: {VIA} -> {TARGET}" in text, text
+    for hop in (1, 2):  # followers first, the leader last, in each hop
+        order = [ln.split()[1].rstrip(":") for ln in text.splitlines() if ln.strip().startswith(f"{hop}.")]
+        assert len(order) == 3 and order[-1] == "eu1", text
+    # the release of every hop checked on every host (eu2, eu3 over SSH)
+    for v in (VIA, TARGET):
+        assert sum(1 for ln in text.splitlines() if "check:" in ln and f"/opt/etcd/{v}/etcd reports {v}" in ln) == 3, text
+    assert "(dry run: nothing changed)" in text
+    assert set(versions(cfg).values()) == {LEGACY}
+    record("multi-hop --dry-run", "\n" + text.strip())
+
+
+def test_multi_hop_upgrade_with_writes(eu: NspawnBed) -> None:
+    """One command, two hops, a verified backup before each, followers first and the leader last in
+    each; a writer keeps writing throughout and every acknowledged write must be there after."""
     cfg = client_config(eu.containers)
     make_leader(cfg, "eu1")
     acked: List[str] = []
@@ -257,7 +279,7 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
     try:
         time.sleep(1.0)
         t0 = time.monotonic()
-        res = agent(eu[0], "--json", "upgrade", "--to", TARGET, "--yes", "--timeout", "120")
+        res = agent(eu[0], "--json", "upgrade", "--to", TARGET, "--via", VIA, "--yes", "--timeout", "120")
         took = time.monotonic() - t0
         time.sleep(1.0)
     finally:
@@ -265,22 +287,37 @@ def test_rolling_upgrade_with_writes(eu: NspawnBed) -> None:
         t.join(15)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
-    steps = report["steps"]
-    assert [s["outcome"] for s in steps] == ["upgraded"] * 3, steps
-    assert [s["name"] for s in steps][-1] == "eu1", steps  # the leader (local) last
+    hops = report["plan"]["hops"]
+    assert [(h["from"], h["to"]) for h in hops] == [(LEGACY, VIA), (VIA, TARGET)], hops
+    assert len(report["backups"]) == 2 and len(set(report["backups"])) == 2, report["backups"]
+    for h in hops:
+        assert [s["outcome"] for s in h["steps"]] == ["upgraded"] * 3, h
+        assert h["steps"][-1]["name"] == "eu1", h  # the leader (local) last in each hop
     assert set(versions(cfg).values()) == {TARGET}
     for c in eu.containers:
         assert f"path=/opt/etcd/{TARGET}/etcd" in exec_start(c), f"{c.name}: {exec_start(c)}"
         pin = json.loads(c.exec(["cat", f"/var/lib/etcd-agent/{c.name}.binary.json"]).stdout)
-        assert pin["version"] == TARGET and pin["previous"] == "/usr/bin/etcd", pin
+        assert pin["version"] == TARGET and pin["previous"] == f"/opt/etcd/{VIA}/etcd", pin
         log = journal(c, "etcd-agent", since)
         assert DAEMON_RESTART not in log and DAEMON_RENDER not in log, f"{c.name}: the daemon fought:\n{log}"
+    # each hop's backup verifies from its own bytes (signed manifest, etcd's trailer, whose it is),
+    # and the second was taken later than the first, with the writes of hop 1 in it
+    revs = []
+    for b in report["backups"]:
+        ver = agent(eu[0], "--json", "backup", "verify", b)
+        assert ver.returncode == 0, ver.stdout + ver.stderr
+        doc = json.loads(ver.stdout)
+        assert doc["ok"] and doc["signature"] == "valid" and doc["identity"]["same_cluster"], doc
+        revs.append(int(doc["revision"]))
+    assert revs[0] < revs[1], revs
     with EtcdClient.from_config(cfg, timeout=5.0) as cl:
         missing = [k for k in acked if cl.get(k) is None]
         total = cl.count_prefix("/upgrade-writes/")
     assert acked and not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:3]}"
-    per = ", ".join(f"{s['name']} {s['seconds']:.1f} s" for s in steps)
-    record(f"upgrade 3.4.23 -> {TARGET}", f"{per}; whole run {took:.1f} s (backup {report['backups'][0]})")
+    for h in hops:
+        per = ", ".join(f"{s['name']} {s['seconds']:.1f} s" for s in h["steps"])
+        record(f"hop {h['from']} -> {h['to']}", f"{h['seconds']:.1f} s: backup {os.path.basename(h['backup'])}, then {per}")
+    record(f"upgrade {LEGACY} -> {VIA} -> {TARGET}", f"one command, {took:.1f} s in all")
     record("writes during the upgrade", f"{len(acked)} acknowledged, {len(refused)} refused while a member "
                                         f"restarted, {total} keys present, 0 acknowledged lost")
 

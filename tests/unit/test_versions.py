@@ -71,3 +71,70 @@ def test_cluster_check_refuses_mixed_older_versions_and_long_jumps():
     assert not mixed.ok and "different older versions" in mixed.reason
     far = check_cluster([("m1", "3.4.23"), ("m2", "3.4.23")], "3.6.0")
     assert not far.ok and far.to_upgrade == () and far.path_text() == "3.4.23 -> 3.5.26 -> 3.6.0"
+
+
+# ---------------------------------------------------------------- the hops of one command
+
+
+def hops(current, target, via=()):
+    from etcd_agent.etcd.versions import plan_hops
+
+    return plan_hops(current, target, via)
+
+
+def test_hops_through_the_operators_via_releases():
+    p = hops("3.4.23", "3.5.30", ("3.5.16",))
+    assert p.ok and p.hops == ("3.5.16", "3.5.30"), p.reason
+    assert p.reason == "2 hops: 3.4.23 -> 3.5.16 -> 3.5.30"
+    direct = hops("3.4.23", "3.5.30")
+    assert direct.ok and direct.hops == ("3.5.30",)
+
+
+def test_hops_add_the_concrete_release_a_rule_names():
+    # 3.5 -> 3.6 needs 3.5.26+: the planner adds 3.5.26 itself (a concrete release)
+    p = hops("3.5.16", "3.6.0")
+    assert p.ok and p.hops == ("3.5.26", "3.6.0"), p.reason
+    # the operator's own choice of the 3.5 release wins
+    p = hops("3.4.23", "3.6.0", ("3.5.30",))
+    assert p.ok and p.hops == ("3.5.30", "3.6.0"), p.reason
+    # through a via below the gate: the gate's release is added between
+    p = hops("3.4.23", "3.6.0", ("3.5.16",))
+    assert p.ok and p.hops == ("3.5.16", "3.5.26", "3.6.0"), p.reason
+
+
+def test_hops_refuse_what_the_operator_must_choose_or_cannot_have():
+    p = hops("3.3.0", "3.5.1")
+    assert not p.ok and "--via 3.4.N" in p.reason and p.hops == ()
+    assert hops("3.3.0", "3.5.1", ("3.4.23",)).hops == ("3.4.23", "3.5.1")
+    p = hops("3.5.16", "3.4.23")
+    assert not p.ok and "downgrade" in p.reason
+    p = hops("3.4.23", "3.5.30", ("3.5.30", "3.5.16"))
+    assert not p.ok and "must ascend" in p.reason
+    p = hops("3.4.23", "3.5.16", ("3.4.10",))
+    assert not p.ok and "must ascend" in p.reason
+
+
+def test_cluster_hops_resume_a_half_done_hop_and_refuse_other_mixes():
+    from etcd_agent.cluster.upgrade import plan_cluster_hops
+    from etcd_agent.errors import RefusedError
+
+    fresh = plan_cluster_hops({"m1": "3.4.23", "m2": "3.4.23", "m3": "3.4.23"}, "3.5.30", ("3.5.16",))
+    assert [(h.from_version, h.to_version, h.members) for h in fresh] == [
+        ("3.4.23", "3.5.16", ["m1", "m2", "m3"]), ("3.5.16", "3.5.30", ["m1", "m2", "m3"])]
+    # stopped in the first hop with m1 on 3.5.16: that hop resumes with the others
+    half = plan_cluster_hops({"m1": "3.5.16", "m2": "3.4.23", "m3": "3.4.23"}, "3.5.30", ("3.5.16",))
+    assert [(h.to_version, h.members) for h in half] == [("3.5.16", ["m2", "m3"]), ("3.5.30", ["m1", "m2", "m3"])]
+    # stopped in the second hop: only the second hop remains, for the members still below it
+    second = plan_cluster_hops({"m1": "3.5.30", "m2": "3.5.16", "m3": "3.5.16"}, "3.5.30", ("3.5.16",))
+    assert [(h.from_version, h.to_version, h.members) for h in second] == [("3.5.16", "3.5.30", ["m2", "m3"])]
+    assert plan_cluster_hops({"m1": "3.5.30"} , "3.5.30") == []
+    with pytest.raises(RefusedError, match="three or more releases"):
+        plan_cluster_hops({"m1": "3.4.20", "m2": "3.4.23", "m3": "3.5.16"}, "3.5.30")
+    with pytest.raises(RefusedError, match="not a half-done step"):
+        plan_cluster_hops({"m1": "3.5.30", "m2": "3.4.23"}, "3.5.30", ("3.5.16",))
+
+
+def test_a_cluster_on_the_target_has_nothing_to_do():
+    p = hops("3.5.16", "3.5.16")
+    assert p.ok and p.hops == () and "already" in p.reason
+    assert not hops("3.5.16", "3.5.16", ("3.5.10",)).ok  # a --via below where it stands is an operator error
