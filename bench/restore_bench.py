@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.topology import initial_cluster, member_pairs  # noqa: E402
-from tests.harness.loopback import ETCDCTL, LoopbackCluster  # noqa: E402
+from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.integration.test_restore import AGENT, EXTRA, counts, put_many  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def by_hand(c: LoopbackCluster, tar: str, work: str) -> float:
         dd = c.cfg.data_dir(m.name)
         os.rename(dd, f"{dd}.by-hand-{time.time():.0f}")
         subprocess.run(
-            [ETCDCTL, "snapshot", "restore", snap, f"--name={m.name}", f"--initial-cluster={ic}",
+            [c.cfg.etcd.etcdutl or c.cfg.etcd.etcdctl, "snapshot", "restore", snap, f"--name={m.name}", f"--initial-cluster={ic}",
              "--initial-cluster-token=by-hand", f"--initial-advertise-peer-urls={m.peer_url}", f"--data-dir={dd}"],
             check=True, capture_output=True, env=dict(os.environ, ETCDCTL_API="3"), timeout=600,
         )
