@@ -2,7 +2,8 @@
 
 An etcd v3 snapshot is a bbolt database followed by a 32-byte sha256 of everything before it
 (etcd's server appends it; ``etcdctl snapshot restore`` checks it). While the bytes stream by we
-hash them and keep the first pages, and:
+hash them once (one sha256 state gives both etcd's trailer check and the file's sha256 for the
+manifest) and keep the first pages, and:
 
 - as soon as the first pages are in (at most 64 KiB + 80 bytes), the bbolt meta pages are checked
   (magic, version, page size, FNV-64a checksum, high-water mark against the declared size), so a
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import BackupCorrupt, SnapshotFormatError
 from ..etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
@@ -26,6 +27,7 @@ from ..etcd.snapdb import read_meta
 
 # bytes of the stream needed to find both meta pages whatever the page size
 HEAD = MAX_PAGE_SIZE + PAGE_HEADER + META_SIZE
+Chunk = Union[bytes, bytearray, memoryview]
 # stands for "size not known yet" when checking the head of a stream of unknown length
 _UNKNOWN = 1 << 62
 
@@ -81,7 +83,8 @@ class StreamCheck:
         self.declared = declared
         self.what = what
         self.meta: Optional[BoltMeta] = None
-        self._sha = hashlib.sha256()
+        # One pass serves both hashes: etcd's trailer is the sha256 of everything but the last 32
+        # bytes, and the file's sha256 (the manifest's) is that state fed the last 32 bytes too.
         self._body = hashlib.sha256()  # everything but the last 32 bytes seen so far
         self._tail = b""
         self._head = bytearray()
@@ -90,30 +93,34 @@ class StreamCheck:
     def meta_ok(self) -> bool:
         return self.meta is not None
 
-    def update(self, chunk: bytes) -> None:
-        if not chunk:
+    def update(self, chunk: Chunk) -> None:
+        n = len(chunk)
+        if not n:
             return
-        self.size += len(chunk)
+        self.size += n
         if self.declared is not None and self.size > self.declared:
             raise BackupCorrupt(f"{self.what}: more data than the {self.declared} bytes declared")
-        self._sha.update(chunk)
         if len(self._head) < HEAD:
             self._head += chunk[: HEAD - len(self._head)]
             if self.meta is None and len(self._head) >= min(HEAD, self.declared or HEAD):
                 self.meta = _meta_of(bytes(self._head), self.declared or _UNKNOWN, self.what)
-        if len(chunk) >= TRAILER:
+        if n >= TRAILER:
             if self._tail:
                 self._body.update(self._tail)
             self._body.update(memoryview(chunk)[:-TRAILER])
             self._tail = bytes(chunk[-TRAILER:])
         else:
-            data = self._tail + chunk
-            self._body.update(data[:-TRAILER] if len(data) > TRAILER else b"")
+            data = self._tail + bytes(chunk)
+            if len(data) > TRAILER:
+                self._body.update(data[:-TRAILER])
             self._tail = data[-TRAILER:]
 
     @property
     def sha256(self) -> str:
-        return self._sha.hexdigest()
+        """Of every byte so far (the trailer included)."""
+        whole = self._body.copy()
+        whole.update(self._tail)
+        return whole.hexdigest()
 
     def finish(self) -> SnapshotFacts:
         """The facts, or BackupCorrupt naming exactly what is wrong."""

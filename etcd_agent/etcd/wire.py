@@ -51,6 +51,35 @@ def fields(buf: bytes) -> Dict[int, List[Value]]:
     return out
 
 
+def bytes_view(buf: bytes, num: int) -> memoryview:
+    """The last length-delimited field ``num`` of ``buf`` as a view into it (no copy; empty if
+    absent): for messages read by the million, such as the snapshot's 32 KiB chunks."""
+    view = memoryview(buf)
+    found = view[0:0]
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        wtype = key & 7
+        if wtype == 0:
+            _, pos = _varint(buf, pos)
+        elif wtype == 2:
+            ln, pos = _varint(buf, pos)
+            if pos + ln > end:
+                raise ValueError("truncated field")
+            if key >> 3 == num:
+                found = view[pos : pos + ln]
+            pos += ln
+        elif wtype == 1:
+            pos += 8
+        elif wtype == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wtype}")
+    if pos > end:
+        raise ValueError("truncated field")
+    return found
+
+
 def get_int(f: Dict[int, List[Value]], num: int, default: int = 0) -> int:
     vals = f.get(num)
     v = vals[-1] if vals else default
