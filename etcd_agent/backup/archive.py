@@ -22,9 +22,7 @@ hidden partial file, which the next run removes and which no reader ever lists.
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import logging
 import os
 import re
@@ -34,7 +32,6 @@ from datetime import datetime, timezone
 from typing import (
     TYPE_CHECKING,
     Any,
-    BinaryIO,
     Callable,
     Dict,
     Iterable,
@@ -53,12 +50,14 @@ from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    MAX_MANIFEST,
     SNAPSHOT,
     SNAPSHOT_AGE,
     UNIT,
     Encryption,
     Manifest,
 )
+from .outstream import SKIPPABLE_HEADER, Chunk, FileOut, ZstdFrames, compress_bound, pump, zstandard_module
 from .snapcheck import SnapshotFacts, StreamCheck
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,32 +157,32 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-# (files, snapshot facts, identity read from the snapshot's db, `snapshot status` or None) -> manifest
-ManifestBuilder = Callable[[Dict[str, FileInfo], SnapshotFacts, SnapshotIdentity, Optional[Dict[str, Any]]], Manifest]
+# (files, snapshot facts, identity read from the snapshot's db) -> manifest
+ManifestBuilder = Callable[[Dict[str, FileInfo], SnapshotFacts, SnapshotIdentity], Manifest]
 
 
 def write_archive(
     directory: str,
     name: str,
     *,
-    chunks: Iterable[bytes],
+    chunks: Iterable[Chunk],
     files: Dict[str, bytes],
     build_manifest: ManifestBuilder,
     mtime: int,
-    status_of_file: Optional[Callable[[str], Dict[str, Any]]] = None,
     encrypt_to: Sequence["X25519Recipient"] = (),
     key: Optional[bytes] = None,
 ) -> Written:
     """Stream ``chunks`` (the snapshot) and ``files`` into ``directory/name`` atomically.
 
-    ``build_manifest(files, snapshot facts, identity, status)`` returns the manifest once
-    the snapshot is in; the writer adds the encryption it did and signs it with ``key`` (None:
-    unsigned). ``status_of_file(path)`` (``snapshot status``) is only run when the snapshot exists
-    as a file of its own anyway (compressed archives); plain archives rely on the stream checks.
+    ``build_manifest(files, snapshot facts, identity)`` returns the manifest once the snapshot is
+    in; the writer adds the encryption it did and signs it with ``key`` (None: unsigned).
     ``encrypt_to``: encrypt the snapshot to these recipients (plain tar only). Raises
     BackupCorrupt / BackupError; never leaves a visible file on failure.
     """
     compression = compression_of(name)
+    if compression == "gzip":
+        raise BackupError(f"{name}: gzip archives are read, not written (zstd compresses Kubernetes data better at "
+                          "several times the speed)")
     if encrypt_to and compression != "none":
         raise BackupError(f"{name}: an encrypted snapshot is written to a plain tar only (ciphertext does not "
                           "compress)")
@@ -194,29 +193,21 @@ def write_archive(
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.partial")
     infos = {n: FileInfo(len(d), _sha256(d)) for n, d in files.items()}
-    spool: Optional[str] = None
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        os.fchmod(fd, 0o600)  # whatever the umask
-        with os.fdopen(fd, "wb", buffering=COPY_CHUNK) as out:
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             if compression == "none":
-                facts, identity, manifest = _write_plain(out, chunks, files, infos, build_manifest, finish, mtime,
+                facts, identity, manifest = _write_plain(fd, chunks, files, infos, build_manifest, finish, mtime,
                                                          encrypt_to)
             else:
-                # Compressed: the manifest (which needs the snapshot's sha256) goes first so that
-                # listing reads one member, and tar headers cannot be patched inside a compressed
-                # stream - so the snapshot is spooled to a 0600 temp file first (one extra write).
-                spool = os.path.join(directory, f".{name}.snapshot.partial")
-                facts, identity = _spool(spool, chunks)
-                status = status_of_file(spool) if status_of_file is not None else None
-                infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
-                manifest = finish(build_manifest(infos, facts, identity, status))
-                _write_compressed(out, compression, manifest, files, spool, mtime)
-            out.flush()
+                facts, identity, manifest = _write_zstd(fd, chunks, files, infos, build_manifest, finish, mtime)
             # the file's mtime is the archive's time (its name's): a file modified later than its
             # name says, or in the future, is then a sign of tampering or a wrong clock
-            os.utime(out.fileno(), (mtime, mtime))
-            os.fsync(out.fileno())
+            os.utime(fd, (mtime, mtime))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         # link, not rename: never replace an existing backup of the same name
         os.link(tmp, final)
         os.unlink(tmp)
@@ -226,16 +217,23 @@ def write_archive(
         if isinstance(exc, OSError):
             raise BackupError(f"writing {final} failed: {exc.strerror or exc}; partial file removed") from exc
         raise
-    finally:
-        if spool is not None:
-            _unlink_quietly(spool)
     size = os.stat(final).st_size
     return Written(final, size, manifest, facts, identity, facts.sha256 or "")
 
 
+def _small_members(files: Dict[str, bytes], mtime: int) -> bytes:
+    return b"".join(_member(n, files[n], mtime) for n in (CONF, UNIT) if n in files)
+
+
+def _end_blocks(at: int) -> bytes:
+    """Two zero blocks, then zeros up to the next 10 KiB record (as tar writes it)."""
+    end = at + 2 * BLOCK
+    return b"\0" * (2 * BLOCK + (-end % RECORD))
+
+
 def _write_plain(
-    out: BinaryIO,
-    chunks: Iterable[bytes],
+    fd: int,
+    chunks: Iterable[Chunk],
     files: Dict[str, bytes],
     infos: Dict[str, FileInfo],
     build_manifest: ManifestBuilder,
@@ -243,59 +241,103 @@ def _write_plain(
     mtime: int,
     encrypt_to: Sequence["X25519Recipient"] = (),
 ) -> Tuple[SnapshotFacts, SnapshotIdentity, Manifest]:
-    for n in (CONF, UNIT):
-        if n in files:
-            out.write(_member(n, files[n], mtime))
-    header_at = out.tell()
+    out = FileOut(fd)
+    out.write(_small_members(files, mtime))
+    header_at = out.pos
     member = SNAPSHOT_AGE if encrypt_to else SNAPSHOT
     out.write(_header(member, 0, mtime))  # placeholder size, patched below
-    fd = out.fileno()
-    data_at = header_at + BLOCK
+    data_at = out.pos
     check = StreamCheck()
     if encrypt_to:
         from ..age import Encryptor
 
         enc = Encryptor(encrypt_to)
-        ct_sha = hashlib.sha256()
-        for chunk in chunks:
-            check.update(chunk)  # etcd's trailer, the bbolt meta, the size: on the plaintext
-            sealed = enc.update(chunk)
-            if sealed:
-                ct_sha.update(sealed)
-                out.write(sealed)
+        ct_sha = hashlib.sha256()  # the manifest's sha256 of the member as stored: the ciphertext
+
+        def seal(batch: List[Chunk]) -> None:
+            for chunk in batch:
+                check.update(chunk)  # etcd's trailer, the bbolt meta, the size: on the plaintext
+                sealed = enc.update(chunk)
+                if sealed:
+                    ct_sha.update(sealed)
+                    out.write(sealed)
+
+        pump(chunks, seal)
         sealed = enc.finish()
         ct_sha.update(sealed)
         out.write(sealed)
         size = enc.ciphertext_size
-        out.write(_pad(size))
-        out.flush()
         facts = check.finish()
         # the revision lookup reads a few pages: decrypted back from what was just written
         read_at = enc.plaintext_reader(lambda off, n: os.pread(fd, n, data_at + off))
         infos[SNAPSHOT_AGE] = FileInfo(size, ct_sha.hexdigest())
     else:
-        for chunk in chunks:
-            check.update(chunk)
-            out.write(chunk)
+
+        def store(batch: List[Chunk]) -> None:
+            for chunk in batch:
+                check.update(chunk)
+            out.write_all(batch)
+
+        pump(chunks, store)
         size = check.size
-        out.write(_pad(size))
-        out.flush()
         facts = check.finish()
 
         def read_at(off: int, n: int) -> bytes:
             return os.pread(fd, n, data_at + off)
 
         infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+    out.write(_pad(size))
     identity = _identity(read_at, facts.size)
     os.pwrite(fd, _header(member, size, mtime), header_at)
-    manifest = build_manifest(infos, facts, identity, None)
+    manifest = build_manifest(infos, facts, identity)
     if encrypt_to:
         manifest = replace(manifest, format_version=ENCRYPTED_FORMAT_VERSION, encryption=Encryption(
             tuple(str(r) for r in enc.recipients), facts.size, facts.sha256 or ""))
     manifest = finish(manifest)
     out.write(_member(MANIFEST, manifest.to_bytes(), mtime))
-    end = out.tell() + 2 * BLOCK
-    out.write(b"\0" * (2 * BLOCK + (-end % RECORD)))
+    out.write(_end_blocks(out.pos))
+    return facts, identity, manifest
+
+
+def head_room(files: Dict[str, bytes]) -> int:
+    """Bytes reserved at the start of a zstd archive for its head: the manifest (at most
+    MAX_MANIFEST: a reader refuses a larger one), etcd.conf, etcd.service and the snapshot's header,
+    compressed, and the skippable frame's header."""
+    most = 2 * BLOCK + MAX_MANIFEST + BLOCK + len(_small_members(files, 0))
+    return compress_bound(most) + SKIPPABLE_HEADER
+
+
+def _write_zstd(
+    fd: int,
+    chunks: Iterable[Chunk],
+    files: Dict[str, bytes],
+    infos: Dict[str, FileInfo],
+    build_manifest: ManifestBuilder,
+    finish: Callable[[Manifest], Manifest],
+    mtime: int,
+) -> Tuple[SnapshotFacts, SnapshotIdentity, Manifest]:
+    """A zstd-compressed tar in one pass: the manifest first (listing reads one frame), yet
+    written last, into room kept for it (``outstream.ZstdFrames``)."""
+    room = head_room(files)
+    frames = ZstdFrames(FileOut(fd, room), room)
+    check = StreamCheck()
+
+    def compress(batch: List[Chunk]) -> None:
+        for chunk in batch:
+            check.update(chunk)
+            frames.write(chunk)
+
+    pump(chunks, compress)
+    frames.end_snapshot()
+    facts = check.finish()
+    frames.tail(_pad(facts.size) + b"\0" * (2 * BLOCK))
+    identity = _identity(frames.read_at, facts.size)
+    infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
+    manifest = finish(build_manifest(infos, facts, identity))
+    data = manifest.to_bytes()
+    if len(data) > MAX_MANIFEST:
+        raise BackupError(f"the manifest is {len(data)} bytes, more than a reader accepts ({MAX_MANIFEST})")
+    frames.head(_member(MANIFEST, data, mtime) + _small_members(files, mtime) + _header(SNAPSHOT, facts.size, mtime))
     return facts, identity, manifest
 
 
@@ -305,44 +347,6 @@ def _identity(read_at: Callable[[int, int], bytes], size: int) -> SnapshotIdenti
         return parse_identity(read_at, size)
     except SnapshotFormatError as exc:
         raise BackupCorrupt(f"snapshot: {exc.message}") from None
-
-
-def _spool(path: str, chunks: Iterable[bytes]) -> Tuple[SnapshotFacts, SnapshotIdentity]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "r+b", buffering=COPY_CHUNK) as fh:
-        check = StreamCheck()
-        for chunk in chunks:
-            check.update(chunk)
-            fh.write(chunk)
-        fh.flush()
-        facts = check.finish()
-        identity = _identity(lambda off, n: os.pread(fd, n, off), facts.size)
-    return facts, identity
-
-
-def _write_compressed(
-    out: BinaryIO, compression: str, manifest: Manifest, files: Dict[str, bytes], spool: str, mtime: int
-) -> None:
-    stream: Any
-    if compression == "gzip":
-        stream = gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6, mtime=mtime)
-    else:
-        stream = _zstd().ZstdCompressor(level=3).stream_writer(out, closefd=False)
-    with tarfile.open(fileobj=stream, mode="w|", format=tarfile.GNU_FORMAT) as tar:
-        for n, data in [(MANIFEST, manifest.to_bytes())] + [(n, files[n]) for n in (CONF, UNIT) if n in files]:
-            tar.addfile(_info(n, len(data), mtime), io.BytesIO(data))
-        with open(spool, "rb") as src:
-            tar.addfile(_info(SNAPSHOT, os.fstat(src.fileno()).st_size, mtime), src)
-    stream.close()
-
-
-def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError:
-        raise BackupError("zstd archives need the Python package zstandard (pip install zstandard)") from None
-    return zstandard
 
 
 def _info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
@@ -395,9 +399,10 @@ def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
     if comp == "gzip":
         return tarfile.open(path, "r|gz")
     if comp == "zstd":
-        zstandard = _zstd()
+        zstandard = zstandard_module()
         fh = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True)
+        # read_across_frames: the archives written here are several frames (outstream.ZstdFrames)
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True, read_across_frames=True)
         return tarfile.open(fileobj=reader, mode="r|")
     return tarfile.open(path, "r:" if seekable else "r|")
 

@@ -160,8 +160,7 @@ def import_backup(
             if arc.sealed is not None:  # re-encrypted below to the configured recipients
                 imported["encrypted_to"] = list(arc.sealed.recipients)
 
-            def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity,
-                      st: Optional[Dict[str, Any]]) -> Manifest:
+            def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity) -> Manifest:
                 man = Manifest(
                     files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()},
                     name=name, created=when.isoformat(), created_unix=int(when.timestamp()),
@@ -173,7 +172,7 @@ def import_backup(
                     snapshot={"page_size": facts.page_size, "pages": facts.high_water, "txid": facts.txid,
                               "checks": ["etcd sha256 trailer", "bbolt meta pages", "size = pages x page size"]
                               + (["snapshot status"] if status is not None else []),
-                              "status": status or st},
+                              "status": status},
                     imported=imported, verified=True,
                 )
                 return man  # the writer adds what it encrypted, then signs

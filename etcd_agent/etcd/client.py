@@ -40,6 +40,13 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+# the snapshot download (see snapshot_chunks); "SingleThreadedUnaryStream" is
+# grpc.experimental.ChannelOptions.SingleThreadedUnaryStream
+_SNAPSHOT_OPTIONS = [
+    ("SingleThreadedUnaryStream", 1),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1024 * 1024),
+]
 
 
 @dataclass(frozen=True)
@@ -160,17 +167,19 @@ class EtcdClient:
 
         return grpc.ssl_channel_credentials(read(t.client_ca), read(t.client_key), read(t.client_cert))
 
-    def _channel(self, endpoint: str) -> Any:
+    def _new_channel(self, endpoint: str, options: List[Tuple[str, int]]) -> Any:
         import grpc
 
+        host, port, secure = parse_endpoint(endpoint)
+        if secure:
+            return grpc.secure_channel(_target(host, port), self._credentials(), options=options)
+        return grpc.insecure_channel(_target(host, port), options=options)
+
+    def _channel(self, endpoint: str) -> Any:
         with self._lock:
             ch = self._channels.get(endpoint)
             if ch is None:
-                host, port, secure = parse_endpoint(endpoint)
-                if secure:
-                    ch = grpc.secure_channel(_target(host, port), self._credentials(), options=_CHANNEL_OPTIONS)
-                else:
-                    ch = grpc.insecure_channel(_target(host, port), options=_CHANNEL_OPTIONS)
+                ch = self._new_channel(endpoint, _CHANNEL_OPTIONS)
                 self._channels[endpoint] = ch
             return ch
 
@@ -265,20 +274,27 @@ class EtcdClient:
             return False, "; ".join(st.errors)
         return True, ""
 
-    def snapshot_chunks(self, endpoint: str, timeout: float = 3600.0) -> Iterator[bytes]:
-        """Stream the backend database of ``endpoint`` (Maintenance.Snapshot), chunk by chunk."""
+    def snapshot_chunks(self, endpoint: str, timeout: float = 3600.0) -> Iterator[memoryview]:
+        """Stream the backend database of ``endpoint`` (Maintenance.Snapshot), chunk by chunk; each
+        chunk is a view into the message it came in (valid as long as the caller keeps it)."""
         import grpc
 
-        fn = self._channel(endpoint).unary_stream(
-            "/etcdserverpb.Maintenance/Snapshot", request_serializer=lambda b: b, response_deserializer=lambda b: b
-        )
+        # A channel of its own, tuned for one long download of 32 KiB messages (etcd's fixed chunk):
+        # the stream is read in the calling thread (gRPC's default hands every message over from a
+        # thread of its own: ~40% more CPU per MB here), and the receive window is fixed at 1 MiB
+        # instead of growing with BDP probing, which let gRPC buffer tens of MB ahead of a busy
+        # reader (the agent's peak RSS).
+        ch = self._new_channel(endpoint, _CHANNEL_OPTIONS + _SNAPSHOT_OPTIONS)
         try:
+            fn = ch.unary_stream("/etcdserverpb.Maintenance/Snapshot", request_serializer=lambda b: b,
+                                 response_deserializer=None)
             for raw in fn(b"", timeout=timeout):
                 # SnapshotResponse{header=1, remaining_bytes=2, blob=3}
-                f = wire.fields(raw)
-                yield wire.get_bytes(f, 3)
+                yield wire.bytes_view(raw, 3)
         except grpc.RpcError as exc:
             raise map_grpc_error(exc, f"snapshot from {endpoint}") from None
+        finally:
+            ch.close()
 
     def defragment(self, endpoint: str, timeout: float = 600.0) -> None:
         self._call(endpoint, "/etcdserverpb.Maintenance/Defragment", b"", timeout)

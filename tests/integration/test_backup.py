@@ -203,15 +203,18 @@ def test_backup_then_verify_ok(base: str, any_etcd: Etcd) -> None:
         catalog.resolve(bdir, "1999-01-01")
 
 
-@pytest.mark.parametrize("compression", ["gzip", "zstd"])
-def test_compressed_backup_verifies(base: str, etcd: Etcd, compression: str) -> None:
-    bdir = os.path.join(base, f"b-{compression}")
-    cfgp = write_config(base, etcd, bdir, compression=compression)
+def test_zstd_backup_verifies(base: str, etcd: Etcd) -> None:
+    bdir = os.path.join(base, "b-zstd")
+    cfgp = write_config(base, etcd, bdir, compression="zstd")
     res = take_backup(load(cfgp))
-    assert res.path.endswith(archive.EXTENSIONS[compression])
-    rep = verify(res.path, status_fn=status_fn(cfgp))
+    assert res.path.endswith(archive.EXTENSIONS["zstd"])
+    rep = verify(res.path, status_fn=status_fn(cfgp))  # `snapshot status` runs here, not at write time
     assert rep.ok, rep.problems
-    assert rep.manifest["snapshot"]["status"]["revision"] == res.revision  # status ran at write time
+    assert rep.manifest["revision"] == res.revision
+    # several zstd frames (one per 4 MiB of snapshot, plus the head's and the tail's): standard zstd
+    listing = subprocess.run(["tar", "--zstd", "-tf", res.path], capture_output=True, text=True, check=True)
+    names = listing.stdout.split()
+    assert names[0] == "manifest.json" and names[-1] == "etcd_snapshot.db", names  # the manifest first
     assert [n for n in os.listdir(bdir) if not n.startswith(".etcd-agent")] == [os.path.basename(res.path)]
 
 
@@ -268,8 +271,8 @@ def test_verify_catches_foreign_cluster(base: str, etcd: Etcd) -> None:
 
 def test_two_concurrent_backups_one_busy(base: str, etcd: Etcd) -> None:
     bdir = os.path.join(base, "b-busy")
-    # gzip makes the first run last seconds, so the second surely starts while it holds the lock
-    cfgp = write_config(base, etcd, bdir, compression="gzip")
+    # zstd makes the first run last longer, so the second surely starts while it holds the lock
+    cfgp = write_config(base, etcd, bdir, compression="zstd")
     first = subprocess.Popen([sys.executable, "-m", "etcd_agent.cli.main", "-c", cfgp, "backup"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

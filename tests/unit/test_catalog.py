@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 from datetime import datetime, timedelta, timezone
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import pytest
 
@@ -32,7 +32,7 @@ class FakeClock:
         raise AssertionError("slept on the fake clock")
 
 
-def _build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any, status: Optional[Dict[str, Any]]) -> Manifest:
+def _build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any) -> Manifest:
     return Manifest(files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()}, revision=ident.revision)
 
 

@@ -352,3 +352,12 @@ def test_encrypt_to_every_problem_at_once_and_never_a_secret():
     assert not any(secret in e or secret.lower() in e for e in errors)
     _, errors = parse_text(GOOD + f"[backup]\nencrypt_to = [{many}]\n")
     assert errors == ["backup.encrypt_to lists 21 recipients; at most 20 are supported"]
+
+
+def test_gzip_is_refused_with_the_way_out():
+    """Backups are no longer written as gzip (the one-pass writer is zstd's): a config asking for
+    it fails its check with what to use instead, rather than every backup failing later."""
+    _, errors = parse_text(GOOD + '[backup]\ncompression = "gzip"\n')
+    assert len(errors) == 1 and 'use "zstd"' in errors[0] and ".tar.gz backups are still read" in errors[0], errors
+    _, errors = parse_text(GOOD + '[backup]\ncompression = "zstd"\n')
+    assert errors == []

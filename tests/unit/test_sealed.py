@@ -8,7 +8,7 @@ import io
 import json
 import os
 import tarfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
 
@@ -23,7 +23,7 @@ SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # etcd 3.5.16, member
 KEY = b"k" * 32
 
 
-def build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any, status: Optional[Dict[str, Any]]) -> Manifest:
+def build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any) -> Manifest:
     return Manifest(files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()}, revision=ident.revision,
                     missing={"etcd.service": "not found"}, verified=True)
 
