@@ -123,6 +123,26 @@ class LoopbackCluster:
             LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members
         ]
 
+    @classmethod
+    def existing(cls, directory: str) -> "LoopbackCluster":
+        """The cluster made in ``directory`` earlier (its agent.toml, its ports, its data), to be
+        started again with ``start_existing`` (the benchmarks keep a filled one between runs)."""
+        self = cls.__new__(cls)
+        self.dir = directory
+        self.config_path = os.path.join(directory, "agent.toml")
+        self.cfg = load(self.config_path)
+        self.version = ""
+        self.members = [
+            LocalMember(with_local(self.cfg, m.name), m, ProcessBackend(self.cfg, m.name)) for m in self.cfg.members
+        ]
+        return self
+
+    def start_existing(self) -> None:
+        for lm in self.members:
+            lm.start_existing()
+        for lm in self.members:
+            lm.wait_healthy(60)
+
     def start_static(self, count: Optional[int] = None) -> None:
         """Static bootstrap of all members, or of the first ``count`` only (the others stay
         configured but unstarted: the scale tests add them later)."""
