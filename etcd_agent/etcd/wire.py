@@ -6,7 +6,7 @@ field numbers of etcd's ``rpc.proto`` is simpler and safer than regenerating stu
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple, Union
+from typing import Dict, Iterator, List, Tuple, Union
 
 Value = Union[int, bytes]
 
@@ -26,28 +26,36 @@ def _varint(buf: bytes, pos: int) -> Tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def fields(buf: bytes) -> Dict[int, List[Value]]:
-    """Field number -> values in order (varints as int, length-delimited as bytes)."""
-    out: Dict[int, List[Value]] = {}
-    pos = 0
-    while pos < len(buf):
+def _walk(buf: bytes) -> Iterator[Tuple[int, bool, int, int]]:
+    """(field number, length-delimited?, varint value or length, end) per varint or
+    length-delimited field (the bytes are ``buf[end - length : end]``); fixed-size fields are
+    skipped. ValueError on what does not add up."""
+    pos, end = 0, len(buf)
+    while pos < end:
         key, pos = _varint(buf, pos)
         num, wtype = key >> 3, key & 7
         if wtype == 0:
             val, pos = _varint(buf, pos)
-            out.setdefault(num, []).append(val)
+            yield num, False, val, pos
         elif wtype == 2:
             ln, pos = _varint(buf, pos)
-            if pos + ln > len(buf):
+            if pos + ln > end:
                 raise ValueError("truncated field")
-            out.setdefault(num, []).append(buf[pos : pos + ln])
             pos += ln
-        elif wtype == 1:
-            pos += 8
-        elif wtype == 5:
-            pos += 4
+            yield num, True, ln, pos
+        elif wtype in (1, 5):
+            pos += 8 if wtype == 1 else 4
+            if pos > end:
+                raise ValueError("truncated field")
         else:
             raise ValueError(f"unsupported wire type {wtype}")
+
+
+def fields(buf: bytes) -> Dict[int, List[Value]]:
+    """Field number -> values in order (varints as int, length-delimited as bytes)."""
+    out: Dict[int, List[Value]] = {}
+    for num, delimited, val, at in _walk(buf):
+        out.setdefault(num, []).append(buf[at - val : at] if delimited else val)
     return out
 
 
@@ -56,27 +64,9 @@ def bytes_view(buf: bytes, num: int) -> memoryview:
     absent): for messages read by the million, such as the snapshot's 32 KiB chunks."""
     view = memoryview(buf)
     found = view[0:0]
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        wtype = key & 7
-        if wtype == 0:
-            _, pos = _varint(buf, pos)
-        elif wtype == 2:
-            ln, pos = _varint(buf, pos)
-            if pos + ln > end:
-                raise ValueError("truncated field")
-            if key >> 3 == num:
-                found = view[pos : pos + ln]
-            pos += ln
-        elif wtype == 1:
-            pos += 8
-        elif wtype == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wtype}")
-    if pos > end:
-        raise ValueError("truncated field")
+    for n, delimited, val, at in _walk(buf):
+        if n == num and delimited:
+            found = view[at - val : at]
     return found
 
 
