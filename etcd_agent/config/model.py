@@ -213,6 +213,8 @@ class DrillSection:
     every: float = 0.0
     # the throwaway member's parent dir: created 0711 so the etcd user can reach its own 0700 dir
     dir: str = "/var/lib/etcd-agent-drill"
+    # who the throwaway etcd runs as (when the agent is root and the user exists); "" = [etcd] user
+    user: str = ""
     nice: int = 10  # CPU priority of the drill and its etcd (0-19)
     ionice: str = "idle"  # "idle", "best-effort:N" (N 0-7) or "none"
     gomaxprocs: int = 1  # cores the throwaway etcd may use; 0 = Go's default (all)

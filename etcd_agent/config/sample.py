@@ -138,6 +138,7 @@ host = "10.0.0.13"
 #                                     # at a time (86400 = daily); 0 = never on its own
 # dir = "/var/lib/etcd-agent-drill"   # created 0711: the etcd user reaches its own 0700 dir in it;
 #                                     # needs room for two copies of the snapshot
+# user = ""                           # the throwaway etcd's user; "" = [etcd] user
 # nice = 10                           # CPU priority of the drill and its etcd (0-19)
 # ionice = "idle"                     # or "best-effort:7", or "none"
 # gomaxprocs = 1                      # cores the throwaway etcd may use; 0 = all

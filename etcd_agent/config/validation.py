@@ -329,6 +329,8 @@ def _validate_drill(cfg: Config) -> List[str]:
     errs: List[str] = []
     if dr.every != 0 and not 60 <= dr.every <= MAX_SECONDS:
         errs.append(f"drill.every must be 0 (no scheduled drills) or 60 to {MAX_SECONDS} seconds, got {dr.every:g}")
+    if dr.user and not NAME_RE.match(dr.user):
+        errs.append(f"drill.user {dr.user!r} is not a safe user name")
     if not 0 <= dr.nice <= 19:
         errs.append(f"drill.nice must be 0 to 19, got {dr.nice}")
     if not IONICE_RE.match(dr.ionice):
