@@ -38,6 +38,7 @@ COMMAND_MODULES: List[str] = [
     "status",
     "run",
     "backup",
+    "drill",
     "member",
     "upgrade",
     "maintenance",
