@@ -277,6 +277,8 @@ class _Drill:
     def _local_member(self) -> Optional[str]:
         from ..locality import local_members
 
+        if self.cfg.local.name is not None:  # the daemon's own member, or [local] name
+            return self.cfg.local.name
         try:
             found = local_members(self.cfg)
         except AgentError:
