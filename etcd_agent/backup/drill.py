@@ -576,7 +576,7 @@ class _Drill:
         r.checked.append(f"{api.keys} keys served at revision {r.revision}, each at the create/mod revision, "
                          f"version and lease the snapshot file holds it (key-space digest {ks.digest[:16]}..., "
                          f"computed from the member's API and, independently, from the file's {ks.entries} "
-                         "revisions)")
+                         "key-bucket entries)")
         if api.sample:
             r.checked.append(f"{len(api.sample)} keys sampled at random read back byte for byte as the snapshot "
                              "file holds them")
