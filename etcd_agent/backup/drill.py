@@ -499,8 +499,8 @@ class _Drill:
         return s
 
     def expected_revision(self) -> int:
-        """The revision a member restored from the snapshot serves: the last one in its key bucket,
-        or the compaction point when compaction removed everything above it (a delete compacted)."""
+        """The revision a member restored from the snapshot serves: the last one in its key bucket;
+        never below a compaction point the db records (etcd's store revision is at least that)."""
         i = self.ident
         rev = max(i.revision, i.finished_compact_revision or 0, i.scheduled_compact_revision or 0)
         return rev or 1  # an empty store starts at revision 1
