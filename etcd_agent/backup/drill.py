@@ -181,6 +181,8 @@ def prepare_dir(path: str) -> None:
             return
         st = os.lstat(path)
     except OSError as exc:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise RefusedError(f"the drill dir {path} exists and is not a directory") from None
         raise RefusedError(f"cannot create the drill dir {path}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise RefusedError(f"the drill dir {path} exists and is not a directory")

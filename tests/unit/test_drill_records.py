@@ -151,3 +151,32 @@ def test_a_record_from_a_clock_far_ahead_is_not_trusted() -> None:
     assert not decide(ok(now + CLOCK_MARGIN - 1), DAY, now).due  # small skew: a recent drill
     s = decide(ok(now + 3 * 3600), DAY, now)
     assert s.due and "in the future" in s.reason
+
+
+# ---------------------------------------------------------------- the drill's dir
+
+
+def test_drill_dir_is_made_0711_and_a_dir_others_can_write_is_refused(tmp_path: Path) -> None:
+    from etcd_agent.backup.drill import prepare_dir, sweep
+    from etcd_agent.errors import RefusedError
+
+    d = tmp_path / "a" / "drill"
+    prepare_dir(str(d))
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o711 and stat.S_IMODE(os.stat(d.parent).st_mode) == 0o711
+    prepare_dir(str(d))  # again: fine, untouched
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(RefusedError, match="writable by nobody else"):
+        prepare_dir(str(open_dir))
+    assert stat.S_IMODE(os.stat(open_dir).st_mode) == 0o777  # never chmodded
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RefusedError, match="not a directory"):
+        prepare_dir(str(tmp_path / "file"))
+    # what a dead drill left is swept; anything else is the operator's and stays
+    for name in (".stage-abc", "etcd-scratch-xyz", "notes.txt", ".drill.lock"):
+        (d / name).mkdir() if not name.endswith((".txt", ".lock")) else (d / name).write_text("")
+    (d / "etcd-scratch-link").symlink_to(tmp_path)
+    assert sweep(str(d)) == [".stage-abc", "etcd-scratch-xyz"]
+    assert sorted(os.listdir(d)) == [".drill.lock", "etcd-scratch-link", "notes.txt"]
+    assert os.path.isdir(tmp_path / "open")  # the symlink was not followed
