@@ -157,7 +157,7 @@ def test_a_record_from_a_clock_far_ahead_is_not_trusted() -> None:
 
 
 def test_drill_dir_is_made_0711_and_a_dir_others_can_write_is_refused(tmp_path: Path) -> None:
-    from etcd_agent.backup.drill import prepare_dir, sweep
+    from etcd_agent.backup.drillhost import prepare_dir, sweep
     from etcd_agent.errors import RefusedError
 
     d = tmp_path / "a" / "drill"
