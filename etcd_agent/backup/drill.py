@@ -101,7 +101,9 @@ class DrillReport:
             "backup": self.backup, "path": self.path, "ok": self.ok, "started": self.started, "host": self.host,
             "duration": round(self.duration, 3), "problem": self.problem, "step": self.step, "proved": self.proved,
             "checked": self.checked, "not_proven": self.not_proven,
-            "steps": {k: round(v, 3) for k, v in self.steps.items()}, "kind": self.kind, "signature": self.signature,
+            # in the order they ran (a JSON object's keys would be sorted on output)
+            "steps": [{"step": k, "seconds": round(v, 3)} for k, v in self.steps.items()],
+            "kind": self.kind, "signature": self.signature,
             "revision": self.revision, "keys": self.keys, "leases": self.leases, "sample": self.sample,
             "digest": self.digest, "etcd_version": self.etcd_version, "run_as": self.run_as,
             "endpoint": self.endpoint, "interrupted": self.interrupted,
