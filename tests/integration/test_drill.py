@@ -41,6 +41,10 @@ def drill_root() -> Iterator[str]:
     root = f"/var/tmp/etcd-agent-drill-tests/{secrets.token_hex(4)}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(root))  # the shared parent, once no other test's dir is in it
+    except OSError:
+        pass
 
 
 def drill_extra(root: str, name: str = "d", sample: int = 25, every: float = 0.0) -> str:

@@ -155,8 +155,7 @@ def bed(bed_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Be
         yield b
     finally:
         net.down()  # every process of the namespaces, by PID
-        for h in ("dr1", "dr2", "dr3"):
-            shutil.rmtree(f"/var/tmp/etcd-agent-drill-dr/{h}", ignore_errors=True)
+        shutil.rmtree("/var/tmp/etcd-agent-drill-dr", ignore_errors=True)
         if made_etc:
             try:
                 os.rmdir(ETC_DIR)
