@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..errors import AgentError, RefusedError, UsageError
 from . import checks as C
 from .checks import SYSTEM_WALL_CLOCK, WallClock
+from .drillrecord import DrillRecord, load_records
+from .drillrecord import lookup as drill_of
 from .identity import Evidence, judge, layout_problems, shares_members
 from .reader import peek_archive
 
@@ -55,6 +57,7 @@ class Entry:
     member_ids: Tuple[str, ...] = ()
     notes: Tuple[str, ...] = field(default=())
     encrypted: bool = False  # the snapshot member is age-encrypted (etcd_snapshot.db.age)
+    drill: Optional[DrillRecord] = None  # the last restore drill of exactly these bytes
 
     @property
     def complete(self) -> bool:
@@ -86,6 +89,7 @@ class Entry:
             "encrypted": self.encrypted,
             "encryption": m.get("encryption"),
             "notes": list(self.notes),
+            "drill": None if self.drill is None else {**self.drill.to_json(), "summary": self.drill.summary()},
         }
 
 
@@ -205,12 +209,14 @@ def list_backups(
     """Every file in ``directory`` (not hidden), newest first; good and quarantined alike."""
     out = []
     cache = C.load(directory) if os.path.isdir(directory) else {}
+    drills = load_records(directory) if os.path.isdir(directory) else {}
     for n in _candidates(directory):
         path = os.path.join(directory, n)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 continue
-            out.append(entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache))
+            e = entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache)
+            out.append(replace(e, drill=drill_of(drills, n, os.stat(path, follow_symlinks=False))) if drills else e)
         except FileNotFoundError:  # pruned while we looked
             continue
         except Exception as exc:  # noqa: BLE001 - one hostile file must never break the listing

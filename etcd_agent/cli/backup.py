@@ -101,6 +101,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
                     f"{e.kind:<8} {e.signature:<11} {state}")
         rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
+        if e.drill is not None:
+            rows.append(f"{'':<36}   {e.drill.summary()}")
     best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")

@@ -207,6 +207,30 @@ class MaintenanceSection:
 
 
 @dataclass(frozen=True)
+class DrillSection:
+    """``[drill]``: restore drills - a backup restored into a throwaway single-member etcd on
+    loopback (its own ports and dir, as ``[etcd] user``, at low priority), checked, removed."""
+
+    # the daemon drills the newest good backup this often, one master of the cluster at a time
+    # (an etcd lock and a record in etcd); 0 = the daemon never drills (`etcd-agent drill` still does)
+    every: float = 0.0
+    # the throwaway member's parent dir: created 0711 so the etcd user can reach its own 0700 dir
+    dir: str = "/var/lib/etcd-agent-drill"
+    # who the throwaway etcd runs as (when the agent is root and the user exists); "" = [etcd] user
+    user: str = ""
+    nice: int = 10  # CPU priority of the drill and its etcd (0-19)
+    ionice: str = "idle"  # "idle", "best-effort:N" (N 0-7) or "none"
+    gomaxprocs: int = 1  # cores the throwaway etcd may use; 0 = Go's default (all)
+    sample_keys: int = 100  # keys read back through the restored member and compared with the snapshot
+    timeout: float = 1800.0  # a drill that takes longer fails (and bounds the lock's lease)
+    # node_exporter textfile; None = none (e.g. /var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom)
+    metrics_file: Optional[str] = None
+
+
+IONICE_RE = re.compile(r"^(idle|none|best-effort:[0-7])$")
+
+
+@dataclass(frozen=True)
 class Member:
     """A member with every URL resolved."""
 
@@ -229,6 +253,7 @@ class Config:
     kubernetes: KubernetesSection = field(default_factory=KubernetesSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
     maintenance: MaintenanceSection = field(default_factory=MaintenanceSection)
+    drill: DrillSection = field(default_factory=DrillSection)
     path: Optional[str] = None
 
     def member(self, name: str) -> Member:
@@ -258,6 +283,7 @@ SECTIONS: Dict[str, type] = {
     "kubernetes": KubernetesSection,
     "daemon": DaemonSection,
     "maintenance": MaintenanceSection,
+    "drill": DrillSection,
 }
 
 

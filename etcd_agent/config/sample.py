@@ -134,4 +134,21 @@ host = "10.0.0.13"
 # defrag_timeout = 600.0
 # auto_defrag = false                 # the daemon defragments its member by itself
 # auto_disarm_nospace = false         # the daemon clears a NOSPACE alarm by itself
+
+[drill]
+# Restore drills: a backup restored into a throwaway single-member etcd on 127.0.0.1 (its own
+# ports and dir, as [etcd] user, at low priority; the live member is never touched), checked
+# against the backup, then removed. `etcd-agent drill` runs one now.
+# every = 0.0                         # the daemon drills the newest good backup this often, one master
+#                                     # at a time (86400 = daily); 0 = never on its own
+# dir = "/var/lib/etcd-agent-drill"   # created 0711: the etcd user reaches its own 0700 dir in it;
+#                                     # needs room for two copies of the snapshot
+# user = ""                           # the throwaway etcd's user; "" = [etcd] user
+# nice = 10                           # CPU priority of the drill and its etcd (0-19)
+# ionice = "idle"                     # or "best-effort:7", or "none"
+# gomaxprocs = 1                      # cores the throwaway etcd may use; 0 = all
+# sample_keys = 100                   # keys read back and compared byte for byte with the snapshot file
+# timeout = 1800.0                    # a drill that takes longer fails
+# metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom"
+#                                     # node_exporter textfile: last success/failure, duration, failures
 """

@@ -19,6 +19,7 @@ from .model import (
     COMPRESSIONS,
     FENCE_METHODS,
     HOSTNAME_RE,
+    IONICE_RE,
     NAME_RE,
     PATH_RE,
     PREFIX_RE,
@@ -61,6 +62,8 @@ EXAMPLES = {
     "etcd.conf_file": EtcdSection.conf_file, "etcd.unit_file": EtcdSection.unit_file,
     "kubernetes.manifest": KubernetesSection.manifest,
     "backup.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom",
+    "drill.dir": "/var/lib/etcd-agent-drill",
+    "drill.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom",
 }
 
 
@@ -125,6 +128,7 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
         ("kubernetes.manifest", k.manifest, WRITE), ("kubernetes.manifest_aside_dir", k.manifest_aside_dir, DIR),
         ("kubernetes.readyz_ca", k.readyz_ca, READ),
         ("daemon.state_dir", cfg.daemon.state_dir, DATA),
+        ("drill.dir", cfg.drill.dir, DATA), ("drill.metrics_file", cfg.drill.metrics_file, WRITE),
     ]
 
 
@@ -145,8 +149,9 @@ def _validate_paths(cfg: Config) -> List[str]:
             errs.append(problem)
         else:
             good[key] = expanded
-    # a reset or restore takes the data dir with it; prune empties the backup dir
-    owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir")
+    # a reset or restore takes the data dir with it; prune empties the backup dir; a drill
+    # removes what it leaves in its dir
+    owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir", "drill.dir")
     for i, k1 in enumerate(owned):
         for k2 in owned[i + 1:]:
             clash = next(((a, b) for a in good.get(k1, []) for b in good.get(k2, []) if _inside(a, b) or _inside(b, a)),
@@ -316,6 +321,26 @@ def validate(
     if mt.defrag_min_db_bytes < 0:
         errs.append("maintenance.defrag_min_db_bytes must be >= 0")
     errs.extend(_seconds("maintenance.defrag_timeout", mt.defrag_timeout))
+    errs.extend(_validate_drill(cfg))
+    return errs
+
+
+def _validate_drill(cfg: Config) -> List[str]:
+    dr = cfg.drill
+    errs: List[str] = []
+    if dr.every != 0 and not 60 <= dr.every <= MAX_SECONDS:
+        errs.append(f"drill.every must be 0 (no scheduled drills) or 60 to {MAX_SECONDS} seconds, got {dr.every:g}")
+    if dr.user and not NAME_RE.match(dr.user):
+        errs.append(f"drill.user {dr.user!r} is not a safe user name")
+    if not 0 <= dr.nice <= 19:
+        errs.append(f"drill.nice must be 0 to 19, got {dr.nice}")
+    if not IONICE_RE.match(dr.ionice):
+        errs.append(f"drill.ionice must be idle, none or best-effort:N (N 0-7), got {dr.ionice!r}")
+    if not 0 <= dr.gomaxprocs <= 1024:
+        errs.append(f"drill.gomaxprocs must be 0 (all cores) to 1024, got {dr.gomaxprocs}")
+    if not 0 <= dr.sample_keys <= 100_000:
+        errs.append(f"drill.sample_keys must be 0 to 100000, got {dr.sample_keys}")
+    errs.extend(_seconds("drill.timeout", dr.timeout))
     return errs
 
 

@@ -63,6 +63,9 @@ class Daemon:
         self.failures = 0
         self._last_action = health.NONE
         self._last_maintenance = -MAINTENANCE_EVERY
+        from .drill import DrillScheduler
+
+        self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
         self._apply(cfg or load(config_path))
 
     # ------------------------------------------------------------ config
@@ -319,6 +322,9 @@ class Daemon:
                 log.info("member %s: %s", obs.member, settled)
         if d.action == health.NONE and obs.local_healthy:
             self.maintain()
+            started = self.drills.tick(self.cfg, self.me.name)
+            if started:
+                log.info("member %s: %s", self.me.name, started)
         self._last_action = d.action
         report = CycleReport(obs, d, outcome)
         level = logging.DEBUG if d.action == health.NONE else logging.INFO
@@ -386,6 +392,7 @@ class Daemon:
                 log.exception("cycle failed")
             self._wake.wait(self.cfg.daemon.interval)
             self._wake.clear()
+        self.drills.stop()
         if self.local.backend.kind == "process":
             # the process backend's etcd is our child: it stops with us (systemd's etcd does not)
             self.local.backend.stop()
