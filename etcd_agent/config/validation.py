@@ -31,6 +31,7 @@ from .model import (
     DaemonSection,
     EtcdSection,
     KubernetesSection,
+    Member,
     RemoteSection,
 )
 
@@ -194,7 +195,20 @@ def validate(
     raw_member_count: int = -1,
     file_exists: Callable[[str], bool] = os.path.isfile,
 ) -> List[str]:
-    """Every problem with an already-typed config (empty list: valid)."""
+    """Every problem with an already-typed config (empty list: valid), section by section."""
+    errs = _validate_cluster(cfg)
+    errs += _validate_members(cfg, raw_member_count)
+    errs += _validate_etcd(cfg)
+    errs += _validate_tls(cfg, file_exists)
+    errs += _validate_backup(cfg)
+    errs += _validate_ssh(cfg)
+    errs += _validate_kubernetes(cfg, file_exists)
+    errs += _validate_daemon(cfg)
+    errs += _validate_drill(cfg)
+    return errs
+
+
+def _validate_cluster(cfg: Config) -> List[str]:
     errs: List[str] = []
     c = cfg.cluster
     if not NAME_RE.match(c.name):
@@ -203,7 +217,28 @@ def validate(
         errs.append(f"cluster.token {c.token!r} is not a safe token (letters, digits, _ . -)")
     if c.bootstrap not in BOOTSTRAP_MODES:
         errs.append(f"cluster.bootstrap must be one of {', '.join(BOOTSTRAP_MODES)}, got {c.bootstrap!r}")
+    return errs
 
+
+def _member_url_problems(cfg: Config, m: Member, bad_host: bool) -> List[str]:
+    errs: List[str] = []
+    for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
+        url = getattr(m, attr)
+        if bad_host and m.host in url:
+            continue  # derived from the bad host: one error is enough
+        problem = url_problem(url)
+        if problem:
+            errs.append(f"member {m.name!r}: {attr}: {problem}")
+        elif urlsplit(url).scheme != ("https" if wants_tls else "http"):
+            errs.append(
+                f"member {m.name!r}: {attr} {url!r} must use "
+                f"{'https (TLS is configured)' if wants_tls else 'http (no TLS configured)'}"
+            )
+    return errs
+
+
+def _validate_members(cfg: Config, raw_member_count: int) -> List[str]:
+    errs: List[str] = []
     if raw_member_count == 0 or not cfg.members and raw_member_count < 0:
         errs.append("no [[member]] defined: a cluster needs at least one")
     seen: Dict[str, Dict[str, str]] = {"name": {}, "client_url": {}, "peer_url": {}}
@@ -215,28 +250,20 @@ def validate(
             errs.append(f"member {m.name!r}: host {m.host!r} is not a valid IP address or host name")
         if m.ssh_host != m.host and not valid_host(m.ssh_host):
             errs.append(f"member {m.name!r}: ssh_host {m.ssh_host!r} is not a valid IP address or host name")
-        for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
-            url = getattr(m, attr)
-            if bad_host and m.host in url:
-                continue  # derived from the bad host: one error is enough
-            problem = url_problem(url)
-            if problem:
-                errs.append(f"member {m.name!r}: {attr}: {problem}")
-            elif urlsplit(url).scheme != ("https" if wants_tls else "http"):
-                errs.append(
-                    f"member {m.name!r}: {attr} {url!r} must use "
-                    f"{'https (TLS is configured)' if wants_tls else 'http (no TLS configured)'}"
-                )
+        errs += _member_url_problems(cfg, m, bad_host)
         for attr in ("name", "client_url", "peer_url"):
             value = getattr(m, attr)
             if value in seen[attr]:
                 errs.append(f"member {m.name!r}: duplicate {attr} {value!r} (also member {seen[attr][value]!r})")
             else:
                 seen[attr][value] = m.name
-
     if cfg.local.name is not None and cfg.local.name not in seen["name"]:
         errs.append(f"local.name {cfg.local.name!r}: local member not found among the [[member]] names")
+    return errs
 
+
+def _validate_etcd(cfg: Config) -> List[str]:
+    errs: List[str] = []
     e = cfg.etcd
     if e.service_manager not in SERVICE_MANAGERS:
         errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
@@ -254,7 +281,11 @@ def validate(
         if not 1 <= getattr(e, key) <= 65535:
             errs.append(f"etcd.{key} must be a TCP port (1-65535)")
     errs.extend(_seconds("etcd.start_timeout", e.start_timeout))
+    return errs
 
+
+def _validate_tls(cfg: Config, file_exists: Callable[[str], bool]) -> List[str]:
+    errs: List[str] = []
     t = cfg.tls
     for prefix, enabled in (("client", t.client_enabled), ("peer", t.peer_enabled)):
         if not enabled:
@@ -267,20 +298,32 @@ def validate(
                 pass  # reported with every other path
             elif not file_exists(path):
                 errs.append(f"tls.{prefix}_{kind}: file {path} does not exist")
+    return errs
 
+
+def _retention_problems(w: str, keep_last: int, keep_hourly: int, keep_daily: int, newest: str) -> List[str]:
+    errs = [f"{w}.{key} must be >= 0" for key, v in (("keep_last", keep_last), ("keep_hourly", keep_hourly),
+                                                     ("keep_daily", keep_daily)) if v < 0]
+    if keep_last < 1:
+        errs.append(f"{w}.keep_last must be >= 1: the newest {newest} is always kept")
+    return errs
+
+
+def _validate_backup(cfg: Config) -> List[str]:
+    errs: List[str] = []
     b = cfg.backup
     if b.compression not in COMPRESSIONS:
         errs.append(f"backup.compression must be one of {', '.join(COMPRESSIONS)}, got {b.compression!r}")
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(b, key) < 0:
-            errs.append(f"backup.{key} must be >= 0")
-    if b.keep_last < 1:
-        errs.append("backup.keep_last must be >= 1: the newest backup is always kept")
+    errs += _retention_problems("backup", b.keep_last, b.keep_hourly, b.keep_daily, "backup")
     if b.space_margin < 0:
         errs.append("backup.space_margin must be >= 0")
     errs.extend(_validate_encrypt_to(b))
     errs.extend(_validate_remote(b.remote))
+    return errs
 
+
+def _validate_ssh(cfg: Config) -> List[str]:
+    errs: List[str] = []
     s = cfg.ssh
     if not NAME_RE.match(s.user):
         errs.append(f"ssh.user {s.user!r} is not a valid user name")
@@ -288,7 +331,11 @@ def validate(
         errs.append("ssh.port must be a TCP port (1-65535)")
     for key in ("connect_timeout", "command_timeout"):
         errs.extend(_seconds(f"ssh.{key}", getattr(s, key)))
+    return errs
 
+
+def _validate_kubernetes(cfg: Config, file_exists: Callable[[str], bool]) -> List[str]:
+    errs: List[str] = []
     k = cfg.kubernetes
     if k.fence not in FENCE_METHODS:
         errs.append(f"kubernetes.fence must be one of {', '.join(FENCE_METHODS)}, got {k.fence!r}")
@@ -306,7 +353,12 @@ def validate(
     errs.extend(_seconds("kubernetes.readyz_timeout", k.readyz_timeout))
     if not re.match(r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", k.etcd_prefix):
         errs.append(f"kubernetes.etcd_prefix {k.etcd_prefix!r} must be a key prefix like /registry")
+    return errs
 
+
+def _validate_daemon(cfg: Config) -> List[str]:
+    """[daemon] and [maintenance], which the daemon runs."""
+    errs: List[str] = []
     d = cfg.daemon
     errs.extend(_seconds("daemon.interval", d.interval))
     if d.lock_ttl < 5:
@@ -321,7 +373,6 @@ def validate(
     if mt.defrag_min_db_bytes < 0:
         errs.append("maintenance.defrag_min_db_bytes must be >= 0")
     errs.extend(_seconds("maintenance.defrag_timeout", mt.defrag_timeout))
-    errs.extend(_validate_drill(cfg))
     return errs
 
 
@@ -388,36 +439,18 @@ def _validate_encrypt_to(b: BackupSection) -> List[str]:
     return errs
 
 
-def _validate_remote(r: RemoteSection) -> List[str]:
-    """Problems with ``[backup.remote]``; never quotes the credentials."""
+def _endpoint_ok(endpoint: str) -> bool:
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # raises on a bad port
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and valid_host(parts.hostname or "")
+            and "@" not in parts.netloc and parts.path in ("", "/") and not parts.query and not parts.fragment)
+
+
+def _remote_credentials_problems(r: RemoteSection, w: str) -> List[str]:
     errs: List[str] = []
-    w = "backup.remote"
-    if r.endpoint is not None:
-        try:
-            parts = urlsplit(r.endpoint)
-            ok = (
-                parts.scheme in ("http", "https")
-                and bool(parts.hostname)
-                and valid_host(parts.hostname or "")
-                and "@" not in parts.netloc
-                and parts.path in ("", "/")
-                and not parts.query
-                and not parts.fragment
-            )
-            parts.port  # raises on a bad port
-        except ValueError:
-            ok = False
-        if not ok:
-            # not echoed: a mistyped endpoint may carry user info
-            errs.append(f"{w}.endpoint must be http(s)://host[:port] only (no user info, path or query)")
-    if r.enabled and not r.bucket:
-        errs.append(f"{w}.bucket is required when remote copies are enabled")
-    if r.bucket and not BUCKET_RE.match(r.bucket):
-        errs.append(f"{w}.bucket {r.bucket!r} is not a valid bucket name")
-    if not PREFIX_RE.match(r.prefix) or r.prefix.startswith("/") or ".." in r.prefix:
-        errs.append(f"{w}.prefix {r.prefix!r} must be a relative key prefix of plain characters")
-    if not NAME_RE.match(r.region):
-        errs.append(f"{w}.region {r.region!r} is not a valid region name")
     if (r.access_key is None) != (r.secret_key is None):
         errs.append(f"{w}: access_key and secret_key must be given together")
     if r.access_key is not None and r.credentials_file is not None:
@@ -426,6 +459,25 @@ def _validate_remote(r: RemoteSection) -> List[str]:
         errs.append(f"{w}.credentials_profile {r.credentials_profile!r} is not a valid profile name")
     if r.ca_bundle is not None and not r.verify_tls:
         errs.append(f"{w}: ca_bundle is set but verify_tls is false")
+    return errs
+
+
+def _validate_remote(r: RemoteSection) -> List[str]:
+    """Problems with ``[backup.remote]``; never quotes the credentials."""
+    errs: List[str] = []
+    w = "backup.remote"
+    if r.endpoint is not None and not _endpoint_ok(r.endpoint):
+        # not echoed: a mistyped endpoint may carry user info
+        errs.append(f"{w}.endpoint must be http(s)://host[:port] only (no user info, path or query)")
+    if r.enabled and not r.bucket:
+        errs.append(f"{w}.bucket is required when remote copies are enabled")
+    if r.bucket and not BUCKET_RE.match(r.bucket):
+        errs.append(f"{w}.bucket {r.bucket!r} is not a valid bucket name")
+    if not PREFIX_RE.match(r.prefix) or r.prefix.startswith("/") or ".." in r.prefix:
+        errs.append(f"{w}.prefix {r.prefix!r} must be a relative key prefix of plain characters")
+    if not NAME_RE.match(r.region):
+        errs.append(f"{w}.region {r.region!r} is not a valid region name")
+    errs += _remote_credentials_problems(r, w)
     if r.addressing_style not in ADDRESSING_STYLES:
         errs.append(f"{w}.addressing_style must be one of {', '.join(ADDRESSING_STYLES)}, got {r.addressing_style!r}")
     if r.verify not in REMOTE_VERIFY_MODES:
@@ -435,9 +487,5 @@ def _validate_remote(r: RemoteSection) -> List[str]:
         errs.append(f"{w}.part_size_mb must be between 5 and 5120")
     for key in ("connect_timeout", "read_timeout"):
         errs.extend(_seconds(f"{w}.{key}", getattr(r, key)))
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(r, key) < 0:
-            errs.append(f"{w}.{key} must be >= 0")
-    if r.keep_last < 1:
-        errs.append(f"{w}.keep_last must be >= 1: the newest remote copy is always kept")
+    errs += _retention_problems(w, r.keep_last, r.keep_hourly, r.keep_daily, "remote copy")
     return errs
