@@ -516,23 +516,31 @@ class DeltaWatcher:
                 self._close_segment(None, max(self._last_event_ms, writer.last_time_ms), confirmed=False)
 
     def _finish(self) -> None:
-        """On stop or break: keep what was captured (it is whole revisions) in a closed segment."""
+        """On stop or break: keep what was captured (it is whole revisions) in a closed segment;
+        with nothing new captured, an empty one carries the confirmed coverage up to now (a chain
+        that ends at a stop then covers the time until the stop)."""
         with self._mu:
             self._finished = True
             writer = self._writer
+            idle_covered = self._covered_rev == self._last_revision() and self._covered_ms > self.pos.start_time_ms
             if writer is None:
+                if idle_covered:
+                    self._close_segment(None, self._covered_ms, confirmed=True)
                 return
             try:
                 if writer.txns or writer.leases:
                     confirmed = self._covered_rev == writer.last_revision and self._covered_ms >= writer.last_time_ms
                     end = self._covered_ms if confirmed else self._last_event_ms
                     self._close_segment(None, end, confirmed=confirmed)
+                elif idle_covered:
+                    self._close_segment(None, self._covered_ms, confirmed=True)
                 else:
                     writer.abort()
                     self._writer = None
             except BaseException:
-                writer.abort()
-                self._writer = None
+                if self._writer is not None:
+                    writer.abort()
+                    self._writer = None
                 raise
 
     def _flush_records(self) -> None:
