@@ -172,6 +172,7 @@ class DeltaSupervisor:
             log.info("delta: %s", why)
             self._stop_watcher(why)
             self._start_watcher(cfg, me)
+            self._prune(cfg)
         elif action == "start":
             self._start_watcher(cfg, me)
         self._write_textfile(cfg)
@@ -299,6 +300,16 @@ class DeltaSupervisor:
         self.watcher, self._full = w, full
         self._state, self._detail = "starting", f"continuing {full.name}"
         w.start()
+
+    def _prune(self, cfg: Config) -> None:
+        """Retention once the old chain is no longer written: the backup that just started the new
+        chain pruned while the old one was still live, and kept it for that."""
+        from etcd_agent.backup.service import prune_locked
+
+        try:
+            prune_locked(cfg, dry_run=False)
+        except AgentError as exc:  # busy (cron) or a bad file: the next backup's prune does it
+            log.debug("delta: prune after the new chain started: %s", exc.message)
 
     def _stop_watcher(self, why: str) -> None:
         w, self.watcher = self.watcher, None

@@ -269,7 +269,9 @@ class DeltaWatcher:
         )
         stream = None
         try:
-            self._check_member(rpc.header())
+            t_ms, hdr = self._wall_ms(), rpc.header()
+            self._check_member(hdr)
+            self.member_revision, self.member_checked_ms = hdr.revision, t_ms
             if not self._leases.listed:
                 self._leases.record_all(rpc)
             with self._mu:

@@ -22,22 +22,24 @@ BINARIES = dict(binary=f"{E35}/etcd", etcdctl=f"{E35}/etcdctl", etcdutl=f"{E35}/
 FAST = {"close_seconds": "1.0", "idle_seconds": "3.0"}
 
 
-def delta_extra(d: str, *, delta: Optional[Dict[str, str]] = None, daemon: str = "") -> str:
+def delta_extra(d: str, *, delta: Optional[Dict[str, str]] = None, daemon: str = "", backup: str = "",
+                tables: str = "") -> str:
     """[backup] keys (the harness puts ``extra`` right after [backup] dir), [backup.delta] (fast
-    segment closes unless ``delta`` says otherwise), [ssh], [daemon]."""
+    segment closes unless ``delta`` says otherwise), [ssh], [daemon], then other ``tables``."""
     keys = dict(FAST, **(delta or {}))
     return (
-        f'metrics_file = "{d}/textfile/etcd_agent_backup.prom"\n'
-        "[backup.delta]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+        f'metrics_file = "{d}/textfile/etcd_agent_backup.prom"\n' + backup
+        + "[backup.delta]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
         + EXTRA
-        + f'[daemon]\ninterval = 1.0\nlock_ttl = 10\nstate_dir = "{d}/state"\n' + daemon
+        + f'[daemon]\ninterval = 1.0\nlock_ttl = 10\nstate_dir = "{d}/state"\n' + daemon + tables
     )
 
 
-def make_bed(directory: str, n: int = 3, *, delta: Optional[Dict[str, str]] = None, daemon: str = "") -> Daemons:
+def make_bed(directory: str, n: int = 3, *, delta: Optional[Dict[str, str]] = None, daemon: str = "",
+             backup: str = "", tables: str = "") -> Daemons:
     os.makedirs(os.path.join(directory, "textfile"), exist_ok=True)
-    c = LoopbackCluster(directory, n, bootstrap="static", extra=delta_extra(directory, delta=delta, daemon=daemon),
-                        **BINARIES)
+    extra = delta_extra(directory, delta=delta, daemon=daemon, backup=backup, tables=tables)
+    c = LoopbackCluster(directory, n, bootstrap="static", extra=extra, **BINARIES)
     return Daemons(c)
 
 
