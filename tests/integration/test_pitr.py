@@ -172,6 +172,9 @@ def test_compaction_while_stopped_breaks_the_chain_and_a_restore_stops_at_the_ga
     ok = agent(c, "restore", "--from", old, "--to-time", iso(t_mid), "--dry-run")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert f"reached revision {mid - 1}" in ok.stdout, ok.stdout
+    # `latest` with a target is the newest full backup at or before it: the old one here
+    latest = agent(c, "restore", "--from", "latest", "--to-time", iso(t_mid), "--dry-run")
+    assert latest.returncode == 0 and f"full backup {old}" in latest.stdout, latest.stdout + latest.stderr
     # and the chain's coverage reaches the daemon's stop (its last, empty segment says so)
     assert agent(c, "restore", "--from", old, "--to", "newest", "--dry-run").returncode == 0
     shutil.rmtree(os.path.join(c.cfg.backup.dir, ".pitr"), ignore_errors=True)
