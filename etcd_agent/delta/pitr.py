@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from etcd_agent.errors import RefusedError, UsageError
 from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.state.locks import OperationLock
 
 from . import status
 from .errors import ReplayError
@@ -159,11 +161,22 @@ def scratch_options(cfg: "Config") -> ScratchOptions:
                           parent_dir=pitr_dir(cfg))
 
 
-def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
-    """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
-    (path, result, reused)."""
+def lock(cfg: "Config") -> OperationLock:
+    """One point-in-time restore at a time on this host (held from the replay to the restore's
+    end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
     d = pitr_dir(cfg)
     makedirs(d, 0o700)
+    held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
+    for n in os.listdir(d):
+        if n.startswith(("etcd-replay-", "etcd-scratch-")):
+            shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+    return held
+
+
+def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
+    """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
+    (path, result, reused). Call it holding ``lock``."""
+    d = pitr_dir(cfg)
     out = os.path.join(d, p.kept_name)
     side = out + ".json"
     if os.path.isfile(out) and os.path.isfile(side):

@@ -3,7 +3,8 @@
 ``ChainPosition`` is what the next segment's header needs (chain id, sequence, previous sha256);
 ``find_resume_point`` reads it back from the segments already on disk, so a restarted watcher
 continues its chain instead of starting a new one. ``WatcherStatus`` is a watcher's state as the
-daemon reports it (metrics, logs, the state file).
+daemon reports it (metrics, logs); ``WatchOptions`` how it closes segments and when it gives up;
+``member_break`` / ``cancel_error`` what a member's header or a canceled watch mean for the chain.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from .errors import SegmentCorrupt
+from .errors import ChainBroken, SegmentCorrupt
+from .rpc import StreamEnded
 from .segments import SegmentInfo, check_chain, list_segments, read_segment
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,24 @@ class WatcherStatus:
         )
 
 
+@dataclass(frozen=True)
+class WatchOptions:
+    """How a watcher closes segments and when it gives up (seconds unless named otherwise)."""
+
+    close_seconds: float = 5.0
+    close_bytes: int = 4 * 1024 * 1024
+    idle_seconds: float = 60.0
+    progress_timeout: float = 3.0
+    heartbeat_seconds: float = 10.0
+    silence_timeout: float = 45.0
+    max_outage: float = 300.0
+    rpc_timeout: float = 5.0
+    max_message: int = 1024 * 1024 * 1024
+    fragment: bool = False
+    queue_size: int = 4096
+    lease_refresh_limit: int = 10000
+
+
 def find_resume_point(out_dir: str, base_revision: int) -> Optional[ChainPosition]:
     """The end of the chain of ``base_revision`` already in ``out_dir`` (None: no chain yet).
 
@@ -115,3 +135,27 @@ def find_resume_point(out_dir: str, base_revision: int) -> Optional[ChainPositio
         except SegmentCorrupt as exc:
             log.warning("cannot resume after %s: %s; trying the segment before it", info.path, exc.problem)
     return None
+
+
+def member_break(pos: ChainPosition, cluster_id: int, revision: int, last: int) -> Optional[ChainBroken]:
+    """Why a member whose header says (``cluster_id``, ``revision``), read after revision ``last``
+    was captured, cannot continue the chain at ``pos`` (None: it can)."""
+    if pos.cluster_id and cluster_id and cluster_id != pos.cluster_id:
+        return ChainBroken(last + 1, f"the member now belongs to cluster {cluster_id:x}, not {pos.cluster_id:x} "
+                                     "(restored from a backup, or another cluster)")
+    if revision < last:
+        return ChainBroken(last + 1, f"the member is at revision {revision}, behind the chain's {last} "
+                                     "(etcd was restored or the member's data replaced)")
+    return None
+
+
+def cancel_error(compact_revision: int, cancel_reason: str, nxt: int) -> Exception:
+    """What a canceled watch means: a break when history was compacted, else a reconnect."""
+    if compact_revision or "compacted" in cancel_reason:
+        return ChainBroken(
+            nxt,
+            f"etcd has compacted its history up to revision {compact_revision or '?'}: "
+            f"revisions {nxt}..{max(nxt, compact_revision - 1)} are gone",
+            compact_revision=compact_revision or None,
+        )
+    return StreamEnded(f"etcd canceled the watch: {cancel_reason or 'no reason given'}")

@@ -157,7 +157,7 @@ class DeltaCollector:
                 yield GaugeMetricFamily(PREFIX + name, GAUGES[name], value=value)
         yield CounterMetricFamily(PREFIX + "chain_breaks", COUNTERS["chain_breaks"], value=s.breaks_total)
         fb = CounterMetricFamily(PREFIX + "full_backups", COUNTERS["full_backups"], labels=["reason"])
-        for reason in sorted(set(s.full_backups) | {"chain_broken", "chain_bounds", "no_full_backup"}):
+        for reason in sorted(set(s.full_backups) | {"chain_broken", "chain_bounds", "no_full_backup", "stale_full_backup"}):
             fb.add_metric([reason], s.full_backups.get(reason, 0))
         yield fb
         yield CounterMetricFamily(PREFIX + "upload_failures", COUNTERS["upload_failures"], value=s.upload_failures)

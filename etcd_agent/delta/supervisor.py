@@ -29,9 +29,9 @@ from etcd_agent.errors import AgentError, BusyError
 
 from . import chains, status
 from .errors import ChainBroken
-from .position import WatcherStatus
+from .position import WatcherStatus, WatchOptions
 from .segments import SegmentInfo
-from .watcher import DeltaWatcher, WatchOptions
+from .watcher import DeltaWatcher
 
 if TYPE_CHECKING:  # pragma: no cover
     from .offsite import Uploader
@@ -62,7 +62,7 @@ class Facts:
     newest: Optional[Full]
     newest_unusable: str  # why the newest good backup cannot be a base ("" if it can)
     watching_base: Optional[int]  # the running watcher's base, None when none runs
-    broken: bool  # the last watcher ended with ChainBroken and no full backup was taken since
+    broken: str  # why the last watch could not go on ("" none), no full backup taken since
     over_bounds: str  # which bound the current chain passed ("" none)
     retry_wait: bool  # a recent attempt failed: wait before the next
 
@@ -77,7 +77,7 @@ def decide(f: Facts) -> Tuple[str, str]:
     if f.retry_wait:
         return "wait", "the last attempt failed; trying again shortly"
     if f.broken:
-        return "backup", "the chain broke: a full backup now, then a new chain from it"
+        return "backup", f"{f.broken}: a full backup now, then a new chain from it"
     if f.newest is None:
         return "backup", "no full backup on this host to continue: taking one"
     if f.newest_unusable:
@@ -107,7 +107,8 @@ class DeltaSupervisor:
         self._unusable = ""
         self._scan_key: object = None
         self._scanned_at = -RESCAN_EVERY
-        self._broken = False
+        self._broken = ""  # why the last watch could not go on, until a full backup is taken
+        self._broken_reason = ""  # its metrics label
         self._retry_at = 0.0
         self._backup_failures = 0
         self._state = "starting"
@@ -201,7 +202,15 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + RETRY_AFTER
 
     def _on_break(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken) -> None:
-        self._broken = True
+        full = self._full.name if self._full else f"revision {w.base_revision}"
+        if w.pos.seq == 0 and w.segments_written == 0 and exc.at_revision == w.base_revision + 1:
+            # nothing was ever captured after this full backup: no chain broke, the backup is
+            # just older than etcd's history (the daemon's first start, or a long stop before any)
+            self._broken, self._broken_reason = f"{full} is older than etcd's history", "stale_full_backup"
+            self._state, self._detail = "starting", exc.message
+            log.info("delta: cannot start a chain from %s: %s; taking a full backup to start from", full, exc.message)
+            return
+        self._broken, self._broken_reason = "the chain broke", "chain_broken"
         self._state, self._detail = "broken", exc.message
         rec = status.BreakRecord(w.base_revision, w.pos.chain_id, exc.at_revision, exc.reason, time.time(),
                                  exc.compact_revision)
@@ -211,8 +220,7 @@ class DeltaSupervisor:
             self._breaks_total = (self._breaks_total or 0) + 1
             log.warning("could not record the chain break in %s: %s", cfg.backup.dir, err)
         log.error("delta: CHAIN BROKEN (continuing %s): %s; taking a full backup and starting a new chain "
-                  "(break #%d)", self._full.name if self._full else f"revision {w.base_revision}", exc.message,
-                  self._breaks_total)
+                  "(break #%d)", full, exc.message, self._breaks_total)
 
     def _find_newest(self, cfg: Config) -> None:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
@@ -259,7 +267,8 @@ class DeltaSupervisor:
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.service import take_backup
 
-        reason = "chain_broken" if self._broken else ("chain_bounds" if self.watcher is not None else "no_full_backup")
+        reason = self._broken_reason if self._broken else (
+            "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
             res = take_backup(cfg, member=me.name)
@@ -275,7 +284,7 @@ class DeltaSupervisor:
             return
         self._backup_failures = 0
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
-        self._broken = False
+        self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
 
@@ -320,7 +329,7 @@ class DeltaSupervisor:
             w.stop(timeout=60.0)
         except ChainBroken as exc:
             log.warning("delta: the chain broke as the watch stopped: %s", exc.message)
-            self._broken = True
+            self._broken, self._broken_reason = "the chain broke as the watch stopped", "chain_broken"
         except AgentError as exc:
             log.warning("delta: the watch ended with: %s", exc.message)
 

@@ -5,13 +5,10 @@ end of that backup's chain already in the directory: a restarted watcher resumes
 response is decoded, grouped by revision (one TXN record per revision: a transaction never
 spans two segments), and appended to the open segment.
 
-Coverage is confirmed by revision, not by watch progress requests: at time t the watcher reads
-the member's current revision H (a serializable count-only Range); once the watch has delivered
-H, every revision this member had applied before t is in the chain. (etcd answers a progress
-request only when the watch is synced - while catching up it drops it - and a request-capable
-stream is a bidirectional one, which costs more CPU per message in grpc's Python API than the
-server-streaming call used here.) The same check is the liveness test: behind H and not
-advancing for ``silence_timeout`` means a stuck stream, which is reconnected.
+Coverage is confirmed by revision, not by watch progress requests (etcd drops those while a
+watch catches up): at time t the watcher reads the member's revision H (a serializable
+count-only Range); once the watch has delivered H, every revision applied before t is in the
+chain. Behind H and not advancing for ``silence_timeout`` means a stuck stream: reconnected.
 
 A segment is closed
 
@@ -39,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from etcd_agent.errors import EtcdError
@@ -49,7 +45,7 @@ from etcd_agent.state.locks import OperationLock
 from . import proto
 from .errors import ChainBroken, DeltaError
 from .leasewatch import LeaseTracker
-from .position import ChainPosition, WatcherStatus, find_resume_point
+from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
 from .segments import PUT, Event, SegmentHeader, SegmentInfo, SegmentWriter, Txn, remove_stale_temps
 
@@ -60,24 +56,6 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".delta-watcher.lock"
 MAX_FRAGMENTED = 512 * 1024 * 1024  # one response reassembled from fragments, at most
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """How a watcher closes segments and when it gives up (seconds unless named otherwise)."""
-
-    close_seconds: float = 5.0
-    close_bytes: int = 4 * 1024 * 1024
-    idle_seconds: float = 60.0
-    progress_timeout: float = 3.0
-    heartbeat_seconds: float = 10.0
-    silence_timeout: float = 45.0
-    max_outage: float = 300.0
-    rpc_timeout: float = 5.0
-    max_message: int = 1024 * 1024 * 1024
-    fragment: bool = False
-    queue_size: int = 4096
-    lease_refresh_limit: int = 10000
 
 
 class DeltaWatcher:
@@ -305,19 +283,9 @@ class DeltaWatcher:
 
     def _check_member(self, hdr: proto.Header, last: Optional[int] = None) -> None:
         """``hdr`` was read after revision ``last`` had been captured (default: now)."""
-        last = self._last_revision() if last is None else last
-        if self.pos.cluster_id and hdr.cluster_id and hdr.cluster_id != self.pos.cluster_id:
-            raise ChainBroken(
-                last + 1,
-                f"the member now belongs to cluster {hdr.cluster_id:x}, not {self.pos.cluster_id:x} "
-                "(restored from a backup, or another cluster)",
-            )
-        if hdr.revision < last:
-            raise ChainBroken(
-                last + 1,
-                f"the member is at revision {hdr.revision}, behind the chain's {last} "
-                "(etcd was restored or the member's data replaced)",
-            )
+        broken = member_break(self.pos, hdr.cluster_id, hdr.revision, self._last_revision() if last is None else last)
+        if broken is not None:
+            raise broken
         if not self.pos.cluster_id:
             self.pos = self.pos.with_cluster(hdr.cluster_id)
 
@@ -331,15 +299,7 @@ class DeltaWatcher:
                 raise StreamEnded(f"etcd did not confirm the watch within {wait:g}s")
 
     def _canceled(self, msg: proto.WatchMessage) -> None:
-        nxt = self._last_revision() + 1
-        if msg.compact_revision or "compacted" in msg.cancel_reason:
-            raise ChainBroken(
-                nxt,
-                f"etcd has compacted its history up to revision {msg.compact_revision or '?'}: "
-                f"revisions {nxt}..{max(nxt, msg.compact_revision - 1)} are gone",
-                compact_revision=msg.compact_revision or None,
-            )
-        raise StreamEnded(f"etcd canceled the watch: {msg.cancel_reason or 'no reason given'}")
+        raise cancel_error(msg.compact_revision, msg.cancel_reason, self._last_revision() + 1)
 
     # ------------------------------------------------------------ responses (reader thread)
 

@@ -28,6 +28,7 @@ from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
 from ..etcd.snapdb import SnapshotIdentity
+from ..state.locks import OperationLock
 from .plan import SourceFacts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +53,7 @@ class Source:
     # a point-in-time restore's replayed snapshot: removed when the restore ends (a crash keeps it
     # for the re-run that resumes)
     remove_on_close: Optional[str] = None
+    lock: Optional[OperationLock] = None  # ... and the lock that makes it this restore's own
 
     @property
     def member_ids(self) -> Tuple[str, ...]:
@@ -76,6 +78,8 @@ class Source:
             from ..delta.pitr import remove_kept
 
             remove_kept(self.remove_on_close)
+        if self.lock is not None:
+            self.lock.release()
 
 
 def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False) -> Source:
@@ -120,17 +124,25 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     from ..delta.replay import Target
 
     prep = pitr.prepare(cfg, spec, Target.parse(target))
-    base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False)
+    held = pitr.lock(cfg)
     try:
-        _chain_matches(prep, base)
-        progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to revision "
-                 f"{prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is touched)")
-        path, res, reused = pitr.replay_kept(cfg, prep)
-    finally:
-        base.close()
-    progress(f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
-    lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
-    return _replayed(path, res, base, lines)
+        base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False)
+        try:
+            _chain_matches(prep, base)
+            progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to revision "
+                     f"{prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is touched)")
+            path, res, reused = pitr.replay_kept(cfg, prep)
+        finally:
+            base.close()
+        progress(f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision "
+                 f"{res.reached_revision}")
+        lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
+        src = _replayed(path, res, base, lines)
+    except BaseException:
+        held.release()
+        raise
+    src.lock = held
+    return src
 
 
 def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
@@ -141,12 +153,19 @@ def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
     if found is None:
         return None
     path, res = found
-    base = open_source(cfg, _base_of(cfg, path), os.path.dirname(path), hash_now=False)
+    held = pitr.lock(cfg)
     try:
-        lines = pitr.describe(None, res, reused=True) + [f"full backup: {x}" for x in base.checked]
-    finally:
-        base.close()
-    return _replayed(path, res, base, lines)
+        base = open_source(cfg, _base_of(cfg, path), os.path.dirname(path), hash_now=False)
+        try:
+            lines = pitr.describe(None, res, reused=True) + [f"full backup: {x}" for x in base.checked]
+        finally:
+            base.close()
+        src = _replayed(path, res, base, lines)
+    except BaseException:
+        held.release()
+        raise
+    src.lock = held
+    return src
 
 
 def _base_of(cfg: Config, kept: str) -> str:

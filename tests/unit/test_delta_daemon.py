@@ -33,7 +33,7 @@ FULL = Full("etcd-2026-12-01-10-00-00.tar", "/b/etcd-2026-12-01-10-00-00.tar", 1
 
 def facts(**kw: Any) -> Facts:
     d: Dict[str, Any] = dict(enabled=True, restore_in_progress=False, newest=FULL, newest_unusable="",
-                             watching_base=100, broken=False, over_bounds="", retry_wait=False)
+                             watching_base=100, broken="", over_bounds="", retry_wait=False)
     d.update(kw)
     return Facts(**d)
 
@@ -44,10 +44,11 @@ def facts(**kw: Any) -> Facts:
     (dict(enabled=False), "stop", "disabled"),
     (dict(enabled=False, watching_base=None), "none", "disabled"),
     (dict(restore_in_progress=True), "stop", "hands off"),
-    (dict(restore_in_progress=True, broken=True), "stop", "hands off"),  # no backup during a restore
+    (dict(restore_in_progress=True, broken="the chain broke"), "stop", "hands off"),  # no backup during a restore
     (dict(newest=None, watching_base=None), "backup", "no full backup"),
-    (dict(broken=True, watching_base=None), "backup", "the chain broke"),
-    (dict(broken=True, watching_base=None, retry_wait=True), "wait", "failed"),
+    (dict(broken="the chain broke", watching_base=None), "backup", "the chain broke: a full backup now"),
+    (dict(broken="f is older than etcd's history", watching_base=None), "backup", "older than etcd's history"),
+    (dict(broken="the chain broke", watching_base=None, retry_wait=True), "wait", "failed"),
     (dict(newest=Full("n", "/b/n", 150, 0.0)), "rebase", "newer"),
     (dict(over_bounds="max_chain_events (9 > 8)"), "backup", "passed max_chain_events"),
     (dict(newest=None, newest_unusable="compressed", watching_base=None), "backup", "no full backup"),
