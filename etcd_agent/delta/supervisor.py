@@ -366,6 +366,16 @@ class DeltaSupervisor:
                          durable_time=s(ws.durable_time_ms), newest_event_time=s(ws.newest_event_ms),
                          covered_time=s(ws.covered_ms), member_revision=ws.member_revision or None,
                          chain_events=events, chain_bytes=size, chain_segments=segs)
+        elif cfg.backup.delta.enabled and os.path.isdir(cfg.backup.dir):
+            # no watch here (stopped, broken, or another daemon of this host writes the chain on a
+            # one-host cluster): what is on disk, so the RPO grows from the chain's real end
+            active = chains.active_base(cfg.backup.dir)
+            wanted = active if active is not None else (newest.revision if newest else None)
+            c = chains.scan(cfg.backup.dir).chain(wanted) if wanted is not None else None
+            if c is not None and c.usable:
+                st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
+                             durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
+                             chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
         if self._uploader is not None:
             st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures)
         return st
@@ -377,6 +387,8 @@ class DeltaSupervisor:
         now = time.monotonic()
         if path is None or (not force and now - self._textfile_at < TEXTFILE_EVERY):
             return
+        if self.watcher is None and self._state == "standby":
+            return  # the daemon whose watch writes the chain writes the file (one-host clusters)
         self._textfile_at = now
         status.write_textfile(path, self.status())
 
