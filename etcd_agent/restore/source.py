@@ -134,8 +134,8 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
             path, res, reused = pitr.replay_kept(cfg, prep)
         finally:
             base.close()
-        progress(f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision "
-                 f"{res.reached_revision}")
+        progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
+                 f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
         src = _replayed(path, res, base, lines)
     except BaseException:

@@ -178,3 +178,53 @@ def test_compaction_while_stopped_breaks_the_chain_and_a_restore_stops_at_the_ga
     # and the chain's coverage reaches the daemon's stop (its last, empty segment says so)
     assert agent(c, "restore", "--from", old, "--to", "newest", "--dry-run").returncode == 0
     shutil.rmtree(os.path.join(c.cfg.backup.dir, ".pitr"), ignore_errors=True)
+
+
+def test_a_crashed_point_in_time_restore_resumes_with_the_same_command(bed) -> None:  # type: ignore[no-untyped-def]
+    import signal
+    import subprocess
+
+    from etcd_agent.restore.plan import work_dir_for
+    from tests.integration.test_restore import AGENT
+
+    d = bed()
+    c = d.c
+    start_all(d)
+    wait_watching(c)
+    r = rpc(c)
+    for i in range(40):
+        put(r, f"/k/{i:03d}", b"v")
+    top = put(r, "/k/top", b"v")
+    wait_durable(c, top)
+    cmd = [AGENT, "-c", c.config_path, "restore", "--from", "latest", "--to", "newest", "--yes"]
+    journal = os.path.join(work_dir_for(c.cfg.data_dir("m2"), "m2"), "journal.json")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def aside() -> bool:
+            assert proc.poll() is None, "the restore ended before it could be killed"
+            try:
+                with open(journal) as fh:
+                    j = json.load(fh)
+            except (FileNotFoundError, ValueError):
+                return False
+            return "aside" in j.get("steps", {}) and j.get("state") == "running"
+
+        wait_for(aside, 120, "m2's data set aside", interval=0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    kept = [n for n in os.listdir(os.path.join(c.cfg.backup.dir, ".pitr")) if n.endswith(".db")]
+    assert len(kept) == 1, "the replay of the crashed restore is gone"
+    t = time.monotonic()
+    res = agent(c, *cmd[3:])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "reusing the replay an interrupted run" in res.stderr and "begin ok - already done" in res.stderr, res.stderr
+    wait_healthy(c.cfg, 3, 60)
+    got = dump(rpc(c), "/k/")
+    assert len(got) == 41, sorted(got)
+    assert not [n for n in os.listdir(os.path.join(c.cfg.backup.dir, ".pitr")) if n.endswith(".db")]
+    print(f"\nFIGURE pitr resume: restore --to newest SIGKILLed after m2's data was set aside; the same command "
+          f"resumed it on the kept replay in {time.monotonic() - t:.1f}s; 41 keys back")

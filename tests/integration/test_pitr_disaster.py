@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -123,6 +123,37 @@ class Writer:
             pass
 
 
+def account(acks: List[Ack], got: Dict[str, Any], short_expiry: Dict[int, float], disaster: float) -> Dict[str, Any]:
+    """Judge the restored keyspace ``got`` against the acknowledged writes."""
+    last: Dict[str, Ack] = {}
+    for a in acks:
+        last[a.key] = a
+    missing_old: List[Ack] = []
+    missing_recent: List[Ack] = []
+    resurrected: List[Ack] = []
+    expired_present: List[Ack] = []
+    uncertain = 0
+    for key, a in last.items():
+        if a.value is None:
+            if key in got:
+                resurrected.append(a)
+            continue
+        exp = short_expiry.get(a.lease)
+        if exp is not None and exp + 1.5 < disaster:  # etcd revoked it well before: its key is gone
+            if key in got:
+                expired_present.append(a)
+            continue
+        if exp is not None and exp - 1.5 < disaster:
+            uncertain += 1  # the lease ran out around the disaster: either is right
+            continue
+        if got.get(key, (None, 0))[0] != a.value:
+            (missing_old if a.at < disaster - SLACK else missing_recent).append(a)
+    lost = missing_old + missing_recent
+    lag = disaster - min((a.at for a in lost), default=disaster)
+    return {"missing_old": missing_old, "missing_recent": missing_recent, "resurrected": resurrected,
+            "expired_present": expired_present, "uncertain": uncertain, "lag": lag}
+
+
 @pytest.fixture
 def bed(tmp_path):  # type: ignore[no-untyped-def]
     # the product's defaults for the watch (segments close every 5 s)
@@ -171,31 +202,10 @@ def test_total_disaster_loses_seconds_not_the_hour(bed) -> None:  # type: ignore
     wait_healthy(c.cfg, 3, 60)
     got = dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))
 
-    last: Dict[str, Ack] = {}
-    for a in acks:
-        last[a.key] = a
-    missing_old: List[Ack] = []
-    missing_recent: List[Ack] = []
-    resurrected: List[Ack] = []
-    expired_present: List[Ack] = []
-    uncertain = 0
-    for key, a in last.items():
-        if a.value is None:
-            if key in got:
-                resurrected.append(a)
-            continue
-        exp = w.short_expiry.get(a.lease)
-        if exp is not None and exp + 1.5 < disaster:  # etcd revoked it well before: its key is gone
-            if key in got:
-                expired_present.append(a)
-            continue
-        if exp is not None and exp - 1.5 < disaster:
-            uncertain += 1  # the lease ran out around the disaster: either is right
-            continue
-        if got.get(key, (None, 0))[0] != a.value:
-            (missing_old if a.at < disaster - SLACK else missing_recent).append(a)
-    lost = missing_old + missing_recent
-    lag = disaster - min((a.at for a in lost), default=disaster)
+    r = account(acks, got, w.short_expiry, disaster)
+    missing_old, missing_recent, resurrected, expired_present = (
+        r["missing_old"], r["missing_recent"], r["resurrected"], r["expired_present"])
+    uncertain, lag = r["uncertain"], r["lag"]
     print(f"\nFIGURE disaster: {len(acks)} acknowledged writes ({sum(a.value is None for a in acks)} deletes, "
           f"{sum(bool(a.lease) for a in acks)} lease-attached) over 40 s, {w.errors} writer errors")
     print(f"FIGURE disaster: acknowledged writes missing after the restore: {len(missing_old)} older than "
