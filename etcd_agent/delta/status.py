@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from etcd_agent.fs import write_atomic
 
@@ -208,7 +208,7 @@ class BreakRecord:
                    float(d["time"]), None if cr is None else int(cr))
 
 
-def read_breaks(directory: str) -> "tuple[int, List[BreakRecord]]":
+def read_breaks(directory: str) -> Tuple[int, List[BreakRecord]]:
     """(breaks ever recorded, the newest MAX_BREAKS of them)."""
     try:
         with open(os.path.join(directory, BREAKS_FILE), encoding="utf-8") as fh:
