@@ -279,7 +279,9 @@ class DeltaSupervisor:
         except AgentError as exc:
             wait = min(BACKUP_RETRY[0] * 2 ** self._backup_failures, BACKUP_RETRY[1])
             self._backup_failures += 1
-            log.warning("delta: full backup failed: %s; trying again in %.0fs", exc.message, wait)
+            # the daemon starts its own etcd as this thread starts: the first tries may find it starting
+            level = logging.INFO if self._backup_failures <= 2 else logging.WARNING
+            log.log(level, "delta: full backup failed: %s; trying again in %.0fs", exc.message, wait)
             self._retry_at = time.monotonic() + wait
             return
         self._backup_failures = 0
