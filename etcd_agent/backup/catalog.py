@@ -1,7 +1,8 @@
 """The backups in the backup dir: listing that a hostile file cannot break, and ``--from``.
 
 Every regular, non-hidden file in the dir is an entry: our ``etcd-…`` archives, runbook tarballs
-(``etcd-2019-08-07.tar``), anything else that landed there. An entry is *good* (``complete``) or
+(``etcd-2019-08-07.tar``), anything else that landed there - except delta segments
+(``etcd-delta-….seg``), which belong to the chain of a full backup (``delta.chains``). An entry is *good* (``complete``) or
 *quarantined* with one line saying why: unreadable, corrupt, foreign (another cluster layout, or
 member ids that match nothing of the current cluster), or dated in the future (by its name's
 timestamp or its mtime, beyond ``CLOCK_MARGIN``). Quarantined files are never chosen, never take
@@ -107,11 +108,15 @@ def name_time(name: str, utc: bool = True) -> Optional[datetime]:
 
 
 def _candidates(directory: str) -> List[str]:
+    """Names that may be backups: not hidden, not a delta segment (``delta.chains`` lists those
+    with the full backup they continue)."""
+    from ..delta.segments import parse_name as segment_range
+
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if not n.startswith("."))
+    return sorted(n for n in names if not n.startswith(".") and segment_range(n) is None)
 
 
 def entry_for(

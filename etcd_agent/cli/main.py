@@ -141,6 +141,10 @@ UMASK = 0o077
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # gRPC's fork handlers can abort a forked child before it execs while channels are busy
+    # (grpc/grpc#43055; the daemon's watch and a backup's etcdutl run at once); the agent forks
+    # only to exec. Read when grpc initialises, which is after this (grpc is imported lazily).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     old_umask = os.umask(UMASK)
     try:
         return _main(argv)

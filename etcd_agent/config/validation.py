@@ -29,6 +29,7 @@ from .model import (
     BackupSection,
     Config,
     DaemonSection,
+    DeltaSection,
     EtcdSection,
     KubernetesSection,
     Member,
@@ -65,6 +66,7 @@ EXAMPLES = {
     "backup.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom",
     "drill.dir": "/var/lib/etcd-agent-drill",
     "drill.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom",
+    "backup.delta.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom",
 }
 
 
@@ -123,6 +125,7 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
         *((f"tls.{n}", getattr(t, n), READ) for n in ("client_ca", "client_cert", "client_key", "peer_ca",
                                                         "peer_cert", "peer_key")),
         ("backup.dir", b.dir, DATA), ("backup.metrics_file", b.metrics_file, WRITE),
+        ("backup.delta.metrics_file", b.delta.metrics_file, WRITE),
         ("backup.remote.credentials_file", r.credentials_file, READ), ("backup.remote.ca_bundle", r.ca_bundle, READ),
         ("ssh.identity_file", s.identity_file, READ), ("ssh.known_hosts", s.known_hosts, READ),
         ("ssh.agent_path", s.agent_path, READ),
@@ -319,6 +322,7 @@ def _validate_backup(cfg: Config) -> List[str]:
         errs.append("backup.space_margin must be >= 0")
     errs.extend(_validate_encrypt_to(b))
     errs.extend(_validate_remote(b.remote))
+    errs.extend(_validate_delta(b.delta))
     return errs
 
 
@@ -402,6 +406,23 @@ def _seconds(key: str, value: float) -> List[str]:
     if value > MAX_SECONDS:
         return [f"{key} must be at most {MAX_SECONDS} seconds (7 days)"]
     return []
+
+
+def _validate_delta(d: DeltaSection) -> List[str]:
+    """Problems with ``[backup.delta]``."""
+    w = "backup.delta"
+    errs: List[str] = []
+    for key in ("close_seconds", "idle_seconds", "max_outage"):
+        errs.extend(_seconds(f"{w}.{key}", getattr(d, key)))
+    if d.close_seconds > d.idle_seconds:
+        errs.append(f"{w}.close_seconds ({d.close_seconds:g}) must not exceed idle_seconds ({d.idle_seconds:g})")
+    # a segment is read whole (at most 1 GiB) and one revision may be etcd's --max-request-bytes
+    if not 64 * 1024 <= d.close_bytes <= 512 * 1024 * 1024:
+        errs.append(f"{w}.close_bytes must be between 65536 and 536870912")
+    for key in ("max_chain_events", "max_chain_bytes", "max_chain_segments"):
+        if getattr(d, key) < 1:
+            errs.append(f"{w}.{key} must be >= 1")
+    return errs
 
 
 def _loopback_address_ok(addr: str) -> bool:

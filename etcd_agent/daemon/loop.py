@@ -382,17 +382,28 @@ class Daemon:
         )
 
         metrics.start(self)
-        while not self._stop:
-            if self._reload:
-                self._reload = False
-                self.reload()
-            try:
-                self.cycle()
-            except Exception:  # one bad cycle must not kill the daemon; the next one retries
-                log.exception("cycle failed")
-            self._wake.wait(self.cfg.daemon.interval)
-            self._wake.clear()
-        self.drills.stop()
+        # continuous backup ([backup.delta]) on threads of its own: a cycle never waits for it
+        from ..delta.status import DeltaCollector
+        from ..delta.supervisor import DeltaSupervisor
+
+        self.delta = DeltaSupervisor(lambda: (self.cfg, self.me))
+        if self.cfg.daemon.metrics_address:
+            metrics.get().registry.register(DeltaCollector(self.delta.status))
+        self.delta.start()
+        try:
+            while not self._stop:
+                if self._reload:
+                    self._reload = False
+                    self.reload()
+                try:
+                    self.cycle()
+                except Exception:  # one bad cycle must not kill the daemon; the next one retries
+                    log.exception("cycle failed")
+                self._wake.wait(self.cfg.daemon.interval)
+                self._wake.clear()
+        finally:
+            self.delta.stop()
+            self.drills.stop()
         if self.local.backend.kind == "process":
             # the process backend's etcd is our child: it stops with us (systemd's etcd does not)
             self.local.backend.stop()

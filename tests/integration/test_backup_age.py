@@ -235,3 +235,29 @@ def test_import_reencrypts_to_the_configured_recipients(cluster_factory: Any, tm
         print(f"\nFIGURE age-import: without --identity exit 3; into a config without encrypt_to exit 3; "
               f"with it: {os.path.basename(new)} re-encrypted to {recipient[:12]}..., same plaintext sha256, "
               "new ciphertext; verify --identity exit 0")
+
+
+def test_no_delta_chain_is_written_beside_encrypted_backups(tmp_path: Any) -> None:
+    """Delta segments are not encrypted: with encrypt_to the daemon keeps continuous backup off
+    (says so once) rather than write every Secret in the clear beside encrypted full backups."""
+    from tests.integration.continuous import make_bed, start_all
+
+    _, recipient = keypair(tmp_path, "ops")
+    d = make_bed(str(tmp_path / "bed"), 1, backup=f'encrypt_to = ["{recipient}"]\n')
+    try:
+        start_all(d)
+        with d.c.client() as cl:
+            for i in range(50):
+                cl.put(f"/registry/secrets/default/s{i}", b"s3cr3t")
+        name = d.c.cfg.members[0].name
+        from etcd_agent.waiting import poll
+
+        poll(lambda: "continuous backup is off" in d.log(name), timeout=30, what="the daemon saying delta is off")
+        time.sleep(6.0)  # without encrypt_to the same bed has a full backup and two segments by now (tried)
+        backup_dir = d.c.cfg.backup.dir
+        names = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
+        assert not [n for n in names if n.endswith(".seg")], names
+        assert d.log(name).count("continuous backup is off") == 1
+    finally:
+        d.stop()
+        d.c.stop()
