@@ -28,10 +28,11 @@ from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .drillrecord import DrillRecord, load_records
 from .drillrecord import lookup as drill_of
 from .identity import Evidence, judge, layout_problems, shares_members
-from .reader import peek_archive
+from .reader import Peek, peek_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
+    from ..etcd.snapdb import SnapshotIdentity
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,7 @@ def entry_for(
         return replace(base, problem="a symlink (not followed): backups are regular files")
     if not stat.S_ISREG(st.st_mode):
         return replace(base, problem="not a regular file")
-    now = clock.now()
-    future = None
-    if when > now + CLOCK_MARGIN:
-        future = f"dated in the future by its name ({when.isoformat()}; now {now.isoformat(timespec='seconds')})"
-    elif mtime > now + CLOCK_MARGIN:
-        future = f"modified in the future (mtime {mtime.isoformat(timespec='seconds')}; now {now.isoformat(timespec='seconds')})"
+    future = _future(when, mtime, clock.now())
     cached = C.lookup(cache if cache is not None else C.load(os.path.dirname(path)), name, st)
     if cached is not None and not cached.ok:
         return _q(base, cached.problem or "failed its last check", cached)
@@ -157,7 +153,32 @@ def entry_for(
         return replace(base, problem=f"{what}: {msg}")
     except OSError as exc:
         return replace(base, problem=f"unreadable: {exc.strerror or exc}")
-    manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    info = _described(base, peek, cached)
+    if peek.signature == "invalid":
+        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
+    if future is not None:
+        return replace(info, problem=future)
+    if peek.identity is not None and cfg is not None:
+        info = _whose(info, peek.identity, cfg, evidence)
+        if info.problem is not None:
+            return info
+    if cached is not None:
+        how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
+        return replace(info, verified=True, check=how)
+    return replace(info, check="unchecked: its bytes were not checked since they last changed")
+
+
+def _future(when: datetime, mtime: datetime, now: datetime) -> Optional[str]:
+    """Why a file dated ahead of the clock (a clock that once ran ahead) is not a backup to trust."""
+    if when > now + CLOCK_MARGIN:
+        return f"dated in the future by its name ({when.isoformat()}; now {now.isoformat(timespec='seconds')})"
+    if mtime > now + CLOCK_MARGIN:
+        return f"modified in the future (mtime {mtime.isoformat(timespec='seconds')}; now {now.isoformat(timespec='seconds')})"
+    return None
+
+
+def _described(base: Entry, peek: Peek, cached: Optional[C.Check]) -> Entry:
+    """The entry with what the archive's first bytes show (and the check cache remembers)."""
     ident = peek.identity
     member_ids: Tuple[str, ...] = tuple(m.id_hex for m in ident.members) if ident is not None else (
         cached.member_ids if cached is not None else ())
@@ -173,28 +194,23 @@ def entry_for(
         notes.append(f"encrypted (age{to}): listing cannot read its snapshot (backup verify --identity FILE does)")
     elif ident is None:
         notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
-    info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
+    manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    return replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
                    signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted)
-    if peek.signature == "invalid":
-        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
-    if future is not None:
-        return replace(info, problem=future)
-    if ident is not None and cfg is not None:
-        # quarantined only when no member is the config's: a backup from before a scale-up or a
-        # scale-down is still this cluster's history (restore says what differs)
-        layout = layout_problems(ident, cfg)
-        if layout and not shares_members(ident, cfg):
-            return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
-        if layout:
-            info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
-        if evidence is not None:
-            v = judge(ident, cfg, evidence, new_cluster=False)
-            if v.same_cluster is False:
-                return replace(info, problem=f"foreign: member ids {','.join(member_ids)} match nothing of the current cluster")
-    if cached is not None:
-        how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
-        return replace(info, verified=True, check=how)
-    return replace(info, check="unchecked: its bytes were not checked since they last changed")
+
+
+def _whose(info: Entry, ident: "SnapshotIdentity", cfg: "Config", evidence: Optional[Evidence]) -> Entry:
+    """``info`` quarantined as foreign, or with a note where its layout differs from the config."""
+    # quarantined only when no member is the config's: a backup from before a scale-up or a
+    # scale-down is still this cluster's history (restore says what differs)
+    layout = layout_problems(ident, cfg)
+    if layout and not shares_members(ident, cfg):
+        return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
+    if layout:
+        info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
+    if evidence is not None and judge(ident, cfg, evidence, new_cluster=False).same_cluster is False:
+        return replace(info, problem=f"foreign: member ids {','.join(info.member_ids)} match nothing of the current cluster")
+    return info
 
 
 def _q(base: Entry, problem: str, cached: C.Check) -> Entry:
