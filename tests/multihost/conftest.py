@@ -7,12 +7,19 @@ from typing import Callable, Iterator, List
 import pytest
 
 from etcd_agent.config import SshSection
+from tests.harness import bedlock
 from tests.harness.netns import NetnsBed
 
 # this tier's own bed; other suites use other prefixes and subnets so beds can coexist
 BED_PREFIX = "ea"
 BED_SUBNET = "10.213.1"
 CONNECT_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def testbed_lock(pytestconfig: pytest.Config) -> Iterator[None]:
+    """This tier's fixed prefixes and subnets: one heavy bed per machine (tests/harness/bedlock.py)."""
+    yield from bedlock.hold_for_session(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -12,13 +12,19 @@ from typing import Callable, Dict, Iterator, List
 
 import pytest
 
-from tests.harness import rootfs
+from tests.harness import bedlock, rootfs
 from tests.harness.nspawn import NspawnBed
 from tests.harness.rpmbuild import BuiltRpm, build_rpm
 
 # Timings and sizes the tests measure, printed at the end of the run (also under -q).
 METRICS: Dict[str, str] = {}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def testbed_lock(pytestconfig: pytest.Config) -> Iterator[None]:
+    """Fixed container names, prefixes and subnets: one heavy bed per machine (tests/harness/bedlock.py)."""
+    yield from bedlock.hold_for_session(pytestconfig)
 
 
 def _require_root() -> None:
