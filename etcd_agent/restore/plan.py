@@ -418,7 +418,12 @@ def build_plan(
             add(Step("fence", f"move {k.manifest} into {k.manifest_aside_dir} (moved back at the end)"))
         add(Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''})"))
         add(Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"))
-        claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"
+        if not source.sha256:
+            claim = "the sha256 the sender computes"
+        elif source.kind == "runbook":  # no manifest: the hash is the reader's, of the tarball's own bytes
+            claim = f"the sha256 {source.sha256[:16]}... read from the tarball"
+        else:
+            claim = f"the manifest's sha256 {source.sha256[:16]}..."
         add(Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
                             f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"))
         add(Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)))
