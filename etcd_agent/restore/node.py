@@ -448,8 +448,7 @@ class NodeRestore:
                 did.append("etcd started again")
             except AgentError as exc:
                 did.append(f"etcd NOT started again: {exc.message}")
-        if j.done("fence") and not j.done("unfence"):
-            self._unfence(j)
+        if j.done("fence") and not j.done("unfence") and self._unfence(j):  # {}: nothing was fenced
             did.append("apiserver unfenced")
         j.state = J.ROLLED_BACK
         j.rollback = did
