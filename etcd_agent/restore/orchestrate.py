@@ -196,6 +196,7 @@ class Restore:
         self.owner: Optional[Owner] = None
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
+        self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
                                                                                    identities=opts.identities))
@@ -208,11 +209,14 @@ class Restore:
         cfg = self.cfg
         ensure_private_dir(cfg.backup.dir)
         source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run)
+        self.timings["read"] = time.monotonic() - t0
         self.say(f"read {source.path}")
         try:
+            t = time.monotonic()
             self.nodes = self._make_nodes(cfg)
             self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
             self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False)
+            self.timings["sessions"] = time.monotonic() - t
             try:
                 return self._run(source, t0)
             finally:
@@ -223,9 +227,11 @@ class Restore:
     def _run(self, source: Source, t0: float) -> Outcome:
         t = time.monotonic()
         facts, host_problems = self._precheck()
-        timings = {"read": t - t0, "precheck": time.monotonic() - t}
+        self.timings["precheck"] = time.monotonic() - t
+        t = time.monotonic()
         plan = self._plan(source, facts, host_problems)
-        outcome = Outcome(plan, timings=timings)
+        self.timings["plan"] = time.monotonic() - t  # identity: the running cluster's evidence
+        outcome = Outcome(plan, timings=self.timings)
         for hp in plan.hosts:
             self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
         if self.opts.dry_run:
@@ -347,7 +353,6 @@ class Restore:
         return res
 
     def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, P.NodeFacts], outcome: Outcome) -> None:
-        self.timings = outcome.timings
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
         began: List[Member] = []
 
@@ -361,7 +366,9 @@ class Restore:
         try:
             self._phase("begin", begin)
             self._ship(source, facts)
+            t = time.monotonic()
             leader, followers = self._leader_last()
+            self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
             self._phase("fence", lambda m: self._call(m, "fence"))
             self._phase("stop", lambda m: self._call(m, "stop"), followers)
@@ -374,8 +381,10 @@ class Restore:
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
+            t = time.monotonic()
             self.cluster.record_lineage(list(source.member_ids))
             outcome.cleanup = self.cluster.k8s_cleanup()
+            outcome.timings["lineage"] = time.monotonic() - t
             for line in outcome.cleanup:
                 self.say(f"kubernetes: {line}")
             self._unfence(outcome)
@@ -391,7 +400,9 @@ class Restore:
                 msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once the hosts named below "
                        "answer again, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
+        t = time.monotonic()
         ids = self.cluster.member_ids()
+        self.timings["ids"] = time.monotonic() - t
         self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
                                                    cluster_id=ids[m.name][1] if m.name in ids else None,
                                                    ancestors=list(source.member_ids)))
