@@ -9,7 +9,10 @@ Phases: read the archive -> lock every host -> pre-checks everywhere (nothing to
 with a per-host report) -> begin (journals; the daemons go hands-off) -> ship the snapshot to
 every member while etcd still serves (hashed as it is sent and as it lands) -> fence the
 apiservers -> stop the followers, then the leader -> set aside, restore, chown, repair -> start
--> wait until every member is healthy at one revision -> unfence -> finish. Any failure after
+-> wait until every member is healthy at one revision -> unfence -> finish. Simple steps go to a
+host in one ``steps`` call for all its members, which it runs at once; the leader's stop rides in
+the same call as everyone's set-aside and restore (it only has to follow its followers' stop).
+Any failure after
 ``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
 rolled back the error names it and the command to run once it is back.
 """
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 SHIP_CHUNK = 1 << 20
 SHIP_QUEUE = 16  # chunks in flight per host: the slowest host sets the pace, memory stays flat
+
+
+PREPARE = ["aside", "restore", "chown", "repair"]  # a stopped member's steps before it starts
 
 
 @dataclass
@@ -345,12 +351,52 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
+    def _batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]]) -> None:
+        """Simple steps, each member's list in order: one ``steps`` call per host carrying all its
+        members, which the host runs at once; the hosts in parallel. A member that fails stops
+        only its own list; the phase then fails naming every member that did."""
+        t = time.monotonic()
+        by_host: Dict[str, List[Tuple[Member, Sequence[str]]]] = {}
+        for m, names in plan:
+            if names:
+                by_host.setdefault(self.node_of(m.name).where, []).append((m, names))
+
+        def per_host(items: List[Tuple[Member, Sequence[str]]]) -> List[str]:
+            n = self.node_of(items[0][0].name)
+            res = n.call("steps", op=self.op, members=[{"member": m.name, "steps": list(s)} for m, s in items])
+            answers = res.get("members")
+            by_name = {a.get("member"): a for a in answers if isinstance(a, dict)} if isinstance(answers, list) else {}
+            failed = []
+            for m, _names in items:
+                a = by_name.get(m.name)
+                done = a.get("steps") if a is not None else None
+                if a is None or not isinstance(done, list):
+                    failed.append(f"{m.name} ({n.where}): no answer for this member")
+                    continue
+                for r in done:
+                    self._said(m, r if isinstance(r, dict) else {}, "?")
+                if "error" in a:
+                    failed.append(f"{m.name} ({n.where}): {error_from_json(a['error']).message}")
+            return failed
+
+        failed: List[str] = []
+        for (w, items), lines, e in parallel(lambda item: per_host(item[1]), list(by_host.items())):
+            if e is not None:
+                failed.append(f"{', '.join(m.name for m, _n in items)} ({w}): {message(e)}")
+            failed += lines or []
+        self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+        if failed:
+            raise OperationFailed(f"restore failed at {name}", details=failed)
+
     def _call(self, m: Member, step: str, **args: Any) -> Dict[str, Any]:
         res = self.node_of(m.name).call(step, member=m.name, op=self.op, **args)
-        for r in res.get("steps", [res]):
-            extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
-            self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
+        self._said(m, res, step)
         return res
+
+    def _said(self, m: Member, r: Dict[str, Any], step: str) -> None:
+        """One progress line for a step's result."""
+        extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
+        self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
 
     def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, P.NodeFacts], outcome: Outcome) -> None:
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
@@ -370,12 +416,13 @@ class Restore:
             leader, followers = self._leader_last()
             self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
-            self._phase("fence", lambda m: self._call(m, "fence"))
-            self._phase("stop", lambda m: self._call(m, "stop"), followers)
-            if leader is not None:
-                self._phase("stop", lambda m: self._call(m, "stop"), [leader])
-            self._phase("prepare", lambda m: self._call(m, "steps", steps=["aside", "restore", "chown", "repair"]))
-            self._phase("start", lambda m: self._call(m, "start"))
+            everyone = [m for n in self.nodes for m in n.members]
+            self._batch("fence", [(m, ["fence"]) for m in everyone])
+            self._batch("stop", [(m, ["stop"]) for m in followers])
+            # the leader stops once its followers have; then it and they prepare at once
+            self._batch("prepare", [(m, (["stop"] if leader is not None and m.name == leader.name else []) + PREPARE)
+                                    for m in everyone])
+            self._batch("start", [(m, ["start"]) for m in everyone])
             t = time.monotonic()
             outcome.revisions = self.cluster.converged(
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
