@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -203,6 +204,7 @@ class Restore:
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
         self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
+        self._evidence: "Optional[Future[Evidence]]" = None
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
                                                                                    identities=opts.identities))
@@ -232,11 +234,14 @@ class Restore:
 
     def _run(self, source: Source, t0: float) -> Outcome:
         t = time.monotonic()
-        facts, host_problems = self._precheck()
-        self.timings["precheck"] = time.monotonic() - t
-        t = time.monotonic()
-        plan = self._plan(source, facts, host_problems)
-        self.timings["plan"] = time.monotonic() - t  # identity: the running cluster's evidence
+        # what the running cluster says of itself (read-only), asked while the hosts pre-check
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            self._evidence = ex.submit(self.cluster.evidence)
+            facts, host_problems = self._precheck()
+            self.timings["precheck"] = time.monotonic() - t
+            t = time.monotonic()
+            plan = self._plan(source, facts, host_problems)
+            self.timings["plan"] = time.monotonic() - t
         outcome = Outcome(plan, timings=self.timings)
         for hp in plan.hosts:
             self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
@@ -320,7 +325,7 @@ class Restore:
         and bootstrap record, and every restore lineage recorded on the hosts or in etcd."""
         if source.identity is None:
             raise RefusedError(f"{source.path}: the snapshot's members could not be read; nothing touched")
-        ev = self.cluster.evidence()
+        ev = self._evidence.result() if self._evidence is not None else self.cluster.evidence()
         hosts = list(ev.hosts)
         lineage = list(ev.lineage)
         for name, f in facts.items():
