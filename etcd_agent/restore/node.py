@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
@@ -124,7 +125,8 @@ class NodeRestore:
     def precheck(self) -> P.NodeFacts:
         cfg, m = self.cfg, self.member
         tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
-        versions = {key: _version(self.host, binary) for key, binary in tools}
+        with ThreadPoolExecutor(max_workers=len(tools)) as ex:  # three binaries started at once
+            versions = dict(zip((key for key, _b in tools), ex.map(lambda kb: _version(self.host, kb[1]), tools)))
         probe = os.path.dirname(self.data_dir) or "/"
         while not os.path.exists(probe) and probe != "/":
             probe = os.path.dirname(probe)
