@@ -20,6 +20,7 @@ hosts at once. It prints agent wall (min/median/max), by-hand wall, the differen
 fixed cost on a small db) and the ratio, then the per-phase medians.
 
     .venv/bin/python bench/restore_bench.py [--tier loopback|netns|both] [--keys 10000] [--rounds 3]
+        [--value-bytes 64]   # netns: --keys 1000 --value-bytes 1048576 is a 1 GiB db
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def agent_run(argv: Sequence[str]) -> Run:
     out = json.loads(p.stdout)
     phases = {k: float(v) for k, v in out["timings"].items()}
     phases["cli"] = wall - float(out["duration"])
+    if out.get("downtime") is not None:
+        phases["downtime"] = float(out["downtime"])
     return Run(wall, phases)
 
 
@@ -204,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     ap.add_argument("--tier", choices=("loopback", "netns", "both"), default="loopback")
     ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--value-bytes", type=int, default=64, help="netns tier: size of every value")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp")
     a = ap.parse_args()
@@ -214,7 +218,7 @@ def main() -> None:
     if a.tier in ("netns", "both"):
         from bench.restore_netns import netns
 
-        netns(a.keys, a.rounds, a.dir)
+        netns(a.keys, a.rounds, a.dir, a.value_bytes)
 
 
 if __name__ == "__main__":
