@@ -271,17 +271,22 @@ def test_verify_catches_foreign_cluster(base: str, etcd: Etcd) -> None:
 
 def test_two_concurrent_backups_one_busy(base: str, etcd: Etcd) -> None:
     bdir = os.path.join(base, "b-busy")
-    # zstd makes the first run last longer, so the second surely starts while it holds the lock
     cfgp = write_config(base, etcd, bdir, compression="zstd")
     first = subprocess.Popen([sys.executable, "-m", "etcd_agent.cli.main", "-c", cfgp, "backup"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_partial(bdir, first)
-        before = sorted(os.listdir(bdir))
-        second = cli(cfgp, "backup")
-        assert second.returncode == 4, second.stderr
-        assert "busy" in second.stderr
-        assert sorted(os.listdir(bdir)) == before  # the busy one touched nothing
+        _wait_partial(bdir, first)  # the first holds the lock from here on
+        # and is stopped mid-stream while the second runs: a one-pass backup of this db ends
+        # sooner than a second CLI starts up
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            before = sorted(os.listdir(bdir))
+            second = cli(cfgp, "backup")
+            assert second.returncode == 4, second.stderr
+            assert "busy" in second.stderr
+            assert sorted(os.listdir(bdir)) == before  # the busy one touched nothing
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
     finally:
         out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
