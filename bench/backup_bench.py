@@ -44,6 +44,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from etcd_agent.age import generate_identity  # noqa: E402
+from etcd_agent.errors import EtcdUnavailable  # noqa: E402
 from etcd_agent.member.process import ProcessBackend  # noqa: E402
 from tests.harness.kubedata import fill  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
@@ -289,8 +290,16 @@ def prepared(base: str, version: str, size_mb: int, reuse: bool) -> LoopbackClus
     m = c.cfg.members[0]
 
     def db_size() -> int:
-        with c.client() as cl:
-            return cl.status(m.client_url).db_size
+        # etcd busy with the fill's writes (and a loaded machine) can miss one status: look again
+        for attempt in range(10):
+            try:
+                with c.client() as cl:
+                    return cl.status(m.client_url, timeout=30).db_size
+            except EtcdUnavailable:
+                if attempt == 9:
+                    raise
+                time.sleep(1)
+        raise AssertionError("unreachable")
 
     t0 = time.monotonic()
     written = fill(m.client_url, size_mb * 1_000_000, db_size=db_size, progress=lambda s: print(f"  {s}", flush=True))
