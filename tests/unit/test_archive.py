@@ -126,6 +126,14 @@ def test_zstd_archive_is_read_by_zstd_and_tar(tmp_path: Any) -> None:
     assert listing.stderr == ""
 
 
+def test_open_tar_reads_every_frame_of_a_zstd_archive(tmp_path: Any) -> None:
+    """open_tar (the systemd tier's reader) goes on past the head's frame and the skippable one."""
+    w = write(str(tmp_path), compression="zstd")
+    with archive.open_tar(w.path, seekable=False) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+    assert list(got) == ["manifest.json", "etcd.conf", "etcd_snapshot.db"] and got["etcd_snapshot.db"] == SNAP
+
+
 def test_gzip_is_read_but_no_longer_written(tmp_path: Any) -> None:
     with pytest.raises(Exception, match="gzip archives are read, not written"):
         write(str(tmp_path), compression="gzip")
