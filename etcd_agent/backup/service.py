@@ -72,11 +72,11 @@ def _local_candidates(cfg: Config) -> List[Member]:
 
 def required_space(db_size: int, compression: str, margin: float) -> int:
     """Free bytes needed before writing: the archive is at most the db (+ headers, + 16 bytes per
-    64 KiB when encrypted); compressed output also spools the raw snapshot first, so both exist at
-    once for a moment."""
+    64 KiB when encrypted); compressed, at most what zstd makes of incompressible data (+ 1/256,
+    + a frame header per 4 MiB) and the head reserved for the manifest. Nothing is spooled."""
     expected = db_size + db_size // 4096 + 64 * 1024
     if compression != "none":
-        expected *= 2
+        expected = db_size + db_size // 128 + archive.head_room({}) + (1 << 20)
     return int(expected * (1.0 + margin))
 
 

@@ -253,3 +253,15 @@ def test_manifest_encryption_is_parsed_strictly(bad: Dict[str, Any]) -> None:
             Manifest.from_json(json.dumps({**doc, "files": wrong}).encode())
     with pytest.raises(BackupCorrupt, match="format 2 manifest"):
         Manifest.from_json(json.dumps({**doc, "format_version": 2}).encode())
+
+
+def test_space_needed_is_one_archive_not_two() -> None:
+    """Nothing is spooled any more: a compressed backup needs room for at most one db's worth
+    (zstd's bound on incompressible data and the manifest's head), not a db plus its archive."""
+    from etcd_agent.backup.service import required_space
+
+    db = 1200 * 10**6
+    plain, zstd = required_space(db, "none", 0.0), required_space(db, "zstd", 0.0)
+    assert db < plain < zstd < 1.01 * db
+    assert zstd >= archive.compress_bound(db) + archive.head_room({})  # whatever zstd makes of it fits
+    assert required_space(db, "zstd", 0.1) == int(zstd * 1.1)
