@@ -28,7 +28,8 @@ from . import status
 from .errors import ReplayError
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay, replay
 from .scratch import EtcdBinaries, ScratchOptions
-from .segments import ChainCheck, check_chain, list_segments, ms_to_datetime
+from .segchain import ChainCheck, check_chain
+from .segments import list_segments, ms_to_datetime
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry

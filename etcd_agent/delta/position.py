@@ -15,7 +15,9 @@ from typing import Any, Dict, Optional
 
 from .errors import ChainBroken, SegmentCorrupt
 from .rpc import StreamEnded
-from .segments import SegmentInfo, check_chain, list_segments, read_segment
+from .segchain import check_chain
+from .segments import SegmentInfo, list_segments
+from .segreader import read_segment
 
 log = logging.getLogger(__name__)
 

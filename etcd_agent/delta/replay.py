@@ -38,19 +38,9 @@ from .errors import ReplayError, SegmentCorrupt
 from .leases import MIN_TTL, LeaseFate, fate_of, lease_fates
 from .rpc import EtcdRpc, KeepAliveStream
 from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
-from .segments import (
-    PUT,
-    ChainCheck,
-    ChainStop,
-    LeaseRecord,
-    SegmentInfo,
-    Txn,
-    check_chain,
-    datetime_to_ms,
-    ms_to_datetime,
-    read_header,
-    read_segment,
-)
+from .segchain import ChainCheck, ChainStop, check_chain
+from .segments import PUT, LeaseRecord, SegmentInfo, Txn, datetime_to_ms, ms_to_datetime
+from .segreader import read_header, read_segment
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ from .errors import ChainBroken, DeltaError
 from .leasewatch import LeaseTracker
 from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
-from .segments import PUT, Event, SegmentHeader, SegmentInfo, SegmentWriter, Txn, remove_stale_temps
+from .segments import PUT, Event, SegmentHeader, SegmentInfo, Txn
+from .segwriter import SegmentWriter, remove_stale_temps
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import TlsSection
