@@ -41,7 +41,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.delta import chains, proto  # noqa: E402
-from etcd_agent.delta.replay import Target, replay  # noqa: E402
+from etcd_agent.delta.replay import Target  # noqa: E402
+from etcd_agent.delta.replayrun import replay  # noqa: E402
 from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
 from etcd_agent.delta.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402

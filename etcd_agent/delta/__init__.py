@@ -11,5 +11,6 @@ The watcher, segment format and replay engine (not yet wired into the daemon and
 - ``leases``    the lease rule of a restore, as a pure function of the captured lease records
 - ``watcher``   ``DeltaWatcher``: a watch on the local member written into segments
 - ``scratch``   a throwaway single-member etcd on loopback, restored from a snapshot
-- ``replay``    replay a chain onto a full snapshot up to a target; a new snapshot out
+- ``replay``    a replay's target, its plan (where it stops, from a checked chain) and its result
+- ``replayrun`` the replay carried out: a chain onto a full snapshot in a scratch etcd; a new snapshot out
 """

@@ -6,7 +6,8 @@ import pytest
 
 from etcd_agent.delta import proto
 from etcd_agent.delta.errors import ChainBroken
-from etcd_agent.delta.replay import Target, replay
+from etcd_agent.delta.replay import Target
+from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
 from etcd_agent.delta.segchain import check_chain
 from etcd_agent.delta.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
