@@ -10,6 +10,7 @@ The watcher, segment format and replay engine (not yet wired into the daemon and
 - ``segchain``  the chain check: segments followed from a full backup, where the chain stops
 - ``leases``    the lease rule of a restore, as a pure function of the captured lease records
 - ``watcher``   ``DeltaWatcher``: a watch on the local member written into segments
+- ``watchevents`` what the watch delivers as whole revisions: decoded, fragments reassembled (pure)
 - ``scratch``   a throwaway single-member etcd on loopback, restored from a snapshot
 - ``replay``    a replay's target, its plan (where it stops, from a checked chain) and its result
 - ``replayrun`` the replay carried out: a chain onto a full snapshot in a scratch etcd; a new snapshot out
