@@ -22,7 +22,7 @@ from ..errors import AgentError, OperationFailed, error_from_json
 from ..safejson import UnsafeJson, loads
 
 # Bumped when the documents change incompatibly; both ends must speak the same one.
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off

@@ -19,7 +19,7 @@ from etcd_agent.backup.identity import Evidence
 from etcd_agent.config import Config
 from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
 from etcd_agent.hosts.base import LineBuffer
-from etcd_agent.node.protocol import Args, encode
+from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.server import Handler, NodeContext, serve
 from etcd_agent.restore.plan import NodeFacts, work_dir_for
 
@@ -42,7 +42,6 @@ class Script:
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
             self.steps[name] = self._ok(name)
         self.steps["precheck"] = self._precheck
-        self.steps["steps"] = self._steps
         self.steps["rollback"] = self._rollback
 
     def fail(self, step: str, member: str, error: AgentError) -> None:
@@ -57,12 +56,16 @@ class Script:
         return {"step": "rollback", "member": member, "did": ["etcd stopped", "old data dir back", "etcd started again"],
                 "running": True, "was_running": True}
 
-    def _steps(self, member: str, args: Args) -> Dict[str, Any]:
-        names = args.raw.get("steps") or []
-        out = []
-        for n in names:
-            out.append(self.run(self._host_of(member), str(n), member, args))
-        return {"steps": out}
+    def batch(self, host: str, args: Args, die_at: Optional[Tuple[str, str]]) -> Dict[str, Any]:
+        """``steps``: several members' simple steps through the real server's ``run_members``
+        (the members at once, each one's results and error). ``die_at`` (step, member) in the
+        request: the session drops instead of answering, before any of it runs."""
+        from etcd_agent.node.steps import member_steps, run_members
+
+        plan = member_steps(args)
+        if any(die_at == (n, member) for member, names in plan for n in names):
+            raise _Dropped()
+        return run_members(plan, lambda member: lambda name: self.run(host, name, member, args))
 
     def _host_of(self, member: str) -> str:
         return self.cfg.member(member).ssh_host
@@ -71,7 +74,7 @@ class Script:
         m = self.cfg.member(member)
         data_dir = self.cfg.data_dir(member)
         facts = NodeFacts(
-            member=member, protocol=2, agent_version="test", etcd_version="3.5.16", etcdctl_version="3.5.16",
+            member=member, protocol=PROTOCOL, agent_version="test", etcd_version="3.5.16", etcdctl_version="3.5.16",
             etcdutl_version="3.5.16", free_bytes=10 << 30, data_dir=data_dir.rstrip("/"), data_dir_state="member",
             work_dir=work_dir_for(data_dir.rstrip("/"), member), conf_file=self.cfg.conf_file(member), conf_present=True,
             unit_present=True, backend="systemd", running=True, fence_ok=True, fence_detail="", identity_match=True,
@@ -197,6 +200,9 @@ class ServeSession(ScriptedSession):
             def handler(ctx: NodeContext, args: Args) -> Dict[str, Any]:
                 if step == "lock":
                     return ctx.take_lock()
+                if step == "steps":
+                    ctx.require_lock(step)
+                    return host.script.batch(host.name, args, host.die_at)
                 member = args.raw.get("member")
                 if not isinstance(member, str):
                     raise RefusedError(f"scripted host: step {step} without a member")
@@ -207,7 +213,7 @@ class ServeSession(ScriptedSession):
                 return host.script.run(host.name, step, member, args)
             return handler
 
-        handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock"]}
+        handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock", "steps"]}
         try:
             self.code = serve(host.cfg, stdin, stdout, handlers)
         except _Dropped:

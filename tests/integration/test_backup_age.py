@@ -18,6 +18,7 @@ import pytest
 from etcd_agent import age
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
+from etcd_agent.member.process import ProcessBackend
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, release
 from tests.integration.test_restore_etcd35 import AGENT
@@ -57,13 +58,20 @@ def sha256_file(path: str) -> str:
 
 
 def tree_state(c: LoopbackCluster) -> List[Tuple[str, int, int]]:
-    """Every file under the members' data dirs and the backup dir: (path, size, mtime_ns)."""
+    """What a refused restore must leave as it was. The backup dir: every file (path, size,
+    mtime_ns). The members' data dirs: which inode each data dir, member dir and db is, and the
+    pid of each running etcd -- not sizes or mtimes, which the live etcd changes on its own
+    (a CI run saw member/snap/db's mtime move 0.1 s after the 100 writes above)."""
     out = []
-    for top in [os.path.dirname(c.cfg.data_dir("m1")), c.cfg.backup.dir]:
-        for root, _dirs, files in os.walk(top):
-            for n in files:
-                st = os.stat(os.path.join(root, n))
-                out.append((os.path.join(root, n), st.st_size, st.st_mtime_ns))
+    for root, _dirs, files in os.walk(c.cfg.backup.dir):
+        for n in files:
+            st = os.stat(os.path.join(root, n))
+            out.append((os.path.join(root, n), st.st_size, st.st_mtime_ns))
+    for m in c.cfg.members:
+        d = c.cfg.data_dir(m.name)
+        for p in (d, os.path.join(d, "member"), os.path.join(d, "member", "snap", "db")):
+            out.append((p, os.stat(p).st_ino, 0))
+        out.append((f"pid of {m.name}", ProcessBackend(c.cfg, m.name).pid() or 0, 0))
     return sorted(out)
 
 

@@ -154,6 +154,26 @@ def wait_journal(bed: Bed, member: str, step: str, proc: "subprocess.Popen[bytes
         time.sleep(0.01)
 
 
+def build(net: NetnsBed, work: str) -> Bed:
+    """The bed up: namespaces, sshd, every host's agent.toml, a healthy static cluster (also
+    bench/restore_netns.py's bed, with its own prefix and subnet)."""
+    net.up()
+    b = Bed(net, work)
+    for h in net.hosts:
+        os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
+        for sub in (f"{h.name}/backups", f"{h.name}/state"):
+            os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
+    net.start_sshd()  # known_hosts exists from here on; the configs name it
+    for h in net.hosts:
+        with open(b.toml(h), "w") as fh:
+            fh.write(agent_toml(work, net.hosts, h, net))
+        b.cfgs[h.name] = load(b.toml(h))
+    for h in net.hosts:
+        start_static(b, h)
+    wait_healthy(b.cfg(net.hosts[0].name), 60)
+    return b
+
+
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     if os.geteuid() != 0:
@@ -163,23 +183,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     if made_etc:
         os.makedirs(ETC_DIR, mode=0o755)
     net = NetnsBed(3, prefix=PREFIX, subnet=SUBNET)
-    work = str(tmp_path_factory.mktemp("er"))
     try:
-        net.up()
-        b = Bed(net, work)
-        for h in net.hosts:
-            os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
-            for sub in (f"{h.name}/backups", f"{h.name}/state"):
-                os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
-        net.start_sshd()  # known_hosts exists from here on; the configs name it
-        for h in net.hosts:
-            with open(b.toml(h), "w") as fh:
-                fh.write(agent_toml(work, net.hosts, h, net))
-            b.cfgs[h.name] = load(b.toml(h))
-        for h in net.hosts:
-            start_static(b, h)
-        wait_healthy(b.cfg(), 60)
-        yield b
+        yield build(net, str(tmp_path_factory.mktemp("er")))
     finally:
         net.down()  # every process of the namespaces by PID: etcd, sshd, lock holders
         if made_etc:
