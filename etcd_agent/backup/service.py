@@ -73,10 +73,13 @@ def _local_candidates(cfg: Config) -> List[Member]:
 def required_space(db_size: int, compression: str, margin: float) -> int:
     """Free bytes needed before writing: the archive is at most the db (+ headers, + 16 bytes per
     64 KiB when encrypted); compressed, at most what zstd makes of incompressible data (+ 1/256,
-    + a frame header per 4 MiB) and the head reserved for the manifest. Nothing is spooled."""
+    + a frame header per 4 MiB) and the head reserved for the manifest. gzip spools the snapshot
+    beside the archive first, so it needs the db once more."""
     expected = db_size + db_size // 4096 + 64 * 1024
     if compression != "none":
         expected = db_size + db_size // 128 + archive.head_room({}) + (1 << 20)
+    if compression == "gzip":
+        expected += db_size
     return int(expected * (1.0 + margin))
 
 

@@ -27,7 +27,7 @@ UNIT_RE = re.compile(r"^[A-Za-z0-9_.@-]+\.service$")
 
 BOOTSTRAP_MODES = ("static", "incremental")
 SERVICE_MANAGERS = ("systemd", "process")
-COMPRESSIONS = ("none", "zstd")  # written; .tar.gz is still read
+COMPRESSIONS = ("none", "zstd", "gzip")  # zstd recommended; gzip spools the snapshot first
 FENCE_METHODS = ("none", "unit", "manifest")
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 REMOTE_VERIFY_MODES = ("checksum", "etag", "download")

@@ -186,10 +186,7 @@ def _retention_problems(w: str, keep_last: int, keep_hourly: int, keep_daily: in
 def _validate_backup(cfg: Config) -> List[str]:
     errs: List[str] = []
     b = cfg.backup
-    if b.compression == "gzip":
-        errs.append('backup.compression = "gzip" is no longer written: use "zstd" (it compresses Kubernetes data '
-                    'better at several times the speed); existing .tar.gz backups are still read')
-    elif b.compression not in COMPRESSIONS:
+    if b.compression not in COMPRESSIONS:
         errs.append(f"backup.compression must be one of {', '.join(COMPRESSIONS)}, got {b.compression!r}")
     errs += _retention_problems("backup", b.keep_last, b.keep_hourly, b.keep_daily, "backup")
     if b.space_margin < 0:
