@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 from .. import __version__
 from ..config import Config
 from ..errors import AgentError, BusyError, OperationFailed, RefusedError
-from ..state.locks import OperationLock, lock_path_for
+from ..state.locks import OperationLock, SHORT_WAIT, lock_path_for
 from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,9 @@ class NodeContext:
             from ..fs import ensure_private_dir
 
             ensure_private_dir(self.cfg.backup.dir)
+            # this host's own backup (the daemon's or cron's) ends by itself: wait for it
             self.lock = OperationLock(lock_path_for(self.cfg.backup.dir), self.owner.command,
-                                      holder={"owner": self.owner.to_json()}).acquire()
+                                      holder={"owner": self.owner.to_json()}).acquire(wait=SHORT_WAIT)
         return {"lock": self.lock.path, "held": True}
 
     def require_lock(self, step: str) -> None:

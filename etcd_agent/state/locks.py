@@ -19,14 +19,20 @@ import os
 import socket
 import time
 from types import TracebackType
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
-from ..errors import BackupError, BusyError
+from ..errors import BackupError, BusyError, OperationFailed
+from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".etcd-agent.lock"
 MAX_HOLDER = 4096
+# operations that end on their own within seconds to a minute (the daemon's or cron's backup):
+# a restore or an upgrade that finds one holding the lock waits for it (``acquire(wait=...)``)
+# instead of sending the operator away; anything else holding it is refused at once
+SHORT_OPERATIONS = frozenset({"backup", "prune", "import"})
+SHORT_WAIT = 60.0
 
 
 def lock_path_for(backup_dir: str) -> str:
@@ -48,21 +54,46 @@ class OperationLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> "OperationLock":
+    def acquire(self, wait: float = 0.0, clock: Clock = SYSTEM_CLOCK) -> "OperationLock":
+        """Take the lock, or BusyError naming its holder. ``wait`` > 0: while the holder is one of
+        ``SHORT_OPERATIONS`` (this host's backup), wait up to ``wait`` seconds for it to end."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise BackupError(f"cannot open lock file {self.path}: {exc.strerror or exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = describe_holder(read_holder_fd(fd))
+        seen: List[Dict[str, Any]] = []
+
+        def take() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+            rec = read_holder_fd(fd)
+            if wait > 0 and _short(rec):
+                if not seen:
+                    log.info("waiting up to %.0fs for %s to finish", wait, describe_holder(rec))
+                seen.append(rec)
+                raise NotYet(f"{describe_holder(rec)} still holds it")
+            raise _HeldBy(rec)
+
+        def busy(rec: Dict[str, Any], waited: str = "") -> BusyError:
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise BusyError(
-                    f"busy: {holder or 'another etcd-agent operation'} holds {self.path}; "
-                    f"{self.operation} not started, nothing touched"
-                ) from None
+            return BusyError(f"busy: {describe_holder(rec) or 'another etcd-agent operation'} holds "
+                             f"{self.path}{waited}; {self.operation} not started, nothing touched")
+
+        try:
+            try:
+                take()
+            except NotYet:
+                poll(take, timeout=wait, what=f"the operation lock {self.path}", interval=0.25, clock=clock)
+        except _HeldBy as held:
+            raise busy(held.rec) from None
+        except OperationFailed:
+            raise busy(seen[-1], f" (waited {wait:.0f}s for it to finish)") from None
+        except OSError as exc:
+            os.close(fd)
             raise BackupError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
         rec = {"operation": self.operation, "pid": os.getpid(), "host": socket.gethostname(),
                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.holder}
@@ -87,6 +118,19 @@ class OperationLock:
         tb: Optional[TracebackType],
     ) -> None:
         self.release()
+
+
+class _HeldBy(Exception):
+    """The lock's holder is not one to wait for."""
+
+    def __init__(self, rec: Dict[str, Any]) -> None:
+        super().__init__("held")
+        self.rec = rec
+
+
+def _short(rec: Dict[str, Any]) -> bool:
+    """The holder is this host's own backup (or prune, import): it ends by itself, soon."""
+    return "owner" not in rec and rec.get("operation") in SHORT_OPERATIONS
 
 
 def read_holder_fd(fd: int) -> Dict[str, Any]:

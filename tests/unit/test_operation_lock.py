@@ -1,0 +1,62 @@
+"""The host's operation lock: a restore or upgrade waits for this host's own backup to end
+(bounded), and is refused at once by anything else. flock conflicts between two open files of
+the same process, so one process plays both sides; the clock is fake (no real sleep)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+
+from etcd_agent.errors import BusyError
+from etcd_agent.state.locks import OperationLock, holder_of
+from tests.harness.fakes import FakeClock
+
+
+class ReleasingClock(FakeClock):
+    """Releases ``lock`` once ``after`` seconds of sleeps have passed."""
+
+    def __init__(self, lock: Optional[OperationLock], after: float) -> None:
+        super().__init__()
+        self.lock, self.after, self.t0 = lock, after, self.now
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        if self.lock is not None and self.now - self.t0 >= self.after:
+            self.lock.release()
+
+
+def test_a_restore_waits_for_the_hosts_backup(tmp_path: Any) -> None:
+    path = str(tmp_path / ".etcd-agent.lock")
+    backup = OperationLock(path, "backup").acquire()
+    clock = ReleasingClock(backup, after=3.0)
+    restore = OperationLock(path, "restore 1", holder={"owner": {"command": "restore 1"}}).acquire(wait=60, clock=clock)
+    assert restore.held and 3.0 <= clock.now - clock.t0 < 4.0
+    rec = holder_of(str(tmp_path))
+    assert rec is not None and rec["operation"] == "restore 1"
+    restore.release()
+
+
+def test_a_backup_that_does_not_end_in_time_is_named(tmp_path: Any) -> None:
+    path = str(tmp_path / ".etcd-agent.lock")
+    backup = OperationLock(path, "backup").acquire()
+    clock = ReleasingClock(None, after=0)
+    with pytest.raises(BusyError, match=r"`etcd-agent backup` from .* \(waited 5s for it to finish\); upgrade not started"):
+        OperationLock(path, "upgrade").acquire(wait=5, clock=clock)
+    assert 5.0 <= clock.now - clock.t0 < 6.0
+    backup.release()
+
+
+def test_anything_else_is_refused_at_once(tmp_path: Any) -> None:
+    path = str(tmp_path / ".etcd-agent.lock")
+    other = OperationLock(path, "restore 7", holder={"owner": {"command": "restore 7", "host": "m2", "pid": 9}}).acquire()
+    clock = FakeClock()
+    with pytest.raises(BusyError, match=r"`etcd-agent restore 7` from m2 \(pid 9\) .*; restore 8 not started"):
+        OperationLock(path, "restore 8").acquire(wait=60, clock=clock)
+    assert clock.sleeps == []
+    # and without wait (a backup meeting a backup): refused at once too
+    other.release()
+    first = OperationLock(path, "backup").acquire()
+    with pytest.raises(BusyError, match="backup not started"):
+        OperationLock(path, "backup").acquire(clock=clock)
+    assert clock.sleeps == []
+    first.release()
