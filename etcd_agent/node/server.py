@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 from .. import __version__
 from ..config import Config
 from ..errors import AgentError, BusyError, OperationFailed, RefusedError
-from ..state.locks import OperationLock, SHORT_WAIT, lock_path_for
+from ..state.locks import SHORT_WAIT, OperationLock, lock_path_for
 from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
 
 log = logging.getLogger(__name__)
