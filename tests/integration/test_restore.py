@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List
@@ -149,9 +150,12 @@ def test_dry_run_busy_and_hostile_tarball_change_nothing(cluster_factory, capsys
     with capsys.disabled():
         print("\nDRY-RUN OUTPUT (first member):\n" + out.split("member m2")[0])
 
-    # a concurrent operation holds the lock: busy, nothing touched
-    with OperationLock(lock_path_for(c.cfg.backup.dir), "backup"):
+    # another operator's restore holds the lock: busy at once, nothing touched
+    with OperationLock(lock_path_for(c.cfg.backup.dir), "restore 1",
+                       holder={"owner": {"command": "restore 1", "host": "m9", "pid": 1}}):
+        capsys.readouterr()
         assert cli(c, "restore", "--from", b.path, "--yes") == 4
+        assert "`etcd-agent restore 1` from m9 (pid 1)" in capsys.readouterr().err
 
     # tar-slip: a member escaping the work dir, next to a plausible manifest
     evil = tmp_path / "etcd-2020-01-01-00-00-00.tar"
@@ -180,6 +184,24 @@ def test_dry_run_busy_and_hostile_tarball_change_nothing(cluster_factory, capsys
     assert {m.name: sorted(os.listdir(c.cfg.data_dir(m.name))) for m in c.cfg.members} == before
     assert counts(c, "/k/", "/later/") == [100, 10]
     assert not any(os.path.exists(work_dir_for(c.cfg.data_dir(m.name), m.name)) for m in c.cfg.members)
+
+
+def test_restore_waits_for_the_hosts_own_backup(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """This host's backup (the daemon's chain base, cron's) holds the lock when the operator types
+    restore: the restore waits for it to end (a backup takes seconds) instead of refusing."""
+    c = make(cluster_factory)
+    put_many(c, "/k/", 100)
+    b = take_backup(c.cfg, member="m1")
+    put_many(c, "/later/", 10)
+    backup_lock = OperationLock(lock_path_for(c.cfg.backup.dir), "backup").acquire()
+    timer = threading.Timer(2.0, backup_lock.release)
+    timer.start()
+    try:
+        assert cli(c, "restore", "--from", b.path, "--yes") == 0
+    finally:
+        timer.cancel()
+        backup_lock.release()
+    assert counts(c, "/k/", "/later/") == [100, 0]
 
 
 def test_failure_mid_restore_rolls_every_member_back(cluster_factory) -> None:  # type: ignore[no-untyped-def]
