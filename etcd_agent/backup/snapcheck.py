@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import BackupCorrupt, SnapshotFormatError
 from ..etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
@@ -81,7 +81,9 @@ class StreamCheck:
         self.declared = declared
         self.what = what
         self.meta: Optional[BoltMeta] = None
-        self._sha = hashlib.sha256()
+        # One hash pass: etcd's trailer covers everything but the last 32 bytes, and the hash of
+        # all of it is a copy of that one fed the last 32 bytes (hashing twice cost a receiver
+        # ~0.6 CPU-s per GiB)
         self._body = hashlib.sha256()  # everything but the last 32 bytes seen so far
         self._tail = b""
         self._head = bytearray()
@@ -90,13 +92,12 @@ class StreamCheck:
     def meta_ok(self) -> bool:
         return self.meta is not None
 
-    def update(self, chunk: bytes) -> None:
+    def update(self, chunk: Union[bytes, memoryview]) -> None:
         if not chunk:
             return
         self.size += len(chunk)
         if self.declared is not None and self.size > self.declared:
             raise BackupCorrupt(f"{self.what}: more data than the {self.declared} bytes declared")
-        self._sha.update(chunk)
         if len(self._head) < HEAD:
             self._head += chunk[: HEAD - len(self._head)]
             if self.meta is None and len(self._head) >= min(HEAD, self.declared or HEAD):
@@ -113,7 +114,10 @@ class StreamCheck:
 
     @property
     def sha256(self) -> str:
-        return self._sha.hexdigest()
+        """Of every byte fed so far."""
+        whole = self._body.copy()
+        whole.update(self._tail)
+        return whole.hexdigest()
 
     def finish(self) -> SnapshotFacts:
         """The facts, or BackupCorrupt naming exactly what is wrong."""

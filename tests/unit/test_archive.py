@@ -216,3 +216,20 @@ def test_manifest_encryption_is_parsed_strictly(bad: Dict[str, Any]) -> None:
             Manifest.from_json(json.dumps({**doc, "files": wrong}).encode())
     with pytest.raises(BackupCorrupt, match="format 2 manifest"):
         Manifest.from_json(json.dumps({**doc, "format_version": 2}).encode())
+
+
+def test_stream_check_hashes_in_one_pass_whatever_the_chunking() -> None:
+    import hashlib
+    import random
+
+    data = SNAP
+    rnd = random.Random(7)
+    for _ in range(5):
+        c = StreamCheck()
+        pos = 0
+        while pos < len(data):
+            n = rnd.choice([1, 5, 31, 32, 33, 4096, 20_000])
+            c.update(memoryview(data)[pos:pos + n] if n % 2 else data[pos:pos + n])
+            pos += n
+            assert c.sha256 == hashlib.sha256(data[:pos]).hexdigest()
+        assert c.finish().sha256 == hashlib.sha256(data).hexdigest()
