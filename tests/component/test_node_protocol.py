@@ -69,10 +69,10 @@ def test_a_silent_caller_loses_its_session_and_the_lock(tmp_path: object) -> Non
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
-    from etcd_agent.node.protocol import Hello, encode
+    from etcd_agent.node.protocol import PROTOCOL, Hello, encode
     from etcd_agent.state.locks import holder_of
 
-    os.write(w, encode(Hello(2, new_owner("silent"), True).to_json()))
+    os.write(w, encode(Hello(PROTOCOL, new_owner("silent"), True).to_json()))
     with os.fdopen(out_r, "rb") as replies:
         assert b"welcome" in replies.readline()
         assert holder_of(c.backup.dir) is not None  # held while the session lives
