@@ -179,7 +179,7 @@ class CodecChoice:
 
     def describe(self) -> str:
         verdict = "compressed in transit" if self.codec == "zstd" else "sent as it is"
-        return f"{verdict} (zstd -{ZSTD_LEVEL} shrinks a {self.sampled >> 20} MiB sample {self.ratio:.1f}x)"
+        return f"{verdict} (zstd -{ZSTD_LEVEL} shrinks a {self.sampled >> 20} MiB sample {self.ratio:.2f}x)"
 
 
 def choose_codec(read_at: ReadAt, size: int, *, samples: int = 8, sample_size: int = 1 << 20,
