@@ -415,6 +415,11 @@ class NodeRestore:
                     "running": self.backend.is_active()}
         if j.state == J.DONE:
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
+        if not any(j.done(s) or s in j.pending for s in J.STEPS if s not in ("begin", "receive", "fence")):
+            # only the journal, a shipped copy and perhaps a finished fence exist (the restore
+            # failed while shipping or fencing): etcd was never stopped and nothing moved, so it
+            # keeps serving, untouched; an apiserver fenced here is started again
+            return self._close_untouched(j)
         did: List[str] = []
         self.backend.stop(30.0)
         did.append("etcd stopped")
@@ -457,6 +462,15 @@ class NodeRestore:
         if j.done("fence") and not j.done("unfence"):
             self._unfence(j)
             did.append("apiserver unfenced")
+        return self._rolled_back(j, did)
+
+    def _close_untouched(self, j: J.Journal) -> Dict[str, Any]:
+        did = ["nothing was stopped or moved; the shipped copy removed"]
+        if j.done("fence") and not j.done("unfence") and self._unfence(j):
+            did.append("apiserver unfenced")
+        return self._rolled_back(j, did)
+
+    def _rolled_back(self, j: J.Journal, did: List[str]) -> Dict[str, Any]:
         j.state = J.ROLLED_BACK
         j.rollback = did
         J.save(self.journal_path, j)

@@ -90,7 +90,7 @@ class _Sink:
         self.error: Optional[BaseException] = None
         self.receipt: Optional[Received] = None
         self.wire = 0
-        self.moved = time.monotonic()  # the last time its stream moved
+        self.moved = time.monotonic()  # when its stream last moved, or began to wait on the link
         self.blocked = False  # inside a send or close that waits on the link
         self.seconds = 0.0
         self._lock = threading.Lock()
@@ -145,6 +145,8 @@ class _Sink:
             self.fail(self._explain(exc))
 
     def _blocking(self, fn: Callable[[], None]) -> None:
+        """``fn`` may wait on the link: the watchdog times it from here (a wait for frames does not count)."""
+        self.moved = time.monotonic()
         self.blocked = True
         try:
             fn()
