@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""Benchmark of the delta feature on this machine.
+"""Benchmark of continuous backup, measuring the real daemon (one command).
 
-1. Capture cost: a writer doing RATE puts/s of SIZE-byte values for DURATION s against a live
-   single-member etcd (production defaults, fsync on), once without and once with the watcher.
-   Writer and watcher run in subprocesses of their own, so psutil accounts each one's CPU
-   separately; reported: writer throughput (median of per-second counts) and latency, watcher
-   CPU % of one core (median of 1 s samples, and the whole-run mean) and RSS, etcd CPU.
-   Then the same without pacing (max throughput) for MAX_SECONDS each way.
-2. Replay: the captured chain replayed onto its full backup (and checked equal to the live
-   keyspace), and a synthetic chain of EVENTS events onto a full backup of FULL_KEYS keys:
-   events/s and the total restore time (full backup + events).
+1. Capture cost. A one-member loopback cluster on etcd 3.5.16 (production defaults: fsync on)
+   run by a real ``etcd-agent run`` daemon (process backend). A writer subprocess puts RATE
+   values/s of SIZE bytes for DURATION s, first with ``[backup.delta] enabled = false``, then -
+   after ``enabled = true`` and SIGHUP, the watch caught up - with it. Reported: the writer's
+   throughput (median of per-second counts) and latency, the daemon process's CPU (% of one core:
+   whole-run mean and median of 1 s samples; its etcd child is counted separately) and RSS. Then
+   the same unpaced (max throughput) for MAX_SECONDS each way.
+2. Replay. The captured chain replayed onto its full backup (checked equal to the live keyspace
+   at the reached revision); a synthetic chain of EVENTS events onto a full backup of FULL_KEYS
+   keys: events/s, the replay's total (full backup + events -> snapshot saved), and the wall time
+   of ``etcd-agent restore --from FULL --to newest --yes`` of that cluster (replay + restore).
 
-    /work/main/.venv/bin/python /work/proto/delta/bench_delta.py [--duration 60] [--json out.json]
+    .venv/bin/python bench/delta_bench.py [--duration 60] [--json out.json]
 
-The JSON report goes to stdout (or --json); progress goes to stderr.
+The JSON report goes to stdout (or --json); a table and progress go to stderr.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -34,17 +37,22 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from etcd_agent.delta import proto  # noqa: E402
+from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.delta import chains, proto  # noqa: E402
 from etcd_agent.delta.replay import Target, replay  # noqa: E402
-from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch  # noqa: E402
+from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
+from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
 from etcd_agent.delta.segments import DELETE, PUT, Event, SegmentHeader, SegmentWriter, Txn, list_segments  # noqa: E402
+from etcd_agent.waiting import poll  # noqa: E402
+from tests.integration.continuous import agent, make_bed  # noqa: E402
+from tests.integration.test_daemon import wait_healthy  # noqa: E402
 
-log = logging.getLogger("bench_delta")
-LIVE = ScratchOptions(unsafe_no_fsync=False, max_request_bytes=1572864, max_txn_ops=128)
+log = logging.getLogger("delta_bench")
 
 
-# ---------------------------------------------------------------- subprocess roles
+# ---------------------------------------------------------------- the writer (a subprocess)
 
 
 def role_writer(args: argparse.Namespace) -> None:
@@ -108,76 +116,6 @@ def role_writer(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def role_watcher(args: argparse.Namespace) -> None:
-    """A DeltaWatcher until SIGTERM; JSON stats out."""
-    from etcd_agent.delta.watcher import DeltaWatcher
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    w = DeltaWatcher(args.endpoint, args.base, args.out, close_seconds=5.0)
-    try:
-        w.run(stop)
-    finally:
-        print(json.dumps({"segments": w.segments_written, "responses": w.responses, "reconnects": w.reconnects,
-                          "captured_revision": w.captured_revision}))
-
-
-# ---------------------------------------------------------------- driver
-
-
-def _spawn(role: str, *extra: str) -> subprocess.Popen:  # type: ignore[type-arg]
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), role, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _cpu(p: Any) -> float:
-    t = p.cpu_times()
-    return float(t.user + t.system)
-
-
-def capture_run(endpoint: str, etcd_pid: int, duration: float, rate: int, size: int, inflight: int,
-                watch: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    import psutil
-
-    watcher = None
-    wproc = None
-    if watch is not None:
-        watcher = _spawn("watcher", "--endpoint", endpoint, "--base", str(watch["base"]), "--out", watch["out"])
-        wproc = psutil.Process(watcher.pid)
-        time.sleep(2.0)  # connected, first lease listing done
-    etcd = psutil.Process(etcd_pid)
-    writer = _spawn("writer", "--endpoint", endpoint, "--rate", str(rate), "--size", str(size),
-                    "--duration", str(duration), "--inflight", str(inflight))
-    t0 = time.monotonic()
-    e0 = _cpu(etcd)
-    w0 = _cpu(wproc) if wproc else 0.0
-    samples: List[float] = []
-    rss: List[int] = []
-    last_t, last_c = t0, w0
-    while writer.poll() is None:
-        time.sleep(1.0)
-        if wproc is not None:
-            now, c = time.monotonic(), _cpu(wproc)
-            samples.append(100.0 * (c - last_c) / (now - last_t))
-            last_t, last_c = now, c
-            rss.append(wproc.memory_info().rss)
-    wall = time.monotonic() - t0
-    out, err = writer.communicate()
-    if writer.returncode != 0:
-        raise SystemExit(f"writer failed: {err.decode()[-2000:]}")
-    res: Dict[str, Any] = {"writer": json.loads(out), "etcd_cpu_pct": 100.0 * (_cpu(etcd) - e0) / wall}
-    if watcher is not None and wproc is not None:
-        res["watcher_cpu_pct_mean"] = 100.0 * (_cpu(wproc) - w0) / wall
-        res["watcher_cpu_pct_median"] = statistics.median(samples[1:] or samples)
-        res["watcher_rss_mb_max"] = max(rss) / 1e6
-        time.sleep(6.0)  # let it close its last segment
-        watcher.send_signal(signal.SIGTERM)
-        wout, werr = watcher.communicate(timeout=60)
-        if watcher.returncode != 0:
-            raise SystemExit(f"watcher failed: {werr.decode()[-3000:]}")
-        res["watcher"] = json.loads(wout.decode().strip().splitlines()[-1])
-    return res
-
 
 def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int) -> int:
     """A chain of ``events`` events after ``base``: mostly single puts, every 10th revision a
@@ -216,6 +154,104 @@ def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int) -> 
     return rev
 
 
+# ---------------------------------------------------------------- driver
+
+
+def _spawn_writer(endpoint: str, rate: int, size: int, duration: float, inflight: int) -> "subprocess.Popen[bytes]":
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "writer", "--endpoint", endpoint,
+                             "--rate", str(rate), "--size", str(size), "--duration", str(duration),
+                             "--inflight", str(inflight)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _cpu(p: Any) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
+def capture_run(endpoint: str, daemon_pid: int, etcd_pid: int, duration: float, rate: int, size: int,
+                inflight: int) -> Dict[str, Any]:
+    """One writer run; the daemon's and etcd's CPU and the daemon's RSS sampled every second."""
+    import psutil
+
+    daemon, etcd = psutil.Process(daemon_pid), psutil.Process(etcd_pid)
+    writer = _spawn_writer(endpoint, rate, size, duration, inflight)
+    t0 = time.monotonic()
+    d0, e0 = _cpu(daemon), _cpu(etcd)
+    samples: List[float] = []
+    rss: List[int] = []
+    last_t, last_c = t0, d0
+    while writer.poll() is None:
+        time.sleep(1.0)
+        now, c = time.monotonic(), _cpu(daemon)
+        samples.append(100.0 * (c - last_c) / (now - last_t))
+        last_t, last_c = now, c
+        rss.append(daemon.memory_info().rss)
+    wall = time.monotonic() - t0
+    out, err = writer.communicate()
+    if writer.returncode != 0:
+        raise SystemExit(f"writer failed: {err.decode()[-2000:]}")
+    return {
+        "writer": json.loads(out),
+        "daemon_cpu_pct_mean": 100.0 * (_cpu(daemon) - d0) / wall,
+        "daemon_cpu_pct_median": statistics.median(samples[1:] or samples),
+        "daemon_rss_mb_max": max(rss) / 1e6,
+        "etcd_cpu_pct": 100.0 * (_cpu(etcd) - e0) / wall,
+    }
+
+
+def set_delta(config_path: str, enabled: bool, daemon_pid: int) -> None:
+    """Rewrite [backup.delta] enabled and SIGHUP the daemon (it reloads before its next cycle)."""
+    with open(config_path) as fh:
+        text = fh.read()
+    text = re.sub(r"(?m)^enabled = (true|false)\n", "", text)
+    text = text.replace("[backup.delta]\n", f"[backup.delta]\nenabled = {'true' if enabled else 'false'}\n", 1)
+    with open(config_path, "w") as fh:
+        fh.write(text)
+    os.kill(daemon_pid, signal.SIGHUP)
+
+
+def wait_caught_up(backup_dir: str, rpc: EtcdRpc, timeout: float = 300.0) -> float:
+    """Until a closed segment holds the member's current revision (the watch's catch-up done)."""
+    t = time.monotonic()
+    want = rpc.header().revision
+
+    def done() -> bool:
+        found = chains.scan(backup_dir).chains
+        return max((x.end_revision for x in found if x.usable), default=0) >= want
+
+    poll(done, timeout=timeout, what=f"a closed segment at revision {want}", interval=0.5)
+    return time.monotonic() - t
+
+
+def table(report: Dict[str, Any]) -> str:
+    def row(name: str, a: Dict[str, Any], b: Dict[str, Any]) -> str:
+        wa, wb = a["writer"], b["writer"]
+        lost = 100.0 * (1 - wb["rate_median"] / wa["rate_median"]) if wa["rate_median"] else 0.0
+        return (f"| {name} | {wa['rate_median']:.0f} / {wb['rate_median']:.0f} /s ({lost:+.1f} % lost) "
+                f"| {wa['latency_ms_p50']:.1f} / {wa['latency_ms_p99']:.0f} -> {wb['latency_ms_p50']:.1f} / "
+                f"{wb['latency_ms_p99']:.0f} ms | {a['daemon_cpu_pct_mean']:.1f} -> {b['daemon_cpu_pct_mean']:.1f} % "
+                f"(median {a['daemon_cpu_pct_median']:.1f} -> {b['daemon_cpu_pct_median']:.1f}) "
+                f"| {a['daemon_rss_mb_max']:.0f} -> {b['daemon_rss_mb_max']:.0f} MB |")
+
+    lines = ["| writer | throughput without / with the watch | latency p50/p99 without -> with | daemon CPU "
+             "(% of one core) without -> with | daemon RSS |", "|---|---|---|---|---|"]
+    if "paced_with" in report:
+        lines.append(row(f"{report['rate']}/s x {report['size']} B", report["paced_without"], report["paced_with"]))
+    if "max_with" in report:
+        lines.append(row("unpaced (64 in flight)", report["max_without"], report["max_with"]))
+    if "replay_captured" in report:
+        r = report["replay_captured"]
+        lines.append(f"replay of the captured chain: {r['events_applied']} events, {r['events_per_s']:.0f} events/s, "
+                     f"equal to live: {r['equal_to_live_at_reached_revision']}")
+    if "replay_synthetic" in report:
+        r = report["replay_synthetic"]
+        lines.append(f"replay of {r['events']} synthetic events onto a full backup of {r['full_keys']} keys "
+                     f"({r['full_bytes'] / 1e6:.1f} MB): {r['events_per_s']:.0f} events/s, full backup + events -> "
+                     f"snapshot {r['total_restore_seconds']:.1f}s; etcd-agent restore --to newest --yes "
+                     f"{r.get('cli_restore_seconds', float('nan')):.1f}s")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="role")
@@ -225,110 +261,128 @@ def main() -> None:
     wr.add_argument("--size", type=int, default=1024)
     wr.add_argument("--duration", type=float, default=60)
     wr.add_argument("--inflight", type=int, default=32)
-    wa = sub.add_parser("watcher")
-    wa.add_argument("--endpoint", required=True)
-    wa.add_argument("--base", type=int, required=True)
-    wa.add_argument("--out", required=True)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--rate", type=int, default=500)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--max-seconds", type=float, default=15)
     ap.add_argument("--events", type=int, default=100000)
     ap.add_argument("--full-keys", type=int, default=10000)
+    ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.role == "writer":
         return role_writer(args)
-    if args.role == "watcher":
-        return role_watcher(args)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    for noisy in ("delta", "etcd_agent"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    work = tempfile.mkdtemp(prefix="bench-delta-")
-    report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}}
+    logging.getLogger("etcd_agent").setLevel(logging.WARNING)
+    work = tempfile.mkdtemp(prefix="bench-delta-", dir=args.dir)
+    report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+                              "rate": args.rate, "size": args.size, "duration": args.duration}
 
     def save() -> None:  # after every phase: a late failure keeps the earlier numbers
         if args.json:
             with open(args.json, "w") as fh:
                 fh.write(json.dumps(report, indent=2) + "\n")
 
-    live = start_scratch(None, LIVE, name="live")
+    # the product's defaults for the watch; off to begin with
+    bed = make_bed(os.path.join(work, "c"), 1, delta={"enabled": "false", "close_seconds": "5.0",
+                                                       "idle_seconds": "60.0"})
+    c = bed.c
     try:
-        rpc = live.rpc
+        bed.start("m1")
+        wait_healthy(c.cfg, 1, 90)
+        daemon_pid = bed.procs["m1"].pid
+        etcd_pid = c.members[0].backend.pid()
+        assert etcd_pid is not None
+        endpoint = c.cfg.members[0].client_url
+        rpc = EtcdRpc(endpoint, timeout=10.0)
         value = os.urandom(args.size)
         for i in range(0, args.full_keys, 100):
             rpc.txn([proto.op_put(b"full/%06d" % j, value) for j in range(i, min(i + 100, args.full_keys))])
-        full = os.path.join(work, "full.db")
-        base = live.snapshot_save(full).revision
-        etcd_pid = live.pid
-        assert etcd_pid is not None
-        report["full_backup"] = {"keys": args.full_keys, "bytes": os.path.getsize(full), "revision": base}
+        full = take_backup(c.cfg, member="m1")
+        report["full_backup"] = {"keys": args.full_keys, "bytes": full.size, "revision": full.revision}
 
-        log.info("paced %d/s x %d B for %.0fs without the watcher", args.rate, args.size, args.duration)
-        report["paced_without"] = capture_run(live.endpoint, etcd_pid, args.duration, args.rate, args.size, 64, None)
+        log.info("paced %d/s x %d B for %.0fs, delta watch off", args.rate, args.size, args.duration)
+        report["paced_without"] = capture_run(endpoint, daemon_pid, etcd_pid, args.duration, args.rate, args.size, 64)
         save()
-        segdir = os.path.join(work, "seg")
-        # the watcher starts from the full backup: it first catches up on the baseline run
-        log.info("paced with the watcher")
-        report["paced_with"] = capture_run(live.endpoint, etcd_pid, args.duration, args.rate, args.size, 64,
-                                           {"base": base, "out": segdir})
-        segs = list_segments(segdir)
-        report["paced_with"]["segments_bytes"] = sum(os.path.getsize(p) for p in segs)
+        set_delta(c.config_path, True, daemon_pid)
+        report["catch_up_seconds"] = wait_caught_up(c.cfg.backup.dir, rpc)
+        log.info("paced, delta watch on (caught up in %.1fs)", report["catch_up_seconds"])
+        report["paced_with"] = capture_run(endpoint, daemon_pid, etcd_pid, args.duration, args.rate, args.size, 64)
+        wait_caught_up(c.cfg.backup.dir, rpc)
+        report["paced_with"]["segments_bytes"] = sum(os.path.getsize(p) for p in list_segments(c.cfg.backup.dir))
         save()
-
-        log.info("max throughput without / with the watcher, %.0fs each", args.max_seconds)
-        report["max_without"] = capture_run(live.endpoint, etcd_pid, args.max_seconds, 0, args.size, 32, None)
-        save()
-        segdir2 = os.path.join(work, "seg2")
-        report["max_with"] = capture_run(live.endpoint, etcd_pid, args.max_seconds, 0, args.size, 32,
-                                         {"base": rpc.header().revision, "out": segdir2})
+        log.info("unpaced %.0fs, with then without the watch", args.max_seconds)
+        report["max_with"] = capture_run(endpoint, daemon_pid, etcd_pid, args.max_seconds, 0, args.size, 64)
+        wait_caught_up(c.cfg.backup.dir, rpc)
+        reached_live = rpc.header().revision
+        set_delta(c.config_path, False, daemon_pid)
+        poll(lambda: chains.active_base(c.cfg.backup.dir) is None, timeout=60, what="the watch to stop")
+        report["max_without"] = capture_run(endpoint, daemon_pid, etcd_pid, args.max_seconds, 0, args.size, 64)
         save()
 
         log.info("replaying the captured chain")
-        t = time.monotonic()
-        res = replay(full, segs, Target.newest(), output=os.path.join(work, "captured.db"))
+        segs = list_segments(c.cfg.backup.dir)
+        res = replay(full.path, segs, Target.to_revision(reached_live), output=os.path.join(work, "captured.db"))
         cap = res.to_json()
         cap["events_per_s"] = res.events_applied / res.replay_seconds if res.replay_seconds else None
         with scratch_etcd(res.snapshot_path) as s:
-            got = s.rpc.range(b"\0", b"\0").kvs
+            got = {e.key: e.value for e in s.rpc.range(b"\0", b"\0").kvs}
         want = {e.key: e.value for e in rpc.range(b"\0", b"\0", revision=res.reached_revision).kvs}
-        cap["equal_to_live_at_reached_revision"] = {e.key: e.value for e in got} == want
-        cap["wall_s"] = time.monotonic() - t
+        cap["equal_to_live_at_reached_revision"] = got == want
         report["replay_captured"] = {k: cap[k] for k in ("events_applied", "revisions_applied", "segments_applied",
                                                           "replay_seconds", "seconds", "events_per_s", "complete",
                                                           "equal_to_live_at_reached_revision")}
         save()
-    finally:
-        live.stop()
 
-    log.info("synthetic chain of %d events", args.events)
-    syn = os.path.join(work, "syn")
-    os.makedirs(syn)
-    last = synthetic_chain(syn, base, args.events, args.size, int(time.time() * 1000) - 3_600_000)
-    segs = list_segments(syn)
-    t = time.monotonic()
-    res = replay(full, segs, Target.newest(), output=os.path.join(work, "syn.db"))
-    report["replay_synthetic"] = {
-        "events": res.events_applied,
-        "revisions": res.revisions_applied,
-        "segments": len(segs),
-        "segment_bytes": sum(os.path.getsize(p) for p in segs),
-        "reached_revision": res.reached_revision,
-        "expected_revision": last,
-        "replay_seconds": res.replay_seconds,
-        "events_per_s": res.events_applied / res.replay_seconds,
-        "revisions_per_s": res.revisions_applied / res.replay_seconds,
-        "total_restore_seconds": res.seconds,
-        "wall_s": time.monotonic() - t,
-    }
+        log.info("synthetic chain of %d events after a fresh full backup", args.events)
+        bed.stop()  # no daemon from here on: the chain below is the only one continuing full2
+        c.members[0].backend.start()
+        c.members[0].wait_healthy(60)
+        rpc = EtcdRpc(endpoint, timeout=10.0)
+        full2 = take_backup(c.cfg, member="m1")
+        assert full2.revision is not None
+        live_keys = rpc.range(b"\0", b"\0", count_only=True).count
+        last = synthetic_chain(c.cfg.backup.dir, full2.revision, args.events, args.size,
+                               int(time.time() * 1000) - 600_000)
+        mine = [p for p in list_segments(c.cfg.backup.dir) if _base(p) == full2.revision]
+        res = replay(full2.path, mine, Target.newest(), output=os.path.join(work, "syn.db"))
+        report["replay_synthetic"] = {
+            "events": res.events_applied, "revisions": res.revisions_applied, "segments": len(mine),
+            "segment_bytes": sum(os.path.getsize(p) for p in mine), "reached_revision": res.reached_revision,
+            "expected_revision": last, "replay_seconds": res.replay_seconds,
+            "events_per_s": res.events_applied / res.replay_seconds,
+            "revisions_per_s": res.revisions_applied / res.replay_seconds,
+            "total_restore_seconds": res.seconds, "full_keys": live_keys, "full_bytes": full2.size,
+        }
+        save()
+        log.info("etcd-agent restore --from %s --to newest --yes", os.path.basename(full2.path))
+        t = time.monotonic()
+        out = agent(c, "restore", "--from", os.path.basename(full2.path), "--to", "newest", "--yes", timeout=3600)
+        report["replay_synthetic"]["cli_restore_seconds"] = time.monotonic() - t
+        if out.returncode != 0:
+            report["replay_synthetic"]["cli_restore_error"] = out.stderr[-2000:]
+        save()
+    finally:
+        bed.stop()
+        c.stop()
+        shutil.rmtree(work, ignore_errors=True)
     report["machine"]["loadavg_end"] = os.getloadavg()
-    shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as fh:
             fh.write(text + "\n")
     print(text)
+    sys.stderr.write(table(report) + "\n")
+
+
+def _base(path: str) -> Optional[int]:
+    from etcd_agent.delta.segments import read_header
+
+    try:
+        return read_header(path).base_revision
+    except Exception:  # noqa: BLE001
+        return None
 
 
 if __name__ == "__main__":

@@ -125,6 +125,25 @@ def could_be_age(buf: Buffer) -> bool:
 
 def parse_header(data: bytes) -> Header:
     """The age v1 header at the start of ``data``, bounds-checked; CiphertextCorrupt if malformed."""
+    hdr, lines = _header_lines(data)
+    stanzas: List[Stanza] = []
+    i = 1
+    while not lines[i].startswith(b"---"):  # header_end stops at the first such line: it is the last
+        if len(stanzas) == MAX_STANZAS:
+            raise CiphertextCorrupt(f"the age header has more than {MAX_STANZAS} recipient stanzas")
+        stanza, i = _stanza(lines, i)
+        stanzas.append(stanza)
+    line = lines[i]
+    mac = _mac(line)
+    if not stanzas:
+        raise CiphertextCorrupt("the age header has no recipient stanza")
+    header = Header(tuple(stanzas), mac, hdr[: len(hdr) - len(line) - 1 + 3], len(hdr))
+    _check_stanza_mix(header)
+    return header
+
+
+def _header_lines(data: bytes) -> Tuple[bytes, List[bytes]]:
+    """The header's bytes and its lines (without the LFs), the version line checked."""
     bad = CiphertextCorrupt
     if data.startswith(ARMOR_BEGIN):
         raise bad("an ASCII-armored age file; the agent reads binary age files only (age -d reads both)")
@@ -144,50 +163,46 @@ def parse_header(data: bytes) -> Header:
         if lines[0].startswith(VERSION_PREFIX):
             raise bad(f"unsupported age format version {lines[0][len(VERSION_PREFIX):][:32]!r} (only v1)")
         raise bad("not an age file (it does not start with age-encryption.org/v1)")
-    stanzas: List[Stanza] = []
-    i = 1
+    return hdr, lines
+
+
+def _mac(line: bytes) -> bytes:
+    if not line.startswith(b"--- "):
+        raise CiphertextCorrupt("malformed age header MAC line")
+    try:
+        mac = b64decode(line[4:])
+    except ValueError as exc:
+        raise CiphertextCorrupt(f"malformed age header MAC ({exc})") from None
+    if len(mac) != MAC_SIZE:
+        raise CiphertextCorrupt(f"the age header MAC is {len(mac)} bytes, not {MAC_SIZE}")
+    return mac
+
+
+def _stanza(lines: List[bytes], i: int) -> Tuple[Stanza, int]:
+    """The recipient stanza starting at ``lines[i]``, and the index of the line after it."""
+    line = lines[i]
+    if not line.startswith(b"->"):
+        raise CiphertextCorrupt(f"unexpected line {i + 1} in the age header")
+    parts = line.split(b" ")
+    if parts[0] != b"->" or len(parts) < 2 or any(not p or any(c < 33 or c > 126 for c in p) for p in parts[1:]):
+        raise CiphertextCorrupt(f"malformed recipient stanza on age header line {i + 1}")
+    args = tuple(p.decode("ascii") for p in parts[1:])
+    body = bytearray()
     while True:
-        line = lines[i]
-        if line.startswith(b"---"):  # header_end stops at the first such line: it is the last
-            if not line.startswith(b"--- "):
-                raise bad("malformed age header MAC line")
-            try:
-                mac = b64decode(line[4:])
-            except ValueError as exc:
-                raise bad(f"malformed age header MAC ({exc})") from None
-            if len(mac) != MAC_SIZE:
-                raise bad(f"the age header MAC is {len(mac)} bytes, not {MAC_SIZE}")
-            if not stanzas:
-                raise bad("the age header has no recipient stanza")
-            header = Header(tuple(stanzas), mac, hdr[: len(hdr) - len(line) - 1 + 3], end)
-            _check_stanza_mix(header)
-            return header
-        if not line.startswith(b"->"):
-            raise bad(f"unexpected line {i + 1} in the age header")
-        if len(stanzas) == MAX_STANZAS:
-            raise bad(f"the age header has more than {MAX_STANZAS} recipient stanzas")
-        parts = line.split(b" ")
-        if parts[0] != b"->" or len(parts) < 2 or any(not p or any(c < 33 or c > 126 for c in p) for p in parts[1:]):
-            raise bad(f"malformed recipient stanza on age header line {i + 1}")
-        args = tuple(p.decode("ascii") for p in parts[1:])
-        body = bytearray()
-        while True:
-            # the MAC line never decodes as base64 ("-" and " " are not in the alphabet), so the
-            # body loop always stops before running off the end of ``lines``
-            i += 1
-            line = lines[i]
-            if len(line) > BODY_COLUMNS:
-                raise bad(f"age header line {i + 1}: stanza body line longer than {BODY_COLUMNS} columns")
-            try:
-                body += b64decode(line)
-            except ValueError as exc:
-                if line.startswith((b"->", b"---")):
-                    raise bad(f"age header line {i}: stanza body does not end with a short line") from None
-                raise bad(f"age header line {i + 1}: malformed stanza body ({exc})") from None
-            if len(line) < BODY_COLUMNS:
-                break
-        stanzas.append(Stanza(args[0], args[1:], bytes(body)))
+        # the MAC line never decodes as base64 ("-" and " " are not in the alphabet), so the
+        # body loop always stops before running off the end of ``lines``
         i += 1
+        line = lines[i]
+        if len(line) > BODY_COLUMNS:
+            raise CiphertextCorrupt(f"age header line {i + 1}: stanza body line longer than {BODY_COLUMNS} columns")
+        try:
+            body += b64decode(line)
+        except ValueError as exc:
+            if line.startswith((b"->", b"---")):
+                raise CiphertextCorrupt(f"age header line {i}: stanza body does not end with a short line") from None
+            raise CiphertextCorrupt(f"age header line {i + 1}: malformed stanza body ({exc})") from None
+        if len(line) < BODY_COLUMNS:
+            return Stanza(args[0], args[1:], bytes(body)), i + 1
 
 
 def x25519_share(stanza: Stanza) -> bytes:

@@ -1,7 +1,8 @@
 """The backups in the backup dir: listing that a hostile file cannot break, and ``--from``.
 
 Every regular, non-hidden file in the dir is an entry: our ``etcd-…`` archives, runbook tarballs
-(``etcd-2019-08-07.tar``), anything else that landed there. An entry is *good* (``complete``) or
+(``etcd-2019-08-07.tar``), anything else that landed there - except delta segments
+(``etcd-delta-….seg``), which belong to the chain of a full backup (``delta.chains``). An entry is *good* (``complete``) or
 *quarantined* with one line saying why: unreadable, corrupt, foreign (another cluster layout, or
 member ids that match nothing of the current cluster), or dated in the future (by its name's
 timestamp or its mtime, beyond ``CLOCK_MARGIN``). Quarantined files are never chosen, never take
@@ -24,11 +25,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..errors import AgentError, RefusedError, UsageError
 from . import checks as C
 from .checks import SYSTEM_WALL_CLOCK, WallClock
+from .drillrecord import DrillRecord, load_records
+from .drillrecord import lookup as drill_of
 from .identity import Evidence, judge, layout_problems, shares_members
-from .reader import peek_archive
+from .reader import Peek, peek_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
+    from ..etcd.snapdb import SnapshotIdentity
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class Entry:
     member_ids: Tuple[str, ...] = ()
     notes: Tuple[str, ...] = field(default=())
     encrypted: bool = False  # the snapshot member is age-encrypted (etcd_snapshot.db.age)
+    drill: Optional[DrillRecord] = None  # the last restore drill of exactly these bytes
 
     @property
     def complete(self) -> bool:
@@ -86,6 +91,7 @@ class Entry:
             "encrypted": self.encrypted,
             "encryption": m.get("encryption"),
             "notes": list(self.notes),
+            "drill": None if self.drill is None else {**self.drill.to_json(), "summary": self.drill.summary()},
         }
 
 
@@ -103,11 +109,15 @@ def name_time(name: str, utc: bool = True) -> Optional[datetime]:
 
 
 def _candidates(directory: str) -> List[str]:
+    """Names that may be backups: not hidden, not a delta segment (``delta.chains`` lists those
+    with the full backup they continue)."""
+    from ..delta.segments import parse_name as segment_range
+
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if not n.startswith("."))
+    return sorted(n for n in names if not n.startswith(".") and segment_range(n) is None)
 
 
 def entry_for(
@@ -131,12 +141,7 @@ def entry_for(
         return replace(base, problem="a symlink (not followed): backups are regular files")
     if not stat.S_ISREG(st.st_mode):
         return replace(base, problem="not a regular file")
-    now = clock.now()
-    future = None
-    if when > now + CLOCK_MARGIN:
-        future = f"dated in the future by its name ({when.isoformat()}; now {now.isoformat(timespec='seconds')})"
-    elif mtime > now + CLOCK_MARGIN:
-        future = f"modified in the future (mtime {mtime.isoformat(timespec='seconds')}; now {now.isoformat(timespec='seconds')})"
+    future = _future(when, mtime, clock.now())
     cached = C.lookup(cache if cache is not None else C.load(os.path.dirname(path)), name, st)
     if cached is not None and not cached.ok:
         return _q(base, cached.problem or "failed its last check", cached)
@@ -148,7 +153,32 @@ def entry_for(
         return replace(base, problem=f"{what}: {msg}")
     except OSError as exc:
         return replace(base, problem=f"unreadable: {exc.strerror or exc}")
-    manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    info = _described(base, peek, cached)
+    if peek.signature == "invalid":
+        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
+    if future is not None:
+        return replace(info, problem=future)
+    if peek.identity is not None and cfg is not None:
+        info = _whose(info, peek.identity, cfg, evidence)
+        if info.problem is not None:
+            return info
+    if cached is not None:
+        how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
+        return replace(info, verified=True, check=how)
+    return replace(info, check="unchecked: its bytes were not checked since they last changed")
+
+
+def _future(when: datetime, mtime: datetime, now: datetime) -> Optional[str]:
+    """Why a file dated ahead of the clock (a clock that once ran ahead) is not a backup to trust."""
+    if when > now + CLOCK_MARGIN:
+        return f"dated in the future by its name ({when.isoformat()}; now {now.isoformat(timespec='seconds')})"
+    if mtime > now + CLOCK_MARGIN:
+        return f"modified in the future (mtime {mtime.isoformat(timespec='seconds')}; now {now.isoformat(timespec='seconds')})"
+    return None
+
+
+def _described(base: Entry, peek: Peek, cached: Optional[C.Check]) -> Entry:
+    """The entry with what the archive's first bytes show (and the check cache remembers)."""
     ident = peek.identity
     member_ids: Tuple[str, ...] = tuple(m.id_hex for m in ident.members) if ident is not None else (
         cached.member_ids if cached is not None else ())
@@ -164,28 +194,23 @@ def entry_for(
         notes.append(f"encrypted (age{to}): listing cannot read its snapshot (backup verify --identity FILE does)")
     elif ident is None:
         notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
-    info = replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
+    manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    return replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
                    signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted)
-    if peek.signature == "invalid":
-        return replace(info, problem="its manifest was changed after it was signed (signature invalid)")
-    if future is not None:
-        return replace(info, problem=future)
-    if ident is not None and cfg is not None:
-        # quarantined only when no member is the config's: a backup from before a scale-up or a
-        # scale-down is still this cluster's history (restore says what differs)
-        layout = layout_problems(ident, cfg)
-        if layout and not shares_members(ident, cfg):
-            return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
-        if layout:
-            info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
-        if evidence is not None:
-            v = judge(ident, cfg, evidence, new_cluster=False)
-            if v.same_cluster is False:
-                return replace(info, problem=f"foreign: member ids {','.join(member_ids)} match nothing of the current cluster")
-    if cached is not None:
-        how = f"verified ({cached.how}, {datetime.fromtimestamp(cached.at, timezone.utc).isoformat(timespec='seconds')})"
-        return replace(info, verified=True, check=how)
-    return replace(info, check="unchecked: its bytes were not checked since they last changed")
+
+
+def _whose(info: Entry, ident: "SnapshotIdentity", cfg: "Config", evidence: Optional[Evidence]) -> Entry:
+    """``info`` quarantined as foreign, or with a note where its layout differs from the config."""
+    # quarantined only when no member is the config's: a backup from before a scale-up or a
+    # scale-down is still this cluster's history (restore says what differs)
+    layout = layout_problems(ident, cfg)
+    if layout and not shares_members(ident, cfg):
+        return replace(info, problem=f"foreign: another cluster layout ({'; '.join(layout)})")
+    if layout:
+        info = replace(info, notes=info.notes + (f"layout differs from the config: {'; '.join(layout)}",))
+    if evidence is not None and judge(ident, cfg, evidence, new_cluster=False).same_cluster is False:
+        return replace(info, problem=f"foreign: member ids {','.join(info.member_ids)} match nothing of the current cluster")
+    return info
 
 
 def _q(base: Entry, problem: str, cached: C.Check) -> Entry:
@@ -205,12 +230,14 @@ def list_backups(
     """Every file in ``directory`` (not hidden), newest first; good and quarantined alike."""
     out = []
     cache = C.load(directory) if os.path.isdir(directory) else {}
+    drills = load_records(directory) if os.path.isdir(directory) else {}
     for n in _candidates(directory):
         path = os.path.join(directory, n)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 continue
-            out.append(entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache))
+            e = entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache)
+            out.append(replace(e, drill=drill_of(drills, n, os.stat(path, follow_symlinks=False))) if drills else e)
         except FileNotFoundError:  # pruned while we looked
             continue
         except Exception as exc:  # noqa: BLE001 - one hostile file must never break the listing

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from ..config import Config, RemoteSection
 from ..errors import BackupCorrupt, BackupError, ConfigError
@@ -152,14 +152,22 @@ class _Bucket:
 
 def upload_and_verify(cfg: Config, path: str, manifest: Mapping[str, Any]) -> RemoteObject:
     """Upload a finished archive, verify the copy, return it; a bad copy is deleted, BackupError raised."""
-    b = _Bucket(cfg)
     name = os.path.basename(path)
     if parse_name(name) is None:
         raise BackupError(f"{name!r} is not a backup archive name (etcd-YYYY-MM-DD-HH-MM-SS.tar)")
+    return upload_file(cfg, path, name, lambda sha: _metadata(sha, manifest))
+
+
+def upload_file(cfg: Config, path: str, name: str,
+                metadata: Callable[[str], Dict[str, str]] = lambda sha: {"sha256": sha}) -> RemoteObject:
+    """Upload ``path`` as ``name`` under the prefix (``name`` may hold one "/": delta segments go
+    under ``delta-<revision>/``), verified as every copy is; ``metadata(sha256)`` names the object's
+    metadata (it must keep ``sha256``)."""
+    b = _Bucket(cfg)
     started = time.monotonic()
     try:
         digests = _local_digests(path, _part_size(b.section, os.path.getsize(path)))
-        _put_file(b, name, path, digests, _metadata(digests.sha256, manifest))
+        _put_file(b, name, path, digests, metadata(digests.sha256))
     except OSError as exc:
         raise BackupError(f"cannot read {path}: {exc.strerror or exc}") from exc
     obj = _verify_upload(b, name, digests)
@@ -171,6 +179,23 @@ def upload_and_verify(cfg: Config, path: str, manifest: Mapping[str, Any]) -> Re
     return obj
 
 
+def list_names(cfg: Config, under: str) -> List[str]:
+    """Object names (relative to the prefix) that start with ``under``."""
+    b = _Bucket(cfg)
+    out: List[str] = []
+    with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}{under}"):
+        for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix + under):
+            out += [item["Key"][len(b.prefix):] for item in page.get("Contents", [])]
+    return out
+
+
+def delete_names(cfg: Config, names: List[str]) -> None:
+    b = _Bucket(cfg)
+    for name in names:
+        with b.errors(f"cannot delete {b.where(name)}"):
+            b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
+
+
 def list_remote(cfg: Config) -> List[RemoteObject]:
     """The backup copies under the prefix, newest first (objects not named like backups are ignored)."""
     return _list(_Bucket(cfg))
@@ -179,7 +204,8 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
 def _list(b: _Bucket) -> List[RemoteObject]:
     out: List[RemoteObject] = []
     with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}"):
-        pages = b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix)
+        # Delimiter: the delta segments under delta-<revision>/ are not walked
+        pages = b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix, Delimiter="/")
         for page in pages:
             for item in page.get("Contents", []):
                 name = item["Key"][len(b.prefix):]
@@ -211,6 +237,15 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
                 log.info("deleted %s: %s", b.where(d.name), d.reason)
             except BackupError as exc:
                 failed.append(exc.message)
+    from ..delta import offsite  # a copy and the delta chain that continues it go together
+
+    keep = {d.name for d in decisions if d.keep}
+    kept_revisions = {int(o.metadata["revision"]) for o in objects
+                      if o.name in keep and str(o.metadata.get("revision", "")).isdigit()}
+    try:
+        decisions = decisions + offsite.prune_remote_chains(cfg, kept_revisions, dry_run=dry_run)
+    except BackupError as exc:
+        failed.append(exc.message)
     if failed:
         raise BackupError(f"remote prune: {len(failed)} deletion(s) failed", details=failed)
     return decisions

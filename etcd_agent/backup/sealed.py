@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from ..age import NONCE_SIZE, Decryptor, Identities, StructureCheck, StructureFacts, check_structure, plaintext_size
 from ..errors import BackupCorrupt, IdentityRefused
 from .manifest import SNAPSHOT, SNAPSHOT_AGE, Manifest
 from .snapcheck import StreamCheck, check_size
 from .tarstream import CHUNK, Stream
+
+if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only for an encrypted member
+    from ..age import Identities, StructureFacts
 
 # the header of an age file for 64 recipients and the tags of every chunk of the largest snapshot
 OVERHEAD_MAX = 64 * 1024 + (64 << 30) // (64 * 1024) * 16
@@ -59,9 +61,11 @@ def locked(path_hint: str, manifest: Optional[Manifest]) -> IdentityRefused:
                            "key of one of its recipients; nothing touched")
 
 
-def decrypt_member(st: Stream, size: int, identities: Identities, stage: str) -> Tuple[str, StreamCheck, Sealed]:
+def decrypt_member(st: Stream, size: int, identities: "Identities", stage: str) -> Tuple[str, StreamCheck, Sealed]:
     """Decrypt ``size`` bytes of ``st`` into ``stage/etcd_snapshot.db``; (path, the plaintext's
     check, what the ciphertext showed). Raises IdentityRefused (wrong key) or BackupCorrupt."""
+    from ..age import NONCE_SIZE, Decryptor, plaintext_size
+
     final = os.path.join(stage, SNAPSHOT)
     tmp = os.path.join(stage, f".{SNAPSHOT}.decrypting")
     dec = Decryptor(identities, what=SNAPSHOT_AGE)
@@ -110,6 +114,8 @@ def decrypt_member(st: Stream, size: int, identities: Identities, stage: str) ->
 def check_member(st: Stream, size: int, *, hash_it: bool, archive_path: str, offset: int) -> Sealed:
     """The keyless checks of ``size`` bytes of ``st``: streamed (and hashed) through, or, in a plain
     tar when not hashing (listing), only the header read in place and the rest skipped."""
+    from ..age import StructureCheck, check_structure
+
     if st.compression == "none" and not hash_it:
         fd = os.open(archive_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -134,7 +140,7 @@ def check_member(st: Stream, size: int, *, hash_it: bool, archive_path: str, off
     return _sealed(facts, size)
 
 
-def _sealed(facts: StructureFacts, size: int) -> Sealed:
+def _sealed(facts: "StructureFacts", size: int) -> Sealed:
     check_size(facts.plaintext_size, f"{SNAPSHOT_AGE} (by its size)")
     return Sealed(size, facts.sha256, facts.plaintext_size, facts.stanza_types, ())
 

@@ -363,18 +363,26 @@ def prune_backups(
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
+    from ..delta import chains  # a full backup and the delta chain that continues it go together
+
+    fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason) for d in decisions
+             for by_rev in goods if by_rev.name == d.name]
+    fulls += [chains.FullRef(e.name, e.revision, True, good=False) for e in entries if not e.complete]
+    chain_plan = chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
+    chain_decisions = [retention.Decision(c.label, c.keep, (c.reason,)) for c in chain_plan]
     if dry_run:
-        return decisions + quarantined
+        return decisions + chain_decisions + quarantined
     by_name = {e.name: e for e in goods}
     for d in decisions:
         if not d.keep:
             log.info("pruning %s: %s", d.name, d.reason)
             os.unlink(by_name[d.name].path)
-    if any(not d.keep for d in decisions):
+    removed = chains.apply(chain_plan)
+    if removed or any(not d.keep for d in decisions):
         from ..fs import fsync_dir
 
         fsync_dir(directory)
-    return decisions + quarantined
+    return decisions + chain_decisions + quarantined
 
 
 def prune_locked(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:

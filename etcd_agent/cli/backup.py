@@ -89,8 +89,13 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     cfg = ctx.config()
     if args.remote:
         return _list_remote(cfg)
+    from ..delta import chains
+
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    found = chains.scan(cfg.backup.dir)
+    active = chains.active_base(cfg.backup.dir)
     rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
+    docs = []
     for e in entries:
         if not e.complete:
             state = f"QUARANTINED: {e.problem}"
@@ -101,14 +106,32 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
                     f"{e.kind:<8} {e.signature:<11} {state}")
         rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
+        if e.drill is not None:
+            rows.append(f"{'':<36}   {e.drill.summary()}")
+        doc = e.to_json()
+        chain = found.chain(e.revision) if e.revision is not None else None
+        if e.complete:
+            live = " (being written now)" if chain is not None and chain.base_revision == active else ""
+            rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
+        doc["chain"] = chain.to_json() if chain else None
+        docs.append(doc)
+    revisions = {e.revision for e in entries if e.revision is not None}
+    orphans = [c for c in found.chains if c.base_revision not in revisions]
+    for c in orphans:
+        rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup at that revision here "
+                    f"(pruned at the next backup or prune): {c.describe()}")
+    for path, why in found.unreadable:
+        rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
     best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
     else:
         rows.append(f"latest: {best.name if best else 'none (no good backup)'}")
         rows += skipped
-    data = {"dir": cfg.backup.dir, "backups": [e.to_json() for e in entries], "latest": best.name if best else None,
-            "notes": skipped}
+    data = {"dir": cfg.backup.dir, "backups": docs, "latest": best.name if best else None, "notes": skipped,
+            "orphan_chains": [c.to_json() for c in orphans],
+            "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable],
+            "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}
     return Output(data, "\n".join(rows))
 
 

@@ -29,6 +29,12 @@ if TYPE_CHECKING:  # the config package is imported on first use: `--help` stays
 
 log = logging.getLogger("etcd_agent")
 
+# gRPC's fork handlers run in every child forked while its channels are busy and can abort it
+# before it execs (grpc/grpc#43055; delta/rpc.py): the daemon's restore drill starts etcd from
+# a thread while other threads talk to etcd, and was seen to die so (SIGSEGV, "Check failure").
+# The agent forks only to exec. Read when grpc initialises, which is after this (lazy imports).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # Command-group modules, in the order --help lists them. Importing them must stay cheap:
 # gRPC/etcd3 and paramiko are imported inside the handlers that need them.
 COMMAND_MODULES: List[str] = [
@@ -38,6 +44,7 @@ COMMAND_MODULES: List[str] = [
     "status",
     "run",
     "backup",
+    "drill",
     "member",
     "upgrade",
     "maintenance",
@@ -134,6 +141,10 @@ UMASK = 0o077
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # gRPC's fork handlers can abort a forked child before it execs while channels are busy
+    # (grpc/grpc#43055; the daemon's watch and a backup's etcdutl run at once); the agent forks
+    # only to exec. Read when grpc initialises, which is after this (grpc is imported lazily).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     old_umask = os.umask(UMASK)
     try:
         return _main(argv)

@@ -10,7 +10,7 @@ import logging
 from typing import Callable, Dict, List, NoReturn, Optional, Tuple
 
 from ..config import Config
-from ..errors import AgentError, EtcdError, OperationFailed, RefusedError
+from ..errors import EtcdError, OperationFailed, RefusedError
 from ..etcd.client import EndpointStatus, EtcdClient
 from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
@@ -89,13 +89,9 @@ def wait_converged(
         revs: Dict[str, int] = {}
         clusters = set()
         for m in cfg.members:
-            ok, why = c.healthy(m.client_url, timeout=2.0)
-            if not ok:
-                _not_yet(f"{m.name}: {why}")
-            try:
-                st = c.status(m.client_url, timeout=2.0)
-            except AgentError as exc:
-                _not_yet(f"{m.name}: {exc.message}")
+            why, st = c.health(m.client_url, timeout=2.0)
+            if why or st is None:
+                _not_yet(f"{m.name}: {why or 'no status'}")
             revs[m.name] = st.revision
             clusters.add(st.cluster_id)
         if len(set(revs.values())) != 1 or len(clusters) != 1:
@@ -109,7 +105,9 @@ def wait_converged(
         raise NotYet(why)
 
     try:
-        revs = poll(converged, timeout=timeout, what="every member healthy at one revision", clock=clock)
+        # a restored cluster is usually whole within a second of its start: look often
+        revs = poll(converged, timeout=timeout, what="every member healthy at one revision", interval=0.1,
+                    clock=clock)
     finally:
         if own:
             c.close()

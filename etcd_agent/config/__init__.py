@@ -24,6 +24,8 @@ from .model import (
     ClusterSection,
     Config,
     DaemonSection,
+    DeltaSection,
+    DrillSection,
     EtcdSection,
     KubernetesSection,
     LocalSection,
@@ -41,7 +43,8 @@ from .security import security_warnings
 __all__ = [
     "ADDRESSING_STYLES", "BOOTSTRAP_MODES", "BUCKET_RE", "COMPRESSIONS", "DEFAULT_PATH", "FENCE_METHODS",
     "HOSTNAME_RE", "NAME_RE", "PATH_RE", "PREFIX_RE", "REMOTE_VERIFY_MODES", "SECTIONS", "SERVICE_MANAGERS",
-    "UNIT_RE", "BackupSection", "ClusterSection", "Config", "DaemonSection", "EtcdSection", "KubernetesSection",
-    "LocalSection", "MaintenanceSection", "Member", "MemberSection", "RemoteSection", "SshSection", "TlsSection",
+    "UNIT_RE", "BackupSection", "ClusterSection", "Config", "DaemonSection", "DeltaSection", "DrillSection",
+    "EtcdSection", "KubernetesSection", "LocalSection", "MaintenanceSection", "Member", "MemberSection",
+    "RemoteSection", "SshSection", "TlsSection",
     "load", "merged", "parse_text", "security_warnings", "with_local",
 ]

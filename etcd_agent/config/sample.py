@@ -96,6 +96,25 @@ host = "10.0.0.13"
 # verify = "checksum"                 # "etag" where the server has no SHA-256 checksums (OSS)
 # keep_last = 7
 # keep_daily = 30
+# Delta segments are uploaded as they close, verified the same way, and pruned with their chain
+# (under <prefix>delta-<full backup revision>/).
+
+[backup.delta]
+# Continuous backup: the daemon (`etcd-agent run`) watches its member from the newest full backup
+# on this host and writes every change into delta segments beside the full backups
+# (etcd-delta-<first rev>-<last rev>-<UTC end time>.seg, 0600), so `restore --to-time` /
+# `--to newest` loses seconds, not the time since the last cron backup. A full backup and the
+# segments that continue it are kept and pruned together.
+# enabled = true
+# close_seconds = 5.0                 # a segment with events is closed this often (the data at risk)
+# close_bytes = 4194304               # ... or once it holds this much
+# idle_seconds = 60.0                 # an empty segment this often when nothing changes
+# max_chain_events = 600000           # past any of these the daemon takes a full backup and
+# max_chain_bytes = 1073741824        # starts a new chain: a restore replays at most this much
+# max_chain_segments = 1000           # (events replay at ~2000/s: 600000 is about 5 minutes)
+# max_outage = 300.0                  # member unwatchable this long: chain broken, full backup when back
+# metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom"
+#                                     # default: beside [backup] metrics_file (none when that is unset)
 
 [ssh]
 # How restore/upgrade reach the other masters. Host keys are checked against known_hosts only.
@@ -134,4 +153,21 @@ host = "10.0.0.13"
 # defrag_timeout = 600.0
 # auto_defrag = false                 # the daemon defragments its member by itself
 # auto_disarm_nospace = false         # the daemon clears a NOSPACE alarm by itself
+
+[drill]
+# Restore drills: a backup restored into a throwaway single-member etcd on 127.0.0.1 (its own
+# ports and dir, as [etcd] user, at low priority; the live member is never touched), checked
+# against the backup, then removed. `etcd-agent drill` runs one now.
+# every = 0.0                         # the daemon drills the newest good backup this often, one master
+#                                     # at a time (86400 = daily); 0 = never on its own
+# dir = "/var/lib/etcd-agent-drill"   # created 0711: the etcd user reaches its own 0700 dir in it;
+#                                     # needs room for two copies of the snapshot
+# user = ""                           # the throwaway etcd's user; "" = [etcd] user
+# nice = 10                           # CPU priority of the drill and its etcd (0-19)
+# ionice = "idle"                     # or "best-effort:7", or "none"
+# gomaxprocs = 1                      # cores the throwaway etcd may use; 0 = all
+# sample_keys = 100                   # keys read back and compared byte for byte with the snapshot file
+# timeout = 1800.0                    # a drill that takes longer fails
+# metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom"
+#                                     # node_exporter textfile: last success/failure, duration, failures
 """

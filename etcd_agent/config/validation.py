@@ -19,6 +19,7 @@ from .model import (
     COMPRESSIONS,
     FENCE_METHODS,
     HOSTNAME_RE,
+    IONICE_RE,
     NAME_RE,
     PATH_RE,
     PREFIX_RE,
@@ -28,8 +29,10 @@ from .model import (
     BackupSection,
     Config,
     DaemonSection,
+    DeltaSection,
     EtcdSection,
     KubernetesSection,
+    Member,
     RemoteSection,
 )
 
@@ -61,6 +64,9 @@ EXAMPLES = {
     "etcd.conf_file": EtcdSection.conf_file, "etcd.unit_file": EtcdSection.unit_file,
     "kubernetes.manifest": KubernetesSection.manifest,
     "backup.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom",
+    "drill.dir": "/var/lib/etcd-agent-drill",
+    "drill.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom",
+    "backup.delta.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom",
 }
 
 
@@ -119,12 +125,14 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
         *((f"tls.{n}", getattr(t, n), READ) for n in ("client_ca", "client_cert", "client_key", "peer_ca",
                                                         "peer_cert", "peer_key")),
         ("backup.dir", b.dir, DATA), ("backup.metrics_file", b.metrics_file, WRITE),
+        ("backup.delta.metrics_file", b.delta.metrics_file, WRITE),
         ("backup.remote.credentials_file", r.credentials_file, READ), ("backup.remote.ca_bundle", r.ca_bundle, READ),
         ("ssh.identity_file", s.identity_file, READ), ("ssh.known_hosts", s.known_hosts, READ),
         ("ssh.agent_path", s.agent_path, READ),
         ("kubernetes.manifest", k.manifest, WRITE), ("kubernetes.manifest_aside_dir", k.manifest_aside_dir, DIR),
         ("kubernetes.readyz_ca", k.readyz_ca, READ),
         ("daemon.state_dir", cfg.daemon.state_dir, DATA),
+        ("drill.dir", cfg.drill.dir, DATA), ("drill.metrics_file", cfg.drill.metrics_file, WRITE),
     ]
 
 
@@ -145,8 +153,9 @@ def _validate_paths(cfg: Config) -> List[str]:
             errs.append(problem)
         else:
             good[key] = expanded
-    # a reset or restore takes the data dir with it; prune empties the backup dir
-    owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir")
+    # a reset or restore takes the data dir with it; prune empties the backup dir; a drill
+    # removes what it leaves in its dir
+    owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir", "drill.dir")
     for i, k1 in enumerate(owned):
         for k2 in owned[i + 1:]:
             clash = next(((a, b) for a in good.get(k1, []) for b in good.get(k2, []) if _inside(a, b) or _inside(b, a)),
@@ -189,7 +198,20 @@ def validate(
     raw_member_count: int = -1,
     file_exists: Callable[[str], bool] = os.path.isfile,
 ) -> List[str]:
-    """Every problem with an already-typed config (empty list: valid)."""
+    """Every problem with an already-typed config (empty list: valid), section by section."""
+    errs = _validate_cluster(cfg)
+    errs += _validate_members(cfg, raw_member_count)
+    errs += _validate_etcd(cfg)
+    errs += _validate_tls(cfg, file_exists)
+    errs += _validate_backup(cfg)
+    errs += _validate_ssh(cfg)
+    errs += _validate_kubernetes(cfg, file_exists)
+    errs += _validate_daemon(cfg)
+    errs += _validate_drill(cfg)
+    return errs
+
+
+def _validate_cluster(cfg: Config) -> List[str]:
     errs: List[str] = []
     c = cfg.cluster
     if not NAME_RE.match(c.name):
@@ -198,7 +220,28 @@ def validate(
         errs.append(f"cluster.token {c.token!r} is not a safe token (letters, digits, _ . -)")
     if c.bootstrap not in BOOTSTRAP_MODES:
         errs.append(f"cluster.bootstrap must be one of {', '.join(BOOTSTRAP_MODES)}, got {c.bootstrap!r}")
+    return errs
 
+
+def _member_url_problems(cfg: Config, m: Member, bad_host: bool) -> List[str]:
+    errs: List[str] = []
+    for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
+        url = getattr(m, attr)
+        if bad_host and m.host in url:
+            continue  # derived from the bad host: one error is enough
+        problem = url_problem(url)
+        if problem:
+            errs.append(f"member {m.name!r}: {attr}: {problem}")
+        elif urlsplit(url).scheme != ("https" if wants_tls else "http"):
+            errs.append(
+                f"member {m.name!r}: {attr} {url!r} must use "
+                f"{'https (TLS is configured)' if wants_tls else 'http (no TLS configured)'}"
+            )
+    return errs
+
+
+def _validate_members(cfg: Config, raw_member_count: int) -> List[str]:
+    errs: List[str] = []
     if raw_member_count == 0 or not cfg.members and raw_member_count < 0:
         errs.append("no [[member]] defined: a cluster needs at least one")
     seen: Dict[str, Dict[str, str]] = {"name": {}, "client_url": {}, "peer_url": {}}
@@ -210,28 +253,20 @@ def validate(
             errs.append(f"member {m.name!r}: host {m.host!r} is not a valid IP address or host name")
         if m.ssh_host != m.host and not valid_host(m.ssh_host):
             errs.append(f"member {m.name!r}: ssh_host {m.ssh_host!r} is not a valid IP address or host name")
-        for attr, wants_tls in (("client_url", cfg.tls.client_enabled), ("peer_url", cfg.tls.peer_enabled)):
-            url = getattr(m, attr)
-            if bad_host and m.host in url:
-                continue  # derived from the bad host: one error is enough
-            problem = url_problem(url)
-            if problem:
-                errs.append(f"member {m.name!r}: {attr}: {problem}")
-            elif urlsplit(url).scheme != ("https" if wants_tls else "http"):
-                errs.append(
-                    f"member {m.name!r}: {attr} {url!r} must use "
-                    f"{'https (TLS is configured)' if wants_tls else 'http (no TLS configured)'}"
-                )
+        errs += _member_url_problems(cfg, m, bad_host)
         for attr in ("name", "client_url", "peer_url"):
             value = getattr(m, attr)
             if value in seen[attr]:
                 errs.append(f"member {m.name!r}: duplicate {attr} {value!r} (also member {seen[attr][value]!r})")
             else:
                 seen[attr][value] = m.name
-
     if cfg.local.name is not None and cfg.local.name not in seen["name"]:
         errs.append(f"local.name {cfg.local.name!r}: local member not found among the [[member]] names")
+    return errs
 
+
+def _validate_etcd(cfg: Config) -> List[str]:
+    errs: List[str] = []
     e = cfg.etcd
     if e.service_manager not in SERVICE_MANAGERS:
         errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
@@ -249,7 +284,11 @@ def validate(
         if not 1 <= getattr(e, key) <= 65535:
             errs.append(f"etcd.{key} must be a TCP port (1-65535)")
     errs.extend(_seconds("etcd.start_timeout", e.start_timeout))
+    return errs
 
+
+def _validate_tls(cfg: Config, file_exists: Callable[[str], bool]) -> List[str]:
+    errs: List[str] = []
     t = cfg.tls
     for prefix, enabled in (("client", t.client_enabled), ("peer", t.peer_enabled)):
         if not enabled:
@@ -262,20 +301,33 @@ def validate(
                 pass  # reported with every other path
             elif not file_exists(path):
                 errs.append(f"tls.{prefix}_{kind}: file {path} does not exist")
+    return errs
 
+
+def _retention_problems(w: str, keep_last: int, keep_hourly: int, keep_daily: int, newest: str) -> List[str]:
+    errs = [f"{w}.{key} must be >= 0" for key, v in (("keep_last", keep_last), ("keep_hourly", keep_hourly),
+                                                     ("keep_daily", keep_daily)) if v < 0]
+    if keep_last < 1:
+        errs.append(f"{w}.keep_last must be >= 1: the newest {newest} is always kept")
+    return errs
+
+
+def _validate_backup(cfg: Config) -> List[str]:
+    errs: List[str] = []
     b = cfg.backup
     if b.compression not in COMPRESSIONS:
         errs.append(f"backup.compression must be one of {', '.join(COMPRESSIONS)}, got {b.compression!r}")
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(b, key) < 0:
-            errs.append(f"backup.{key} must be >= 0")
-    if b.keep_last < 1:
-        errs.append("backup.keep_last must be >= 1: the newest backup is always kept")
+    errs += _retention_problems("backup", b.keep_last, b.keep_hourly, b.keep_daily, "backup")
     if b.space_margin < 0:
         errs.append("backup.space_margin must be >= 0")
     errs.extend(_validate_encrypt_to(b))
     errs.extend(_validate_remote(b.remote))
+    errs.extend(_validate_delta(b.delta))
+    return errs
 
+
+def _validate_ssh(cfg: Config) -> List[str]:
+    errs: List[str] = []
     s = cfg.ssh
     if not NAME_RE.match(s.user):
         errs.append(f"ssh.user {s.user!r} is not a valid user name")
@@ -283,7 +335,11 @@ def validate(
         errs.append("ssh.port must be a TCP port (1-65535)")
     for key in ("connect_timeout", "command_timeout"):
         errs.extend(_seconds(f"ssh.{key}", getattr(s, key)))
+    return errs
 
+
+def _validate_kubernetes(cfg: Config, file_exists: Callable[[str], bool]) -> List[str]:
+    errs: List[str] = []
     k = cfg.kubernetes
     if k.fence not in FENCE_METHODS:
         errs.append(f"kubernetes.fence must be one of {', '.join(FENCE_METHODS)}, got {k.fence!r}")
@@ -301,7 +357,12 @@ def validate(
     errs.extend(_seconds("kubernetes.readyz_timeout", k.readyz_timeout))
     if not re.match(r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", k.etcd_prefix):
         errs.append(f"kubernetes.etcd_prefix {k.etcd_prefix!r} must be a key prefix like /registry")
+    return errs
 
+
+def _validate_daemon(cfg: Config) -> List[str]:
+    """[daemon] and [maintenance], which the daemon runs."""
+    errs: List[str] = []
     d = cfg.daemon
     errs.extend(_seconds("daemon.interval", d.interval))
     if d.lock_ttl < 5:
@@ -319,6 +380,25 @@ def validate(
     return errs
 
 
+def _validate_drill(cfg: Config) -> List[str]:
+    dr = cfg.drill
+    errs: List[str] = []
+    if dr.every != 0 and not 60 <= dr.every <= MAX_SECONDS:
+        errs.append(f"drill.every must be 0 (no scheduled drills) or 60 to {MAX_SECONDS} seconds, got {dr.every:g}")
+    if dr.user and not NAME_RE.match(dr.user):
+        errs.append(f"drill.user {dr.user!r} is not a safe user name")
+    if not 0 <= dr.nice <= 19:
+        errs.append(f"drill.nice must be 0 to 19, got {dr.nice}")
+    if not IONICE_RE.match(dr.ionice):
+        errs.append(f"drill.ionice must be idle, none or best-effort:N (N 0-7), got {dr.ionice!r}")
+    if not 0 <= dr.gomaxprocs <= 1024:
+        errs.append(f"drill.gomaxprocs must be 0 (all cores) to 1024, got {dr.gomaxprocs}")
+    if not 0 <= dr.sample_keys <= 100_000:
+        errs.append(f"drill.sample_keys must be 0 to 100000, got {dr.sample_keys}")
+    errs.extend(_seconds("drill.timeout", dr.timeout))
+    return errs
+
+
 def _seconds(key: str, value: float) -> List[str]:
     """A duration: > 0 and at most MAX_SECONDS."""
     if value <= 0:
@@ -326,6 +406,23 @@ def _seconds(key: str, value: float) -> List[str]:
     if value > MAX_SECONDS:
         return [f"{key} must be at most {MAX_SECONDS} seconds (7 days)"]
     return []
+
+
+def _validate_delta(d: DeltaSection) -> List[str]:
+    """Problems with ``[backup.delta]``."""
+    w = "backup.delta"
+    errs: List[str] = []
+    for key in ("close_seconds", "idle_seconds", "max_outage"):
+        errs.extend(_seconds(f"{w}.{key}", getattr(d, key)))
+    if d.close_seconds > d.idle_seconds:
+        errs.append(f"{w}.close_seconds ({d.close_seconds:g}) must not exceed idle_seconds ({d.idle_seconds:g})")
+    # a segment is read whole (at most 1 GiB) and one revision may be etcd's --max-request-bytes
+    if not 64 * 1024 <= d.close_bytes <= 512 * 1024 * 1024:
+        errs.append(f"{w}.close_bytes must be between 65536 and 536870912")
+    for key in ("max_chain_events", "max_chain_bytes", "max_chain_segments"):
+        if getattr(d, key) < 1:
+            errs.append(f"{w}.{key} must be >= 1")
+    return errs
 
 
 def _loopback_address_ok(addr: str) -> bool:
@@ -363,36 +460,18 @@ def _validate_encrypt_to(b: BackupSection) -> List[str]:
     return errs
 
 
-def _validate_remote(r: RemoteSection) -> List[str]:
-    """Problems with ``[backup.remote]``; never quotes the credentials."""
+def _endpoint_ok(endpoint: str) -> bool:
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # raises on a bad port
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and valid_host(parts.hostname or "")
+            and "@" not in parts.netloc and parts.path in ("", "/") and not parts.query and not parts.fragment)
+
+
+def _remote_credentials_problems(r: RemoteSection, w: str) -> List[str]:
     errs: List[str] = []
-    w = "backup.remote"
-    if r.endpoint is not None:
-        try:
-            parts = urlsplit(r.endpoint)
-            ok = (
-                parts.scheme in ("http", "https")
-                and bool(parts.hostname)
-                and valid_host(parts.hostname or "")
-                and "@" not in parts.netloc
-                and parts.path in ("", "/")
-                and not parts.query
-                and not parts.fragment
-            )
-            parts.port  # raises on a bad port
-        except ValueError:
-            ok = False
-        if not ok:
-            # not echoed: a mistyped endpoint may carry user info
-            errs.append(f"{w}.endpoint must be http(s)://host[:port] only (no user info, path or query)")
-    if r.enabled and not r.bucket:
-        errs.append(f"{w}.bucket is required when remote copies are enabled")
-    if r.bucket and not BUCKET_RE.match(r.bucket):
-        errs.append(f"{w}.bucket {r.bucket!r} is not a valid bucket name")
-    if not PREFIX_RE.match(r.prefix) or r.prefix.startswith("/") or ".." in r.prefix:
-        errs.append(f"{w}.prefix {r.prefix!r} must be a relative key prefix of plain characters")
-    if not NAME_RE.match(r.region):
-        errs.append(f"{w}.region {r.region!r} is not a valid region name")
     if (r.access_key is None) != (r.secret_key is None):
         errs.append(f"{w}: access_key and secret_key must be given together")
     if r.access_key is not None and r.credentials_file is not None:
@@ -401,6 +480,25 @@ def _validate_remote(r: RemoteSection) -> List[str]:
         errs.append(f"{w}.credentials_profile {r.credentials_profile!r} is not a valid profile name")
     if r.ca_bundle is not None and not r.verify_tls:
         errs.append(f"{w}: ca_bundle is set but verify_tls is false")
+    return errs
+
+
+def _validate_remote(r: RemoteSection) -> List[str]:
+    """Problems with ``[backup.remote]``; never quotes the credentials."""
+    errs: List[str] = []
+    w = "backup.remote"
+    if r.endpoint is not None and not _endpoint_ok(r.endpoint):
+        # not echoed: a mistyped endpoint may carry user info
+        errs.append(f"{w}.endpoint must be http(s)://host[:port] only (no user info, path or query)")
+    if r.enabled and not r.bucket:
+        errs.append(f"{w}.bucket is required when remote copies are enabled")
+    if r.bucket and not BUCKET_RE.match(r.bucket):
+        errs.append(f"{w}.bucket {r.bucket!r} is not a valid bucket name")
+    if not PREFIX_RE.match(r.prefix) or r.prefix.startswith("/") or ".." in r.prefix:
+        errs.append(f"{w}.prefix {r.prefix!r} must be a relative key prefix of plain characters")
+    if not NAME_RE.match(r.region):
+        errs.append(f"{w}.region {r.region!r} is not a valid region name")
+    errs += _remote_credentials_problems(r, w)
     if r.addressing_style not in ADDRESSING_STYLES:
         errs.append(f"{w}.addressing_style must be one of {', '.join(ADDRESSING_STYLES)}, got {r.addressing_style!r}")
     if r.verify not in REMOTE_VERIFY_MODES:
@@ -410,9 +508,5 @@ def _validate_remote(r: RemoteSection) -> List[str]:
         errs.append(f"{w}.part_size_mb must be between 5 and 5120")
     for key in ("connect_timeout", "read_timeout"):
         errs.extend(_seconds(f"{w}.{key}", getattr(r, key)))
-    for key in ("keep_last", "keep_hourly", "keep_daily"):
-        if getattr(r, key) < 0:
-            errs.append(f"{w}.{key} must be >= 0")
-    if r.keep_last < 1:
-        errs.append(f"{w}.keep_last must be >= 1: the newest remote copy is always kept")
+    errs += _retention_problems(w, r.keep_last, r.keep_hourly, r.keep_daily, "remote copy")
     return errs

@@ -63,6 +63,9 @@ class Daemon:
         self.failures = 0
         self._last_action = health.NONE
         self._last_maintenance = -MAINTENANCE_EVERY
+        from .drill import DrillScheduler
+
+        self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
         self._apply(cfg or load(config_path))
 
     # ------------------------------------------------------------ config
@@ -319,6 +322,9 @@ class Daemon:
                 log.info("member %s: %s", obs.member, settled)
         if d.action == health.NONE and obs.local_healthy:
             self.maintain()
+            started = self.drills.tick(self.cfg, self.me.name)
+            if started:
+                log.info("member %s: %s", self.me.name, started)
         self._last_action = d.action
         report = CycleReport(obs, d, outcome)
         level = logging.DEBUG if d.action == health.NONE else logging.INFO
@@ -376,16 +382,28 @@ class Daemon:
         )
 
         metrics.start(self)
-        while not self._stop:
-            if self._reload:
-                self._reload = False
-                self.reload()
-            try:
-                self.cycle()
-            except Exception:  # one bad cycle must not kill the daemon; the next one retries
-                log.exception("cycle failed")
-            self._wake.wait(self.cfg.daemon.interval)
-            self._wake.clear()
+        # continuous backup ([backup.delta]) on threads of its own: a cycle never waits for it
+        from ..delta.status import DeltaCollector
+        from ..delta.supervisor import DeltaSupervisor
+
+        self.delta = DeltaSupervisor(lambda: (self.cfg, self.me))
+        if self.cfg.daemon.metrics_address:
+            metrics.get().registry.register(DeltaCollector(self.delta.status))
+        self.delta.start()
+        try:
+            while not self._stop:
+                if self._reload:
+                    self._reload = False
+                    self.reload()
+                try:
+                    self.cycle()
+                except Exception:  # one bad cycle must not kill the daemon; the next one retries
+                    log.exception("cycle failed")
+                self._wake.wait(self.cfg.daemon.interval)
+                self._wake.clear()
+        finally:
+            self.delta.stop()
+            self.drills.stop()
         if self.local.backend.kind == "process":
             # the process backend's etcd is our child: it stops with us (systemd's etcd does not)
             self.local.backend.stop()

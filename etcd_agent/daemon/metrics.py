@@ -67,6 +67,11 @@ class AgentMetrics:
         self.upg_failed = Gauge(p + "upgrade_failed", "1 if the last upgrade stopped on a failure.", registry=r)
         self.upg_target = Gauge(p + "upgrade_target_info", "Target of the last upgrade (value 1).", ["version"], registry=r)
         self.cycle_ts = Gauge(p + "last_cycle_timestamp_seconds", "Unix time of the last daemon cycle.", registry=r)
+        from ..backup.drillrecord import DrillCollector
+
+        # restore drills, from this host's drill state (the daemon's drills and those run by hand)
+        self.drill = DrillCollector()
+        r.register(self.drill)
         for op in ("backup", "restore", "defrag", "upgrade"):
             self.op_fail.labels(op)
             self.op_runs.labels(op)
@@ -76,7 +81,8 @@ class AgentMetrics:
 
     def refresh(self, cfg: Config) -> None:
         """Re-read everything; each source failing only blanks its own metrics."""
-        for name, fn in (("etcd", self._etcd), ("backups", self._backups), ("upgrade", self._upgrade)):
+        for name, fn in (("etcd", self._etcd), ("backups", self._backups), ("upgrade", self._upgrade),
+                         ("drill", self._drill)):
             try:
                 fn(cfg)
             except Exception as exc:  # noqa: BLE001 - a metrics source must never stop the daemon
@@ -139,6 +145,11 @@ class AgentMetrics:
             if "last_duration_seconds" in vals:
                 self.backup_dur.set(vals["last_duration_seconds"])
             self.backup_fail.set(vals.get("failures", 0.0))
+
+    def _drill(self, cfg: Config) -> None:
+        from ..backup.drillrecord import load_state
+
+        self.drill.state = load_state(cfg)
 
     def _upgrade(self, cfg: Config) -> None:
         path = os.path.join(cfg.daemon.state_dir, "upgrade.json")

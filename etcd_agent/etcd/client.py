@@ -250,20 +250,23 @@ class EtcdClient:
 
     def healthy(self, endpoint: str, timeout: Optional[float] = None) -> Tuple[bool, str]:
         """Health as ``etcdctl endpoint health`` judges it: a linearizable read goes through raft."""
+        why, _st = self.health(endpoint, timeout)
+        return not why, why
+
+    def health(self, endpoint: str, timeout: Optional[float] = None) -> Tuple[str, Optional[EndpointStatus]]:
+        """``healthy`` with the status it read on the way: ("", status) when healthy, else (why,
+        the status when one was read)."""
         # RangeRequest{key: "health"}; a linearizable read needs a leader and a quorum.
         try:
             self._call(endpoint, "/etcdserverpb.KV/Range", wire.encode_field(1, b"health"), timeout)
         except EtcdError as exc:
-            if "permission denied" in exc.message:
-                return True, ""
-            return False, exc.message
+            if "permission denied" not in exc.message:
+                return exc.message, None
         try:
             st = self.status(endpoint, timeout)
         except EtcdError as exc:
-            return False, exc.message
-        if st.errors:
-            return False, "; ".join(st.errors)
-        return True, ""
+            return exc.message, None
+        return "; ".join(st.errors), st
 
     def snapshot_chunks(self, endpoint: str, timeout: float = 3600.0) -> Iterator[bytes]:
         """Stream the backend database of ``endpoint`` (Maintenance.Snapshot), chunk by chunk."""

@@ -42,12 +42,10 @@ page of any size is never loaded whole.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import SnapshotFormatError
 from .bbolt import (
@@ -59,6 +57,23 @@ from .bbolt import (
     ReadAt,
     _Bucket,
     _Reader,
+)
+from .snapvalues import (
+    ConfState,
+    Downgrade,
+    Member,
+    Revision,
+    _bool,
+    _json,
+    _member,
+    _member_id,
+    _revision,
+    _text,
+    _u64,
+    _u64_list,
+    bounded_json,
+    cluster_id_from,
+    member_id_from,
 )
 
 __all__ = [
@@ -79,14 +94,11 @@ __all__ = [
     "cluster_id_from",
 ]
 
-
-# --- limits of the identity walk (the page-level ones are bbolt's) ------------------------------
+# --- limits of the identity walk (the page-level ones are bbolt's; the values' in snapvalues) ----
 MAX_ROOT_BUCKETS = 256  # etcd has 10
 MAX_MEMBERS = 1024
 MAX_REMOVED = 10000  # grows by one per member ever removed, never shrinks
 MAX_SMALL_ENTRIES = 1024  # meta, cluster
-MAX_JSON_DEPTH = 8
-MAX_REVISION = (1 << 63) - 1  # etcd keeps revisions in int64
 HASH_CHUNK = 1024 * 1024
 
 KEY_BUCKET = b"key"
@@ -95,60 +107,8 @@ CLUSTER_BUCKET = b"cluster"
 MEMBERS_BUCKET = b"members"
 MEMBERS_REMOVED_BUCKET = b"members_removed"
 
-_HEX_ID = re.compile(rb"[0-9a-fA-F]{1,16}\Z")
-_VERSION = re.compile(r"[0-9A-Za-z.+\-]{1,64}\Z")
-
 
 # --- result ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Revision:
-    """An MVCC revision: ``main`` is what etcd calls the revision, ``sub`` orders one txn's puts."""
-
-    main: int
-    sub: int
-    tombstone: bool = False
-
-
-@dataclass(frozen=True)
-class Member:
-    """One entry of the ``members`` bucket (name and client URLs are empty until it published)."""
-
-    id: int
-    name: str
-    peer_urls: Tuple[str, ...]
-    client_urls: Tuple[str, ...]
-    is_learner: bool
-
-    @property
-    def id_hex(self) -> str:
-        """The id as etcd prints it (``types.ID.String``: hex, no padding)."""
-        return format(self.id, "x")
-
-    def is_bootstrap_member_of(self, token: str) -> bool:
-        """Whether this id is the one etcd derives at bootstrap (or restore) from the peer URLs and
-        ``token`` (``--initial-cluster-token``); a member added at runtime never matches."""
-        return member_id_from(self.peer_urls, token) == self.id
-
-
-@dataclass(frozen=True)
-class ConfState:
-    """raftpb.ConfState as etcd 3.5+ keeps it in ``meta/confState``."""
-
-    voters: Tuple[int, ...]
-    learners: Tuple[int, ...]
-    voters_outgoing: Tuple[int, ...]
-    learners_next: Tuple[int, ...]
-    auto_leave: bool
-
-
-@dataclass(frozen=True)
-class Downgrade:
-    """``cluster/downgrade`` (etcd 3.5+)."""
-
-    target_version: str
-    enabled: bool
-
-
 @dataclass(frozen=True)
 class SnapshotIdentity:
     """What a snapshot's database says about whose it is. ``None``: the key is absent."""
@@ -211,171 +171,6 @@ class SnapshotIdentity:
         return cluster_id_from(self.member_ids) if self.members else None
 
 
-# --- identity arithmetic (server/etcdserver/api/membership/member.go, cluster.go) -------------
-def member_id_from(peer_urls: Sequence[str], token: str = "", unix_time: Optional[int] = None) -> int:
-    """The member id etcd computes in ``membership.NewMember``: the first 8 bytes (big-endian) of
-    sha1(sorted peer URLs concatenated + cluster name + decimal unix seconds if a time is given).
-
-    At bootstrap and at ``snapshot restore`` etcd passes the ``--initial-cluster-token`` and no
-    time, so the id depends only on the peer URLs and the token. ``member add`` passes an empty
-    cluster name and ``time.Now()``, so a runtime-added member's id is sha1(peer URLs + seconds).
-    """
-    b = "".join(sorted(peer_urls)).encode() + token.encode()
-    if unix_time is not None:
-        b += str(unix_time).encode()
-    return int.from_bytes(hashlib.sha1(b).digest()[:8], "big")
-
-
-def cluster_id_from(member_ids: Sequence[int]) -> int:
-    """The cluster id etcd computes in ``RaftCluster.genID``: the first 8 bytes of sha1 of the
-    sorted member ids, each 8 bytes big-endian. etcd computes it once, at bootstrap (or restore),
-    and keeps it in the WAL: after any member add/remove the stored id no longer follows from the
-    current members."""
-    b = b"".join(i.to_bytes(8, "big") for i in sorted(member_ids))
-    return int.from_bytes(hashlib.sha1(b).digest()[:8], "big")
-
-
-# --- value decoding ----------------------------------------------------------------------------
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def bounded_json(raw: bytes, what: str, *, max_bytes: int, max_depth: int) -> Dict[str, Any]:
-    """A JSON object of at most ``max_bytes`` bytes and ``max_depth`` nesting, no NaN/Infinity, no
-    duplicate keys. The nesting is counted before parsing, so a deeply nested value cannot reach
-    Python's recursion limit; every problem is one SnapshotFormatError naming ``what``."""
-    if len(raw) > max_bytes:
-        raise SnapshotFormatError(f"{what}: JSON of {len(raw)} bytes (limit {max_bytes})")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SnapshotFormatError(f"{what}: value is not UTF-8") from None
-    depth = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > max_depth:
-                raise SnapshotFormatError(f"{what}: JSON nested deeper than {max_depth}")
-        elif ch in "]}":
-            depth -= 1
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotFormatError(f"{what}: bad JSON ({str(exc).splitlines()[0][:80]})") from None
-    if not isinstance(obj, dict):
-        raise SnapshotFormatError(f"{what}: JSON value is not an object")
-    return obj
-
-
-def _json(raw: bytes, what: str) -> Dict[str, Any]:
-    """A member / confState / downgrade value: bounded_json with this module's limits."""
-    return bounded_json(raw, what, max_bytes=MAX_VALUE, max_depth=MAX_JSON_DEPTH)
-
-
-def _str_list(obj: Dict[str, Any], key: str, what: str) -> Tuple[str, ...]:
-    v = obj.get(key)
-    if v is None:  # Go marshals a nil slice as null; omitempty drops it
-        return ()
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise SnapshotFormatError(f"{what}: {key} is not a list of strings")
-    return tuple(v)
-
-
-def _u64_list(obj: Dict[str, Any], key: str, what: str) -> Tuple[int, ...]:
-    v = obj.get(key)
-    if v is None:
-        return ()
-    if not isinstance(v, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 64 for i in v
-    ):
-        raise SnapshotFormatError(f"{what}: {key} is not a list of uint64")
-    return tuple(v)
-
-
-def _bool(obj: Dict[str, Any], key: str, what: str) -> bool:
-    v = obj.get(key, False)
-    if not isinstance(v, bool):
-        raise SnapshotFormatError(f"{what}: {key} is not a boolean")
-    return v
-
-
-def _member_id(key: Optional[bytes], what: str) -> int:
-    # types.IDFromString is strconv.ParseUint(s, 16, 64); Python's int() would also take
-    # "0x", "_" and spaces, hence the pattern.
-    if key is None or not _HEX_ID.match(key):
-        shown = "(too long)" if key is None else repr(key[:32])
-        raise SnapshotFormatError(f"{what}: key {shown} is not a member id")
-    mid = int(key, 16)
-    if mid == 0:
-        raise SnapshotFormatError(f"{what}: member id 0 (raft's 'none')")
-    return mid
-
-
-def _member(key: Optional[bytes], raw: bytes) -> Member:
-    mid = _member_id(key, "members")
-    what = f"members/{mid:x}"
-    obj = _json(raw, what)
-    jid = obj.get("id", mid)
-    if isinstance(jid, bool) or not isinstance(jid, int) or jid != mid:
-        raise SnapshotFormatError(f"{what}: JSON id {jid!r} differs from the key")
-    name = obj.get("name", "")
-    if not isinstance(name, str):
-        raise SnapshotFormatError(f"{what}: name is not a string")
-    return Member(
-        id=mid,
-        name=name,
-        peer_urls=_str_list(obj, "peerURLs", what),
-        client_urls=_str_list(obj, "clientURLs", what),
-        is_learner=_bool(obj, "isLearner", what),
-    )
-
-
-def _u64(raw: bytes, what: str) -> int:
-    if len(raw) != 8:
-        raise SnapshotFormatError(f"{what}: {len(raw)} bytes, not a uint64")
-    return int.from_bytes(raw, "big")
-
-
-def _revision(key: bytes, what: str) -> Revision:
-    """An MVCC revision key (server/mvcc/revision.go): main(8) '_' sub(8) [+ 't' for a tombstone]."""
-    if len(key) not in (17, 18) or key[8:9] != b"_" or (len(key) == 18 and key[17:] != b"t"):
-        raise SnapshotFormatError(f"{what}: {key[:20].hex()} is not a revision")
-    main = int.from_bytes(key[:8], "big")
-    sub = int.from_bytes(key[9:17], "big")
-    if main > MAX_REVISION or sub > MAX_REVISION:
-        raise SnapshotFormatError(f"{what}: revision {main}.{sub} overflows int64")
-    return Revision(main, sub, len(key) == 18)
-
-
-def _text(raw: bytes, what: str) -> str:
-    try:
-        s = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise SnapshotFormatError(f"{what}: not ASCII") from None
-    if not _VERSION.match(s):
-        raise SnapshotFormatError(f"{what}: {s[:40]!r} is not a version")
-    return s
-
-
 # --- entry points ------------------------------------------------------------------------------
 def read_meta(read_at: ReadAt, size: int) -> BoltMeta:
     """The bbolt meta of a snapshot (or db) of ``size`` bytes, from its first pages only: meta 0 at
@@ -419,114 +214,27 @@ def parse_identity(
         raise SnapshotFormatError(f"unexpected structure ({type(exc).__name__}: {exc})") from None
 
 
-def _parse(r: _Reader, count_entries: bool, verify_trailer: bool) -> SnapshotIdentity:
-    r.load_meta()
-    trailer: Optional[str] = None
-    verified: Optional[bool] = None
-    if verify_trailer and r.db_len == r.size:
-        raise SnapshotFormatError(
-            f"no sha256 trailer: {r.size} bytes is not a bbolt database plus etcd's 32 bytes"
-        )
-    if r.db_len != r.size:
-        trailer = r.trailer().hex()
-        if verify_trailer:
-            h = hashlib.sha256()
-            for off in range(0, r.db_len, HASH_CHUNK):
-                h.update(r.read(off, min(HASH_CHUNK, r.db_len - off), "sha256"))
-            verified = h.hexdigest() == trailer
-            if not verified:
-                raise SnapshotFormatError("sha256 trailer does not match the database (corrupted)")
+@dataclass
+class _Meta:
+    """What the ``meta`` bucket says (None: the key is absent)."""
 
-    root = _Bucket(r.meta.root, None)
-    buckets: Dict[bytes, _Bucket] = {}
-    for e in r.walk(root, MAX_ROOT_BUCKETS, MAX_KEY, "root bucket"):
-        if e.key is None:
-            raise SnapshotFormatError(f"root bucket: bucket name longer than {MAX_KEY} bytes")
-        name = e.key
-        buckets[name] = r.bucket_of(e, _label(name))
-
-    for required in (KEY_BUCKET, META_BUCKET):
-        # etcd's MVCC store creates both before anything else: without them it is not etcd's
-        if required not in buckets:
-            raise SnapshotFormatError(f"not an etcd database: no {required.decode()!r} bucket")
-
-    members: List[Member] = []
-    if MEMBERS_BUCKET in buckets:
-        for e in r.walk(buckets[MEMBERS_BUCKET], MAX_MEMBERS, MAX_KEY, "members"):
-            if e.flags & BUCKET_LEAF_FLAG:
-                raise SnapshotFormatError("members: nested bucket")
-            members.append(_member(e.key, r.value(e, MAX_VALUE, "members")))
-
-    removed: List[int] = []
-    if MEMBERS_REMOVED_BUCKET in buckets:
-        for e in r.walk(buckets[MEMBERS_REMOVED_BUCKET], MAX_REMOVED, MAX_KEY, "members_removed"):
-            if e.flags & BUCKET_LEAF_FLAG:
-                raise SnapshotFormatError("members_removed: nested bucket")
-            # the value is the word "removed": not read, the key is the fact
-            removed.append(_member_id(e.key, "members_removed"))
-
-    cluster_version: Optional[str] = None
-    downgrade: Optional[Downgrade] = None
-    if CLUSTER_BUCKET in buckets:
-        for e in r.walk(buckets[CLUSTER_BUCKET], MAX_SMALL_ENTRIES, MAX_KEY, "cluster"):
-            if e.key == b"clusterVersion":
-                cluster_version = _text(r.value(e, 64, "cluster/clusterVersion"), "cluster/clusterVersion")
-            elif e.key == b"downgrade":
-                obj = _json(r.value(e, MAX_VALUE, "cluster/downgrade"), "cluster/downgrade")
-                target = obj.get("target-version", "")
-                if not isinstance(target, str) or len(target) > 64:
-                    raise SnapshotFormatError("cluster/downgrade: target-version is not a short string")
-                downgrade = Downgrade(target, _bool(obj, "enabled", "cluster/downgrade"))
-
-    cindex = term = sched = finished = None
+    consistent_index: Optional[int] = None
+    term: Optional[int] = None
+    scheduled: Optional[int] = None
+    finished: Optional[int] = None
     conf: Optional[ConfState] = None
     storage_version: Optional[str] = None
-    for e in r.walk(buckets[META_BUCKET], MAX_SMALL_ENTRIES, MAX_KEY, "meta"):
-        k = e.key
-        if k == b"consistent_index":
-            cindex = _u64(r.value(e, 8, "meta/consistent_index"), "meta/consistent_index")
-        elif k == b"term":
-            term = _u64(r.value(e, 8, "meta/term"), "meta/term")
-        elif k == b"scheduledCompactRev":
-            sched = _revision(r.value(e, 17, "meta/scheduledCompactRev"), "meta/scheduledCompactRev").main
-        elif k == b"finishedCompactRev":
-            finished = _revision(r.value(e, 17, "meta/finishedCompactRev"), "meta/finishedCompactRev").main
-        elif k == b"confState":
-            obj = _json(r.value(e, MAX_VALUE, "meta/confState"), "meta/confState")
-            conf = ConfState(
-                voters=_u64_list(obj, "voters", "meta/confState"),
-                learners=_u64_list(obj, "learners", "meta/confState"),
-                voters_outgoing=_u64_list(obj, "voters_outgoing", "meta/confState"),
-                learners_next=_u64_list(obj, "learners_next", "meta/confState"),
-                auto_leave=_bool(obj, "auto_leave", "meta/confState"),
-            )
-        elif k == b"storageVersion":
-            raw = r.value(e, 64, "meta/storageVersion")
-            storage_version = _text(raw, "meta/storageVersion") if raw else ""
 
-    first = last = None
-    kb = buckets[KEY_BUCKET]
-    lo = r.edge(kb, False, _label(KEY_BUCKET))
-    hi = r.edge(kb, True, _label(KEY_BUCKET))
-    if lo is not None and hi is not None:
-        if lo.flags & BUCKET_LEAF_FLAG or hi.flags & BUCKET_LEAF_FLAG or lo.key is None or hi.key is None:
-            raise SnapshotFormatError("bucket 'key': entry is not a revision")
-        first, last = _revision(lo.key, "bucket 'key'"), _revision(hi.key, "bucket 'key'")
-        if (first.main, first.sub) > (last.main, last.sub):
-            raise SnapshotFormatError("bucket 'key': first revision is above the last")
 
-    counts: Optional[Tuple[Tuple[str, int], ...]] = None
-    if count_entries:
-        # one bit per page of the db, to visit each at most once
-        if r.meta.high_water > MAX_COUNT_PAGES:
-            raise SnapshotFormatError(
-                f"database of {r.meta.high_water} pages is too large to count entries (limit {MAX_COUNT_PAGES})"
-            )
-        seen = bytearray((r.meta.high_water + 7) // 8)
-        counts = tuple(
-            (_name(name), r.count(b, seen, _label(name))) for name, b in buckets.items()
-        )
-
+def _parse(r: _Reader, count_entries: bool, verify_trailer: bool) -> SnapshotIdentity:
+    r.load_meta()
+    trailer, verified = _trailer(r, verify_trailer)
+    buckets = _root_buckets(r)
+    members = _members(r, buckets.get(MEMBERS_BUCKET))
+    removed = _removed(r, buckets.get(MEMBERS_REMOVED_BUCKET))
+    cluster_version, downgrade = _cluster(r, buckets.get(CLUSTER_BUCKET))
+    meta = _meta(r, buckets[META_BUCKET])
+    first, last = _key_range(r, buckets[KEY_BUCKET])
     return SnapshotIdentity(
         size=r.size,
         page_size=r.meta.page_size,
@@ -540,16 +248,136 @@ def _parse(r: _Reader, count_entries: bool, verify_trailer: bool) -> SnapshotIde
         removed_member_ids=tuple(sorted(removed)),
         cluster_version=cluster_version,
         downgrade=downgrade,
-        consistent_index=cindex,
-        term=term,
-        conf_state=conf,
-        storage_version=storage_version,
-        scheduled_compact_revision=sched,
-        finished_compact_revision=finished,
+        consistent_index=meta.consistent_index,
+        term=meta.term,
+        conf_state=meta.conf,
+        storage_version=meta.storage_version,
+        scheduled_compact_revision=meta.scheduled,
+        finished_compact_revision=meta.finished,
         first_revision=first,
         last_revision=last,
-        bucket_entries=counts,
+        bucket_entries=_counts(r, buckets) if count_entries else None,
     )
+
+
+def _trailer(r: _Reader, verify: bool) -> Tuple[Optional[str], Optional[bool]]:
+    """etcd's sha256 trailer (hex) if there is one, and whether it matched (None: not checked)."""
+    if verify and r.db_len == r.size:
+        raise SnapshotFormatError(
+            f"no sha256 trailer: {r.size} bytes is not a bbolt database plus etcd's 32 bytes"
+        )
+    if r.db_len == r.size:
+        return None, None
+    trailer = r.trailer().hex()
+    if not verify:
+        return trailer, None
+    h = hashlib.sha256()
+    for off in range(0, r.db_len, HASH_CHUNK):
+        h.update(r.read(off, min(HASH_CHUNK, r.db_len - off), "sha256"))
+    if h.hexdigest() != trailer:
+        raise SnapshotFormatError("sha256 trailer does not match the database (corrupted)")
+    return trailer, True
+
+
+def _root_buckets(r: _Reader) -> Dict[bytes, _Bucket]:
+    buckets: Dict[bytes, _Bucket] = {}
+    for e in r.walk(_Bucket(r.meta.root, None), MAX_ROOT_BUCKETS, MAX_KEY, "root bucket"):
+        if e.key is None:
+            raise SnapshotFormatError(f"root bucket: bucket name longer than {MAX_KEY} bytes")
+        buckets[e.key] = r.bucket_of(e, _label(e.key))
+    for required in (KEY_BUCKET, META_BUCKET):
+        # etcd's MVCC store creates both before anything else: without them it is not etcd's
+        if required not in buckets:
+            raise SnapshotFormatError(f"not an etcd database: no {required.decode()!r} bucket")
+    return buckets
+
+
+def _members(r: _Reader, bucket: Optional[_Bucket]) -> List[Member]:
+    out: List[Member] = []
+    for e in r.walk(bucket, MAX_MEMBERS, MAX_KEY, "members") if bucket is not None else ():
+        if e.flags & BUCKET_LEAF_FLAG:
+            raise SnapshotFormatError("members: nested bucket")
+        out.append(_member(e.key, r.value(e, MAX_VALUE, "members")))
+    return out
+
+
+def _removed(r: _Reader, bucket: Optional[_Bucket]) -> List[int]:
+    out: List[int] = []
+    for e in r.walk(bucket, MAX_REMOVED, MAX_KEY, "members_removed") if bucket is not None else ():
+        if e.flags & BUCKET_LEAF_FLAG:
+            raise SnapshotFormatError("members_removed: nested bucket")
+        # the value is the word "removed": not read, the key is the fact
+        out.append(_member_id(e.key, "members_removed"))
+    return out
+
+
+def _cluster(r: _Reader, bucket: Optional[_Bucket]) -> Tuple[Optional[str], Optional[Downgrade]]:
+    version: Optional[str] = None
+    downgrade: Optional[Downgrade] = None
+    for e in r.walk(bucket, MAX_SMALL_ENTRIES, MAX_KEY, "cluster") if bucket is not None else ():
+        if e.key == b"clusterVersion":
+            version = _text(r.value(e, 64, "cluster/clusterVersion"), "cluster/clusterVersion")
+        elif e.key == b"downgrade":
+            obj = _json(r.value(e, MAX_VALUE, "cluster/downgrade"), "cluster/downgrade")
+            target = obj.get("target-version", "")
+            if not isinstance(target, str) or len(target) > 64:
+                raise SnapshotFormatError("cluster/downgrade: target-version is not a short string")
+            downgrade = Downgrade(target, _bool(obj, "enabled", "cluster/downgrade"))
+    return version, downgrade
+
+
+def _conf_state(raw: bytes) -> ConfState:
+    obj = _json(raw, "meta/confState")
+    return ConfState(
+        voters=_u64_list(obj, "voters", "meta/confState"),
+        learners=_u64_list(obj, "learners", "meta/confState"),
+        voters_outgoing=_u64_list(obj, "voters_outgoing", "meta/confState"),
+        learners_next=_u64_list(obj, "learners_next", "meta/confState"),
+        auto_leave=_bool(obj, "auto_leave", "meta/confState"),
+    )
+
+
+def _meta(r: _Reader, bucket: _Bucket) -> _Meta:
+    m = _Meta()
+    for e in r.walk(bucket, MAX_SMALL_ENTRIES, MAX_KEY, "meta"):
+        k = e.key
+        if k == b"consistent_index":
+            m.consistent_index = _u64(r.value(e, 8, "meta/consistent_index"), "meta/consistent_index")
+        elif k == b"term":
+            m.term = _u64(r.value(e, 8, "meta/term"), "meta/term")
+        elif k == b"scheduledCompactRev":
+            m.scheduled = _revision(r.value(e, 17, "meta/scheduledCompactRev"), "meta/scheduledCompactRev").main
+        elif k == b"finishedCompactRev":
+            m.finished = _revision(r.value(e, 17, "meta/finishedCompactRev"), "meta/finishedCompactRev").main
+        elif k == b"confState":
+            m.conf = _conf_state(r.value(e, MAX_VALUE, "meta/confState"))
+        elif k == b"storageVersion":
+            raw = r.value(e, 64, "meta/storageVersion")
+            m.storage_version = _text(raw, "meta/storageVersion") if raw else ""
+    return m
+
+
+def _key_range(r: _Reader, kb: _Bucket) -> Tuple[Optional[Revision], Optional[Revision]]:
+    lo = r.edge(kb, False, _label(KEY_BUCKET))
+    hi = r.edge(kb, True, _label(KEY_BUCKET))
+    if lo is None or hi is None:
+        return None, None
+    if lo.flags & BUCKET_LEAF_FLAG or hi.flags & BUCKET_LEAF_FLAG or lo.key is None or hi.key is None:
+        raise SnapshotFormatError("bucket 'key': entry is not a revision")
+    first, last = _revision(lo.key, "bucket 'key'"), _revision(hi.key, "bucket 'key'")
+    if (first.main, first.sub) > (last.main, last.sub):
+        raise SnapshotFormatError("bucket 'key': first revision is above the last")
+    return first, last
+
+
+def _counts(r: _Reader, buckets: Dict[bytes, _Bucket]) -> Tuple[Tuple[str, int], ...]:
+    # one bit per page of the db, to visit each at most once
+    if r.meta.high_water > MAX_COUNT_PAGES:
+        raise SnapshotFormatError(
+            f"database of {r.meta.high_water} pages is too large to count entries (limit {MAX_COUNT_PAGES})"
+        )
+    seen = bytearray((r.meta.high_water + 7) // 8)
+    return tuple((_name(name), r.count(b, seen, _label(name))) for name, b in buckets.items())
 
 
 def _name(name: bytes) -> str:

@@ -23,8 +23,9 @@ from ..safejson import UnsafeJson, loads
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
-# 3: `node receive` speaks node.transfer's stream (ready line, frames, zstd, end record).
-PROTOCOL = 3
+# 3: one `steps` call runs a host's members at once.
+# 4: `node receive` speaks node.transfer's stream (ready line, frames, zstd, end record).
+PROTOCOL = 4
 MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off

@@ -82,8 +82,10 @@ def message(exc: BaseException) -> str:
 
 def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress,
                   require_all: bool = True) -> Dict[str, str]:
-    """A session on every host (in parallel), then every reachable host's lock in host order: of
-    two runs started together exactly one gets every lock. BusyError (exit 4) names the holder
+    """A session on every host (in parallel), then every reachable host's lock in config order
+    (``nodes`` as ``group_hosts`` returns them: by each host's first member), the same order on
+    whichever master the run started: of two runs started together the first to lock the first
+    host gets every lock, the other is refused at that host. BusyError (exit 4) names the holder
     (every session is closed then). A host that cannot be reached: RefusedError (exit 3) when
     ``require_all``, else it is returned (where -> why) with its session left empty, for a
     per-host report. Nothing is touched either way."""
@@ -101,7 +103,7 @@ def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progres
         close_sessions(nodes)
         raise RefusedError("cannot reach every master's agent; nothing touched",
                            details=[f"{w}: {why}" for w, why in failed.items()])
-    for n in sorted((n for n in nodes if n.client is not None), key=lambda n: (not n.local, n.where)):
+    for n in (n for n in nodes if n.client is not None):
         try:
             n.call("lock")
         except BusyError as exc:

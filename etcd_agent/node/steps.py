@@ -6,10 +6,14 @@ Each handler reads its typed arguments and calls the code that does the work on 
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import logging
+from typing import Any, Callable, Dict, List, Tuple
 
+from ..errors import AgentError, OperationFailed, RefusedError
 from .protocol import Args, str_list
 from .server import Handler, NodeContext
+
+log = logging.getLogger(__name__)
 
 
 def _node(ctx: NodeContext, args: Args) -> Any:
@@ -48,17 +52,66 @@ def simple(name: str) -> Handler:
 
 
 def steps(ctx: NodeContext, args: Args) -> Dict[str, Any]:
-    """Several simple steps of one member in order, stopping at the first failure (fewer round
-    trips); the reply lists each one's result."""
-    names = str_list(args, "steps")
-    bad = [n for n in names if n not in SIMPLE_STEPS]
-    if bad:
-        from ..errors import RefusedError
-
-        raise RefusedError(f"node steps: not a simple step: {', '.join(bad)}")
+    """Simple steps of several of this host's members in one call (``run_members``)."""
+    plan = member_steps(args)
     ctx.require_lock("steps")
-    node = _node(ctx, args)
-    return {"steps": [getattr(node, n)() for n in names]}
+    op = args.opt_text("op")
+    from ..restore.node import NodeRestore
+
+    def runner(member: str) -> Callable[[str], Dict[str, Any]]:
+        node = NodeRestore(ctx.cfg, member, op)
+        return lambda name: getattr(node, name)()
+
+    return run_members(plan, runner)
+
+
+# member -> a function running that member's steps by name
+Runner = Callable[[str], Callable[[str], Dict[str, Any]]]
+
+
+def run_members(plan: List[Tuple[str, List[str]]], runner: Runner) -> Dict[str, Any]:
+    """Each member's steps in order, stopping at its first failure; the members at once (two etcds
+    of one host stopped one after the other would each wait out etcd's peer shutdown). Every
+    member's results come back, and its error when it failed; what it finished is journaled."""
+    from .sessions import parallel
+
+    def run(item: Tuple[str, List[str]]) -> Dict[str, Any]:
+        member, names = item
+        done: List[Dict[str, Any]] = []
+        try:
+            step = runner(member)
+            for name in names:
+                done.append(step(name))
+        except AgentError as exc:
+            return {"member": member, "steps": done, "error": exc.to_json()}
+        except Exception as exc:  # a bug in a step: reported as that member's failure, not a hang
+            log.exception("node steps of %s failed unexpectedly", member)
+            crash = OperationFailed(f"node step crashed: {type(exc).__name__}: {exc}")
+            return {"member": member, "steps": done, "error": crash.to_json()}
+        return {"member": member, "steps": done}
+
+    return {"members": [res for _item, res, _err in parallel(run, plan) if res is not None]}
+
+
+def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
+    """The ``members`` argument of ``steps``: [{"member": NAME, "steps": [SIMPLE_STEP, ...]}, ...],
+    each member once."""
+    raw = args.raw.get("members")
+    if not isinstance(raw, list) or not raw:
+        raise RefusedError("node steps: argument 'members' must be a non-empty list")
+    out: List[Tuple[str, List[str]]] = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise RefusedError("node steps: every entry of 'members' must be an object")
+        entry = Args(item, "steps")
+        member, names = entry.text("member"), str_list(entry, "steps")
+        bad = [n for n in names if n not in SIMPLE_STEPS]
+        if bad:
+            raise RefusedError(f"node steps: not a simple step: {', '.join(bad)}")
+        if member in (m for m, _n in out):
+            raise RefusedError(f"node steps: member {member} named twice")
+        out.append((member, names))
+    return out
 
 
 def receive(ctx: NodeContext, args: Args) -> Dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The snapshot stream of ``etcd-agent node receive`` (node protocol 3), both ends' rules.
+"""The snapshot stream of ``etcd-agent node receive`` (node protocol 4), both ends' rules.
 
 A restore ships its snapshot to every member's host over one stream per member, beside the JSON
 session (a multi-GB payload would not fit its bounded lines). What the two ends say:

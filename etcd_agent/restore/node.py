@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
@@ -120,7 +121,8 @@ class NodeRestore:
     def precheck(self) -> P.NodeFacts:
         cfg, m = self.cfg, self.member
         tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
-        versions = {key: _version(self.host, binary) for key, binary in tools}
+        with ThreadPoolExecutor(max_workers=len(tools)) as ex:  # three binaries started at once
+            versions = dict(zip((key for key, _b in tools), ex.map(lambda kb: _version(self.host, kb[1]), tools)))
         probe = os.path.dirname(self.data_dir) or "/"
         while not os.path.exists(probe) and probe != "/":
             probe = os.path.dirname(probe)
@@ -415,16 +417,17 @@ class NodeRestore:
                     "running": self.backend.is_active()}
         if j.state == J.DONE:
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
-        if not any(j.done(s) or s in j.pending for s in J.STEPS if s not in ("begin", "receive", "fence")):
-            # only the journal, a shipped copy and perhaps a finished fence exist (the restore
-            # failed while shipping or fencing): etcd was never stopped and nothing moved, so it
-            # keeps serving, untouched; an apiserver fenced here is started again
-            return self._close_untouched(j)
         did: List[str] = []
-        self.backend.stop(30.0)
-        did.append("etcd stopped")
         moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
         restored_here = j.done("restore") or "argv" in (j.pending.get("restore") or {})
+        # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
+        # etcd's to undo: a member still running on its own data is left running, not restarted
+        touched = any(j.done(s) or s in j.pending for s in ("aside", "restore", "chown", "repair", "start"))
+        if touched or not self.backend.is_active():
+            self.backend.stop(30.0)
+            did.append("etcd stopped")
+        else:
+            did.append("etcd left running: its data dir was never touched")
         tmp = f"{self.data_dir}.restoring"
         if os.path.lexists(tmp) and (j.pending.get("restore") or {}).get("output") == tmp:
             shutil.rmtree(tmp)  # our own partial output
@@ -453,24 +456,14 @@ class NodeRestore:
             os.unlink(self.cfg.etcd.unit_file)
             self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
             did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
-        if j.was_running and os.path.isdir(os.path.join(self.data_dir, "member")):
+        if j.was_running and os.path.isdir(os.path.join(self.data_dir, "member")) and not self.backend.is_active():
             try:
                 self.backend.start()
                 did.append("etcd started again")
             except AgentError as exc:
                 did.append(f"etcd NOT started again: {exc.message}")
-        if j.done("fence") and not j.done("unfence"):
-            self._unfence(j)
+        if j.done("fence") and not j.done("unfence") and self._unfence(j):  # {}: nothing was fenced
             did.append("apiserver unfenced")
-        return self._rolled_back(j, did)
-
-    def _close_untouched(self, j: J.Journal) -> Dict[str, Any]:
-        did = ["nothing was stopped or moved; the shipped copy removed"]
-        if j.done("fence") and not j.done("unfence") and self._unfence(j):
-            did.append("apiserver unfenced")
-        return self._rolled_back(j, did)
-
-    def _rolled_back(self, j: J.Journal, did: List[str]) -> Dict[str, Any]:
         j.state = J.ROLLED_BACK
         j.rollback = did
         J.save(self.journal_path, j)

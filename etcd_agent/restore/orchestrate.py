@@ -9,7 +9,10 @@ Phases: read the archive -> lock every host -> pre-checks everywhere (nothing to
 with a per-host report) -> begin (journals; the daemons go hands-off) -> ship the snapshot to
 every member while etcd still serves (hashed as it is sent and as it lands) -> fence the
 apiservers -> stop the followers, then the leader -> set aside, restore, chown, repair -> start
--> wait until every member is healthy at one revision -> unfence -> finish. Any failure after
+-> wait until every member is healthy at one revision -> unfence -> finish. Simple steps go to a
+host in one ``steps`` call for all its members, which it runs at once; the leader's stop rides in
+the same call as everyone's set-aside and restore (it only has to follow its followers' stop).
+Any failure after
 ``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
 rolled back the error names it and the command to run once it is back.
 """
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -27,7 +31,7 @@ from ..backup.identity import Evidence, HostIds, Verdict, judge
 from ..cluster.health import wait_converged
 from ..cluster.lineage import record_lineage
 from ..config import Config, Member
-from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError
+from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
 from ..fs import ensure_private_dir
 from ..node.client import NodeClient, new_owner
 from ..node.protocol import Owner
@@ -44,6 +48,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+
+
+PREPARE = ["aside", "restore", "chown", "repair"]  # a stopped member's steps before it starts
 
 
 @dataclass
@@ -192,6 +199,8 @@ class Restore:
         self.owner: Optional[Owner] = None
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
+        self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
+        self._evidence: "Optional[Future[Evidence]]" = None
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
                                                                                    identities=opts.identities))
@@ -204,11 +213,14 @@ class Restore:
         cfg = self.cfg
         ensure_private_dir(cfg.backup.dir)
         source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run)
+        self.timings["read"] = time.monotonic() - t0
         self.say(f"read {source.path}")
         try:
+            t = time.monotonic()
             self.nodes = self._make_nodes(cfg)
             self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
             self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False)
+            self.timings["sessions"] = time.monotonic() - t
             try:
                 return self._run(source, t0)
             finally:
@@ -218,10 +230,15 @@ class Restore:
 
     def _run(self, source: Source, t0: float) -> Outcome:
         t = time.monotonic()
-        facts, host_problems = self._precheck()
-        timings = {"read": t - t0, "precheck": time.monotonic() - t}
-        plan = self._plan(source, facts, host_problems)
-        outcome = Outcome(plan, timings=timings)
+        # what the running cluster says of itself (read-only), asked while the hosts pre-check
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            self._evidence = ex.submit(self.cluster.evidence)
+            facts, host_problems = self._precheck()
+            self.timings["precheck"] = time.monotonic() - t
+            t = time.monotonic()
+            plan = self._plan(source, facts, host_problems)
+            self.timings["plan"] = time.monotonic() - t
+        outcome = Outcome(plan, timings=self.timings)
         for hp in plan.hosts:
             self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
         if self.opts.dry_run:
@@ -304,7 +321,7 @@ class Restore:
         and bootstrap record, and every restore lineage recorded on the hosts or in etcd."""
         if source.identity is None:
             raise RefusedError(f"{source.path}: the snapshot's members could not be read; nothing touched")
-        ev = self.cluster.evidence()
+        ev = self._evidence.result() if self._evidence is not None else self.cluster.evidence()
         hosts = list(ev.hosts)
         lineage = list(ev.lineage)
         for name, f in facts.items():
@@ -335,15 +352,54 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
+    def _batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]]) -> None:
+        """Simple steps, each member's list in order: one ``steps`` call per host carrying all its
+        members, which the host runs at once; the hosts in parallel. A member that fails stops
+        only its own list; the phase then fails naming every member that did."""
+        t = time.monotonic()
+        by_host: Dict[str, List[Tuple[Member, Sequence[str]]]] = {}
+        for m, names in plan:
+            if names:
+                by_host.setdefault(self.node_of(m.name).where, []).append((m, names))
+
+        def per_host(items: List[Tuple[Member, Sequence[str]]]) -> List[str]:
+            n = self.node_of(items[0][0].name)
+            res = n.call("steps", op=self.op, members=[{"member": m.name, "steps": list(s)} for m, s in items])
+            answers = res.get("members")
+            by_name = {a.get("member"): a for a in answers if isinstance(a, dict)} if isinstance(answers, list) else {}
+            failed = []
+            for m, _names in items:
+                a = by_name.get(m.name)
+                done = a.get("steps") if a is not None else None
+                if a is None or not isinstance(done, list):
+                    failed.append(f"{m.name} ({n.where}): no answer for this member")
+                    continue
+                for r in done:
+                    self._said(m, r if isinstance(r, dict) else {}, "?")
+                if "error" in a:
+                    failed.append(f"{m.name} ({n.where}): {error_from_json(a['error']).message}")
+            return failed
+
+        failed: List[str] = []
+        for (w, items), lines, e in parallel(lambda item: per_host(item[1]), list(by_host.items())):
+            if e is not None:
+                failed.append(f"{', '.join(m.name for m, _n in items)} ({w}): {message(e)}")
+            failed += lines or []
+        self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+        if failed:
+            raise OperationFailed(f"restore failed at {name}", details=failed)
+
     def _call(self, m: Member, step: str, **args: Any) -> Dict[str, Any]:
         res = self.node_of(m.name).call(step, member=m.name, op=self.op, **args)
-        for r in res.get("steps", [res]):
-            extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
-            self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
+        self._said(m, res, step)
         return res
 
+    def _said(self, m: Member, r: Dict[str, Any], step: str) -> None:
+        """One progress line for a step's result."""
+        extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
+        self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
+
     def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, P.NodeFacts], outcome: Outcome) -> None:
-        self.timings = outcome.timings
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
         began: List[Member] = []
 
@@ -357,21 +413,26 @@ class Restore:
         try:
             self._phase("begin", begin)
             self._ship(source, facts)
+            t = time.monotonic()
             leader, followers = self._leader_last()
+            self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
-            self._phase("fence", lambda m: self._call(m, "fence"))
-            self._phase("stop", lambda m: self._call(m, "stop"), followers)
-            if leader is not None:
-                self._phase("stop", lambda m: self._call(m, "stop"), [leader])
-            self._phase("prepare", lambda m: self._call(m, "steps", steps=["aside", "restore", "chown", "repair"]))
-            self._phase("start", lambda m: self._call(m, "start"))
+            everyone = [m for n in self.nodes for m in n.members]
+            self._batch("fence", [(m, ["fence"]) for m in everyone])
+            self._batch("stop", [(m, ["stop"]) for m in followers])
+            # the leader stops once its followers have; then it and they prepare at once
+            self._batch("prepare", [(m, (["stop"] if leader is not None and m.name == leader.name else []) + PREPARE)
+                                    for m in everyone])
+            self._batch("start", [(m, ["start"]) for m in everyone])
             t = time.monotonic()
             outcome.revisions = self.cluster.converged(
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
+            t = time.monotonic()
             self.cluster.record_lineage(list(source.member_ids))
             outcome.cleanup = self.cluster.k8s_cleanup()
+            outcome.timings["lineage"] = time.monotonic() - t
             for line in outcome.cleanup:
                 self.say(f"kubernetes: {line}")
             self._unfence(outcome)
@@ -387,7 +448,9 @@ class Restore:
                 msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once the hosts named below "
                        "answer again, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
+        t = time.monotonic()
         ids = self.cluster.member_ids()
+        self.timings["ids"] = time.monotonic() - t
         self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
                                                    cluster_id=ids[m.name][1] if m.name in ids else None,
                                                    ancestors=list(source.member_ids)))

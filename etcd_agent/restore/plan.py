@@ -465,7 +465,12 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
     argv = snapshot_restore_argv(host_cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
                                  data_dir=tmp, bump_revision=BUMP_REVISION if bump else None)
     spec = f"{cfg.etcd.user}:{cfg.etcd.group}"
-    claim = f"the manifest's sha256 {source.sha256[:16]}..." if source.sha256 else "the sha256 the sender computes"
+    if not source.sha256:
+        claim = "the sha256 the sender computes"
+    elif source.kind == "runbook":  # no manifest: the hash is the reader's, of the tarball's own bytes
+        claim = f"the sha256 {source.sha256[:16]}... read from the tarball"
+    else:
+        claim = f"the manifest's sha256 {source.sha256[:16]}..."
     tls = [x for x in (cfg.tls.peer_cert, cfg.tls.peer_key, cfg.tls.peer_ca, cfg.tls.client_cert, cfg.tls.client_key,
                        cfg.tls.client_ca) if x]
     steps = [

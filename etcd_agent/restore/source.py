@@ -10,21 +10,33 @@ a compressed one is decompressed once into a private staging dir. An encrypted o
 (``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into that private staging dir on
 this master only: the other masters receive the plaintext through their node sessions, as always.
 Without an identity it is refused before anything is touched.
+
+``open_pitr_source`` (``restore --to-time/--to-revision/--to newest``) reads the full backup the
+same way, then replays its delta chain onto it in a throwaway loopback member (``delta.pitr``)
+and offers the saved result as the snapshot to restore. Whose data it is is judged on the full
+backup's members, read from its own db as usual: the replayed db's member list is the replay
+member's (``snapshot restore`` rewrites it), while its data is the full backup's plus the chain
+captured from this cluster (every segment links to the full backup's revision by sha256).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Callable, List, Optional, Tuple
 
 from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
 from ..etcd.snapdb import SnapshotIdentity
+from ..state.locks import OperationLock
 from .plan import SourceFacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities
+    from ..delta.pitr import Prepared
+    from ..delta.replay import ReplayResult
 
 
 @dataclass
@@ -41,6 +53,10 @@ class Source:
     # a component test's source: bytes at (file, offset) without an archive around them
     snapshot_path: Optional[str] = None
     offset: int = 0
+    # a point-in-time restore's replayed snapshot: removed when the restore ends (a crash keeps it
+    # for the re-run that resumes)
+    remove_on_close: Optional[str] = None
+    lock: Optional[OperationLock] = None  # ... and the lock that makes it this restore's own
 
     @property
     def member_ids(self) -> Tuple[str, ...]:
@@ -72,6 +88,12 @@ class Source:
     def close(self) -> None:
         if self.archive is not None:
             self.archive.close()
+        if self.remove_on_close is not None:
+            from ..delta.pitr import remove_kept
+
+            remove_kept(self.remove_on_close)
+        if self.lock is not None:
+            self.lock.release()
 
 
 def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False,
@@ -82,6 +104,9 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     from ..backup.catalog import resolve_from
     from ..backup.keys import local_key
 
+    kept = _kept_replay(cfg, spec)
+    if kept is not None:
+        return kept
     path = resolve_from(cfg, spec).path
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
                        identities=identities, need_plaintext=True)
@@ -112,3 +137,102 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     except BaseException:
         arc.close()
         raise
+
+
+def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
+                     progress: Callable[[str], None] = lambda s: None) -> Source:
+    """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
+    replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
+    replays too (nothing live is touched) and the result is removed when the restore ends."""
+    from ..delta import pitr
+    from ..delta.replay import Target
+
+    prep = pitr.prepare(cfg, spec, Target.parse(target))
+    if prep.entry.encrypted:
+        # the replay reads the full backup's snapshot itself and takes no identity yet; and the
+        # daemon writes no chain while encrypt_to is set (segments are not encrypted)
+        raise RefusedError(f"{prep.entry.name} is encrypted: a point-in-time restore of an encrypted backup is not "
+                           "supported yet; restore the full backup itself with --identity (without --to-*); "
+                           "nothing touched")
+    held = pitr.lock(cfg)
+    try:
+        base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False)
+        try:
+            _chain_matches(prep, base)
+            progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to revision "
+                     f"{prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is touched)")
+            path, res, reused = pitr.replay_kept(cfg, prep)
+        finally:
+            base.close()
+        progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
+                 f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
+        lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
+        src = _replayed(path, res, base, lines)
+    except BaseException:
+        held.release()
+        raise
+    src.lock = held
+    return src
+
+
+def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
+    """``--from`` naming a replay a crashed point-in-time restore left (its journal names it)."""
+    from ..delta import pitr
+
+    found = pitr.kept_result(cfg, spec)
+    if found is None:
+        return None
+    path, res = found
+    held = pitr.lock(cfg)
+    try:
+        base = open_source(cfg, _base_of(cfg, path), os.path.dirname(path), hash_now=False)
+        try:
+            lines = pitr.describe(None, res, reused=True) + [f"full backup: {x}" for x in base.checked]
+        finally:
+            base.close()
+        src = _replayed(path, res, base, lines)
+    except BaseException:
+        held.release()
+        raise
+    src.lock = held
+    return src
+
+
+def _base_of(cfg: Config, kept: str) -> str:
+    name = os.path.basename(kept).rsplit(".to-", 1)[0]
+    return os.path.join(cfg.backup.dir, name)
+
+
+def _chain_matches(prep: "Prepared", base: Source) -> None:
+    """Every segment used was captured from the cluster the full backup's signed manifest names."""
+    m = base.archive.manifest if base.archive is not None else None
+    if m is None or base.archive is None or base.archive.signature != "valid" or not m.cluster_id:
+        return
+    want = int(m.cluster_id, 16)
+    other = sorted({f"{s.header.cluster_id:x}" for s in prep.plan.segments
+                    if s.header.cluster_id and s.header.cluster_id != want})
+    if other:
+        raise RefusedError(f"the delta chain of {prep.entry.name} was captured from cluster {', '.join(other)}, "
+                           f"the full backup is of cluster {m.cluster_id}; nothing touched")
+
+
+def _replayed(path: str, res: "ReplayResult", base: Source, lines: List[str]) -> Source:
+    from ..etcd.snapdb import read_identity
+
+    if base.identity is None:
+        raise RefusedError(f"{base.path}: the full backup's members could not be read; nothing touched")
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    replayed = read_identity(path)
+    if replayed.revision != res.snapshot_revision:
+        raise RefusedError(f"{path}: the replayed snapshot is at revision {replayed.revision}, the replay reported "
+                           f"{res.snapshot_revision}; nothing touched")
+    # the data is the replay's; whose it is, the full backup's members say (see the module doc)
+    ident = dataclasses.replace(base.identity, last_revision=replayed.last_revision)
+    lines.append(f"identity judged on the full backup's members ({len(base.identity.members)}); the replayed db "
+                 "lists only the throwaway replay member")
+    return Source(path=path, kind="agent", size=os.path.getsize(path), sha256=h.hexdigest(),
+                  revision=res.snapshot_revision, etcd_version=base.etcd_version, identity=ident,
+                  checked=tuple(lines), snapshot_path=path, remove_on_close=path)

@@ -56,17 +56,24 @@ def identity_of(cfg: Config) -> SnapshotIdentity:
     return SnapshotIdentity(**fields)  # type: ignore[arg-type]
 
 
+# h2 and h3 on one host (as on loopback), h1 on its own
+SHARED = CFG.replace('host = "10.0.0.3"', 'host = "10.0.0.2"\nclient_url = "http://10.0.0.2:12379"\n'
+                     'peer_url = "http://10.0.0.2:12380"').replace(
+    'data_dir = "{d}/data/default.etcd"', 'data_dir = "{d}/data/{{name}}.etcd"\nconf_file = "{d}/conf/{{name}}.conf"')
+
+
 class Bed:
-    def __init__(self, tmp: str, leader: str = "h2") -> None:
-        cfg, errors = parse_text(CFG.format(d=tmp), path=os.path.join(tmp, "agent.toml"))
+    def __init__(self, tmp: str, leader: str = "h2", text: str = CFG) -> None:
+        cfg, errors = parse_text(text.format(d=tmp), path=os.path.join(tmp, "agent.toml"))
         assert cfg is not None and not errors, errors
         self.cfg: Config = cfg
         self.script = Script(cfg)
         self.hosts: Dict[str, ScriptedHost] = {}
         for m in cfg.members:
-            d = os.path.join(tmp, m.name, "backups")
-            os.makedirs(d, mode=0o700)
-            self.hosts[m.ssh_host] = ScriptedHost(m.name, self.script, cfg, d)
+            if m.ssh_host not in self.hosts:
+                d = os.path.join(tmp, m.name, "backups")
+                os.makedirs(d, mode=0o700)
+                self.hosts[m.ssh_host] = ScriptedHost(m.name, self.script, cfg, d)
         self.cluster = ScriptedCluster(cfg, leader=leader)
         snap = os.path.join(tmp, "snap.db")
         with open(snap, "wb") as fh:
@@ -93,11 +100,41 @@ def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed
     out = bed.restore().run()
     assert out.done and out.downtime is not None
     for m in ("h1", "h2", "h3"):
-        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "steps", "aside", "restore",
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "aside", "restore",
                                           "chown", "repair", "start", "unfence", "finish"]
     assert bed.order("stop")[-1] == "h2"  # the leader last
     assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
     assert not bed.script.violations
+
+
+def test_members_of_one_host_stop_together_and_the_leader_after_them(tmp_path: object) -> None:
+    bed = Bed(str(tmp_path), leader="h1", text=SHARED)
+    together = threading.Barrier(2, timeout=30)
+
+    def stop(member: str, args: object) -> Dict[str, object]:
+        if member != "h1":
+            together.wait()  # h2 and h3 share a host: only stopped at once do both get past this
+        return {"step": "stop", "member": member}
+
+    bed.script.steps["stop"] = stop
+    out = bed.restore().run()
+    assert out.done and not bed.script.violations
+    assert sorted(bed.order("stop")[:2]) == ["h2", "h3"] and bed.order("stop")[-1] == "h1"
+    for m in ("h1", "h2", "h3"):  # the leader's stop rides with the prepare steps
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "aside", "restore",
+                                          "chown", "repair", "start", "unfence", "finish"]
+
+
+def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_path: object) -> None:
+    bed = Bed(str(tmp_path), leader="h1", text=SHARED)
+    bed.script.fail("aside", "h2", OperationFailed("h2: cannot rename the data dir: read-only file system"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert any(d.startswith("h2 (10.0.0.2): ") and "read-only" in d for d in ei.value.details), ei.value.details
+    assert not any(d.startswith("h3") and "read-only" in d for d in ei.value.details)
+    assert bed.script.steps_of("h3")[-2:] == ["repair", "rollback"]  # h3 finished its list, then rolled back
+    assert "restore" not in bed.script.steps_of("h2") and "start" not in bed.script.steps_of("h3")
+    assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
 
 
 def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
@@ -113,7 +150,7 @@ def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
 
 def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> None:
     h3 = bed.hosts["10.0.0.3"]
-    h3.die_at = ("steps", "h3")  # the host vanishes during prepare
+    h3.die_at = ("aside", "h3")  # the host vanishes during prepare
 
     def cut(member: str, args: object) -> Dict[str, object]:
         raise AssertionError("h3 must not answer after it vanished")

@@ -113,11 +113,11 @@ def test_a_host_that_stops_reading_is_cut_off_and_the_others_keep_nothing(bed: B
 
 def test_an_agent_of_another_protocol_is_refused_at_the_pre_check(bed: Bed) -> None:
     old: ScriptedHost = bed.hosts["10.0.0.3"]
-    old.protocol = 2  # the agent before the framed stream
+    old.protocol = 3  # the agent before the framed stream
     with pytest.raises(AgentError) as err:
         bed.restore().run()
     assert err.value.exit_code == EXIT_REFUSED and "nothing touched" in err.value.message
-    assert any("h3 (10.0.0.3)" in d and "speaks node protocol 2, the caller 3" in d
+    assert any("h3 (10.0.0.3)" in d and "speaks node protocol 3, the caller 4" in d
                and "install the same etcd-agent version on every master" in d for d in err.value.details), \
         err.value.details
     assert bed.script.received == {} and "begin" not in sum(steps(bed), [])

@@ -45,7 +45,6 @@ class Script:
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
             self.steps[name] = self._ok(name)
         self.steps["precheck"] = self._precheck
-        self.steps["steps"] = self._steps
         self.steps["rollback"] = self._rollback
 
     def fail(self, step: str, member: str, error: AgentError) -> None:
@@ -60,12 +59,16 @@ class Script:
         return {"step": "rollback", "member": member, "did": ["etcd stopped", "old data dir back", "etcd started again"],
                 "running": True, "was_running": True}
 
-    def _steps(self, member: str, args: Args) -> Dict[str, Any]:
-        names = args.raw.get("steps") or []
-        out = []
-        for n in names:
-            out.append(self.run(self._host_of(member), str(n), member, args))
-        return {"steps": out}
+    def batch(self, host: str, args: Args, die_at: Optional[Tuple[str, str]]) -> Dict[str, Any]:
+        """``steps``: several members' simple steps through the real server's ``run_members``
+        (the members at once, each one's results and error). ``die_at`` (step, member) in the
+        request: the session drops instead of answering, before any of it runs."""
+        from etcd_agent.node.steps import member_steps, run_members
+
+        plan = member_steps(args)
+        if any(die_at == (n, member) for member, names in plan for n in names):
+            raise _Dropped()
+        return run_members(plan, lambda member: lambda name: self.run(host, name, member, args))
 
     def _host_of(self, member: str) -> str:
         return self.cfg.member(member).ssh_host
@@ -207,6 +210,9 @@ class ServeSession(ScriptedSession):
             def handler(ctx: NodeContext, args: Args) -> Dict[str, Any]:
                 if step == "lock":
                     return ctx.take_lock()
+                if step == "steps":
+                    ctx.require_lock(step)
+                    return host.script.batch(host.name, args, host.die_at)
                 member = args.raw.get("member")
                 if not isinstance(member, str):
                     raise RefusedError(f"scripted host: step {step} without a member")
@@ -217,7 +223,7 @@ class ServeSession(ScriptedSession):
                 return host.script.run(host.name, step, member, args)
             return handler
 
-        handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock"]}
+        handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock", "steps"]}
         try:
             self.code = serve(host.cfg, stdin, stdout, handlers, protocol=host.protocol)
         except _Dropped:

@@ -1,3 +1,7 @@
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as the CLI sets it (cli/main.py), before grpc loads
+
 import pytest
 
 from tests.harness.loopback import LoopbackCluster

@@ -18,6 +18,7 @@ import pytest
 from etcd_agent import age
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
+from etcd_agent.member.process import ProcessBackend
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, release
 from tests.integration.test_restore_etcd35 import AGENT
@@ -57,13 +58,20 @@ def sha256_file(path: str) -> str:
 
 
 def tree_state(c: LoopbackCluster) -> List[Tuple[str, int, int]]:
-    """Every file under the members' data dirs and the backup dir: (path, size, mtime_ns)."""
+    """What a refused restore must leave as it was. The backup dir: every file (path, size,
+    mtime_ns). The members' data dirs: which inode each data dir, member dir and db is, and the
+    pid of each running etcd -- not sizes or mtimes, which the live etcd changes on its own
+    (a CI run saw member/snap/db's mtime move 0.1 s after the 100 writes above)."""
     out = []
-    for top in [os.path.dirname(c.cfg.data_dir("m1")), c.cfg.backup.dir]:
-        for root, _dirs, files in os.walk(top):
-            for n in files:
-                st = os.stat(os.path.join(root, n))
-                out.append((os.path.join(root, n), st.st_size, st.st_mtime_ns))
+    for root, _dirs, files in os.walk(c.cfg.backup.dir):
+        for n in files:
+            st = os.stat(os.path.join(root, n))
+            out.append((os.path.join(root, n), st.st_size, st.st_mtime_ns))
+    for m in c.cfg.members:
+        d = c.cfg.data_dir(m.name)
+        for p in (d, os.path.join(d, "member"), os.path.join(d, "member", "snap", "db")):
+            out.append((p, os.stat(p).st_ino, 0))
+        out.append((f"pid of {m.name}", ProcessBackend(c.cfg, m.name).pid() or 0, 0))
     return sorted(out)
 
 
@@ -235,3 +243,29 @@ def test_import_reencrypts_to_the_configured_recipients(cluster_factory: Any, tm
         print(f"\nFIGURE age-import: without --identity exit 3; into a config without encrypt_to exit 3; "
               f"with it: {os.path.basename(new)} re-encrypted to {recipient[:12]}..., same plaintext sha256, "
               "new ciphertext; verify --identity exit 0")
+
+
+def test_no_delta_chain_is_written_beside_encrypted_backups(tmp_path: Any) -> None:
+    """Delta segments are not encrypted: with encrypt_to the daemon keeps continuous backup off
+    (says so once) rather than write every Secret in the clear beside encrypted full backups."""
+    from tests.integration.continuous import make_bed, start_all
+
+    _, recipient = keypair(tmp_path, "ops")
+    d = make_bed(str(tmp_path / "bed"), 1, backup=f'encrypt_to = ["{recipient}"]\n')
+    try:
+        start_all(d)
+        with d.c.client() as cl:
+            for i in range(50):
+                cl.put(f"/registry/secrets/default/s{i}", b"s3cr3t")
+        name = d.c.cfg.members[0].name
+        from etcd_agent.waiting import poll
+
+        poll(lambda: "continuous backup is off" in d.log(name), timeout=30, what="the daemon saying delta is off")
+        time.sleep(6.0)  # without encrypt_to the same bed has a full backup and two segments by now (tried)
+        backup_dir = d.c.cfg.backup.dir
+        names = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
+        assert not [n for n in names if n.endswith(".seg")], names
+        assert d.log(name).count("continuous backup is off") == 1
+    finally:
+        d.stop()
+        d.c.stop()

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -345,3 +346,50 @@ def test_manifest_key_reaches_every_master_through_etcd(cluster_factory: Callabl
     r = cli(cfg2, "backup", "verify", path, "--no-status")
     assert "manifest unknown-key" in r.stdout.splitlines()[0], r.stdout + r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_missing_conf_is_rendered_never_copied_from_the_archive(cluster_factory: Callable[..., LoopbackCluster],
+                                                                   tmp_path: Any) -> None:
+    """A runbook tarball whose etcd.conf carries keys of its own (metrics on every address, pprof,
+    a 1 MiB quota) and whose unit runs a shell as root; the host being restored has lost its
+    etcd.conf. The conf the restore writes is the agent's own rendering for that member; of the
+    archive's conf nothing but identity values is read, and etcd serves with none of the extras."""
+    c = cluster_factory(3, extra=state(tmp_path))
+    c.start_static()
+    with c.client() as cl:
+        for i in range(50):
+            cl.put(f"/k/{i:03d}", b"v")
+    work = operator_files(c, str(tmp_path / "op"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    with open(os.path.join(work, "etcd.conf"), "a") as fh:
+        fh.write(f"ETCD_LISTEN_METRICS_URLS=http://127.0.0.1:{metrics_port}\nETCD_ENABLE_PPROF=true\n"
+                 "ETCD_QUOTA_BACKEND_BYTES=1048576\n")
+    with open(os.path.join(work, "etcd.service"), "w") as fh:
+        fh.write("[Service]\nUser=root\nExecStart=/bin/sh -c 'touch /tmp/etcd-agent-pwned; exec etcd'\n")
+    tar = str(tmp_path / "etcd-2019-08-07.tar")
+    subprocess.run(["tar", "czf", tar, "etcd.conf", "etcd.service", "etcd_snapshot.db"], cwd=work, check=True)
+    own = c.cfg.conf_file("m2")
+    with open(own) as fh:
+        rendered_before = fh.read()
+    os.unlink(own)
+
+    r = cli(c.config_path, "restore", "--from", tar, "--yes", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(own) as fh:
+        conf = fh.read()
+    for extra in ("METRICS", "PPROF", "QUOTA", str(metrics_port)):
+        assert extra not in conf, (extra, conf)
+    # the same keys as the agent's rendering, with the restore's token and state
+    keys = lambda text: sorted(ln.split("=", 1)[0] for ln in text.splitlines() if "=" in ln and not ln.startswith("#"))  # noqa: E731
+    assert keys(conf) == keys(rendered_before)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", metrics_port)) != 0, "the archive's metrics listener was applied"
+    assert not os.path.exists("/tmp/etcd-agent-pwned")
+    with c.client() as cl:
+        assert cl.count_prefix("/k/") == 50
+    st = json.loads(ctl(c, "endpoint", "status", "-w", "json", f"--endpoints={c.cfg.member('m2').client_url}"))
+    assert st[0]["Status"]["header"]["member_id"], st
+    print(f"\nFIGURE conf-rendered-not-copied: restore exit 0; m2's etcd.conf has {len(keys(conf))} keys, the agent's "
+          f"own; archive extras (metrics on :{metrics_port}, pprof, 1 MiB quota, a root shell unit) not applied")

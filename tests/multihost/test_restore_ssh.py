@@ -155,6 +155,26 @@ def wait_journal(bed: Bed, member: str, step: str, proc: "subprocess.Popen[bytes
         time.sleep(0.01)
 
 
+def build(net: NetnsBed, work: str) -> Bed:
+    """The bed up: namespaces, sshd, every host's agent.toml, a healthy static cluster (also
+    bench/restore_netns.py's bed, with its own prefix and subnet)."""
+    net.up()
+    b = Bed(net, work)
+    for h in net.hosts:
+        os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
+        for sub in (f"{h.name}/backups", f"{h.name}/state"):
+            os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
+    net.start_sshd()  # known_hosts exists from here on; the configs name it
+    for h in net.hosts:
+        with open(b.toml(h), "w") as fh:
+            fh.write(agent_toml(work, net.hosts, h, net))
+        b.cfgs[h.name] = load(b.toml(h))
+    for h in net.hosts:
+        start_static(b, h)
+    wait_healthy(b.cfg(net.hosts[0].name), 60)
+    return b
+
+
 @contextlib.contextmanager
 def cluster_bed(prefix: str, subnet: str, work: str) -> Iterator[Bed]:
     """Three namespace hosts with sshd, each with its own agent.toml, running a healthy cluster."""
@@ -166,21 +186,7 @@ def cluster_bed(prefix: str, subnet: str, work: str) -> Iterator[Bed]:
         os.makedirs(ETC_DIR, mode=0o755)
     net = NetnsBed(3, prefix=prefix, subnet=subnet)
     try:
-        net.up()
-        b = Bed(net, work)
-        for h in net.hosts:
-            os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
-            for sub in (f"{h.name}/backups", f"{h.name}/state"):
-                os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
-        net.start_sshd()  # known_hosts exists from here on; the configs name it
-        for h in net.hosts:
-            with open(b.toml(h), "w") as fh:
-                fh.write(agent_toml(work, net.hosts, h, net))
-            b.cfgs[h.name] = load(b.toml(h))
-        for h in net.hosts:
-            start_static(b, h)
-        wait_healthy(b.cfg(), 60)
-        yield b
+        yield build(net, work)
     finally:
         net.down()  # every process of the namespaces by PID: etcd, sshd, lock holders
         if made_etc:

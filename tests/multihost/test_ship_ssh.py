@@ -135,8 +135,8 @@ def test_a_host_cut_mid_ship_stops_nothing_and_leaves_no_copy(bed: Bed) -> None:
     assert proc.returncode == 1, err
     assert "shipping the snapshot failed; nothing stopped" in err, err
     assert "sh3 (10.213.14.13): the stream has not moved for 20s" in err, err
-    assert "sh1 (local) rolled back: nothing was stopped or moved" in err, err
-    assert "sh2 (10.213.14.12) rolled back: nothing was stopped or moved" in err, err
+    assert "sh1 (local) rolled back: etcd left running: its data dir was never touched" in err, err
+    assert "sh2 (10.213.14.12) rolled back: etcd left running: its data dir was never touched" in err, err
     assert "sh3 (10.213.14.13): NOT rolled back" in err and "etcd-agent restore rollback --yes" in err, err
     assert untouched(bed) == before  # no etcd stopped, no data dir moved, sh3's neither
     wait_healthy(bed.cfg(), 30, ["sh1", "sh2"])
@@ -189,7 +189,7 @@ def test_a_snapshot_that_is_not_the_manifests_is_refused_and_the_old_data_kept(b
     res = bed.agent(bed.h1, "restore", "--from", bad, "--yes")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "the manifest says" in res.stderr and "no member kept it, nothing stopped" in res.stderr, res.stderr
-    assert details(res.stderr).count("rolled back: nothing was stopped or moved") == 3, res.stderr
+    assert details(res.stderr).count("rolled back: etcd left running: its data dir was never touched") == 3, res.stderr
     assert untouched(bed) == before
     for m in bed.cfg().members:
         assert counts(bed.cfg(), "/after-bad/", endpoint=m.client_url) == [10]
@@ -212,7 +212,7 @@ def test_a_work_dir_without_room_is_refused_before_any_data_flows(bed: Bed) -> N
     err = res.stderr
     assert "shipping the snapshot was refused before any data was sent; nothing stopped" in err, err
     assert "sh2 (10.213.14.12): sh2: " in err and f"bytes free in {wd}, the snapshot needs" in err, err
-    assert details(err).count("rolled back: nothing was stopped or moved") == 3, err
+    assert details(err).count("rolled back: etcd left running: its data dir was never touched") == 3, err
     assert untouched(bed) == before
     assert nothing_staged(bed), staging(bed)
     wait_healthy(bed.cfg(), 30)

@@ -12,7 +12,8 @@ from the bed's known_hosts), eu1's own member in-process. Leadership is put on e
 the followers stepped first are the remote ones and the leader (stepped last) the local one.
 
 The tests build on each other in file order (one cluster): refused jump, forced failure rolled
-back, the real upgrade with writes flowing, then reboot-equivalents keeping the pin.
+back, the multi-hop plan (--dry-run), the real upgrade 3.4.23 -> 3.5.16 -> 3.5.30 in one command
+with writes flowing, then reboot-equivalents keeping the pin.
 """
 from __future__ import annotations
 

@@ -352,3 +352,29 @@ def test_encrypt_to_every_problem_at_once_and_never_a_secret():
     assert not any(secret in e or secret.lower() in e for e in errors)
     _, errors = parse_text(GOOD + f"[backup]\nencrypt_to = [{many}]\n")
     assert errors == ["backup.encrypt_to lists 21 recipients; at most 20 are supported"]
+
+
+def test_drill_section_defaults_and_every_mistake():
+    cfg, errors = parse_text(GOOD)
+    assert errors == [] and cfg.drill.every == 0 and cfg.drill.dir == "/var/lib/etcd-agent-drill"
+    assert (cfg.drill.nice, cfg.drill.ionice, cfg.drill.gomaxprocs, cfg.drill.sample_keys) == (10, "idle", 1, 100)
+    cfg, errors = parse_text(GOOD + '[drill]\nevery = 86400\nionice = "best-effort:7"\nmetrics_file = '
+                             '"/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom"\n')
+    assert errors == [] and cfg.drill.every == 86400.0
+    _, errors = parse_text(GOOD + '[drill]\nevery = 30\nnice = 20\nionice = "realtime"\ngomaxprocs = -1\n'
+                           'sample_keys = 1000000\ntimeout = 0\ndir = "/var/lib"\ncolour = 1\n')
+    assert sorted(errors) == sorted([
+        "drill: unknown key 'colour'",
+        "drill.every must be 0 (no scheduled drills) or 60 to 604800 seconds, got 30",
+        "drill.nice must be 0 to 19, got 20",
+        "drill.ionice must be idle, none or best-effort:N (N 0-7), got 'realtime'",
+        "drill.gomaxprocs must be 0 (all cores) to 1024, got -1",
+        "drill.sample_keys must be 0 to 100000, got 1000000",
+        "drill.timeout must be > 0 seconds",
+        "drill.dir '/var/lib' is a system directory; give the agent a directory of its own "
+        "(e.g. /var/lib/etcd-agent-drill)",
+    ])
+    # the drill removes what it leaves in its dir: never the backups or the data
+    _, errors = parse_text(GOOD + '[drill]\ndir = "/var/lib/etcd_backup/drill"\n')
+    assert errors == ["backup.dir '/var/lib/etcd_backup' and drill.dir '/var/lib/etcd_backup/drill' overlap "
+                      "(one holds the other); give each a directory of its own"]

@@ -18,6 +18,7 @@ from etcd_agent.backup import manifest as M
 from etcd_agent.backup.reader import open_archive, peek_archive
 from etcd_agent.backup.tarstream import sniff
 from etcd_agent.errors import BackupCorrupt, RefusedError
+from tests.harness.bombs import gzip_bomb, sparse_bomb
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 SNAP_PATH = os.path.join(DATA, "snap-a.db")
@@ -163,12 +164,8 @@ def _wchar_of_open(path: str, stage: str) -> Dict[str, Any]:
 
 
 def test_gnu_sparse_bomb_writes_nothing(tmp_path: Any) -> None:
-    big = tmp_path / "etcd_snapshot.db"
-    with open(big, "wb") as fh:
-        fh.truncate(8 << 30)  # 8 GiB of holes
     for fmt in ("gnu", "posix"):
-        out = str(tmp_path / f"sparse-{fmt}.tar.gz")
-        subprocess.run(["tar", "--sparse", f"--format={fmt}", "-czf", out, "etcd_snapshot.db"], cwd=tmp_path, check=True)
+        out = sparse_bomb(str(tmp_path / f"src-{fmt}"), fmt)
         size = os.path.getsize(out)
         stage = tmp_path / f"stage-{fmt}"
         stage.mkdir()
@@ -181,22 +178,9 @@ def test_gnu_sparse_bomb_writes_nothing(tmp_path: Any) -> None:
         assert os.listdir(stage) == []
 
 
-def _gzip_bomb(path: str, declared: int) -> None:
-    """A gzip of a tar whose etcd_snapshot.db is ``declared`` bytes of zeros: one member for the
-    header, then the same 16 MiB-of-zeros gzip member repeated (gzip allows concatenation)."""
-    ti = _reg("etcd_snapshot.db", declared)
-    header = ti.tobuf(format=tarfile.GNU_FORMAT)
-    chunk = 16 << 20
-    zero_member = gzip.compress(bytes(chunk), compresslevel=9)
-    with open(path, "wb") as fh:
-        fh.write(gzip.compress(header))
-        for _ in range(declared // chunk):
-            fh.write(zero_member)
-
-
 def test_gzip_bomb_refused_after_its_first_pages(tmp_path: Any) -> None:
     out = str(tmp_path / "etcd-2019-08-07.tar")
-    _gzip_bomb(out, (8 << 30) + 32)  # a size etcd could have written: pages + trailer
+    gzip_bomb(out, (8 << 30) + 32)  # a size etcd could have written: pages + trailer
     size = os.path.getsize(out)
     stage = tmp_path / "stage"
     stage.mkdir()

@@ -89,6 +89,20 @@ def test_spec_declares_configs_and_backup_dir() -> None:
     assert "etcd.conf" not in files and "/etcd.service" not in files
 
 
+def test_the_drill_dir_is_packaged_0711_and_writable_by_the_daemon() -> None:
+    """[drill] dir's default: the etcd user must traverse it, and under ProtectSystem=strict the
+    daemon can only write where the unit says."""
+    from etcd_agent.config import DrillSection
+
+    assert DrillSection.dir == "/var/lib/etcd-agent-drill"
+    files = spec_text().split("\n%files", 1)[1]
+    assert "%dir %attr(0711,root,root) %{_sharedstatedir}/etcd-agent-drill" in files
+    assert "install -d -m 0711 %{buildroot}%{_sharedstatedir}/etcd-agent-drill" in spec_text()
+    with open(os.path.join(REPO, "systemd", "etcd-agent.service")) as fh:
+        rw = [ln for ln in fh.read().splitlines() if ln.startswith("ReadWritePaths=")]
+    assert any("-/var/lib/etcd-agent-drill" in ln.split() for ln in rw), rw
+
+
 @pytest.mark.parametrize("python_version", TARGET_PYTHONS)
 def test_lock_pins_every_dependency_within_pyproject_ranges(python_version: str) -> None:
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:

@@ -1,0 +1,288 @@
+"""What restore drills leave behind: one record per drilled backup, this host's drill state, metrics.
+
+- ``DrillRecord``: one drill's outcome (the backup, when, how long, what it proved or why it
+  failed), the one typed value every store below holds.
+- Per backup: ``.etcd-agent-drills.json`` in the backup dir (0600) keeps each file's last drill,
+  stamped like the check cache (size, mtime, inode, ctime): ``backup list`` shows a drill only
+  for the bytes it drilled.
+- Per host: ``<state_dir>/drill.json`` (0600) keeps the counters and last times across runs (the
+  CLI and the daemon are separate processes), read by the daemon's metrics endpoint.
+- ``[drill] metrics_file``: the same values for node_exporter's textfile collector, readable with
+  the apiserver and etcd down (temp + fsync + rename, 0644). Metrics hold no secrets.
+
+Alert on ``time() - etcd_agent_restore_drill_last_success_timestamp_seconds`` (the newest over
+the masters, one drills at a time) and on ``etcd_agent_restore_drill_last_result == 0``.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
+
+from .. import safejson
+from ..fs import makedirs, write_atomic
+from .checks import Stamp, stamp_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client.metrics_core import Metric
+
+    from ..config import Config
+
+log = logging.getLogger(__name__)
+
+RECORDS = ".etcd-agent-drills.json"
+STATE = "drill.json"
+MAX_FILE = 4 << 20
+PREFIX = "etcd_agent_restore_drill_"
+
+
+@dataclass(frozen=True)
+class DrillRecord:
+    """One drill's outcome."""
+
+    backup: str  # the archive's file name
+    ok: bool
+    at: float  # unix time the drill started
+    duration: float
+    host: str = ""
+    problem: Optional[str] = None  # why it failed, one sentence
+    revision: Optional[int] = None
+    keys: Optional[int] = None
+    leases: Optional[int] = None
+    sample: Optional[int] = None
+    etcd_version: Optional[str] = None
+    digest: Optional[str] = None  # of the key space, shortened
+    stamp: Optional[Stamp] = None  # of the archive when it was drilled
+
+    def to_json(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["stamp"] = list(self.stamp) if self.stamp is not None else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> Optional["DrillRecord"]:
+        """None for anything that is not a record (a damaged file is ignored, not trusted)."""
+        if not isinstance(d, dict):
+            return None
+        try:
+            st = d.get("stamp")
+            stamp = (int(st[0]), int(st[1]), int(st[2]), int(st[3])) if st is not None else None
+
+            def opt_int(k: str) -> Optional[int]:
+                return int(d[k]) if d.get(k) is not None else None
+
+            def opt_str(k: str, n: int) -> Optional[str]:
+                return str(d[k])[:n] if d.get(k) is not None else None
+
+            return cls(
+                backup=str(d["backup"])[:255], ok=bool(d["ok"]), at=float(d["at"]), duration=float(d["duration"]),
+                host=str(d.get("host", ""))[:255], problem=opt_str("problem", 2000), revision=opt_int("revision"),
+                keys=opt_int("keys"), leases=opt_int("leases"), sample=opt_int("sample"),
+                etcd_version=opt_str("etcd_version", 40), digest=opt_str("digest", 64), stamp=stamp,
+            )
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+
+    def summary(self) -> str:
+        """One line for listings: what the drill showed, or why it failed."""
+        from datetime import datetime, timezone
+
+        when = datetime.fromtimestamp(self.at, timezone.utc).isoformat(timespec="seconds")
+        if self.ok:
+            return (f"drilled {when}: restored and checked in {self.duration:.1f}s (revision {self.revision}, "
+                    f"{self.keys} keys, {self.sample} sampled, etcd {self.etcd_version})")
+        return f"drill FAILED {when}: {self.problem}"
+
+
+# ---------------------------------------------------------------- per backup
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE + 1)
+    except FileNotFoundError:
+        return None
+    try:
+        return safejson.loads(raw, max_bytes=MAX_FILE)
+    except ValueError as exc:
+        log.warning("%s is damaged (%s); ignored", path, exc)
+        return None
+
+
+def load_records(directory: str) -> Dict[str, DrillRecord]:
+    """Every recorded drill of the backups in ``directory`` (stale ones too: ``lookup`` compares stamps)."""
+    obj = _read_json(os.path.join(directory, RECORDS))
+    out: Dict[str, DrillRecord] = {}
+    if isinstance(obj, dict):
+        for name, d in obj.items():
+            rec = DrillRecord.from_json(d)
+            if rec is not None and isinstance(name, str):
+                out[name] = rec
+    return out
+
+
+def lookup(records: Dict[str, DrillRecord], name: str, st: os.stat_result) -> Optional[DrillRecord]:
+    """The last drill of ``name`` if it drilled exactly these bytes."""
+    r = records.get(name)
+    return r if r is not None and r.stamp == stamp_of(st) else None
+
+
+def record_backup(directory: str, path: str, rec: DrillRecord, before: os.stat_result) -> None:
+    """Keep ``rec`` as the last drill of the backup at ``path`` (in ``directory``), stamped with
+    ``before`` - the file as it was when the drill read it; nothing is kept when it has changed
+    since. Read-modify-write under a lock; entries of vanished files are dropped. Never raises."""
+    name = os.path.basename(path)
+    lock = os.path.join(directory, RECORDS + ".lock")
+    try:
+        if stamp_of(os.stat(path, follow_symlinks=False)) != stamp_of(before):
+            log.warning("%s changed while it was drilled: the drill is not recorded against it", path)
+            return
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        log.warning("cannot record the drill of %s (%s)", name, exc)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        recs = load_records(directory)
+        recs[name] = replace(rec, stamp=stamp_of(before))
+        present = set(os.listdir(directory))
+        data = {n: r.to_json() for n, r in sorted(recs.items()) if n in present}
+        write_atomic(os.path.join(directory, RECORDS), (json.dumps(data, indent=1) + "\n").encode(), mode=0o600)
+    except OSError as exc:
+        log.warning("cannot record the drill of %s (%s)", name, exc)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- this host
+
+
+@dataclass(frozen=True)
+class HostDrillState:
+    """This host's drills over time: what the metrics show."""
+
+    runs: int = 0
+    failures: int = 0
+    last: Optional[DrillRecord] = None  # the last attempt, whatever its result
+    last_success: Optional[DrillRecord] = None
+    last_failure: Optional[DrillRecord] = None
+
+    def after(self, rec: DrillRecord) -> "HostDrillState":
+        return HostDrillState(
+            runs=self.runs + 1,
+            failures=self.failures + (0 if rec.ok else 1),
+            last=rec,
+            last_success=rec if rec.ok else self.last_success,
+            last_failure=self.last_failure if rec.ok else rec,
+        )
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"runs": self.runs, "failures": self.failures,
+                **{f.name: (getattr(self, f.name).to_json() if getattr(self, f.name) is not None else None)
+                   for f in fields(self) if f.name.startswith("last")}}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "HostDrillState":
+        if not isinstance(d, dict):
+            return cls()
+        try:
+            runs, failures = int(d.get("runs", 0)), int(d.get("failures", 0))
+        except (TypeError, ValueError):
+            runs = failures = 0
+        return cls(runs=max(0, runs), failures=max(0, failures), last=DrillRecord.from_json(d.get("last")),
+                   last_success=DrillRecord.from_json(d.get("last_success")),
+                   last_failure=DrillRecord.from_json(d.get("last_failure")))
+
+
+def state_path(cfg: "Config") -> str:
+    return os.path.join(cfg.daemon.state_dir, STATE)
+
+
+def load_state(cfg: "Config") -> HostDrillState:
+    return HostDrillState.from_json(_read_json(state_path(cfg)))
+
+
+def record_host(cfg: "Config", rec: DrillRecord) -> HostDrillState:
+    """Count ``rec`` in this host's state and rewrite the textfile; never raises (a metrics
+    problem must not turn a drill's result into another one)."""
+    state = load_state(cfg).after(rec)
+    try:
+        makedirs(cfg.daemon.state_dir, 0o700)
+        write_atomic(state_path(cfg), (json.dumps(state.to_json(), indent=1) + "\n").encode(), mode=0o600)
+    except OSError as exc:
+        log.warning("cannot keep the drill state in %s: %s", state_path(cfg), exc)
+    write_textfile(cfg, state)
+    return state
+
+
+# ---------------------------------------------------------------- metrics
+
+GAUGES: Dict[str, str] = {
+    "last_success_timestamp_seconds": "Unix time the last successful restore drill started.",
+    "last_success_duration_seconds": "Duration of the last successful restore drill.",
+    "last_failure_timestamp_seconds": "Unix time the last failed restore drill started.",
+    "last_attempt_timestamp_seconds": "Unix time the last restore drill started, whatever its result.",
+    "last_duration_seconds": "Duration of the last restore drill, whatever its result.",
+    "last_result": "1 if the last restore drill proved its backup, 0 if it failed.",
+}
+COUNTERS: Dict[str, str] = {
+    "runs": "Restore drills run on this host.",
+    "failures": "Restore drills that failed on this host.",
+}
+INFO = ("backup_info", "The backup the last successful restore drill proved (value 1).")
+
+
+def values(state: HostDrillState) -> Dict[str, float]:
+    out: Dict[str, float] = {"runs": float(state.runs), "failures": float(state.failures)}
+    if state.last_success is not None:
+        out["last_success_timestamp_seconds"] = state.last_success.at
+        out["last_success_duration_seconds"] = state.last_success.duration
+    if state.last_failure is not None:
+        out["last_failure_timestamp_seconds"] = state.last_failure.at
+    if state.last is not None:
+        out["last_attempt_timestamp_seconds"] = state.last.at
+        out["last_duration_seconds"] = state.last.duration
+        out["last_result"] = 1.0 if state.last.ok else 0.0
+    return out
+
+
+@dataclass(eq=False)  # the registry keys collectors by identity
+class DrillCollector:
+    """A prometheus_client collector of one ``HostDrillState`` (replaceable: the daemon swaps in
+    the state it read last)."""
+
+    state: HostDrillState = field(default_factory=HostDrillState)
+
+    def collect(self) -> "Iterable[Metric]":
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        v = values(self.state)
+        for name, text in GAUGES.items():
+            if name in v:
+                yield GaugeMetricFamily(PREFIX + name, text, value=v[name])
+        for name, text in COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, text, value=v[name])
+        ok = self.state.last_success
+        if ok is not None:
+            info = InfoMetricFamily(PREFIX + INFO[0][: -len("_info")], INFO[1])
+            info.add_metric([], {"backup": ok.backup, "revision": str(ok.revision), "host": ok.host,
+                                 "etcd_version": ok.etcd_version or ""})
+            yield info
+
+
+def write_textfile(cfg: "Config", state: HostDrillState) -> None:
+    target = cfg.drill.metrics_file
+    if target is None:
+        return
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        registry.register(DrillCollector(state))
+        write_atomic(target, generate_latest(registry), mode=0o644)
+    except Exception as exc:  # noqa: BLE001 - by contract nothing escapes
+        log.warning("could not write drill metrics to %s: %s", target, exc)

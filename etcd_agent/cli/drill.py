@@ -1,0 +1,45 @@
+"""`etcd-agent drill [--from BACKUP]`: a restore drill now, on this host (see backup/drill.py).
+
+Progress goes to stderr as it happens; what the drill proved (or why it failed), check by check,
+goes to stdout. Exit 0 when it passed, 1 when it failed, 4 when another drill runs here.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from ..errors import EXIT_FAILED, EXIT_OK
+from .main import Context, Output
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "drill",
+        help="restore a backup into a throwaway etcd on loopback and check it against the backup (a restore drill)",
+    )
+    p.add_argument("--from", dest="spec", default="latest", metavar="BACKUP",
+                   help="a path, a file name in the backup dir, a date like 2019-08-07, or latest (default)")
+    p.set_defaults(func=cmd_drill)
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} drill: {line}\n")
+    sys.stderr.flush()
+
+
+def cmd_drill(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..backup.drill import run_drill
+    from ..daemon.drill import tell_cluster
+
+    cfg = ctx.config()
+    report = run_drill(cfg, args.spec, progress=_progress)
+    if not report.interrupted:
+        why = tell_cluster(cfg, report)  # the daemons' schedule counts a drill by hand too
+        if why:
+            log.info("the drill is not recorded in etcd (%s): the daemons' schedule does not know of it", why)
+    return Output(report.to_json(), "\n".join(report.lines()), EXIT_OK if report.ok else EXIT_FAILED)

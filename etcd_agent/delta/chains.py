@@ -1,0 +1,234 @@
+"""The delta chains in a backup dir: what each holds, which full backup it continues, and pruning.
+
+A chain is the segments that continue one full backup: their headers name its revision
+(``base_revision``). A full backup and its chain go together: retention decides about full
+backups (``backup.retention``), and a chain is kept exactly when a full backup at its base
+revision is kept (or when the daemon's watch is writing it right now); a chain whose full
+backup is gone (deleted by hand, pruned before chains existed) is reported and pruned with that
+reason. Files named like segments whose header cannot be read are kept while a kept full backup
+could need them (their revisions reach past the oldest kept one), then pruned.
+
+Listing reads only headers and footers (``read_summary``); a restore verifies every byte.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .errors import SegmentCorrupt
+from .segments import ChainStop, check_chain, list_segments, ms_to_datetime, parse_name, read_summary
+
+log = logging.getLogger(__name__)
+
+# measured replay speed of one scratch member (bench/delta_bench.py: ~2000-2300 events/s on two
+# shared cores); a restore's estimate, not a promise
+REPLAY_EVENTS_PER_SECOND = 2000.0
+WATCHER_LOCK = ".delta-watcher.lock"
+
+
+@dataclass(frozen=True)
+class ChainSummary:
+    """One chain (all segments based on one full backup revision), from headers and footers."""
+
+    base_revision: int
+    paths: Tuple[str, ...]  # every segment file of this base, in revision order
+    usable: int  # of those, how many link up cleanly from the base (the rest follow a stop)
+    end_revision: int  # the last revision the usable segments reach
+    start_time_ms: Optional[int]
+    end_time_ms: Optional[int]
+    events: int  # in the usable segments: what a restore to their end replays
+    revisions: int
+    bytes: int  # every file of this base
+    stop: Optional[ChainStop] = None
+
+    @property
+    def replay_seconds(self) -> float:
+        return self.events / REPLAY_EVENTS_PER_SECOND
+
+    def describe(self) -> str:
+        if not self.usable:
+            what = "no usable segment"
+        else:
+            end = ms_to_datetime(self.end_time_ms).isoformat(timespec="seconds") if self.end_time_ms else "?"
+            what = (f"{self.usable} segment(s), revisions {self.base_revision + 1}..{self.end_revision} "
+                    f"(until {end}), {self.events} events, {_size(self.bytes)}; a restore to its end replays "
+                    f"~{self.replay_seconds:.0f}s (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
+        if self.stop is not None:
+            what += f"; BROKEN at revision {self.stop.at_revision}: {self.stop.reason}"
+            if len(self.paths) > self.usable:
+                what += f" ({len(self.paths) - self.usable} file(s) after it are not used)"
+        return what
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "base_revision": self.base_revision,
+            "segments": len(self.paths),
+            "usable_segments": self.usable,
+            "end_revision": self.end_revision,
+            "start_time": ms_to_datetime(self.start_time_ms).isoformat() if self.start_time_ms else None,
+            "end_time": ms_to_datetime(self.end_time_ms).isoformat() if self.end_time_ms else None,
+            "events": self.events,
+            "revisions": self.revisions,
+            "bytes": self.bytes,
+            "replay_estimate_seconds": round(self.replay_seconds, 1),
+            "stop": self.stop.to_json() if self.stop else None,
+        }
+
+
+@dataclass(frozen=True)
+class Scan:
+    chains: Tuple[ChainSummary, ...]  # by base revision
+    unreadable: Tuple[Tuple[str, str], ...] = field(default=())  # (path, problem): no header to go by
+
+    def chain(self, base_revision: int) -> Optional[ChainSummary]:
+        return next((c for c in self.chains if c.base_revision == base_revision), None)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def scan(directory: str) -> Scan:
+    """Every chain in ``directory``; never raises for a damaged file (it is reported)."""
+    try:
+        paths = list_segments(directory)
+    except FileNotFoundError:
+        return Scan(())
+    by_base: Dict[int, List[str]] = {}
+    unreadable: List[Tuple[str, str]] = []
+    for p in paths:
+        try:
+            header, _footer = read_summary(p)
+        except SegmentCorrupt as exc:
+            unreadable.append((p, exc.problem))
+            continue
+        by_base.setdefault(header.base_revision, []).append(p)
+    chains = []
+    for base, ps in sorted(by_base.items()):
+        check = check_chain(ps, base, verify=False)
+        segs = check.segments
+        size = 0
+        for p in ps:
+            try:
+                size += os.path.getsize(p)
+            except OSError:
+                pass
+        chains.append(ChainSummary(
+            base_revision=base, paths=tuple(ps), usable=len(segs), end_revision=check.end_revision,
+            start_time_ms=segs[0].header.start_time_ms if segs else None, end_time_ms=check.end_time_ms,
+            events=sum(s.footer.events for s in segs), revisions=sum(s.footer.txns for s in segs), bytes=size,
+            stop=check.stop,
+        ))
+    return Scan(tuple(chains), tuple(unreadable))
+
+
+def active_base(directory: str) -> Optional[int]:
+    """The base revision of the chain a watcher is writing in ``directory`` now (its lock is
+    held, and its holder record says so), or None."""
+    path = os.path.join(directory, WATCHER_LOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raw = os.pread(fd, 4096, 0)
+            try:
+                rec = json.loads(raw.decode("utf-8", "replace") or "{}")
+            except ValueError:
+                return None
+            base = rec.get("base_revision") if isinstance(rec, dict) else None
+            return base if isinstance(base, int) and not isinstance(base, bool) else None
+        return None  # nobody holds it
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- pruning (the plan is pure)
+
+
+@dataclass(frozen=True)
+class FullRef:
+    """A full backup as the chain plan sees it."""
+
+    name: str
+    revision: Optional[int]
+    keep: bool
+    good: bool = True  # False: quarantined (never deleted: its chain stays with it)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ChainDecision:
+    base_revision: int
+    keep: bool
+    reason: str
+    paths: Tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"delta chain after revision {self.base_revision} ({len(self.paths)} segment(s))"
+
+
+def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] = None) -> List[ChainDecision]:
+    """One decision per chain (and one for the unreadable files that may go), each with its reason."""
+    out: List[ChainDecision] = []
+    for c in scan_.chains:
+        same = [f for f in fulls if f.revision == c.base_revision]
+        kept = [f for f in same if f.keep]
+        if kept:
+            out.append(ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths))
+        elif c.base_revision == active:
+            out.append(ChainDecision(c.base_revision, True, "being written by the daemon's watch right now", c.paths))
+        elif same:
+            gone = same[0]
+            why = f"its full backup {gone.name} is pruned" + (f" ({gone.reason})" if gone.reason else "")
+            out.append(ChainDecision(c.base_revision, False, why, c.paths))
+        else:
+            out.append(ChainDecision(
+                c.base_revision, False,
+                f"orphaned: no full backup at revision {c.base_revision} here (deleted by hand, or never "
+                "finished); without it the segments restore nothing", c.paths))
+    if scan_.unreadable:
+        kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
+        oldest = min(kept_revs) if kept_revs else None
+        doomed, stay = [], []
+        for p, _why in scan_.unreadable:
+            rng = parse_name(os.path.basename(p))
+            if oldest is not None and rng is not None and max(rng) < oldest:
+                doomed.append(p)
+            else:
+                stay.append(p)
+        if doomed:
+            out.append(ChainDecision(-1, False, f"unreadable segments entirely before the oldest kept full backup "
+                                                f"(revision {oldest}): nothing can use them", tuple(doomed)))
+        if stay:
+            out.append(ChainDecision(-1, True, "unreadable segments kept: a kept full backup may need them "
+                                               "(`backup list` names the damage)", tuple(stay)))
+    return out
+
+
+def apply(decisions: Iterable[ChainDecision]) -> List[str]:
+    """Delete the segments of every chain decided against; returns the files removed."""
+    removed = []
+    for d in decisions:
+        if d.keep:
+            continue
+        log.info("pruning %s: %s", d.label, d.reason)
+        for p in d.paths:
+            try:
+                os.unlink(p)
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -1,0 +1,253 @@
+"""Point-in-time restore, before the cluster is touched: which full backup, how far its chain
+goes, the replay into a throwaway member, and the lines the restore plan shows.
+
+``prepare`` decides from headers, footers and every segment's verified bytes (``check_chain``)
+where the replay stops, and refuses (nothing touched) a target the chain cannot reach - past a
+gap, a damaged segment or the chain's end - naming the last good point and, when there is one,
+the newer full backup that covers what comes after. ``replay_kept`` runs the replay
+(``replay.replay``: scratch etcd on loopback, its own ports and dir under ``<backup dir>/.pitr``)
+and keeps the result there, named after the full backup and the stop revision, with its
+``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
+restore ships the very bytes the journal names. The restore removes it when it ends.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from etcd_agent.errors import RefusedError, UsageError
+from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.state.locks import OperationLock
+
+from . import status
+from .errors import ReplayError
+from .replay import Plan, ReplayResult, Target, find_base, plan_replay, replay
+from .scratch import EtcdBinaries, ScratchOptions
+from .segments import ChainCheck, check_chain, list_segments, ms_to_datetime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.backup.catalog import Entry
+    from etcd_agent.config import Config
+
+log = logging.getLogger(__name__)
+
+PITR_DIR = ".pitr"
+FUTURE_MARGIN_MS = 2000
+
+
+def _when(ms: Optional[int]) -> str:
+    return ms_to_datetime(ms).isoformat(timespec="milliseconds") if ms else "?"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    entry: "Entry"  # the full backup
+    target: Target
+    check: ChainCheck
+    plan: Plan
+    breaks: Tuple[status.BreakRecord, ...]  # recorded breaks of this chain
+
+    @property
+    def kept_name(self) -> str:
+        return f"{self.entry.name}.to-{self.plan.stop_revision}.db"
+
+
+def pitr_dir(cfg: "Config") -> str:
+    return os.path.join(cfg.backup.dir, PITR_DIR)
+
+
+def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
+    """``--from`` with a target. ``latest`` is the newest good full backup at or before the
+    target (a later one cannot be rolled back to it); anything else resolves as usual."""
+    from etcd_agent.backup import catalog, keys
+
+    if spec.strip() != "latest" or target.kind == "newest":
+        return catalog.resolve_from(cfg, spec)
+    entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    goods = catalog.good(entries)
+    for e in goods:
+        if target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms:
+            return e
+        if target.kind == "revision" and e.revision is not None and target.revision is not None \
+                and e.revision <= target.revision:
+            return e
+    oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
+    raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
+                     f"({oldest})")
+
+
+def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None) -> Prepared:
+    """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach."""
+    entry = resolve_full(cfg, spec, target)
+    if entry.revision is None:
+        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
+                           f"`etcd-agent backup verify {entry.name}` first; nothing touched")
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    if target.kind == "time" and target.time_ms is not None and target.time_ms > now_ms + FUTURE_MARGIN_MS:
+        raise UsageError(f"target {target.describe()} is in the future (now {_when(now_ms)})")
+    paths = list_segments(cfg.backup.dir)
+    base = find_base(paths, entry.revision)
+    check = check_chain(paths, base)
+    try:
+        plan = plan_replay(check, target)
+    except ReplayError as exc:
+        raise RefusedError(f"{entry.name}: {exc.message}; nothing touched") from None
+    if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
+        raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
+                           "restore from an older full backup; nothing touched")
+    if plan.stop_revision < entry.revision:
+        raise RefusedError(f"{target.describe()} predates {entry.name} (revision {entry.revision}): restore from an "
+                           "older full backup; nothing touched")
+    _total, breaks = status.read_breaks(cfg.backup.dir)
+    mine = tuple(b for b in breaks if b.base_revision == base)
+    prep = Prepared(entry, target, check, plan, mine)
+    if not plan.complete and target.kind != "newest":
+        raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
+                           "nothing touched", details=refusal_hints(cfg, prep))
+    return prep
+
+
+def stop_sentence(p: Prepared) -> str:
+    """Where the chain stops and why, with its last good point."""
+    c = p.check
+    if c.stop is not None:
+        return (f"the chain stops at revision {c.stop.at_revision} ({c.stop.kind}: {c.stop.reason}); its last good "
+                f"point is revision {c.stop.last_good_revision} at {_when(c.stop.last_good_time_ms)}; nothing after a "
+                "gap is ever applied")
+    end = f"revision {c.end_revision} at {_when(c.end_time_ms)}" if c.segments else \
+        f"the full backup itself (revision {c.base_revision}: no segment continues it)"
+    brk = next((b for b in reversed(p.breaks)), None)
+    why = (f"; the daemon recorded a break there: {b_reason(brk)}" if brk is not None else
+           " (the newest segment; the watch may still be writing the next one)")
+    return f"the chain ends at {end}{why}"
+
+
+def b_reason(b: status.BreakRecord) -> str:
+    return (f"at revision {b.at_revision} ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(b.time))}): "
+            f"{b.reason}")
+
+
+def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
+    c = p.check
+    last = c.stop.last_good_revision if c.stop is not None else c.end_revision
+    hints = [f"restore up to that point: --from {p.entry.name} --to-revision {last}"]
+    from etcd_agent.backup import catalog
+
+    try:
+        goods = catalog.good(catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc))
+    except Exception:  # noqa: BLE001 - a hint is not worth failing for
+        goods = []
+    newer = [e for e in goods if e.revision is not None and e.revision > last]
+    if newer:
+        n = newer[-1]  # the oldest full backup after the stop
+        hints.append(f"or from {n.name} (revision {n.revision}, taken after the chain stopped), whose own chain "
+                     f"continues from there: --from {n.name}")
+    return hints
+
+
+def scratch_options(cfg: "Config") -> ScratchOptions:
+    """The cluster's own etcd release (the replayed db is then what it writes), on loopback, in a
+    private dir beside the backups (the same filesystem that holds them has room for one more)."""
+    e = cfg.etcd
+    if not e.etcdutl:
+        raise RefusedError("a point-in-time restore needs etcdutl (etcd >= 3.5) for its throwaway replay member: "
+                           "set [etcd] etcdutl; nothing touched")
+    return ScratchOptions(binaries=EtcdBinaries(etcd=e.binary, etcdutl=e.etcdutl, etcdctl=e.etcdctl),
+                          parent_dir=pitr_dir(cfg))
+
+
+def lock(cfg: "Config") -> OperationLock:
+    """One point-in-time restore at a time on this host (held from the replay to the restore's
+    end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
+    d = pitr_dir(cfg)
+    makedirs(d, 0o700)
+    held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
+    for n in os.listdir(d):
+        if n.startswith(("etcd-replay-", "etcd-scratch-")):
+            shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+    return held
+
+
+def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
+    """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
+    (path, result, reused). Call it holding ``lock``."""
+    d = pitr_dir(cfg)
+    out = os.path.join(d, p.kept_name)
+    side = out + ".json"
+    if os.path.isfile(out) and os.path.isfile(side):
+        try:
+            with open(side, encoding="utf-8") as fh:
+                res = ReplayResult.from_json(json.loads(fh.read(1 << 22)))
+            log.info("reusing the replay %s left by an earlier run of this restore", out)
+            return out, res, True
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot reuse %s (%s): replaying again", out, exc)
+    for stale in (out, side):
+        if os.path.exists(stale):
+            os.unlink(stale)
+    res = replay(p.entry.path, list_segments(cfg.backup.dir), p.target, output=out, options=scratch_options(cfg))
+    write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
+    return out, res, False
+
+
+def remove_kept(path: str) -> None:
+    for p in (path, path + ".json"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
+    """``--from`` naming a kept replay (what a crashed point-in-time restore's journal names)."""
+    path = os.path.abspath(spec)
+    if os.path.dirname(path) != os.path.abspath(pitr_dir(cfg)) or not os.path.isfile(path + ".json"):
+        return None
+    with open(path + ".json", encoding="utf-8") as fh:
+        return path, ReplayResult.from_json(json.loads(fh.read(1 << 22)))
+
+
+def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) -> List[str]:
+    """What the plan says about the point in time: full backup, segments, reached, lost after, leases."""
+    lines: List[str] = []
+    if p is not None:
+        rev = p.entry.revision or 0
+        segs = [s for s in p.plan.segments if s.end_revision > rev] or list(p.plan.segments)
+        used = (f"{len(segs)} delta segment(s) {os.path.basename(segs[0].path)} .. {os.path.basename(segs[-1].path)}"
+                if segs else "no delta segment")
+        lines.append(f"point in time: full backup {p.entry.name} (revision {p.entry.revision}, "
+                     f"{p.entry.time.isoformat()}) + {used}; target {p.target.describe()}")
+    when = res.reached_time.isoformat(timespec="milliseconds") if res.reached_time else "the chain's end"
+    lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
+                 f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "
+                 f"{res.reached_revision} at {when}; {res.stopped_because}")
+    lines.append(f"point in time: {lost_after(p, res)}")
+    lo = res.leases
+    lines.append(f"point in time: leases as at the target: {lo.alive} alive with the TTL they had left (at least "
+                 f"5 s), {lo.expired} expired by then ({lo.keys_dropped} key(s) not restored), {lo.keys_reattached} "
+                 f"key(s) moved to a lease with their remaining TTL"
+                 + (f" (fix-up revision {', '.join(map(str, res.fixup_revisions))})" if res.fixup_revisions else ""))
+    return lines
+
+
+def lost_after(p: Optional[Prepared], res: ReplayResult) -> str:
+    if not res.complete and res.lost_after is not None:
+        s = res.lost_after
+        return (f"NOT COMPLETE - the chain stops at revision {s.at_revision} ({s.kind}: {s.reason}); everything from "
+                f"there on is lost to this restore (the last good point, revision {s.last_good_revision}, is what "
+                "is restored)")
+    if p is None:
+        return "what comes after the reached point is not restored"
+    c = p.check
+    if c.end_revision > res.reached_revision:
+        return (f"lost after it: revisions {res.reached_revision + 1}..{c.end_revision} that the chain holds (until "
+                f"{_when(c.end_time_ms)}) are not restored, nor anything later")
+    brk = next((b for b in reversed(p.breaks)), None)
+    tail = f"; the daemon recorded a break there: {b_reason(brk)}" if brk is not None else ""
+    return (f"lost after it: only what was never captured - changes after {_when(c.end_time_ms)}, the end of the "
+            f"newest closed segment{tail}")

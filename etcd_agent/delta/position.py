@@ -1,0 +1,161 @@
+"""Where a delta chain stands: the next segment's position, a watcher's status, and resuming.
+
+``ChainPosition`` is what the next segment's header needs (chain id, sequence, previous sha256);
+``find_resume_point`` reads it back from the segments already on disk, so a restarted watcher
+continues its chain instead of starting a new one. ``WatcherStatus`` is a watcher's state as the
+daemon reports it (metrics, logs); ``WatchOptions`` how it closes segments and when it gives up;
+``member_break`` / ``cancel_error`` what a member's header or a canceled watch mean for the chain.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from .errors import ChainBroken, SegmentCorrupt
+from .rpc import StreamEnded
+from .segments import SegmentInfo, check_chain, list_segments, read_segment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChainPosition:
+    """Where the next segment of a chain starts."""
+
+    chain_id: str
+    seq: int
+    base_revision: int
+    next_revision: int
+    prev_sha256: str
+    start_time_ms: int
+    cluster_id: int = 0
+
+    @classmethod
+    def new(cls, base_revision: int, now_ms: int) -> "ChainPosition":
+        return cls(secrets.token_hex(16), 0, base_revision, base_revision + 1, "", now_ms)
+
+    @classmethod
+    def after(cls, info: SegmentInfo) -> "ChainPosition":
+        h = info.header
+        return cls(
+            h.chain_id, h.seq + 1, h.base_revision, info.end_revision + 1, info.sha256,
+            info.footer.end_time_ms, h.cluster_id,
+        )
+
+    def with_cluster(self, cluster_id: int) -> "ChainPosition":
+        return ChainPosition(
+            self.chain_id, self.seq, self.base_revision, self.next_revision, self.prev_sha256,
+            self.start_time_ms, cluster_id,
+        )
+
+
+@dataclass(frozen=True)
+class WatcherStatus:
+    """A watcher's state. Times are Unix ms (0: not known yet)."""
+
+    state: str  # "starting" | "watching" | "reconnecting" | "stopped" | "broken"
+    chain_id: str
+    base_revision: int
+    next_revision: int
+    captured_revision: int  # written to a segment, closed or still open
+    segments_written: int
+    last_segment: Optional[str]
+    broken: Optional[str]
+    durable_revision: int = 0  # the end of the newest closed segment (on disk, visible)
+    durable_time_ms: int = 0  # ... and its end time
+    newest_event_ms: int = 0  # when the newest captured revision was received
+    covered_ms: int = 0  # every revision committed before this time is captured (confirmed)
+    member_revision: int = 0  # the member's revision at the last check
+    member_checked_ms: int = 0
+    reconnects: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "state": self.state,
+            "chain_id": self.chain_id,
+            "base_revision": self.base_revision,
+            "next_revision": self.next_revision,
+            "captured_revision": self.captured_revision,
+            "segments_written": self.segments_written,
+            "last_segment": self.last_segment,
+            "broken": self.broken,
+            "durable_revision": self.durable_revision,
+            "durable_time_ms": self.durable_time_ms,
+            "newest_event_ms": self.newest_event_ms,
+            "covered_ms": self.covered_ms,
+            "member_revision": self.member_revision,
+            "member_checked_ms": self.member_checked_ms,
+            "reconnects": self.reconnects,
+        }
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "WatcherStatus":
+        return cls(
+            str(d["state"]), str(d["chain_id"]), int(d["base_revision"]), int(d["next_revision"]),
+            int(d["captured_revision"]), int(d["segments_written"]), d.get("last_segment"), d.get("broken"),
+            int(d.get("durable_revision", 0)), int(d.get("durable_time_ms", 0)), int(d.get("newest_event_ms", 0)),
+            int(d.get("covered_ms", 0)), int(d.get("member_revision", 0)), int(d.get("member_checked_ms", 0)),
+            int(d.get("reconnects", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """How a watcher closes segments and when it gives up (seconds unless named otherwise)."""
+
+    close_seconds: float = 5.0
+    close_bytes: int = 4 * 1024 * 1024
+    idle_seconds: float = 60.0
+    progress_timeout: float = 3.0
+    heartbeat_seconds: float = 10.0
+    silence_timeout: float = 45.0
+    max_outage: float = 300.0
+    rpc_timeout: float = 5.0
+    max_message: int = 1024 * 1024 * 1024
+    fragment: bool = False
+    queue_size: int = 4096
+    lease_refresh_limit: int = 10000
+
+
+def find_resume_point(out_dir: str, base_revision: int) -> Optional[ChainPosition]:
+    """The end of the chain of ``base_revision`` already in ``out_dir`` (None: no chain yet).
+
+    Links are followed by headers and footers only (cheap); the last segment is then read in
+    full, and if it is damaged the one before it is tried: a resumed chain only ever continues
+    from a segment that verifies. (``check_chain`` before a restore verifies every link.)
+    """
+    check = check_chain(list_segments(out_dir), base_revision, verify=False)
+    if check.stop is not None:
+        log.warning("delta chain of revision %d in %s: %s", base_revision, out_dir, check.stop.reason)
+    for info in reversed(check.segments):
+        try:
+            return ChainPosition.after(read_segment(info.path).info)
+        except SegmentCorrupt as exc:
+            log.warning("cannot resume after %s: %s; trying the segment before it", info.path, exc.problem)
+    return None
+
+
+def member_break(pos: ChainPosition, cluster_id: int, revision: int, last: int) -> Optional[ChainBroken]:
+    """Why a member whose header says (``cluster_id``, ``revision``), read after revision ``last``
+    was captured, cannot continue the chain at ``pos`` (None: it can)."""
+    if pos.cluster_id and cluster_id and cluster_id != pos.cluster_id:
+        return ChainBroken(last + 1, f"the member now belongs to cluster {cluster_id:x}, not {pos.cluster_id:x} "
+                                     "(restored from a backup, or another cluster)")
+    if revision < last:
+        return ChainBroken(last + 1, f"the member is at revision {revision}, behind the chain's {last} "
+                                     "(etcd was restored or the member's data replaced)")
+    return None
+
+
+def cancel_error(compact_revision: int, cancel_reason: str, nxt: int) -> Exception:
+    """What a canceled watch means: a break when history was compacted, else a reconnect."""
+    if compact_revision or "compacted" in cancel_reason:
+        return ChainBroken(
+            nxt,
+            f"etcd has compacted its history up to revision {compact_revision or '?'}: "
+            f"revisions {nxt}..{max(nxt, compact_revision - 1)} are gone",
+            compact_revision=compact_revision or None,
+        )
+    return StreamEnded(f"etcd canceled the watch: {cancel_reason or 'no reason given'}")

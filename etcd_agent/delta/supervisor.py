@@ -1,0 +1,404 @@
+"""The daemon's continuous backup: one delta watch on this host's member, always continuing the
+newest full backup here, never with a silent gap.
+
+``DeltaSupervisor`` runs on a thread of its own, started and stopped with the daemon; the watch
+runs on another (``DeltaWatcher``), uploads on a third (``offsite``). Nothing it waits for (a
+full backup of a big db, a slow bucket) can delay a daemon cycle, and no daemon cycle can delay
+the watch. Every ``TICK`` seconds it looks and decides (``decide``, pure):
+
+- continuous backup disabled, or a restore journaled for this member: no watch (hands off, as
+  the daemon's cycle is; the restored cluster gets a new chain afterwards);
+- no full backup on this host, or the chain broke (compacted history, a long outage, a member
+  restored or replaced), or the chain passed a bound of ``[backup.delta]``: a full backup now
+  (``backup.service.take_backup``), then a new chain from its revision - said in the log, counted
+  in the metrics, the break recorded beside the segments for restores to name;
+- a newer full backup appeared (cron): the watch moves to a new chain continuing it;
+- another daemon on this host holds the backup dir's watch (one-host clusters): standby.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, BusyError
+
+from . import chains, status
+from .errors import ChainBroken
+from .position import WatcherStatus, WatchOptions
+from .segments import SegmentInfo
+from .watcher import DeltaWatcher
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .offsite import Uploader
+
+log = logging.getLogger(__name__)
+
+TICK = 1.0
+TEXTFILE_EVERY = 5.0
+RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
+BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
+RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
+
+
+@dataclass(frozen=True)
+class Full:
+    name: str
+    path: str
+    revision: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What one tick sees (the input of ``decide``)."""
+
+    enabled: bool
+    restore_in_progress: bool
+    newest: Optional[Full]
+    newest_unusable: str  # why the newest good backup cannot be a base ("" if it can)
+    watching_base: Optional[int]  # the running watcher's base, None when none runs
+    broken: str  # why the last watch could not go on ("" none), no full backup taken since
+    over_bounds: str  # which bound the current chain passed ("" none)
+    retry_wait: bool  # a recent attempt failed: wait before the next
+
+
+def decide(f: Facts) -> Tuple[str, str]:
+    """(action, why): none | stop | backup | rebase | start | wait."""
+    if not f.enabled:
+        return ("stop", "continuous backup is disabled") if f.watching_base is not None else ("none", "disabled")
+    if f.restore_in_progress:
+        return ("stop", "a restore of this member is in progress: hands off") if f.watching_base is not None else (
+            "none", "a restore is in progress")
+    if f.retry_wait:
+        return "wait", "the last attempt failed; trying again shortly"
+    if f.broken:
+        return "backup", f"{f.broken}: a full backup now, then a new chain from it"
+    if f.newest is None:
+        return "backup", "no full backup on this host to continue: taking one"
+    if f.newest_unusable:
+        return "backup", f"the newest full backup cannot start a chain ({f.newest_unusable}): taking one"
+    if f.watching_base is None:
+        return "start", f"watching from {f.newest.name} (revision {f.newest.revision})"
+    if f.watching_base != f.newest.revision:
+        return "rebase", f"{f.newest.name} (revision {f.newest.revision}) is newer: a new chain continues it"
+    if f.over_bounds:
+        return "backup", f"the chain passed {f.over_bounds}: a full backup bounds what a restore replays"
+    return "none", "watching"
+
+
+class DeltaSupervisor:
+    """``start()`` / ``stop()``; ``status()`` for metrics. ``source()`` returns the daemon's current
+    config and member (a reload takes effect at the next tick)."""
+
+    def __init__(self, source: Callable[[], Tuple[Config, Member]], *, tick: float = TICK) -> None:
+        self._source = source
+        self.tick_seconds = tick
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._mu = threading.Lock()
+        self.watcher: Optional[DeltaWatcher] = None
+        self._full: Optional[Full] = None  # what the running watcher continues
+        self._newest: Optional[Full] = None
+        self._unusable = ""
+        self._scan_key: object = None
+        self._scanned_at = -RESCAN_EVERY
+        self._broken = ""  # why the last watch could not go on, until a full backup is taken
+        self._broken_reason = ""  # its metrics label
+        self._retry_at = 0.0
+        self._backup_failures = 0
+        self._state = "starting"
+        self._detail = ""
+        self._totals = (0, 0, 0)  # the current chain: events, bytes, segments
+        self._breaks_total: Optional[int] = None
+        self._full_backups: Dict[str, int] = {}
+        self._textfile_at = 0.0
+        self._said_encrypted = False
+        self._uploader: "Optional[Uploader]" = None  # only when [backup.remote] is enabled
+
+    # ------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="delta-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._stop_watcher("the daemon stops")
+        if self._uploader is not None:
+            self._uploader.stop()
+        self._write_textfile(force=True)
+
+    def _main(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not end continuous backup; the next one retries
+                log.exception("delta supervisor tick failed")
+                self._retry_at = time.monotonic() + RETRY_AFTER
+            self._stop.wait(self.tick_seconds)
+
+    # ------------------------------------------------------------ one tick
+
+    def tick(self) -> str:
+        from etcd_agent.state import markers
+
+        cfg, me = self._source()
+        # delta segments are written in the clear: with [backup] encrypt_to they would put every
+        # Secret on disk unencrypted beside encrypted backups, so continuous backup stays off
+        enabled = cfg.backup.delta.enabled and not cfg.backup.encrypt_to
+        if cfg.backup.delta.enabled and cfg.backup.encrypt_to and not self._said_encrypted:
+            log.warning("delta: continuous backup is off: [backup] encrypt_to is set and delta segments are not "
+                        "encrypted; full backups stay encrypted (set [backup.delta] enabled = false to silence this)")
+            self._said_encrypted = True
+        if self._breaks_total is None:
+            self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
+        self._collect_watcher(cfg)
+        restoring = bool(markers.read_restore(cfg, me.name))
+        if enabled and not restoring:
+            self._find_newest(cfg)
+        facts = Facts(
+            enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
+            watching_base=self._full.revision if self.watcher is not None and self._full else None,
+            broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
+        )
+        action, why = decide(facts)
+        if action == "stop":
+            self._stop_watcher(why)
+            self._state, self._detail = ("disabled" if not enabled else "paused"), why
+        elif action == "none" and self.watcher is None:
+            self._state, self._detail = ("disabled" if not enabled else "paused" if restoring else self._state), why
+        elif action == "backup":
+            self._full_backup(cfg, me, why)
+        elif action == "rebase":
+            log.info("delta: %s", why)
+            self._stop_watcher(why)
+            self._start_watcher(cfg, me)
+            self._prune(cfg)
+        elif action == "start":
+            self._start_watcher(cfg, me)
+        self._write_textfile(cfg)
+        return action
+
+    def _collect_watcher(self, cfg: Config) -> None:
+        """If the watcher thread ended: why (a break is recorded and counted)."""
+        w = self.watcher
+        if w is None or w.running:
+            if w is not None:
+                self._state = w.state
+            return
+        self.watcher = None
+        try:
+            w.join(0)
+            self._state = "stopped"
+        except ChainBroken as exc:
+            self._on_break(cfg, w, exc)
+        except BusyError as exc:
+            self._state, self._detail = "standby", exc.message
+            self._retry_at = time.monotonic() + RETRY_AFTER
+            log.debug("delta: %s", exc.message)
+        except AgentError as exc:
+            self._state, self._detail = "stopped", exc.message
+            log.warning("delta watch on %s ended: %s; starting it again in %.0fs", w.endpoint, exc.message, RETRY_AFTER)
+            self._retry_at = time.monotonic() + RETRY_AFTER
+
+    def _on_break(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken) -> None:
+        full = self._full.name if self._full else f"revision {w.base_revision}"
+        if w.pos.seq == 0 and w.segments_written == 0 and exc.at_revision == w.base_revision + 1:
+            # nothing was ever captured after this full backup: no chain broke, the backup is
+            # just older than etcd's history (the daemon's first start, or a long stop before any)
+            self._broken, self._broken_reason = f"{full} is older than etcd's history", "stale_full_backup"
+            self._state, self._detail = "starting", exc.message
+            log.info("delta: cannot start a chain from %s: %s; taking a full backup to start from", full, exc.message)
+            return
+        self._broken, self._broken_reason = "the chain broke", "chain_broken"
+        self._state, self._detail = "broken", exc.message
+        rec = status.BreakRecord(w.base_revision, w.pos.chain_id, exc.at_revision, exc.reason, time.time(),
+                                 exc.compact_revision)
+        try:
+            self._breaks_total = status.record_break(cfg.backup.dir, rec)
+        except OSError as err:
+            self._breaks_total = (self._breaks_total or 0) + 1
+            log.warning("could not record the chain break in %s: %s", cfg.backup.dir, err)
+        log.error("delta: CHAIN BROKEN (continuing %s): %s; taking a full backup and starting a new chain "
+                  "(break #%d)", full, exc.message, self._breaks_total)
+
+    def _find_newest(self, cfg: Config) -> None:
+        """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
+        directory = cfg.backup.dir
+        try:
+            names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and not n.endswith(".seg"))
+            key = tuple((n, os.stat(os.path.join(directory, n)).st_mtime_ns) for n in names)
+        except FileNotFoundError:
+            self._newest, self._unusable = None, ""
+            return
+        except OSError:
+            key = None
+        if key == self._scan_key and time.monotonic() - self._scanned_at < RESCAN_EVERY:
+            return
+        from etcd_agent.backup import catalog, keys
+
+        entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+        best, _skipped = catalog.latest(entries)
+        self._scan_key, self._scanned_at = key, time.monotonic()
+        if best is None:
+            self._newest, self._unusable = None, ""
+        elif best.revision is None:
+            self._newest = None
+            self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
+        else:
+            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp())
+            self._unusable = ""
+
+    def _over_bounds(self, cfg: Config) -> str:
+        if self.watcher is None:
+            return ""
+        d = cfg.backup.delta
+        events, size, segs = self._totals
+        if events > d.max_chain_events:
+            return f"max_chain_events ({events} > {d.max_chain_events})"
+        if size > d.max_chain_bytes:
+            return f"max_chain_bytes ({size} > {d.max_chain_bytes})"
+        if segs > d.max_chain_segments:
+            return f"max_chain_segments ({segs} > {d.max_chain_segments})"
+        return ""
+
+    # ------------------------------------------------------------ actions
+
+    def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
+        from etcd_agent.backup.service import take_backup
+
+        reason = self._broken_reason if self._broken else (
+            "chain_bounds" if self.watcher is not None else "no_full_backup")
+        log.info("delta: %s", why)
+        try:
+            res = take_backup(cfg, member=me.name)
+        except BusyError as exc:  # cron's backup (or a restore) holds the lock: its result will do
+            log.info("delta: full backup deferred: %s", exc.message)
+            self._retry_at = time.monotonic() + RETRY_AFTER / 2
+            return
+        except AgentError as exc:
+            wait = min(BACKUP_RETRY[0] * 2 ** self._backup_failures, BACKUP_RETRY[1])
+            self._backup_failures += 1
+            # the daemon starts its own etcd as this thread starts: the first tries may find it starting
+            level = logging.INFO if self._backup_failures <= 2 else logging.WARNING
+            log.log(level, "delta: full backup failed: %s; trying again in %.0fs", exc.message, wait)
+            self._retry_at = time.monotonic() + wait
+            return
+        self._backup_failures = 0
+        self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
+        self._broken = self._broken_reason = ""
+        self._scan_key = None  # look again: the new backup is the newest
+        log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
+
+    def _start_watcher(self, cfg: Config, me: Member) -> None:
+        full = self._newest
+        assert full is not None
+        d = cfg.backup.delta
+        opts = WatchOptions(close_seconds=d.close_seconds, close_bytes=d.close_bytes, idle_seconds=d.idle_seconds,
+                            max_outage=d.max_outage)
+        existing = chains.scan(cfg.backup.dir).chain(full.revision)
+        with self._mu:
+            self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
+        if cfg.backup.remote.enabled and self._uploader is None:
+            from . import offsite
+
+            self._uploader = offsite.Uploader(self._source)
+            self._uploader.start()
+        if self._uploader is not None:
+            self._uploader.sync(full.revision)
+        w = DeltaWatcher(me.client_url, full.revision, cfg.backup.dir, tls=cfg.tls if cfg.tls.client_enabled else None,
+                         options=opts, on_segment=self._on_segment)
+        self.watcher, self._full = w, full
+        self._state, self._detail = "starting", f"continuing {full.name}"
+        w.start()
+
+    def _prune(self, cfg: Config) -> None:
+        """Retention once the old chain is no longer written: the backup that just started the new
+        chain pruned while the old one was still live, and kept it for that."""
+        from etcd_agent.backup.service import prune_locked
+
+        try:
+            prune_locked(cfg, dry_run=False)
+        except AgentError as exc:  # busy (cron) or a bad file: the next backup's prune does it
+            log.debug("delta: prune after the new chain started: %s", exc.message)
+
+    def _stop_watcher(self, why: str) -> None:
+        w, self.watcher = self.watcher, None
+        if w is None:
+            return
+        log.info("delta: stopping the watch (%s)", why)
+        try:
+            w.stop(timeout=60.0)
+        except ChainBroken as exc:
+            log.warning("delta: the chain broke as the watch stopped: %s", exc.message)
+            self._broken, self._broken_reason = "the chain broke as the watch stopped", "chain_broken"
+        except AgentError as exc:
+            log.warning("delta: the watch ended with: %s", exc.message)
+
+    def _on_segment(self, info: SegmentInfo) -> None:
+        """(The watcher's thread, under its lock: quick) a segment was closed."""
+        with self._mu:
+            e, b, n = self._totals
+            self._totals = (e + info.footer.events, b + info.size, n + 1)
+        if self._uploader is not None:
+            self._uploader.enqueue(info.path, info.header.base_revision)
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> status.DeltaStatus:
+        cfg, _me = self._source()
+        w, full = self.watcher, self._full
+        ws: Optional[WatcherStatus] = w.status() if w is not None else None
+        with self._mu:
+            events, size, segs = self._totals
+        newest = self._newest
+        base = full if (w is not None and full is not None) else newest
+
+        def s(ms: int) -> Optional[float]:
+            return ms / 1000.0 if ms else None
+
+        st = status.DeltaStatus(
+            enabled=cfg.backup.delta.enabled, state=ws.state if ws else self._state, detail=self._detail,
+            full_backup=base.name if base else None, full_backup_time=base.time if base else None,
+            base_revision=base.revision if base else None, breaks_total=self._breaks_total or 0,
+            full_backups=dict(self._full_backups), at=time.time(),
+        )
+        if ws is not None:
+            st = replace(st, captured_revision=ws.captured_revision, durable_revision=ws.durable_revision,
+                         durable_time=s(ws.durable_time_ms), newest_event_time=s(ws.newest_event_ms),
+                         covered_time=s(ws.covered_ms), member_revision=ws.member_revision or None,
+                         chain_events=events, chain_bytes=size, chain_segments=segs)
+        elif cfg.backup.delta.enabled and os.path.isdir(cfg.backup.dir):
+            # no watch here (stopped, broken, or another daemon of this host writes the chain on a
+            # one-host cluster): what is on disk, so the RPO grows from the chain's real end
+            active = chains.active_base(cfg.backup.dir)
+            wanted = active if active is not None else (newest.revision if newest else None)
+            c = chains.scan(cfg.backup.dir).chain(wanted) if wanted is not None else None
+            if c is not None and c.usable:
+                st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
+                             durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
+                             chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
+        if self._uploader is not None:
+            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures)
+        return st
+
+    def _write_textfile(self, cfg: Optional[Config] = None, *, force: bool = False) -> None:
+        if cfg is None:
+            cfg = self._source()[0]
+        path = status.textfile_path(cfg)
+        now = time.monotonic()
+        if path is None or (not force and now - self._textfile_at < TEXTFILE_EVERY):
+            return
+        if self.watcher is None and self._state == "standby":
+            return  # the daemon whose watch writes the chain writes the file (one-host clusters)
+        self._textfile_at = now
+        status.write_textfile(path, self.status())
+
+

@@ -1,0 +1,200 @@
+"""Chains as a product, one member and its daemon on etcd 3.5.16: a damaged segment stops the
+replay at the last good point; chain bounds make the daemon take a full backup; retention keeps
+a full backup and its chain together (an orphaned chain is pruned with its reason); the daemon's
+Prometheus endpoint and the textfile carry the delta metrics; remote copies of segments."""
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+import uuid
+from typing import Iterator
+
+import pytest
+
+from etcd_agent.daemon.metrics import samples
+from etcd_agent.delta import chains
+from etcd_agent.delta.segments import read_header
+from tests.harness.loopback import free_port_pairs
+from tests.harness.s3server import S3Server
+from tests.integration.continuous import (
+    agent,
+    dump,
+    full_backups,
+    make_bed,
+    put,
+    rpc,
+    segment_files,
+    start_all,
+    textfile,
+    wait_durable,
+    wait_for,
+    wait_watching,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def bed(tmp_path):  # type: ignore[no-untyped-def]
+    made = []
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        d = make_bed(str(tmp_path / f"c{len(made)}"), 1, **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+        d.c.stop()
+
+
+def batch(c, prefix: str, n: int) -> int:  # type: ignore[no-untyped-def]
+    r = rpc(c)
+    rev = 0
+    for i in range(n):
+        rev = put(r, f"{prefix}{i:03d}", b"x" * 100)
+    return rev
+
+
+def test_a_damaged_segment_stops_the_replay_at_the_last_good_point(bed) -> None:  # type: ignore[no-untyped-def]
+    d = bed()
+    c = d.c
+    start_all(d)
+    wait_watching(c)
+    revs = []
+    for p in ("/one/", "/two/", "/three/"):
+        revs.append(batch(c, p, 20))
+        wait_durable(c, revs[-1])
+        time.sleep(1.5)  # close_seconds = 1: each batch in segments of its own
+    d.stop()
+    segs = [s for s in segment_files(c) if read_header(s).start_revision > revs[0]]
+    victim = next(s for s in segs if read_header(s).start_revision <= revs[1] - 5)
+    with open(victim, "r+b") as fh:  # one flipped byte in the middle of a segment of /two/
+        fh.seek(os.path.getsize(victim) // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    # (backup list reads headers and footers only: damage inside is for the restore's full check)
+    stop_at = read_header(victim).start_revision
+
+    newest = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+    assert newest.returncode == 0, newest.stdout + newest.stderr
+    assert f"NOT COMPLETE - the chain stops at revision {stop_at} (corrupt" in newest.stdout, newest.stdout
+    later = agent(c, "restore", "--from", "latest", "--to-revision", str(revs[2]), "--dry-run")
+    assert later.returncode == 3 and "cannot be reached" in later.stderr and "corrupt" in later.stderr, later.stderr
+    print("\nFIGURE damaged segment: --to newest: " + next(
+        ln.strip() for ln in newest.stdout.splitlines() if "NOT COMPLETE" in ln))
+    print("FIGURE damaged segment: --to-revision past it: " + later.stderr.strip().splitlines()[0])
+
+    res = agent(c, "restore", "--from", "latest", "--to", "newest", "--yes")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = dump(rpc(c))
+    assert len([k for k in got if k.startswith("/one/")]) == 20
+    assert all(int(k.rsplit("/", 1)[1]) < 20 for k in got if k.startswith("/two/"))
+    assert len([k for k in got if k.startswith("/two/")]) == stop_at - revs[0] - 1, "applied past the damage"
+    assert not [k for k in got if k.startswith("/three/")], "a segment after the damage was applied"
+
+
+def test_bounds_retention_orphans_and_metrics(bed) -> None:  # type: ignore[no-untyped-def]
+    (port, _), = free_port_pairs(1)
+    d = bed(delta={"max_chain_events": "150"}, backup="keep_last = 1\nkeep_hourly = 0\nkeep_daily = 0\n",
+            daemon=f'metrics_address = "127.0.0.1:{port}"\n')
+    c = d.c
+    start_all(d)
+    first = wait_watching(c)
+    batch(c, "/a/", 200)  # past max_chain_events: a full backup, a new chain; keep_last = 1 prunes the old pair
+    wait_for(lambda: chains.active_base(c.cfg.backup.dir) not in (None, first), 60, "a new chain past the bound")
+    wait_for(lambda: len(full_backups(c)) == 1, 30, "the old full backup pruned")
+    wait_for(lambda: {x.base_revision for x in chains.scan(c.cfg.backup.dir).chains} <= {
+        chains.active_base(c.cfg.backup.dir)}, 30, "the old chain pruned with its full backup")
+    log = "\n".join(d.log(lm.member.name) for lm in c.members)
+    assert "passed max_chain_events" in log and "pruning delta chain after revision" in log, log[-3000:]
+
+    batch(c, "/b/", 3)
+    body = wait_for(lambda: _scrape(port) if "etcd_agent_delta_lag_revisions" in _scrape(port) else None, 30,
+                    "delta metrics on the daemon's endpoint")
+    m = {(n, tuple(sorted(lb.items()))): v for n, lb, v in samples(body)}
+    assert m[("etcd_agent_delta_enabled", ())] == 1
+    assert m[("etcd_agent_delta_full_backups_total", (("reason", "chain_bounds"),))] >= 1
+    assert m[("etcd_agent_delta_rpo_seconds", ())] < 30
+    assert ("etcd_agent_delta_lag_revisions", ()) in m and ("etcd_agent_delta_newest_event_timestamp_seconds", ()) in m
+    tf = wait_for(lambda: textfile(c) if textfile(c).get("etcd_agent_delta_chain_base_revision", 0) > first else None,
+                  30, "the textfile on the new chain")
+    print(f"\nFIGURE metrics: rpo {m[('etcd_agent_delta_rpo_seconds', ())]:.1f}s, lag "
+          f"{m[('etcd_agent_delta_lag_revisions', ())]:.0f} revisions (endpoint); textfile rpo "
+          f"{tf['etcd_agent_delta_rpo_seconds']:.1f}s")
+
+    # an orphan: its full backup deleted by hand -> listed, then pruned with the reason
+    d.stop()
+    os.unlink(os.path.join(c.cfg.backup.dir, full_backups(c)[0]))
+    listing = agent(c, "backup", "list")
+    assert "ORPHANED delta chain" in listing.stdout, listing.stdout
+    dry = agent(c, "backup", "prune", "--dry-run")
+    assert "orphaned: no full backup at revision" in dry.stdout, dry.stdout
+    assert segment_files(c)
+    assert agent(c, "backup", "prune").returncode == 0
+    assert not segment_files(c)
+
+
+def _scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            return str(resp.read().decode())
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(str(tmp_path_factory.mktemp("s3") / "moto.log"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(bed, s3) -> None:  # type: ignore[no-untyped-def]
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    bucket = "etcd-" + uuid.uuid4().hex[:12]
+    raw = boto3.session.Session(aws_access_key_id="t", aws_secret_access_key="t").client(
+        "s3", endpoint_url=s3.endpoint, region_name="us-east-1",
+        config=BotoConfig(s3={"addressing_style": "path"}, response_checksum_validation="when_required"))
+    raw.create_bucket(Bucket=bucket)
+    remote = (f'[backup.remote]\nenabled = true\nendpoint = "{s3.endpoint}"\nbucket = "{bucket}"\n'
+              f'access_key = "AKIATEST{uuid.uuid4().hex[:8].upper()}"\nsecret_key = "s{uuid.uuid4().hex}"\n'
+              'addressing_style = "path"\nprefix = "p/"\nkeep_last = 1\nkeep_daily = 0\n')
+    d = bed(tables=remote)
+    c = d.c
+    start_all(d)
+    first = wait_watching(c)
+    rev = batch(c, "/r/", 30)
+    wait_durable(c, rev)
+
+    def keys() -> list:  # type: ignore[type-arg]
+        out = raw.list_objects_v2(Bucket=bucket, Prefix="p/delta-").get("Contents", [])
+        return sorted(o["Key"] for o in out)
+
+    local = {os.path.basename(s) for s in segment_files(c)}
+    wait_for(lambda: {k.rsplit("/", 1)[1] for k in keys()} >= local, 60, "every closed segment copied")
+    k = keys()[0]
+    head = raw.head_object(Bucket=bucket, Key=k)
+    assert head["Metadata"]["base-revision"] == str(first) and len(head["Metadata"]["sha256"]) == 64
+    assert all(f"p/delta-{first:016d}/" in k for k in keys())
+    print(f"\nFIGURE remote: {len(keys())} segment(s) copied under p/delta-{first:016d}/ as they closed")
+
+    # a new full backup (keep_last = 1 remote): the old chain's copies go with the old copy
+    res = agent(c, "backup")
+    assert res.returncode == 0, res.stderr
+    second = wait_for(lambda: (chains.active_base(c.cfg.backup.dir) or first) != first
+                      and chains.active_base(c.cfg.backup.dir), 60, "the watch on the new chain")
+    rev = batch(c, "/s/", 5)
+    wait_durable(c, rev)
+    wait_for(lambda: any(f"p/delta-{second:016d}/" in k for k in keys()), 60, "the new chain copied")
+    pr = agent(c, "backup", "prune", "--remote")  # (the backup's own prune ran while the old chain was live)
+    assert pr.returncode == 0, pr.stderr
+    assert "remote delta chain after revision" in pr.stdout, pr.stdout
+    assert keys() and all(f"p/delta-{first:016d}/" not in k for k in keys()), keys()
