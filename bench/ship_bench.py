@@ -36,6 +36,7 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from etcd_agent.config import Config, parse_text  # noqa: E402
+from etcd_agent.errors import AgentError  # noqa: E402
 from etcd_agent.etcd.bbolt import BOLT_MAGIC, BOLT_VERSION, META_FLAG, NO_FREELIST, TRAILER, _fnv64a  # noqa: E402
 from etcd_agent.hosts.ssh import SshHost  # noqa: E402
 from etcd_agent.node.client import new_owner  # noqa: E402
@@ -283,8 +284,13 @@ def main() -> None:
         if made_etc:
             os.makedirs(ETC_DIR, mode=0o755)
         net.up()
+        for h in net.hosts:  # before sshd: `ip netns exec` binds only what exists when it starts
+            os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
         net.start_sshd()
-        bench = Bench(net, os.path.join(a.dir, "bed"), a.rounds)
+        try:
+            bench = Bench(net, os.path.join(a.dir, "bed"), a.rounds)
+        except AgentError as exc:
+            raise SystemExit("\n  - ".join([f"ship_bench: {exc.message}", *exc.details])) from None
         try:
             print(f"load averages at the start: {os.getloadavg()}", flush=True)
             rows = run(bench, sources)
