@@ -41,10 +41,12 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.delta import chains, proto  # noqa: E402
-from etcd_agent.delta.replay import Target, replay  # noqa: E402
+from etcd_agent.delta.replay import Target  # noqa: E402
+from etcd_agent.delta.replayrun import replay  # noqa: E402
 from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
-from etcd_agent.delta.segments import DELETE, PUT, Event, SegmentHeader, SegmentWriter, Txn, list_segments  # noqa: E402
+from etcd_agent.delta.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
+from etcd_agent.delta.segwriter import SegmentWriter  # noqa: E402
 from etcd_agent.waiting import poll  # noqa: E402
 from tests.integration.continuous import agent, make_bed  # noqa: E402
 from tests.integration.test_daemon import wait_healthy  # noqa: E402
@@ -377,7 +379,7 @@ def main() -> None:
 
 
 def _base(path: str) -> Optional[int]:
-    from etcd_agent.delta.segments import read_header
+    from etcd_agent.delta.segreader import read_header
 
     try:
         return read_header(path).base_revision

@@ -267,58 +267,17 @@ class _Fields:
 
 
 def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
-    if obj.get("format") != FORMAT:
-        raise BackupCorrupt(f"{where}: not an {FORMAT} manifest (format {str(obj.get('format'))[:40]!r})")
-    unknown = sorted(set(obj) - _TOP)
-    if unknown:
-        raise BackupCorrupt(f"{where}: unknown field {unknown[0][:40]!r}: not a manifest this agent writes")
     f = _Fields(obj, where)
-    version = f.num("format_version")
-    if version is None or not 1 <= version <= ENCRYPTED_FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported "
-                            f"(1..{ENCRYPTED_FORMAT_VERSION})")
-    files_obj = f.sub("files") or {}
-    files: Dict[str, FileEntry] = {}
-    for n, entry in files_obj.items():
-        if n not in FILE_NAMES or not isinstance(entry, dict):
-            raise BackupCorrupt(f"{where}: lists an unexpected file {n[:40]!r}")
-        ef = _Fields(entry, where, f"files.{n}.")
-        size, sha = ef.num("size"), ef.text("sha256", None)
-        if size is None or sha is None or not _HEX64.match(sha):
-            raise BackupCorrupt(f"{where}: entry for {n} lacks a size and sha256")
-        files[n] = FileEntry(size, sha)
+    version = _format_version(obj, f, where)
+    files = _files(f, where)
     encryption = _encryption(f.sub("encryption"), where)
-    if encryption is not None and version < ENCRYPTED_FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: an encrypted snapshot in a format {version} manifest: not one the agent writes")
-    want = SNAPSHOT_AGE if encryption is not None else SNAPSHOT
-    if want not in files or len([n for n in SNAPSHOTS if n in files]) != 1:
-        raise BackupCorrupt(f"{where}: lists no {want}" + (f" (encryption says the snapshot is {want})"
-                                                             if encryption is not None else ""))
+    _check_snapshot_listed(files, encryption, version, where)
     cluster = f.sub("cluster")
     cf = _Fields(cluster or {}, where, "cluster.")
-    members: Optional[Tuple[ManifestMember, ...]] = None
-    raw_members = obj.get("members")
-    if raw_members is not None:
-        if not isinstance(raw_members, list) or len(raw_members) > 1024:
-            raise f.bad("members", "a list")
-        out: List[ManifestMember] = []
-        for i, m in enumerate(raw_members):
-            if not isinstance(m, dict):
-                raise f.bad(f"members[{i}]", "an object")
-            mf = _Fields(m, where, f"members[{i}].")
-            out.append(ManifestMember(
-                id=mf.text("id") or "", name=mf.text("name") or "",
-                peer_urls=_strs(m, "peer_urls", mf), client_urls=_strs(m, "client_urls", mf),
-                is_learner=_bool(m, "is_learner", mf),
-            ))
-        members = tuple(out)
+    members = _members(obj, f, where)
     snapshot = f.sub("snapshot") or {}
     imported = f.sub("imported")
-    sig_obj = f.sub("signature")
-    signature = None
-    if sig_obj is not None:
-        sf = _Fields(sig_obj, where, "signature.")
-        signature = Signature(sf.text("alg") or "", sf.text("key_id") or "", sf.text("mac") or "")
+    signature = _signature(f.sub("signature"), where)
     return Manifest(
         files=files,
         name=f.text("name") or "",
@@ -346,6 +305,71 @@ def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
         signature=signature,
         format_version=version,
     )
+
+
+def _format_version(obj: Mapping[str, Any], f: _Fields, where: str) -> int:
+    """One of ours (format, no unknown field) and a format version this agent reads."""
+    if obj.get("format") != FORMAT:
+        raise BackupCorrupt(f"{where}: not an {FORMAT} manifest (format {str(obj.get('format'))[:40]!r})")
+    unknown = sorted(set(obj) - _TOP)
+    if unknown:
+        raise BackupCorrupt(f"{where}: unknown field {unknown[0][:40]!r}: not a manifest this agent writes")
+    version = f.num("format_version")
+    if version is None or not 1 <= version <= ENCRYPTED_FORMAT_VERSION:
+        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported "
+                            f"(1..{ENCRYPTED_FORMAT_VERSION})")
+    return version
+
+
+def _files(f: _Fields, where: str) -> Dict[str, FileEntry]:
+    files_obj = f.sub("files") or {}
+    files: Dict[str, FileEntry] = {}
+    for n, entry in files_obj.items():
+        if n not in FILE_NAMES or not isinstance(entry, dict):
+            raise BackupCorrupt(f"{where}: lists an unexpected file {n[:40]!r}")
+        ef = _Fields(entry, where, f"files.{n}.")
+        size, sha = ef.num("size"), ef.text("sha256", None)
+        if size is None or sha is None or not _HEX64.match(sha):
+            raise BackupCorrupt(f"{where}: entry for {n} lacks a size and sha256")
+        files[n] = FileEntry(size, sha)
+    return files
+
+
+def _check_snapshot_listed(files: Mapping[str, FileEntry], encryption: Optional[Encryption], version: int,
+                           where: str) -> None:
+    """Exactly one snapshot is listed: the encrypted one when the manifest says so (format 2+)."""
+    if encryption is not None and version < ENCRYPTED_FORMAT_VERSION:
+        raise BackupCorrupt(f"{where}: an encrypted snapshot in a format {version} manifest: not one the agent writes")
+    want = SNAPSHOT_AGE if encryption is not None else SNAPSHOT
+    if want not in files or len([n for n in SNAPSHOTS if n in files]) != 1:
+        raise BackupCorrupt(f"{where}: lists no {want}" + (f" (encryption says the snapshot is {want})"
+                                                             if encryption is not None else ""))
+
+
+def _members(obj: Mapping[str, Any], f: _Fields, where: str) -> Optional[Tuple[ManifestMember, ...]]:
+    raw_members = obj.get("members")
+    if raw_members is None:
+        return None
+    if not isinstance(raw_members, list) or len(raw_members) > 1024:
+        raise f.bad("members", "a list")
+    out: List[ManifestMember] = []
+    for i, m in enumerate(raw_members):
+        if not isinstance(m, dict):
+            raise f.bad(f"members[{i}]", "an object")
+        mf = _Fields(m, where, f"members[{i}].")
+        out.append(ManifestMember(
+            id=mf.text("id") or "", name=mf.text("name") or "",
+            peer_urls=_strs(m, "peer_urls", mf), client_urls=_strs(m, "client_urls", mf),
+            is_learner=_bool(m, "is_learner", mf),
+        ))
+    return tuple(out)
+
+
+def _signature(sig_obj: Optional[Mapping[str, Any]], where: str) -> Optional[Signature]:
+    if sig_obj is None:
+        return None
+    sf = _Fields(sig_obj, where, "signature.")
+    return Signature(sf.text("alg") or "", sf.text("key_id") or "", sf.text("mac") or "")
 
 
 def _encryption(obj: Optional[Mapping[str, Any]], where: str) -> Optional[Encryption]:

@@ -7,37 +7,40 @@ end to end; the upload itself is checked by the server part by part (``x-amz-che
 or ``Content-MD5`` for servers without the newer checksums) and read back after completion.
 
 Uploads are streamed in parts of ``part_size_mb``: memory does not grow with the archive size.
-boto3 is imported inside the functions so that importing this module (and ``--help``) stays
-cheap. This is the only module that imports boto3; its errors become ``BackupError`` here, with
-credentials scrubbed from every message.
+What a correct copy shows is ``remotedigests``'; the client, its credentials and its errors are
+``remotebucket``'s (the only importer of boto3).
 """
 from __future__ import annotations
 
-import base64
-import configparser
 import contextlib
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ..config import Config, RemoteSection
-from ..errors import BackupCorrupt, BackupError, ConfigError
+from ..config import Config
+from ..errors import BackupCorrupt, BackupError
 from ..fs import fsync_dir
 from .archive import parse_name
+from .remotebucket import Bucket
+from .remotedigests import (
+    MD5_ETAG_RE,
+    READ_CHUNK,
+    Digests,
+    b64,
+    local_digests,
+    mismatches,
+    part_size_for,
+    same_checksum,
+)
 from .retention import BackupRef, Decision, plan
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
-MAX_PARTS = 10000  # the S3 limit on parts per multipart upload
-READ_CHUNK = MiB
-MD5_ETAG_RE = re.compile(r"^[0-9a-fA-F]{32}(?:-\d+)?$")
 # manifest fields copied into object metadata so a bucket listing tells what a copy holds
 MANIFEST_META = ("revision", "member", "created", "etcd_version", "host")
 
@@ -68,85 +71,6 @@ class RemoteObject:
         }
 
 
-@dataclass(frozen=True)
-class _Digests:
-    """What one streamed pass over the local file found: size, SHA-256, and per-part digests."""
-
-    size: int
-    sha256: str
-    part_size: int
-    parts: Tuple[Tuple[bytes, bytes], ...]  # (md5, sha256) raw digests per part
-
-    @property
-    def multipart(self) -> bool:
-        return len(self.parts) > 1
-
-    def checksum_sha256(self) -> str:
-        """The x-amz-checksum-sha256 S3 reports: plain for one PUT, composite ("…-N") for parts."""
-        if not self.multipart:
-            return _b64(self.parts[0][1])
-        return f"{_b64(hashlib.sha256(b''.join(s for _, s in self.parts)).digest())}-{len(self.parts)}"
-
-    def md5_etag(self) -> str:
-        """The ETag S3 computes without SSE-KMS/SSE-C: MD5, or MD5 of the part MD5s plus "-N"."""
-        if not self.multipart:
-            return self.parts[0][0].hex()
-        return f"{hashlib.md5(b''.join(m for m, _ in self.parts)).hexdigest()}-{len(self.parts)}"
-
-
-def expand_prefix(prefix: str, cluster: str, host: Optional[str] = None) -> str:
-    """``{cluster}`` and ``{host}`` in the key prefix. Every master backs up on its own schedule:
-    with ``{host}`` in the prefix their copies never share a key (two masters uploading in the
-    same second would otherwise overwrite each other) and each keeps its own remote retention."""
-    if host is None:
-        import socket
-
-        host = socket.gethostname()
-    safe_host = re.sub(r"[^A-Za-z0-9._-]", "_", host.split(".")[0]) or "host"
-    return prefix.replace("{cluster}", cluster).replace("{host}", safe_host)
-
-
-class _Bucket:
-    """A boto3 S3 client bound to one bucket and prefix, translating SDK errors."""
-
-    def __init__(self, cfg: Config) -> None:
-        r = cfg.backup.remote
-        if not r.enabled:
-            raise BackupError("remote copies are not enabled ([backup.remote] enabled = false)")
-        self.section = r
-        self.bucket = r.bucket
-        prefix = expand_prefix(r.prefix, cfg.cluster.name)
-        self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
-        access, secret = _credentials(r)
-        self._secrets = [s for s in (access, secret) if s]
-        self.client = _client(r, access, secret)
-
-    def key(self, name: str) -> str:
-        return self.prefix + name
-
-    def where(self, name: str) -> str:
-        return f"s3://{self.bucket}/{self.key(name)}"
-
-    @contextlib.contextmanager
-    def errors(self, what: str) -> Iterator[None]:
-        """Turn botocore errors into BackupError, never quoting a credential."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            yield
-        except ClientError as exc:
-            err = exc.response.get("Error", {})
-            code = err.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            raise BackupError(self.scrub(f"{what}: {code}: {err.get('Message') or exc}")) from None
-        except BotoCoreError as exc:
-            raise BackupError(self.scrub(f"{what}: {exc}")) from None
-
-    def scrub(self, text: str) -> str:
-        for s in self._secrets:
-            text = text.replace(s, "***")
-        return text
-
-
 # ---------------------------------------------------------------- public entry points
 
 
@@ -163,10 +87,10 @@ def upload_file(cfg: Config, path: str, name: str,
     """Upload ``path`` as ``name`` under the prefix (``name`` may hold one "/": delta segments go
     under ``delta-<revision>/``), verified as every copy is; ``metadata(sha256)`` names the object's
     metadata (it must keep ``sha256``)."""
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     started = time.monotonic()
     try:
-        digests = _local_digests(path, _part_size(b.section, os.path.getsize(path)))
+        digests = local_digests(path, part_size_for(b.section, os.path.getsize(path)))
         _put_file(b, name, path, digests, metadata(digests.sha256))
     except OSError as exc:
         raise BackupError(f"cannot read {path}: {exc.strerror or exc}") from exc
@@ -181,7 +105,7 @@ def upload_file(cfg: Config, path: str, name: str,
 
 def list_names(cfg: Config, under: str) -> List[str]:
     """Object names (relative to the prefix) that start with ``under``."""
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     out: List[str] = []
     with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}{under}"):
         for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix + under):
@@ -190,7 +114,7 @@ def list_names(cfg: Config, under: str) -> List[str]:
 
 
 def delete_names(cfg: Config, names: List[str]) -> None:
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     for name in names:
         with b.errors(f"cannot delete {b.where(name)}"):
             b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
@@ -198,10 +122,10 @@ def delete_names(cfg: Config, names: List[str]) -> None:
 
 def list_remote(cfg: Config) -> List[RemoteObject]:
     """The backup copies under the prefix, newest first (objects not named like backups are ignored)."""
-    return _list(_Bucket(cfg))
+    return _list(Bucket(cfg))
 
 
-def _list(b: _Bucket) -> List[RemoteObject]:
+def _list(b: Bucket) -> List[RemoteObject]:
     out: List[RemoteObject] = []
     with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}"):
         # Delimiter: the delta segments under delta-<revision>/ are not walked
@@ -219,7 +143,7 @@ def _list(b: _Bucket) -> List[RemoteObject]:
 def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
     """Apply the remote retention (``[backup.remote] keep_*``); each deletion is logged with its reason."""
     r = cfg.backup.remote
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     objects = _list(b)
     # a copy counts as verified when it carries our checksum: bad uploads were deleted at once
     refs = [BackupRef(o.name, o.time, verified=o.sha256 is not None) for o in objects]
@@ -258,7 +182,7 @@ def download(cfg: Config, name: str, dest: str) -> str:
     """
     if parse_name(name) is None:  # also keeps "../x" out of dest
         raise BackupError(f"{name!r} is not a backup archive name")
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     obj = _head(b, name)
     if obj.sha256 is None:
         raise BackupCorrupt(f"{b.where(name)} carries no sha256 metadata: it cannot be checked")
@@ -273,7 +197,7 @@ def download(cfg: Config, name: str, dest: str) -> str:
             size, sha = _stream_object(b, name, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        problems = _mismatches(obj.size, obj.sha256, size, sha)
+        problems = mismatches(obj.size, obj.sha256, size, sha)
         if problems:
             raise BackupCorrupt(f"{b.where(name)} failed its checksum on download", details=problems)
         os.replace(tmp, target)
@@ -290,49 +214,18 @@ def download(cfg: Config, name: str, dest: str) -> str:
 
 def verify_remote(cfg: Config, name: str) -> RemoteObject:
     """Read copy ``name`` back in full and check it against its sha256 metadata (nothing is deleted)."""
-    b = _Bucket(cfg)
+    b = Bucket(cfg)
     obj = _head(b, name)
     if obj.sha256 is None:
         raise BackupCorrupt(f"{b.where(name)} carries no sha256 metadata: it cannot be checked")
     size, sha = _stream_object(b, name, None)
-    problems = _mismatches(obj.size, obj.sha256, size, sha)
+    problems = mismatches(obj.size, obj.sha256, size, sha)
     if problems:
         raise BackupCorrupt(f"{b.where(name)} does not match its checksum", details=problems)
     return obj
 
 
 # ---------------------------------------------------------------- upload and verification
-
-
-def _part_size(r: RemoteSection, size: int) -> int:
-    """The configured part size, raised when needed to stay within S3's 10,000 parts."""
-    part = r.part_size_mb * MiB
-    return max(part, -(-size // MAX_PARTS))
-
-
-def _local_digests(path: str, part_size: int) -> _Digests:
-    """One streamed pass: whole-file SHA-256 plus MD5/SHA-256 of each part (to send and expect)."""
-    whole = hashlib.sha256()
-    parts: List[Tuple[bytes, bytes]] = []
-    size = 0
-    with open(path, "rb") as fh:
-        while True:
-            md5, sha, n = hashlib.md5(), hashlib.sha256(), 0
-            while n < part_size:
-                chunk = fh.read(min(READ_CHUNK, part_size - n))
-                if not chunk:
-                    break
-                md5.update(chunk)
-                sha.update(chunk)
-                whole.update(chunk)
-                n += len(chunk)
-            if n == 0 and parts:
-                break
-            parts.append((md5.digest(), sha.digest()))
-            size += n
-            if n < part_size:
-                break
-    return _Digests(size=size, sha256=whole.hexdigest(), part_size=part_size, parts=tuple(parts))
 
 
 def _metadata(sha256: str, manifest: Mapping[str, Any]) -> Dict[str, str]:
@@ -352,7 +245,7 @@ def _ascii(value: Any) -> str:
     return str(value).encode("ascii", "replace").decode()[:200]  # S3 user metadata is ASCII, small
 
 
-def _put_file(b: _Bucket, name: str, path: str, d: _Digests, meta: Dict[str, str]) -> None:
+def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str]) -> None:
     """Upload ``path``: one PUT, or a multipart upload that is aborted on any failure.
 
     Each request carries the digest from the first pass, so the server rejects a part whose
@@ -362,7 +255,7 @@ def _put_file(b: _Bucket, name: str, path: str, d: _Digests, meta: Dict[str, str
     checksum = b.section.verify == "checksum"
 
     def integrity(md5: bytes, sha: bytes) -> Dict[str, str]:
-        return {"ChecksumSHA256": _b64(sha)} if checksum else {"ContentMD5": _b64(md5)}
+        return {"ChecksumSHA256": b64(sha)} if checksum else {"ContentMD5": b64(md5)}
 
     if not d.multipart:
         extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
@@ -387,7 +280,7 @@ def _put_file(b: _Bucket, name: str, path: str, d: _Digests, meta: Dict[str, str
                     )
                 part = {"PartNumber": number, "ETag": resp["ETag"]}
                 if checksum:
-                    part["ChecksumSHA256"] = _b64(sha)
+                    part["ChecksumSHA256"] = b64(sha)
                 done.append(part)
                 del data
         with b.errors(f"cannot complete the upload of {b.where(name)}"):
@@ -403,14 +296,14 @@ def _put_file(b: _Bucket, name: str, path: str, d: _Digests, meta: Dict[str, str
         raise
 
 
-def _verify_upload(b: _Bucket, name: str, d: _Digests) -> RemoteObject:
+def _verify_upload(b: Bucket, name: str, d: Digests) -> RemoteObject:
     """Check the fresh copy (size, our sha256 metadata, then checksum / ETag / full read); delete it if bad."""
     mode = b.section.verify
     obj, checksum = _head_raw(b, name, checksum_mode=mode == "checksum")
-    problems = _mismatches(d.size, d.sha256, obj.size, obj.sha256 or "(none)", sha_what="sha256 metadata")
+    problems = mismatches(d.size, d.sha256, obj.size, obj.sha256 or "(none)", sha_what="sha256 metadata")
     if not problems:
         if mode == "checksum" and checksum:
-            if not _same_checksum(checksum, d):
+            if not same_checksum(checksum, d):
                 problems.append(f"x-amz-checksum-sha256 {checksum} != expected {d.checksum_sha256()}")
         elif mode == "etag" and MD5_ETAG_RE.match(obj.etag):
             if obj.etag.lower() != d.md5_etag():
@@ -419,7 +312,7 @@ def _verify_upload(b: _Bucket, name: str, d: _Digests) -> RemoteObject:
             # no usable server checksum (not supported, SSE-KMS ETag, or asked for): read it back
             log.debug("verifying %s by reading it back", b.where(name))
             size, sha = _stream_object(b, name, None)
-            problems = _mismatches(d.size, d.sha256, size, sha)
+            problems = mismatches(d.size, d.sha256, size, sha)
     if problems:
         try:
             with b.errors(f"cannot delete the bad copy {b.where(name)}"):
@@ -431,27 +324,11 @@ def _verify_upload(b: _Bucket, name: str, d: _Digests) -> RemoteObject:
     return obj
 
 
-def _same_checksum(server: str, d: _Digests) -> bool:
-    """Compare the server's checksum; servers differ on whether a composite one ends in "-N"."""
-    want, _, count = d.checksum_sha256().partition("-")
-    got, _, got_count = server.partition("-")
-    return got == want and (not got_count or got_count == count)
-
-
-def _mismatches(want_size: int, want_sha: str, size: int, sha: str, *, sha_what: str = "sha256") -> List[str]:
-    out = []
-    if size != want_size:
-        out.append(f"size {size} != expected {want_size}")
-    if sha != want_sha:
-        out.append(f"{sha_what} {sha} != expected {want_sha}")
-    return out
-
-
-def _head(b: _Bucket, name: str) -> RemoteObject:
+def _head(b: Bucket, name: str) -> RemoteObject:
     return _head_raw(b, name, checksum_mode=False)[0]
 
 
-def _head_raw(b: _Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObject, Optional[str]]:
+def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObject, Optional[str]]:
     """HEAD one object: the RemoteObject and the server's x-amz-checksum-sha256, if any."""
     extra = {"ChecksumMode": "ENABLED"} if checksum_mode else {}
     with b.errors(f"cannot read {b.where(name)}"):
@@ -470,7 +347,7 @@ def _head_raw(b: _Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObje
     return obj, h.get("ChecksumSHA256")
 
 
-def _stream_object(b: _Bucket, name: str, out: Any) -> Tuple[int, str]:
+def _stream_object(b: Bucket, name: str, out: Any) -> Tuple[int, str]:
     """GET the object in chunks, hashing (and writing to ``out`` if given); returns (size, sha256)."""
     sha = hashlib.sha256()
     size = 0
@@ -494,80 +371,3 @@ def _name_time(name: str, fallback: Optional[datetime]) -> datetime:
     if fallback is not None:
         return fallback.astimezone(timezone.utc).replace(tzinfo=None)
     return datetime.fromtimestamp(0)
-
-
-# ---------------------------------------------------------------- client and credentials
-
-
-def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
-    """Inline keys, or the AWS-style credentials file (must not be readable by others); else (None, None).
-
-    (None, None) lets boto3 use its default chain (environment, ~/.aws, instance profile).
-    """
-    if r.access_key is not None:
-        return r.access_key, r.secret_key
-    path = r.credentials_file
-    if path is None:
-        return None, None
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"backup.remote.credentials_file {path}: {exc.strerror}")
-    if st.st_mode & 0o077:
-        raise ConfigError(
-            f"backup.remote.credentials_file {path} has mode {st.st_mode & 0o777:04o}: "
-            "it holds secrets, make it 0600 (chmod 600)"
-        )
-    parser = configparser.ConfigParser(interpolation=None)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            parser.read_file(fh)
-    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
-        # configparser errors may quote lines of the file: name only the kind of problem
-        raise ConfigError(f"backup.remote.credentials_file {path} is not readable INI ({type(exc).__name__})")
-    section = r.credentials_profile
-    if not parser.has_section(section):
-        raise ConfigError(f"backup.remote.credentials_file {path} has no [{section}] profile")
-    access = parser.get(section, "aws_access_key_id", fallback="").strip()
-    secret = parser.get(section, "aws_secret_access_key", fallback="").strip()
-    if not access or not secret:
-        raise ConfigError(
-            f"backup.remote.credentials_file {path} [{section}] needs aws_access_key_id and aws_secret_access_key"
-        )
-    return access, secret
-
-
-def _client(r: RemoteSection, access: Optional[str], secret: Optional[str]) -> Any:
-    import boto3.session  # lazy: importing boto3 costs ~0.3 s
-    from botocore.config import Config as BotoConfig
-
-    _quiet_sdk_logs()
-    config = BotoConfig(
-        region_name=r.region,
-        signature_version="s3v4",
-        s3={"addressing_style": r.addressing_style},  # type: ignore[arg-type]  # a Literal in the stubs; validated: auto|path|virtual
-        connect_timeout=r.connect_timeout,
-        read_timeout=r.read_timeout,
-        # botocore retries only throttling, 5xx and connection errors, with backoff
-        retries={"mode": "standard", "max_attempts": 5},
-        # botocore >= 1.36 adds CRC32 checksum trailers to every upload, which several
-        # S3-compatible servers (OSS, older Ceph RGW) reject; we send our own digests instead
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    session = boto3.session.Session(aws_access_key_id=access, aws_secret_access_key=secret)
-    verify: Any = r.ca_bundle if r.ca_bundle else r.verify_tls
-    return session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
-
-
-def _quiet_sdk_logs() -> None:
-    """botocore's DEBUG output includes request headers (the access key id in Authorization)."""
-    for name in ("botocore", "boto3", "s3transfer"):
-        logger = logging.getLogger(name)
-        if logger.getEffectiveLevel() < logging.INFO:
-            logger.setLevel(logging.INFO)
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
-

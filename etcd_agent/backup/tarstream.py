@@ -201,63 +201,93 @@ def headers(st: Stream, max_headers: int, max_ext_header: int) -> Iterator[Heade
         count += 1
         if count > max_headers:
             raise RefusedError(f"more than {max_headers} tar headers (a backup has at most 5)")
-        chk = _num(block[148:156], "checksum")
-        unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-        signed = sum((b - 256 if b > 127 else b) for b in block[:148]) + 8 * 32 + sum(
-            (b - 256 if b > 127 else b) for b in block[156:])
-        if chk not in (unsigned, signed):
-            raise BackupCorrupt(f"tar header at byte {st.pos - BLOCK} has a bad checksum (not a tar, or damaged)")
+        _check_sum(block, st.pos - BLOCK)
         typ = block[156:157]
         size = _num(block[124:136], "size")
-        name = _text(block[0:100])
-        magic = block[257:263]
-        if magic == b"ustar\0":  # POSIX: the prefix field extends the name
-            prefix = _text(block[345:500])
-            if prefix:
-                name = prefix + "/" + name
-        if typ in (b"x", b"g", b"L", b"K"):
-            what = {b"x": "pax", b"g": "pax global", b"L": "GNU long-name", b"K": "GNU long-link"}[typ]
-            if typ == b"K":
-                raise RefusedError("a GNU long-link header (links are never part of a backup)")
-            if size > max_ext_header:
-                raise RefusedError(f"a {what} header of {size} bytes (limit {max_ext_header})")
-            data = st.read(size)
-            if len(data) < size:
-                raise BackupCorrupt(f"archive ends inside a {what} header")
-            st.skip(-size % BLOCK)
+        name = _name(block)
+        if typ in _EXTENDED:
+            data = _extended_data(st, typ, size, max_ext_header)
             if typ == b"L":
                 longname = _text(data)
-                continue
-            recs = parse_pax(data)
-            sparse = [k for k in recs if k.startswith("GNU.sparse")]
-            if sparse:
-                raise RefusedError(f"a GNU sparse member ({sparse[0]})")
-            if typ == b"g":
-                if "path" in recs or "size" in recs:
-                    raise RefusedError("a pax global header that renames or resizes members")
-                continue
-            pax.update(recs)
+            else:
+                pax.update(_pax_records(typ, data))
             continue
         if typ == b"S":
             raise RefusedError(f"member {name!r} is a GNU sparse file")
         if longname is not None:
             name, longname = longname, None
-        if "path" in pax:
-            name = pax["path"]
-        if "size" in pax:
-            try:
-                size = int(pax["size"])
-            except ValueError:
-                raise BackupCorrupt("pax header: size is not a number") from None
-        linkname = pax.get("linkpath", _text(block[157:257]))
-        try:
-            mtime = int(float(pax["mtime"])) if "mtime" in pax else _num(block[136:148], "mtime")
-        except ValueError:
-            mtime = 0
+        h = _member(block, typ, name, size, pax, st.pos)
         pax = {}
-        if size < 0:
-            raise BackupCorrupt(f"member {name!r} has a negative size")
-        yield Header(name, typ, size, linkname, st.pos, mtime)
+        yield h
+
+
+# extended header types: what each is called in an error
+_EXTENDED = {b"x": "pax", b"g": "pax global", b"L": "GNU long-name", b"K": "GNU long-link"}
+
+
+def _check_sum(block: bytes, at: int) -> None:
+    """The header checksum, as unsigned or (old tars) signed bytes; ``at`` is the block's offset."""
+    chk = _num(block[148:156], "checksum")
+    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
+    signed = sum((b - 256 if b > 127 else b) for b in block[:148]) + 8 * 32 + sum(
+        (b - 256 if b > 127 else b) for b in block[156:])
+    if chk not in (unsigned, signed):
+        raise BackupCorrupt(f"tar header at byte {at} has a bad checksum (not a tar, or damaged)")
+
+
+def _name(block: bytes) -> str:
+    name = _text(block[0:100])
+    if block[257:263] == b"ustar\0":  # POSIX: the prefix field extends the name
+        prefix = _text(block[345:500])
+        if prefix:
+            name = prefix + "/" + name
+    return name
+
+
+def _extended_data(st: Stream, typ: bytes, size: int, max_ext_header: int) -> bytes:
+    """An extended header's data, bounded; the stream is left at the next header."""
+    what = _EXTENDED[typ]
+    if typ == b"K":
+        raise RefusedError("a GNU long-link header (links are never part of a backup)")
+    if size > max_ext_header:
+        raise RefusedError(f"a {what} header of {size} bytes (limit {max_ext_header})")
+    data = st.read(size)
+    if len(data) < size:
+        raise BackupCorrupt(f"archive ends inside a {what} header")
+    st.skip(-size % BLOCK)
+    return data
+
+
+def _pax_records(typ: bytes, data: bytes) -> Dict[str, str]:
+    """The records of a pax header that apply to the next member (none from a global one)."""
+    recs = parse_pax(data)
+    sparse = [k for k in recs if k.startswith("GNU.sparse")]
+    if sparse:
+        raise RefusedError(f"a GNU sparse member ({sparse[0]})")
+    if typ == b"g":
+        if "path" in recs or "size" in recs:
+            raise RefusedError("a pax global header that renames or resizes members")
+        return {}
+    return recs
+
+
+def _member(block: bytes, typ: bytes, name: str, size: int, pax: Dict[str, str], offset_data: int) -> Header:
+    """The member's header, with what a pax header before it overrides."""
+    if "path" in pax:
+        name = pax["path"]
+    if "size" in pax:
+        try:
+            size = int(pax["size"])
+        except ValueError:
+            raise BackupCorrupt("pax header: size is not a number") from None
+    linkname = pax.get("linkpath", _text(block[157:257]))
+    try:
+        mtime = int(float(pax["mtime"])) if "mtime" in pax else _num(block[136:148], "mtime")
+    except ValueError:
+        mtime = 0
+    if size < 0:
+        raise BackupCorrupt(f"member {name!r} has a negative size")
+    return Header(name, typ, size, linkname, offset_data, mtime)
 
 
 def refuse_type(h: Header, norm: str) -> None:

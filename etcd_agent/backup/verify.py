@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 from ..errors import BackupCorrupt, IdentityRefused, RefusedError
 from .archive import MEMBER_NAMES
 from .identity import Evidence, Verdict, judge
-from .reader import DEFAULT_LIMITS, Archive, Limits, open_archive
+from .reader import Archive, open_archive
+from .readpass import DEFAULT_LIMITS, Limits
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities

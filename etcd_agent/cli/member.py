@@ -14,7 +14,7 @@ from ..errors import RefusedError
 from .main import Context, Output
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cluster.scale import Plan
+    from ..cluster.scaleplan import Plan
     from ..config import Config
     from ..member.local import LocalMember
 
@@ -89,7 +89,8 @@ def _confirm(ctx: Context, plan: "Plan", question: str, yes: bool) -> None:
 
 
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.scale import member_rows, observe
+    from ..cluster.scale import observe
+    from ..cluster.scaleplan import member_rows
 
     cfg = ctx.config()
     with _client(cfg) as client:

@@ -39,7 +39,7 @@ def security_warnings(cfg: Config) -> List[str]:
             )
     if r.credentials_file is not None:
         mode = _mode(r.credentials_file)
-        # the same rule the S3 client applies before it reads the file (backup/remote.py)
+        # the same rule the S3 client applies before it reads the file (backup/remotebucket.py)
         if mode is not None and mode & 0o077:
             out.append(
                 f"backup.remote.credentials_file {r.credentials_file} is open to group/others (mode {mode:04o}): "

@@ -25,7 +25,7 @@ from ..backup.drillrecord import DrillRecord
 from ..errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backup.drill import DrillReport
+    from ..backup.drillreport import DrillReport
     from ..config import Config
     from ..etcd.client import EtcdClient
 

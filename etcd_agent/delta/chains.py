@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segments import ChainStop, check_chain, list_segments, ms_to_datetime, parse_name, read_summary
+from .segchain import ChainStop, check_chain
+from .segments import list_segments, ms_to_datetime, parse_name
+from .segreader import read_summary
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from etcd_agent.config import Config, Member
 from etcd_agent.errors import AgentError
 
 from . import chains
-from .segments import list_segments, parse_name, read_header
+from .segments import list_segments, parse_name
+from .segreader import read_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.retention import Decision

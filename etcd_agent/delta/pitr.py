@@ -5,7 +5,7 @@ goes, the replay into a throwaway member, and the lines the restore plan shows.
 where the replay stops, and refuses (nothing touched) a target the chain cannot reach - past a
 gap, a damaged segment or the chain's end - naming the last good point and, when there is one,
 the newer full backup that covers what comes after. ``replay_kept`` runs the replay
-(``replay.replay``: scratch etcd on loopback, its own ports and dir under ``<backup dir>/.pitr``)
+(``replayrun.replay``: scratch etcd on loopback, its own ports and dir under ``<backup dir>/.pitr``)
 and keeps the result there, named after the full backup and the stop revision, with its
 ``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
 restore ships the very bytes the journal names. The restore removes it when it ends.
@@ -26,9 +26,11 @@ from etcd_agent.state.locks import OperationLock
 
 from . import status
 from .errors import ReplayError
-from .replay import Plan, ReplayResult, Target, find_base, plan_replay, replay
+from .replay import Plan, ReplayResult, Target, find_base, plan_replay
+from .replayrun import replay
 from .scratch import EtcdBinaries, ScratchOptions
-from .segments import ChainCheck, check_chain, list_segments, ms_to_datetime
+from .segchain import ChainCheck, check_chain
+from .segments import list_segments, ms_to_datetime
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry

@@ -15,7 +15,9 @@ from typing import Any, Dict, Optional
 
 from .errors import ChainBroken, SegmentCorrupt
 from .rpc import StreamEnded
-from .segments import SegmentInfo, check_chain, list_segments, read_segment
+from .segchain import check_chain
+from .segments import SegmentHeader, SegmentInfo, list_segments
+from .segreader import read_segment
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,14 @@ class ChainPosition:
         return ChainPosition(
             self.chain_id, self.seq, self.base_revision, self.next_revision, self.prev_sha256,
             self.start_time_ms, cluster_id,
+        )
+
+    def header(self, endpoint: str) -> SegmentHeader:
+        """The header of the segment that starts here, written by a watch of ``endpoint``."""
+        return SegmentHeader(
+            chain_id=self.chain_id, seq=self.seq, base_revision=self.base_revision, start_revision=self.next_revision,
+            prev_sha256=self.prev_sha256, start_time_ms=self.start_time_ms, cluster_id=self.cluster_id,
+            endpoint=endpoint,
         )
 
 

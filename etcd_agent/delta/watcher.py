@@ -21,7 +21,8 @@ A segment is closed
 
 Fragments are off by default (etcd 3.5.16 fragments quadratically; docs/delta-segments.md):
 big messages (``max_message``, 1 GiB) are accepted instead; with ``fragment=True`` they are
-reassembled (bounded). Leases: see ``leasewatch``.
+reassembled (bounded; ``watchevents``, which also groups events by revision). Leases: see
+``leasewatch``.
 
 Never a silent gap: a compacted start revision, a revision the stream skips, a cluster id that
 changes, a member whose revision is behind the chain (restored/replaced data), or a member
@@ -36,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
@@ -47,7 +48,9 @@ from .errors import ChainBroken, DeltaError
 from .leasewatch import LeaseTracker
 from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
-from .segments import PUT, Event, SegmentHeader, SegmentInfo, SegmentWriter, Txn, remove_stale_temps
+from .segments import PUT, SegmentInfo, Txn
+from .segwriter import SegmentWriter, remove_stale_temps
+from .watchevents import Fragments, by_revision, decode
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import TlsSection
@@ -55,7 +58,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".delta-watcher.lock"
-MAX_FRAGMENTED = 512 * 1024 * 1024  # one response reassembled from fragments, at most
 
 
 class DeltaWatcher:
@@ -97,8 +99,7 @@ class DeltaWatcher:
         self._last_event_ms = self.pos.start_time_ms
         self._last_advance = monotonic()
         self._catchup_until = 0
-        self._fragments: List[Event] = []
-        self._fragment_bytes = 0
+        self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
         self._closing = False  # close the segment once the check's H is delivered
@@ -254,7 +255,7 @@ class DeltaWatcher:
                 self._leases.record_all(rpc)
             with self._mu:
                 self._created = False
-                self._fragments, self._fragment_bytes = [], 0
+                self._fragments.clear()
                 self._check = None
                 self._closing = False
                 self._last_advance = self._mono()
@@ -274,12 +275,6 @@ class DeltaWatcher:
             if stream is not None:
                 stream.close()
             rpc.close()
-
-    def _decode(self, raw: bytes) -> proto.WatchMessage:
-        try:
-            return proto.decode_watch_response(raw)
-        except ValueError as exc:
-            raise StreamEnded(f"malformed watch response ({exc})") from None
 
     def _check_member(self, hdr: proto.Header, last: Optional[int] = None) -> None:
         """``hdr`` was read after revision ``last`` had been captured (default: now)."""
@@ -311,7 +306,7 @@ class DeltaWatcher:
     def _on_response(self, raw: bytes, rpc: EtcdRpc) -> None:
         """One WatchResponse, on the stream's reader thread. Raising ends the stream (a
         reconnect or, for ChainBroken, the end of the run)."""
-        msg = self._decode(raw)
+        msg = decode(raw)
         with self._mu:
             if self._finished:
                 return
@@ -334,15 +329,9 @@ class DeltaWatcher:
         self.responses += 1
         if msg.fragment:
             self.fragments += 1
-            self._fragments.extend(msg.events)
-            self._fragment_bytes += sum(len(e.key) + len(e.value) for e in msg.events)
-            if self._fragment_bytes > MAX_FRAGMENTED:
-                raise StreamEnded(f"a fragmented watch response exceeds {MAX_FRAGMENTED} bytes")
+            self._fragments.add(msg.events)
             return
-        events = msg.events
-        if self._fragments:
-            events = tuple(self._fragments) + events
-            self._fragments, self._fragment_bytes = [], 0
+        events = self._fragments.whole(msg.events)
         if not events:
             # etcd's own progress notification (progress_notify, every 10 min when idle)
             if msg.header.revision > self._last_revision():
@@ -353,14 +342,8 @@ class DeltaWatcher:
         now_ms = self._wall_ms()
         self._last_event_ms = max(self._last_event_ms, now_ms)
         self._last_advance = self._mono()
-        i, n = 0, len(events)
-        while i < n:
-            rev = events[i].mod_revision
-            j = i + 1
-            while j < n and events[j].mod_revision == rev:
-                j += 1
-            self._append(Txn(rev, now_ms, events[i:j], rev <= self._catchup_until), rpc)
-            i = j
+        for txn in by_revision(events, now_ms, self._catchup_until):
+            self._append(txn, rpc)
             self._confirm(rpc)  # may close the segment right after the checked revision
         if self._writer is not None and self._writer.size >= self.opt.close_bytes:
             self._close_segment(rpc, self._last_event_ms, confirmed=False)
@@ -446,13 +429,7 @@ class DeltaWatcher:
 
     def _ensure_writer(self) -> SegmentWriter:
         if self._writer is None:
-            p = self.pos
-            header = SegmentHeader(
-                chain_id=p.chain_id, seq=p.seq, base_revision=p.base_revision, start_revision=p.next_revision,
-                prev_sha256=p.prev_sha256, start_time_ms=p.start_time_ms, cluster_id=p.cluster_id,
-                endpoint=self.endpoint,
-            )
-            self._writer = SegmentWriter(self.out_dir, header)
+            self._writer = SegmentWriter(self.out_dir, self.pos.header(self.endpoint))
         return self._writer
 
     def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from etcd_agent.backup import remote
+from etcd_agent.backup import remote, remotebucket
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
 from tests.harness.s3server import S3Server
@@ -115,7 +115,7 @@ def _tamper(cfg: Config, s3: S3Server, name: str, *, with_checksum: bool) -> Non
 
 def _prefix(cfg: Config) -> str:
     """The key prefix of this host's copies (the default one has a folder per master)."""
-    return remote.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name)
+    return remotebucket.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name)
 
 
 def _keys(cfg: Config, s3: S3Server) -> List[str]:
@@ -191,7 +191,7 @@ def test_file_changing_during_upload_leaves_nothing(
     cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
     path = _archive(tmp_path, "etcd-2026-03-01-13-00-00.tar", 11 * MiB)
-    real_digests = remote._local_digests
+    real_digests = remote.local_digests
 
     def digests_then_change(p: str, part_size: int) -> Any:
         d = real_digests(p, part_size)
@@ -203,7 +203,7 @@ def test_file_changing_during_upload_leaves_nothing(
                 fh.write(b"\x00" * 16)
         return d
 
-    monkeypatch.setattr(remote, "_local_digests", digests_then_change)
+    monkeypatch.setattr(remote, "local_digests", digests_then_change)
     with pytest.raises(BackupError) as info:
         remote.upload_and_verify(cfg, str(path), {})
     if change == "truncated":
@@ -287,7 +287,7 @@ def test_credentials_file(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
     os.chmod(creds, 0o600)
 
     # the keys from the file are the ones that sign the requests
-    b = remote._Bucket(fcfg)
+    b = remotebucket.Bucket(fcfg)
     seen: List[str] = []
     b.client.meta.events.register("before-send.s3", lambda request, **_: seen.append(request.headers["Authorization"].decode()))
     b.client.list_objects_v2(Bucket=fcfg.backup.remote.bucket)

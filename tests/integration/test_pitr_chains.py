@@ -14,7 +14,7 @@ import pytest
 
 from etcd_agent.daemon.metrics import samples
 from etcd_agent.delta import chains
-from etcd_agent.delta.segments import read_header
+from etcd_agent.delta.segreader import read_header
 from tests.harness.loopback import free_port_pairs
 from tests.harness.s3server import S3Server
 from tests.integration.continuous import (

@@ -1,8 +1,8 @@
 """The pure membership planners: what they allow, what they refuse, and what the plan says."""
 import pytest
 
-from etcd_agent.cluster.scale import (
-    MEMBERSHIP_LOCK,
+from etcd_agent.cluster.scale import MEMBERSHIP_LOCK
+from etcd_agent.cluster.scaleplan import (
     ClusterView,
     decide_add,
     decide_join,

@@ -7,21 +7,10 @@ import time
 import pytest
 
 from etcd_agent.delta.errors import DeltaError, SegmentCorrupt
-from etcd_agent.delta.segments import (
-    DELETE,
-    PUT,
-    Event,
-    LeaseRecord,
-    SegmentHeader,
-    SegmentWriter,
-    Txn,
-    check_chain,
-    list_segments,
-    parse_name,
-    read_segment,
-    read_summary,
-    remove_stale_temps,
-)
+from etcd_agent.delta.segchain import check_chain
+from etcd_agent.delta.segments import DELETE, PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments, parse_name
+from etcd_agent.delta.segreader import read_segment, read_summary
+from etcd_agent.delta.segwriter import SegmentWriter, remove_stale_temps
 
 T0 = 1_700_000_000_000
 

@@ -6,19 +6,13 @@ import pytest
 
 from etcd_agent.delta import proto
 from etcd_agent.delta.errors import ChainBroken
-from etcd_agent.delta.replay import Target, replay
+from etcd_agent.delta.replay import Target
+from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
-from etcd_agent.delta.segments import (
-    PUT,
-    Event,
-    LeaseRecord,
-    SegmentHeader,
-    SegmentWriter,
-    Txn,
-    check_chain,
-    list_segments,
-    read_segment,
-)
+from etcd_agent.delta.segchain import check_chain
+from etcd_agent.delta.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
+from etcd_agent.delta.segreader import read_segment
+from etcd_agent.delta.segwriter import SegmentWriter
 from etcd_agent.delta.watcher import DeltaWatcher
 
 from .helpers import Writer, dump, put, values, wait_for, wait_watcher_caught_up

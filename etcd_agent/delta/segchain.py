@@ -1,0 +1,197 @@
+"""A delta chain: its segments followed from the full backup's revision, and where it stops.
+
+``check_chain`` follows the links (revisions contiguous, the same chain id, each header naming
+the previous file's sha256) and returns the good prefix with the first gap, damaged file or
+broken link as a ``ChainStop``: nothing at or after it is ever trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .errors import SegmentCorrupt
+from .segments import MAX_SEGMENT, SegmentInfo, ms_to_datetime, parse_name
+from .segreader import read_header, read_segment, read_summary
+
+
+@dataclass(frozen=True)
+class ChainStop:
+    """Where and why a chain stops being usable; nothing at or after ``at_revision`` is trusted."""
+
+    kind: str  # "gap" | "corrupt" | "mismatch"
+    reason: str
+    at_revision: int
+    path: Optional[str]
+    last_good_revision: int
+    last_good_time_ms: Optional[int]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "reason": self.reason,
+            "at_revision": self.at_revision,
+            "path": self.path,
+            "last_good_revision": self.last_good_revision,
+            "last_good_time": ms_to_datetime(self.last_good_time_ms).isoformat() if self.last_good_time_ms else None,
+            "last_good_time_ms": self.last_good_time_ms,
+        }
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ChainStop":
+        t = d.get("last_good_time_ms")
+        return cls(str(d["kind"]), str(d["reason"]), int(d["at_revision"]), d.get("path"),
+                   int(d["last_good_revision"]), None if t is None else int(t))
+
+
+@dataclass(frozen=True)
+class ChainCheck:
+    base_revision: int
+    segments: Tuple[SegmentInfo, ...]
+    stop: Optional[ChainStop]
+    lost: Tuple[str, ...] = field(default=())  # segment files of this chain after the stop
+
+    @property
+    def end_revision(self) -> int:
+        return self.segments[-1].end_revision if self.segments else self.base_revision
+
+    @property
+    def end_time_ms(self) -> Optional[int]:
+        return self.segments[-1].footer.end_time_ms if self.segments else None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "base_revision": self.base_revision,
+            "end_revision": self.end_revision,
+            "segments": len(self.segments),
+            "stop": self.stop.to_json() if self.stop else None,
+            "lost": list(self.lost),
+        }
+
+
+def check_chain(
+    paths: Iterable[str],
+    start_revision: int,
+    *,
+    verify: bool = True,
+    max_bytes: int = MAX_SEGMENT,
+) -> ChainCheck:
+    """Follow the chain that starts after full backup revision ``start_revision``.
+
+    Returns the good prefix and, if the chain does not run cleanly to its last segment, where
+    and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
+    Segments of other chains among ``paths`` are ignored. ``verify=False`` reads only headers
+    and footers (cheap, for finding where a watcher resumes) and cannot see damage inside.
+    """
+    by_start: Dict[int, List[str]] = {}
+    for p in paths:
+        rng = parse_name(os.path.basename(p))
+        if rng is not None:
+            by_start.setdefault(rng[0], []).append(p)
+    for lst in by_start.values():
+        lst.sort()
+    good: List[SegmentInfo] = []
+    used = set()
+    expect = start_revision + 1
+    prev: Optional[SegmentInfo] = None
+    while True:
+        cands = [p for p in by_start.get(expect, []) if p not in used]
+        problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
+        chosen: Optional[SegmentInfo] = None
+        for p in cands:
+            try:
+                info = _load_info(p, verify, max_bytes)
+            except SegmentCorrupt as exc:
+                problems.append(("corrupt", p, exc.problem))
+                continue
+            h = info.header
+            if h.base_revision != start_revision:
+                continue  # another chain's segment that happens to start here
+            if prev is None:
+                ok = h.seq == 0 and h.prev_sha256 == ""
+                why = "is not the first segment of a chain"
+            else:
+                ok = h.chain_id == prev.header.chain_id and h.seq == prev.header.seq + 1 and (
+                    not verify or h.prev_sha256 == prev.sha256
+                )
+                why = (
+                    f"does not link to {os.path.basename(prev.path)} "
+                    f"(chain {h.chain_id[:8]} seq {h.seq}, prev sha256 {h.prev_sha256[:12]}; "
+                    f"expected chain {prev.header.chain_id[:8]} seq {prev.header.seq + 1}, "
+                    f"sha256 {prev.sha256[:12] if verify else '?'})"
+                )
+            if ok:
+                chosen = info
+                break
+            problems.append(("mismatch", p, why))
+        if chosen is not None:
+            good.append(chosen)
+            used.add(chosen.path)
+            prev = chosen
+            expect = chosen.end_revision + 1
+            continue
+        last_rev = prev.end_revision if prev else start_revision
+        last_time = prev.footer.end_time_ms if prev else None
+        later = sorted(
+            (s, p) for s, lst in by_start.items() if s > expect for p in lst if _same_chain(p, start_revision, prev)
+        )
+        if problems:
+            kind, p, why = problems[0]
+            return ChainCheck(
+                start_revision,
+                tuple(good),
+                ChainStop(kind, f"{os.path.basename(p)}: {why}", expect, p, last_rev, last_time),
+                tuple(sorted({p for _k, p, _w in problems} | {p for _s, p in later})),
+            )
+        if later:
+            nxt = later[0][0]
+            reason = f"no segment covers revisions {expect}..{nxt - 1} (missing file); the next one starts at {nxt}"
+            return ChainCheck(
+                start_revision,
+                tuple(good),
+                ChainStop("gap", reason, expect, None, last_rev, last_time),
+                tuple(p for _s, p in later),
+            )
+        return ChainCheck(start_revision, tuple(good), None)
+
+
+def _load_info(path: str, verify: bool, max_bytes: int) -> SegmentInfo:
+    if verify:
+        return read_segment(path, max_bytes=max_bytes).info
+    header, footer = read_summary(path)
+    return SegmentInfo(path, os.path.getsize(path), "", header, footer)
+
+
+def _same_chain(path: str, base: int, prev: Optional[SegmentInfo]) -> bool:
+    """Could this later file belong to the chain being followed? Unreadable files count as yes:
+    a damaged segment must be reported as lost, never skipped silently."""
+    try:
+        h = read_header(path)
+    except SegmentCorrupt:
+        return True
+    if h.base_revision != base:
+        return False
+    return prev is None or h.chain_id == prev.header.chain_id
+
+
+def tail_sha256(path: str) -> str:
+    """sha256 of a whole file (what the next segment's header must name)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as exc:
+        raise SegmentCorrupt(path, f"cannot read: {exc.strerror or exc}") from None
+    return h.hexdigest()
+
+
+def describe(segments: Sequence[SegmentInfo]) -> str:
+    if not segments:
+        return "no segments"
+    a, b = segments[0], segments[-1]
+    return (
+        f"{len(segments)} segment(s), revisions {a.start_revision}..{b.end_revision}, "
+        f"{ms_to_datetime(a.header.start_time_ms).isoformat()} .. {ms_to_datetime(b.footer.end_time_ms).isoformat()}"
+    )

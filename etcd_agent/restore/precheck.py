@@ -1,0 +1,254 @@
+"""What each host reports before a restore (``NodeFacts``) and the rules that judge it: pure.
+
+``node precheck`` on every host answers with ``NodeFacts`` (its tools and their versions, the free
+space beside the data dir, its journal, whether it can fence the apiserver); ``check_host`` turns
+them, the config and the backup into one sentence per problem (none: go), ``resume_decision``
+says whether this run resumes an unfinished restore. ``plan`` builds the plan from the same facts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from ..config import NAME_RE, Config, Member
+from ..node.protocol import PROTOCOL
+from .journal import JournalSummary
+
+# Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
+NODE_PROTOCOL = PROTOCOL
+
+
+# ---------------------------------------------------------------- facts from `node precheck`
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one host reported about itself for one member (``node precheck``)."""
+
+    member: str
+    protocol: int
+    agent_version: str
+    etcd_version: Optional[str]
+    etcdctl_version: Optional[str]
+    etcdutl_version: Optional[str]
+    free_bytes: int
+    data_dir: str
+    data_dir_state: str  # absent | empty | member | other
+    work_dir: str
+    conf_file: str
+    conf_present: bool
+    unit_present: Optional[bool]  # None: the process backend has no unit
+    backend: str
+    running: bool
+    fence_ok: bool
+    fence_detail: str
+    identity_match: bool
+    tls_missing: Tuple[str, ...] = ()
+    journal: Optional[JournalSummary] = None
+    peer_url: str = ""
+    client_url: str = ""
+    # evidence of which cluster this host runs: its bootstrap record and its restore lineage
+    bootstrap_member_id: Optional[str] = None
+    bootstrap_cluster_id: Optional[str] = None
+    lineage: Tuple[Tuple[str, ...], ...] = ()
+    db_member_ids: Tuple[str, ...] = ()  # the members in the data dir's own db (read with etcd down)
+    db_note: str = ""  # why the data dir's db could not be read, if it could not
+    # the tools the host restores with: its agent.toml's, or its version pin's after a rolling
+    # upgrade (None from agents that do not say: the plan assumes this config's)
+    etcdctl_path: Optional[str] = None
+    etcdutl_path: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["journal"] = self.journal.to_json() if self.journal else None
+        d["tls_missing"] = list(self.tls_missing)
+        d["lineage"] = [list(x) for x in self.lineage]
+        d["db_member_ids"] = list(self.db_member_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "NodeFacts":
+        def opt(key: str) -> Optional[str]:
+            v = d.get(key)
+            return v if isinstance(v, str) else None
+
+        journal = d.get("journal")
+        lin = d.get("lineage") or []
+        return cls(
+            member=str(d["member"]),
+            protocol=int(d["protocol"]),
+            agent_version=str(d.get("agent_version", "?")),
+            etcd_version=opt("etcd_version"),
+            etcdctl_version=opt("etcdctl_version"),
+            etcdutl_version=opt("etcdutl_version"),
+            free_bytes=int(d.get("free_bytes", 0)),
+            data_dir=str(d["data_dir"]),
+            data_dir_state=str(d.get("data_dir_state", "absent")),
+            work_dir=str(d["work_dir"]),
+            conf_file=str(d.get("conf_file", "")),
+            conf_present=bool(d.get("conf_present")),
+            unit_present=d.get("unit_present") if isinstance(d.get("unit_present"), bool) else None,
+            backend=str(d.get("backend", "?")),
+            running=bool(d.get("running")),
+            fence_ok=bool(d.get("fence_ok")),
+            fence_detail=str(d.get("fence_detail", "")),
+            identity_match=bool(d.get("identity_match")),
+            tls_missing=tuple(str(x) for x in (d.get("tls_missing") or ())),
+            journal=JournalSummary.from_json(journal) if isinstance(journal, dict) else None,
+            peer_url=str(d.get("peer_url", "")),
+            client_url=str(d.get("client_url", "")),
+            bootstrap_member_id=opt("bootstrap_member_id"),
+            bootstrap_cluster_id=opt("bootstrap_cluster_id"),
+            lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
+            db_member_ids=tuple(str(x) for x in (d.get("db_member_ids") or ()) if isinstance(x, str)),
+            db_note=str(d.get("db_note") or ""),
+            etcdctl_path=opt("etcdctl_path"),
+            etcdutl_path=opt("etcdutl_path"),
+        )
+
+
+def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    """``"3.4.23"`` -> (3, 4, 23); None when unreadable."""
+    if not text:
+        return None
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+# etcdutl gained --bump-revision/--mark-compacted in 3.5.10 (etcd PR 16165); 3.5.0-3.5.9 reject
+# them as unknown flags, so a plain "3.5+" check would fail every restore on those releases.
+BUMP_MIN_ETCDUTL = (3, 5, 10)
+
+
+def can_bump(facts_or_version: Optional[str]) -> bool:
+    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5.10+ (etcdctl 3.4 has neither)."""
+    v = parse_version(facts_or_version)
+    return v is not None and v >= BUMP_MIN_ETCDUTL
+
+
+def work_dir_for(data_dir: str, member: str) -> str:
+    """Where one member's restore keeps its journal and shipped files: beside the data dir, so the
+    restored db lands on the same filesystem (the final step is a rename)."""
+    base = data_dir.rstrip("/")
+    parent = base.rsplit("/", 1)[0] or "/"
+    return f"{parent.rstrip('/')}/.etcd-agent-restore-{member}"
+
+
+# ---------------------------------------------------------------- pre-check rules
+
+
+def required_free(snapshot_size: int) -> int:
+    """Bytes needed beside the data dir: the shipped snapshot plus the restored db (about the
+    snapshot's size again), plus 10% and 64 MiB for the WAL. The old data dir is renamed, not
+    copied, so it costs nothing."""
+    return int(snapshot_size * 2 * 1.1) + 64 * 1024 * 1024
+
+
+
+
+def version_problems(snapshot_version: Optional[str], facts: NodeFacts) -> List[str]:
+    """A backup of a newer minor release than the host's etcd (or its snapshot tool) is refused:
+    that restore is a downgrade, which etcd does not support (3.4 may even start on 3.5 data, and
+    then run on a store written by a release it does not know). Patch releases may differ."""
+    want = parse_version(snapshot_version)
+    if want is None:
+        return []
+    tool_name = "etcdutl" if facts.etcdutl_version else "etcdctl"
+    tool = facts.etcdutl_version or facts.etcdctl_version
+    older = []
+    for label, have in (("etcd", facts.etcd_version), (tool_name, tool)):
+        hv = parse_version(have)
+        if hv is not None and hv[:2] < want[:2]:
+            older.append(f"{label} {have}")
+    if not older:
+        return []
+    line = f"{want[0]}.{want[1]}"
+    return [f"the backup is from etcd {snapshot_version}, this host has {' and '.join(older)}: restoring it "
+            f"would downgrade the cluster to an older minor release, which etcd does not support; install "
+            f"etcd {line} here and upgrade the cluster to it first (etcd-agent upgrade --to {line}.x), "
+            f"or restore a backup taken on the release this host runs"]
+
+
+def check_host(
+    cfg: Config,
+    member: Member,
+    facts: NodeFacts,
+    *,
+    snapshot_size: int,
+    snapshot_version: Optional[str],
+    agent_version: str,
+    resuming: bool,
+) -> List[str]:
+    """Everything that must hold on one host before anything is touched there."""
+    p: List[str] = []
+    if facts.protocol != NODE_PROTOCOL:
+        p.append(f"agent {facts.agent_version} speaks node protocol {facts.protocol}, this one {NODE_PROTOCOL} ({agent_version}): upgrade the agents")
+    if facts.data_dir != cfg.data_dir(member.name):
+        p.append(f"the host's config puts the data dir at {facts.data_dir}, this config at {cfg.data_dir(member.name)}: configs differ")
+    if facts.peer_url and facts.peer_url != member.peer_url:
+        p.append(f"the host's config gives {member.name} peer URL {facts.peer_url}, this config {member.peer_url}: configs differ")
+    if facts.client_url and facts.client_url != member.client_url:
+        p.append(f"the host's config gives {member.name} client URL {facts.client_url}, this config {member.client_url}: configs differ")
+    if not facts.identity_match:
+        p.append(f"host {member.host} of member {member.name} is not this machine's address or name (wrong ssh_host?)")
+    tool = facts.etcdutl_version or facts.etcdctl_version
+    if tool is None:
+        p.append("neither etcdutl nor etcdctl runs on this host")
+    elif (facts.etcdutl_path or cfg.etcd.etcdutl) and facts.etcdutl_version is None:
+        # the restore argv would name etcdutl: refuse now rather than fail and roll back later
+        p.append(f"etcdutl {facts.etcdutl_path or cfg.etcd.etcdutl} is configured but does not run on this host")
+    if facts.etcd_version is None:
+        p.append("etcd does not run on this host (etcd --version failed)")
+    p += version_problems(snapshot_version, facts)
+    need = required_free(snapshot_size)
+    if facts.free_bytes < need and not resuming:
+        p.append(f"{facts.free_bytes} bytes free beside {facts.data_dir}, the restore needs {need}")
+    if facts.data_dir_state == "other" and not resuming:
+        p.append(f"{facts.data_dir} exists but is not a directory")
+    if not facts.fence_ok:
+        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
+    for f in facts.tls_missing:
+        p.append(f"TLS file {f} is missing")
+    j = facts.journal
+    if j is not None and j.open and not resuming:
+        p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
+    return p
+
+
+def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: str,
+                    sha256: Optional[str]) -> Tuple[Optional[JournalSummary], List[str]]:
+    """Given each member's journal (None: none), whether this run resumes an earlier one.
+
+    Returns (the journal to resume - op, token, ... - or None for a fresh restore, problems). An
+    unfinished restore of *another* backup, or two different unfinished ones, must be settled
+    first: resuming it with different data would mix clusters.
+    """
+    open_ = {m: j for m, j in journals.items() if j is not None and j.open}
+    if not open_:
+        return None, []
+    ops = {j.op for j in open_.values()}
+    if len(ops) > 1:
+        return None, [f"members are journaled in different unfinished restores ({', '.join(sorted(ops))}): "
+                      "roll them back with `etcd-agent restore rollback --yes` first"]
+    first = next(iter(open_.values()))
+    same = first.backup == backup and (sha256 is None or first.sha256 in (None, sha256))
+    if not same:
+        return None, [f"an unfinished restore {first.op} from {first.backup} is journaled; re-run "
+                      f"`etcd-agent restore --from {first.backup} --yes` to resume it, or "
+                      "`etcd-agent restore rollback --yes` to undo it"]
+    return first, []
+
+
+def default_token(cluster_name: str, stamp: str) -> str:
+    """A new cluster token per restore: members of the old cluster can never talk to the new one."""
+    return f"{cluster_name}-restore-{stamp}"[:63]
+
+
+def token_problem(token: str) -> Optional[str]:
+    if not NAME_RE.match(token):
+        return f"--new-token {token!r} is not a safe token (letters, digits, _ . -; max 63)"
+    return None
