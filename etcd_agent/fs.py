@@ -7,12 +7,15 @@ as a backup dir once lost its sticky bit to a "tightening" chmod.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
+import secrets
 import stat
 import tempfile
-from typing import BinaryIO, Callable, List
+from typing import BinaryIO, Callable, Iterator, List, Union
 
 from .errors import RefusedError
 
@@ -45,6 +48,96 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class StagedFile:
+    """A large file written beside its final name, as ``.<name>.<random>.part`` (0600), flocked for
+    as long as its writer lives; ``commit()`` fsyncs it, renames it over the final name and fsyncs
+    the dir; ``discard()`` removes it. Creating one first removes the temp files of writers that
+    died without cleaning up (SIGKILL, power loss: nothing holds their lock any more). The dir's
+    own flock makes that sweep and the new file's creation one step, so a live writer's file is
+    never taken for a dead one's."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        self.directory = directory
+        self.final = os.path.join(directory, name)
+        with _dir_locked(directory):
+            self.removed = _remove_stale(directory, name)
+            self.path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.part")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
+        self.size = 0
+
+    def write(self, data: Union[bytes, memoryview]) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.size += len(data)
+
+    def commit(self) -> None:
+        """fsync, rename over the final name (still locked: no sweep can take it), fsync the dir."""
+        os.fsync(self._fd)
+        os.rename(self.path, self.final)
+        self._close()
+        fsync_dir(self.directory)
+
+    def discard(self) -> None:
+        """Remove it (unlinked while still locked, then closed); safe to call after commit."""
+        if self._fd >= 0:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._close()
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def remove_stale_parts(directory: str, name: str) -> List[str]:
+    """Remove the ``StagedFile`` temps of ``name`` in ``directory`` whose writers are gone."""
+    try:
+        with _dir_locked(directory):
+            return _remove_stale(directory, name)
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def _dir_locked(directory: str) -> Iterator[None]:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a directory listing and a create: microseconds
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(directory: str, name: str) -> List[str]:
+    removed = []
+    for entry in os.listdir(directory):
+        if not (entry.startswith(f".{name}.") and entry.endswith(".part")):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, or a symlink: not one of ours
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its writer lives
+        else:
+            os.unlink(path)
+            removed.append(entry)
+            log.info("removed %s, left by a writer that died", path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def missing_dirs(path: str, exists: Callable[[str], bool]) -> List[str]:

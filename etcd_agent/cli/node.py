@@ -28,6 +28,9 @@ def register(sub: Any) -> None:
     r.add_argument("--op", required=True, metavar="ID")
     r.add_argument("--owner", required=True, metavar="TOKEN", help="the session owner holding this host's lock")
     r.add_argument("--size", required=True, type=int, metavar="BYTES")
+    r.add_argument("--codec", required=True, choices=("none", "zstd"), help="how the stream is encoded")
+    r.add_argument("--idle-timeout", required=True, type=float, metavar="SECONDS",
+                   help="give up (and keep nothing) when no data arrives for this long")
     r.set_defaults(func=cmd_receive)
 
 
@@ -56,17 +59,39 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
 
 
 def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:
-    """Answers with one protocol line (the result, or the error as AgentError.to_json)."""
-    from ..errors import AgentError
-    from ..node.protocol import encode
-    from ..restore.node import receive_snapshot
+    """Prints one protocol line when ready for the data (or the error that refused it), and one
+    when done: the receipt, or the error as AgentError.to_json."""
+    import signal
 
+    from ..errors import AgentError, Interrupted, UsageError
+    from ..node.protocol import encode
+    from ..node.transfer import Ready
+    from ..restore.receive import receive_snapshot
+
+    def say(doc: Any) -> None:
+        try:
+            sys.stdout.buffer.write(encode(doc))
+            sys.stdout.buffer.flush()
+        except OSError:
+            pass  # the sender is gone; what it does next does not depend on this line
+
+    def on_signal(signum: int, _frame: object) -> None:  # the temp file is removed on the way out
+        raise Interrupted(f"receive ended by signal {signal.Signals(signum).name}; nothing kept")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
-        doc = receive_snapshot(ctx.config(), args.member, args.op, args.owner, args.size, sys.stdin.buffer)
+        if args.size < 0 or not args.idle_timeout > 0:
+            raise UsageError("--size must be >= 0 and --idle-timeout > 0")
+
+        def ready(r: Ready) -> None:
+            say(r.to_json())
+
+        doc = receive_snapshot(ctx.config(), args.member, args.op, args.owner, args.size, args.codec,
+                               idle=args.idle_timeout, stdin_fd=sys.stdin.buffer.fileno(), ready=ready)
         code = 0
     except AgentError as exc:
         doc, code = exc.to_json(), exc.exit_code
         sys.stderr.write(f"etcd-agent: error: {exc.message}\n")
-    sys.stdout.buffer.write(encode(doc))
-    sys.stdout.buffer.flush()
+    say(doc)
     return Output(None, None, exit_code=code, silent=True)

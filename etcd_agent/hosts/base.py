@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 from ..errors import CommandError
 
@@ -49,8 +49,16 @@ class Session(Protocol):
     protocol's session). It ends when either side closes: a dead caller closes the stream, so
     the command sees end-of-file."""
 
-    def send(self, data: bytes) -> None:
-        """Write to the command's stdin; HostUnreachable when the stream is gone."""
+    def send(self, data: "Union[bytes, memoryview]") -> None:
+        """Write all of ``data`` to the command's stdin; HostUnreachable when the stream is gone.
+        It may block for as long as the command does not read (or a cut link does not carry):
+        ``abort`` from another thread ends that."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the session at once, from any thread, waiting for nothing: a send or close
+        blocked on it fails. Over SSH this closes the host's connection (every session on it);
+        locally it ends the command."""
         ...
 
     def close_input(self) -> None:

@@ -126,12 +126,19 @@ class LocalSession:
         for raw in self._proc.stderr:
             self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: Union[bytes, memoryview]) -> None:
         try:
             self._stdin.write(data)
             self._stdin.flush()
         except (BrokenPipeError, ValueError, OSError) as exc:
             raise HostUnreachable(f"{self.where}: session ended ({exc})") from None
+
+    def abort(self) -> None:
+        """End the command now (SIGTERM to its pid: a receiver removes its temp file on the way out)."""
+        try:
+            self._proc.terminate()
+        except OSError:
+            pass
 
     def close_input(self) -> None:
         try:

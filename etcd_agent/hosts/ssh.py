@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import paramiko
 from paramiko.sftp import CMD_EXTENDED
@@ -43,6 +43,15 @@ NETWORK_GRACE = 1.0
 TIMEOUT_EXITS = (124, 137, -1)
 LOCAL_TIMEOUT = "local-timeout"
 CHUNK = 32768
+# Bulk ciphers first when the server has them: AES-GCM authenticates as it encrypts, where
+# paramiko's default (aes128-ctr with an HMAC) costs about one CPU-second more per GiB shipped.
+# Only the order changes: nothing is added, the server still has to offer it.
+FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+
+
+def preferred_ciphers(offered: Sequence[str]) -> Tuple[str, ...]:
+    """``offered`` with the AES-GCM ciphers it holds moved to the front, the rest in order."""
+    return tuple([c for c in FAST_CIPHERS if c in offered] + [c for c in offered if c not in FAST_CIPHERS])
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -145,9 +154,10 @@ class SshHost:
         try:
             t.banner_timeout = left()
             t.handshake_timeout = left()
+            opts = t.get_security_options()
+            opts.ciphers = preferred_ciphers(opts.ciphers)
             if known:
                 # negotiate the key type we know, so a host with several keys is verified
-                opts = t.get_security_options()
                 ours = [k for k in known if k in opts.key_types]
                 opts.key_types = ours + [k for k in opts.key_types if k not in ours]
             t.start_client(timeout=left())
@@ -471,12 +481,33 @@ class SshSession:
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: Union[bytes, memoryview]) -> None:
+        # Channel.send through a memoryview: sendall slices the rest of a bytes object (a copy)
+        # after every packet, and a MiB of snapshot is 32 packets
+        view = memoryview(data)
         with self._send_lock:
-            try:
-                self._chan.sendall(data)
-            except (paramiko.SSHException, EOFError, OSError, socket.timeout) as exc:
-                raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
+            while view:
+                t = self._chan.get_transport()
+                if t is None or not t.is_active():  # paramiko drops what is sent on a dead transport
+                    raise HostUnreachable(f"{self.where}: session lost: the connection is closed")
+                try:
+                    n = self._chan.send(view)  # type: ignore[arg-type]  # the stubs say bytes; it takes any buffer
+                except (paramiko.SSHException, EOFError, OSError, socket.timeout) as exc:
+                    raise HostUnreachable(f"{self.where}: session lost: {exc or type(exc).__name__}") from None
+                if n <= 0:
+                    raise HostUnreachable(f"{self.where}: the command stopped reading (its channel closed)")
+                view = view[n:]
+
+    def abort(self) -> None:
+        """Close the whole connection: the one way to free a send or close that waits forever on
+        a cut link (paramiko retries a full socket without end); the host reconnects on next use."""
+        t = self._chan.get_transport()
+        try:
+            if t is not None:
+                t.close()
+            self._chan.close()
+        except Exception:  # closing a broken connection may fail in many ways
+            pass
 
     def close_input(self) -> None:
         try:
@@ -490,7 +521,8 @@ class SshSession:
     def close(self, grace: float = 10.0) -> None:
         try:
             self._chan.shutdown_write()  # the command sees EOF and ends
-            if grace > 0:
+            t = self._chan.get_transport()
+            if grace > 0 and t is not None and t.is_active():  # a dead connection brings no exit status
                 poll(self._chan.exit_status_ready, timeout=grace, what=f"{self.where}: session end", interval=0.05)
         except (paramiko.SSHException, EOFError, OSError, OperationFailed):
             pass  # gone already, or it did not end in time: closing the channel ends it

@@ -21,8 +21,11 @@ from typing import Any, Dict, List, Mapping, Optional
 from ..errors import AgentError, OperationFailed, error_from_json
 from ..safejson import UnsafeJson, loads
 
-# Bumped when the documents change incompatibly; both ends must speak the same one.
-PROTOCOL = 3
+# Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
+# of another version is refused at the hello (the pre-check names it), never half-way through.
+# 3: one `steps` call runs a host's members at once.
+# 4: `node receive` speaks node.transfer's stream (ready line, frames, zstd, end record).
+PROTOCOL = 4
 MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off

@@ -63,16 +63,17 @@ class _Stop:
 
 
 def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
-          silence_limit: float = SILENCE_LIMIT, stop: Callable[[], str] = lambda: "") -> int:
+          silence_limit: float = SILENCE_LIMIT, stop: Callable[[], str] = lambda: "", protocol: int = PROTOCOL) -> int:
     """Run one session; returns the process exit code. ``stop()`` returning a reason ends the
-    session after the running step (``node serve`` sets it from SIGTERM/SIGHUP)."""
+    session after the running step (``node serve`` sets it from SIGTERM/SIGHUP). ``protocol``
+    is what this end speaks (tests play an agent of another version with it)."""
     hello_line = stdin.readline(MAX_LINE + 1)
     if not hello_line:
         return 0  # the caller went away before saying anything
     try:
         hello = Hello.from_json(decode(hello_line, "hello"))
-        if hello.protocol != PROTOCOL:
-            raise RefusedError(f"this agent ({__version__}) speaks node protocol {PROTOCOL}, the caller "
+        if hello.protocol != protocol:
+            raise RefusedError(f"this agent ({__version__}) speaks node protocol {protocol}, the caller "
                                f"{hello.protocol}: install the same etcd-agent version on every master")
     except AgentError as exc:
         _write(stdout, {"error": exc.to_json()})
@@ -85,7 +86,7 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
             _write(stdout, {"error": exc.to_json()})
             return exc.exit_code
     try:
-        if not _write(stdout, Welcome(PROTOCOL, __version__, socket.gethostname()).to_json()):
+        if not _write(stdout, Welcome(protocol, __version__, socket.gethostname()).to_json()):
             return 0
         log.info("node session for %s started%s", hello.owner.describe(), " (host lock held)" if ctx.lock else "")
         why = _loop(ctx, stdin, stdout, handlers, silence_limit, stop)

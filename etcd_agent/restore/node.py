@@ -16,31 +16,27 @@ import pwd
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..backup.snapcheck import StreamCheck
 from ..config import Config, Member
-from ..errors import AgentError, BusyError, CommandError, OperationFailed, RefusedError
+from ..errors import AgentError, CommandError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
-from ..fs import ensure_private_dir, makedirs, write_atomic
+from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
 from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
 from ..state import bootstrap, lineage, markers
-from ..state.locks import holder_of
 from ..state.pins import pinned_config
 from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
+from .receive import RECEIVED, SNAPSHOT
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT = "etcd_snapshot.db"
-RECEIVED = "received.json"
 CONF_ORIG = "conf.orig"
-RECEIVE_CHUNK = 1 << 20
 
 
 def _stamp() -> str:
@@ -479,12 +475,14 @@ class NodeRestore:
     # ------------------------------------------------------------ housekeeping
 
     def _drop_payload(self) -> None:
-        """The snapshot copy is large and has served; the journal stays until the next restore."""
+        """The snapshot copy is large and has served; the journal stays until the next restore.
+        Temp files of receivers that died go too (a live receiver's stays: it is locked)."""
         for n in (SNAPSHOT, RECEIVED):
             try:
                 os.unlink(os.path.join(self.work_dir, n))
             except FileNotFoundError:
                 pass
+        remove_stale_parts(self.work_dir, SNAPSHOT)
 
     def _clear_work_dir(self) -> None:
         for n in os.listdir(self.work_dir):
@@ -511,58 +509,3 @@ class NodeRestore:
             "decisions": [{"path": d.path, "keep": d.keep, "reason": d.reason} for d in decisions],
             "removed": removed,
         }
-
-
-# ---------------------------------------------------------------- receiving the snapshot
-
-
-def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: int, src: BinaryIO) -> Dict[str, Any]:
-    """``node receive``: write exactly ``size`` bytes from ``src`` into the member's work dir,
-    hashing and checking them as they arrive (etcd's own sha256 trailer, the bbolt meta pages),
-    then record what arrived. Only for the op journaled there, and only while the session of the
-    same owner holds this host's lock: a second orchestrator cannot ship over the first's files."""
-    holder = holder_of(cfg.backup.dir)
-    owner = (holder or {}).get("owner") if holder else None
-    if not isinstance(owner, dict) or owner.get("token") != owner_token:
-        raise BusyError(f"{member}: this host's operation lock is not held by the restore shipping to it; nothing written")
-    nr = NodeRestore(cfg, member, op)
-    j = nr._mine()
-    if not j.open or j.done("receive"):
-        raise RefusedError(f"{member}: restore {op} does not expect a snapshot now ({j.state}, "
-                           f"{'received already' if j.done('receive') else 'not started'})")
-    final = os.path.join(nr.work_dir, SNAPSHOT)
-    tmp = final + ".part"
-    for stale in (tmp, final, os.path.join(nr.work_dir, RECEIVED)):
-        if os.path.lexists(stale):
-            os.unlink(stale)
-    check = StreamCheck(declared=size, what=f"{member}: the shipped snapshot")  # hashes it too
-    got = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb", buffering=RECEIVE_CHUNK) as out:
-            while got < size:
-                chunk = src.read(min(RECEIVE_CHUNK, size - got))
-                if not chunk:
-                    break
-                got += len(chunk)
-                check.update(chunk)
-                out.write(chunk)
-            if got != size:
-                raise OperationFailed(f"{member}: the snapshot stream ended after {got} of {size} bytes")
-            if src.read(1):
-                raise OperationFailed(f"{member}: more than the announced {size} bytes arrived")
-            out.flush()
-            os.fsync(out.fileno())
-        facts = check.finish()
-        os.rename(tmp, final)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    st = os.stat(final)
-    digest = facts.sha256 or check.sha256
-    rec: Dict[str, Any] = {"sha256": digest, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
-           "pages": facts.high_water, "page_size": facts.page_size}
-    write_atomic(os.path.join(nr.work_dir, RECEIVED), (json.dumps(rec) + "\n").encode(), mode=0o600)
-    log.info("%s: received %d bytes for restore %s (sha256 %s...)", member, got, op, digest[:16])
-    return {"member": member, "sha256": digest, "size": got}

@@ -19,11 +19,8 @@ rolled back the error names it and the command to run once it is back.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,11 +33,12 @@ from ..cluster.lineage import record_lineage
 from ..config import Config, Member
 from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
 from ..fs import ensure_private_dir
-from ..node.client import NodeClient, agent_argv, new_owner
-from ..node.protocol import Owner, decode
+from ..node.client import NodeClient, new_owner
+from ..node.protocol import Owner
 from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
+from .ship import ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
 
@@ -50,8 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-SHIP_CHUNK = 1 << 20
-SHIP_QUEUE = 16  # chunks in flight per host: the slowest host sets the pace, memory stays flat
 
 
 PREPARE = ["aside", "restore", "chown", "repair"]  # a stopped member's steps before it starts
@@ -493,90 +489,19 @@ class Restore:
 
     def _ship(self, source: Source, facts: Dict[str, P.NodeFacts]) -> None:
         """The snapshot to every member's work dir while etcd still serves (shipping is not
-        downtime): read once here and fanned out to one receiver per member, hashed once as it
-        is read; each receiver hashes what lands; then each member's ``receive`` step compares."""
+        downtime): read and hashed once here, fanned out to one receiver per member, each hashing
+        what lands (``restore.ship``); then each member's ``receive`` step compares."""
         t = time.monotonic()
         todo = [m for n in self.nodes for m in n.members
                 if not (facts.get(m.name) and facts[m.name].journal and facts[m.name].journal.op == self.op  # type: ignore[union-attr]
                         and "receive" in facts[m.name].journal.steps)]  # type: ignore[union-attr]
         if todo:
-            sha = self._fan_out(source, todo)
-            if source.sha256 is not None and sha != source.sha256:
-                raise OperationFailed(f"{source.path}: the snapshot read {sha[:16]}..., the manifest says "
-                                      f"{source.sha256[:16]}...; nothing stopped")
-            self.say(f"shipped {source.size} bytes to {len(todo)} member(s) in {time.monotonic() - t:.2f}s")
-            self._phase("ship", lambda m: self._call(m, "receive", sha256=sha), todo)
+            assert self.owner is not None
+            shipped = ship_snapshot(self.cfg, source, [(m, self.node_of(m.name)) for m in todo], op=self.op,
+                                    owner=self.owner, say=self.say)
+            self.say(shipped.describe())
+            self._phase("ship", lambda m: self._call(m, "receive", sha256=shipped.sha256), todo)
         self.timings["ship"] = time.monotonic() - t
-
-    def _fan_out(self, source: Source, members: List[Member]) -> str:
-        assert self.owner is not None
-        queues: Dict[str, "queue.Queue[Optional[bytes]]"] = {m.name: queue.Queue(SHIP_QUEUE) for m in members}
-        errors: Dict[str, BaseException] = {}
-        stop = threading.Event()
-
-        def send(m: Member) -> None:
-            n = self.node_of(m.name)
-            argv = agent_argv(self.cfg, n.local) + ["node", "receive", "--member", m.name, "--op", self.op,
-                                                    "--owner", self.owner.token, "--size", str(source.size)]  # type: ignore[union-attr]
-            session = n.host.spawn(argv)
-            q = queues[m.name]
-            try:
-                while True:
-                    chunk = q.get()
-                    if chunk is None:
-                        break
-                    session.send(chunk)
-                session.close_input()
-                # the receiver answers with one JSON document once it has written and checked it all
-                line = session.recv_line(max(120.0, source.size / 20e6), 1 << 16)
-                doc = decode(line, f"{m.name} ({n.where})") if line.endswith(b"\n") else {}
-                if "error" in doc:
-                    raise error_from_json(doc, where=f"{m.name} ({n.where}): ")
-                if not isinstance(doc.get("sha256"), str):
-                    raise OperationFailed(f"{m.name} ({n.where}): receiving the snapshot failed: "
-                                          f"{session.stderr_tail() or 'no answer'}")
-            except BaseException as exc:
-                errors[m.name] = exc
-                stop.set()
-                while True:  # unblock the reader
-                    try:
-                        if q.get_nowait() is None:
-                            break
-                    except queue.Empty:
-                        break
-            finally:
-                session.close()
-
-        threads = [threading.Thread(target=send, args=(m,), name=f"ship-{m.name}", daemon=True) for m in members]
-        for th in threads:
-            th.start()
-        h = hashlib.sha256()
-        try:
-            with source.open() as fh:
-                left = source.size
-                while left > 0 and not stop.is_set():
-                    chunk = fh.read(min(SHIP_CHUNK, left))
-                    if not chunk:
-                        raise OperationFailed(f"{source.path}: the snapshot ended {left} bytes early")
-                    left -= len(chunk)
-                    h.update(chunk)
-                    for name, q in queues.items():
-                        while name not in errors and not stop.is_set():
-                            try:
-                                q.put(chunk, timeout=0.5)
-                                break
-                            except queue.Full:
-                                continue
-        finally:
-            for name, q in queues.items():
-                if name not in errors:
-                    q.put(None)
-            for th in threads:
-                th.join()
-        if errors:
-            raise OperationFailed("shipping the snapshot failed; nothing stopped",
-                                  details=[message(e) for e in errors.values()])
-        return h.hexdigest()
 
     # ------------------------------------------------------------ rollback
 

@@ -71,6 +71,17 @@ class Source:
         fh.seek(self.offset)
         return fh
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the snapshot from ``offset`` (fewer at its end): samples, no stream."""
+        if self.archive is not None:
+            return self.archive.plaintext()[0].read_at(offset, n)
+        assert self.snapshot_path is not None
+        fd = os.open(self.snapshot_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, max(0, min(n, self.size - offset)), self.offset + offset)
+        finally:
+            os.close(fd)
+
     def facts(self, lines: Tuple[str, ...] = ()) -> SourceFacts:
         return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines)
 

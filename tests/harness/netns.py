@@ -323,6 +323,23 @@ class NetnsBed:
                 raise RuntimeError(f"sshd on {h.name} not listening after {timeout}s: {self.sshd_log(h)}")
             time.sleep(0.05)
 
+    def run_in_sshd_mounts(self, host: NsHost, argv: Sequence[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run ``argv`` in the mount namespace of the host's sshd: a mount made there is what the
+        host's SSH sessions see (each ``ip netns exec`` makes a namespace of its own, and / is
+        private, so a mount made anywhere else never reaches them)."""
+        proc = self._sshd[host.netns]
+        return subprocess.run(["nsenter", "-t", str(proc.pid), "-m", "--", *argv], capture_output=True, text=True,
+                              timeout=timeout, check=True)
+
+    def shape(self, host: NsHost, rate: Optional[str]) -> None:
+        """Cap what reaches the host at ``rate`` (tc tbf, e.g. "40mbit"), or lift the cap (None)."""
+        dev = self.veth(host)
+        if rate is None:
+            subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+            return
+        subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
+                        "latency", "50ms"], capture_output=True, text=True, timeout=30, check=True)
+
     def sshd_log(self, host: NsHost) -> str:
         try:
             with open(os.path.join(self._ssh_dir(host), "sshd.log"), errors="replace") as fh:

@@ -138,13 +138,14 @@ class RestoreBed:
         return doc if isinstance(doc, dict) else {}
 
 
-def put_many(cfg: Config, prefix: str, n: int, workers: int = 4, size: int = 64) -> None:
+def put_many(cfg: Config, prefix: str, n: int, workers: int = 4, size: int = 64, random: bool = False) -> None:
+    """``n`` keys of ``size`` bytes each: ``x``s, or random bytes (values that do not compress)."""
     value = b"x" * size
 
     def chunk(k: int) -> None:
         with EtcdClient.from_config(cfg, timeout=10.0) as cl:
             for i in range(k, n, workers):
-                cl.put(f"{prefix}{i:06d}", value)
+                cl.put(f"{prefix}{i:06d}", os.urandom(size) if random else value)
 
     with ThreadPoolExecutor(workers) as ex:
         list(ex.map(chunk, range(workers)))

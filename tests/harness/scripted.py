@@ -21,6 +21,7 @@ from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
 from etcd_agent.hosts.base import LineBuffer
 from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.server import Handler, NodeContext, serve
+from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError
 from etcd_agent.restore.plan import NodeFacts, work_dir_for
 
 StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail
@@ -37,6 +38,8 @@ class Script:
         self.failures: Dict[Tuple[str, str], AgentError] = {}  # (step, member) -> error to raise
         self.facts: Dict[str, Dict[str, Any]] = {}  # member -> NodeFacts overrides
         self.received: Dict[str, str] = {}  # member -> sha256 of what arrived
+        self.codecs: Dict[str, str] = {}  # member -> how it travelled
+        self.stalls: List[str] = []  # members whose receiver stops reading after its ready line
         self.lock = threading.Lock()
         for name in ("begin", "fence", "stop", "aside", "restore", "chown", "repair", "start", "unfence", "finish",
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
@@ -109,6 +112,7 @@ class ScriptedHost:
         self.cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=backup_dir))
         self.reachable = True
         self.die_at: Optional[Tuple[str, str]] = None  # (step, member): the session drops instead of answering
+        self.protocol = PROTOCOL  # another number plays an agent of another version
         self.sessions: List["ScriptedSession"] = []
 
     def spawn(self, argv: Sequence[str]) -> "ScriptedSession":
@@ -143,6 +147,7 @@ class ScriptedSession:
         self._stdin = os.fdopen(self._in_w, "wb")
         self._lines = LineBuffer(self.where, self._read_some)
         self.code: Optional[int] = None
+        self.aborted = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._thread.start()
 
@@ -178,6 +183,11 @@ class ScriptedSession:
             os.close(self._out_r)
         except OSError:
             pass
+
+    def abort(self) -> None:
+        """The connection drops: the host's side ends (closing its pipe ends) and so does ours."""
+        self.aborted.set()
+        self.close_input()
 
     def exit_code(self) -> Optional[int]:
         return self.code
@@ -215,7 +225,7 @@ class ServeSession(ScriptedSession):
 
         handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock", "steps"]}
         try:
-            self.code = serve(host.cfg, stdin, stdout, handlers)
+            self.code = serve(host.cfg, stdin, stdout, handlers, protocol=host.protocol)
         except _Dropped:
             self.code = -1  # the host vanished mid-step: no reply, the stream ends
         finally:
@@ -228,31 +238,53 @@ class ServeSession(ScriptedSession):
 
 
 class ReceiveSession(ScriptedSession):
+    """``node receive`` on a scripted host: the real stream rules (``node.transfer``: ready line,
+    frames, codec, bounds, the end record), hashing instead of writing. ``Script.fail("ship-ready",
+    member, error)`` refuses before any data, ``Script.fail("ship", member, error)`` after all of it."""
+
     def __init__(self, host: ScriptedHost, argv: List[str]) -> None:
         self.argv = argv
         super().__init__(host)
 
+    def _arg(self, name: str) -> str:
+        return self.argv[self.argv.index(name) + 1]
+
     def _main(self) -> None:
-        member = self.argv[self.argv.index("--member") + 1]
-        size = int(self.argv[self.argv.index("--size") + 1])
-        h = hashlib.sha256()
-        got = 0
+        member, size, codec = self._arg("--member"), int(self._arg("--size")), self._arg("--codec")
+        failures = self.host.script.failures
         with os.fdopen(self._in_r, "rb") as stdin, os.fdopen(self._out_w, "wb") as stdout:
-            while True:
-                chunk = stdin.read(1 << 20)
-                if not chunk:
-                    break
-                got += len(chunk)
-                h.update(chunk)
-            err = self.host.script.failures.get(("ship", member))
-            if err is not None or got != size:
-                doc = (err or RefusedError(f"{member}: {got} of {size} bytes")).to_json()
-                self.code = 1
-            else:
-                self.host.script.received[member] = h.hexdigest()
-                doc = {"member": member, "sha256": h.hexdigest(), "size": got}
-                self.code = 0
-            stdout.write(encode(doc))
+            def say(doc: Dict[str, Any]) -> None:
+                stdout.write(encode(doc))
+                stdout.flush()
+
+            self.code = 1
+            refused = failures.get(("ship-ready", member))
+            if refused is not None:
+                say(refused.to_json())
+                return
+            say(Ready(PROTOCOL, codec, 10 << 30).to_json())
+            if member in self.host.script.stalls:
+                self.aborted.wait()  # a cut link: nothing read until the sender drops the connection
+                return
+            frames = FrameReader(stdin.readinto, f"{member}: the shipped snapshot")
+            h = hashlib.sha256()
+            try:
+                dec = Decoder(frames, codec, size)
+                for chunk in dec.chunks():
+                    h.update(chunk)
+                end = dec.finish()
+                if end.sha256 != h.hexdigest():
+                    raise StreamError(f"{member}: sha256 mismatch (scripted)")
+                err = failures.get(("ship", member))
+                if err is not None:
+                    raise err
+            except AgentError as exc:
+                say(exc.to_json())
+                return
+            self.host.script.received[member] = h.hexdigest()
+            self.host.script.codecs[member] = codec
+            self.code = 0
+            say(Received(member, size, h.hexdigest(), frames.wire).to_json())
 
 
 def scripted_nodes(script: Script, hosts: Dict[str, ScriptedHost]) -> Callable[[Config], List[Any]]:

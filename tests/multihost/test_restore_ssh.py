@@ -11,6 +11,7 @@ The tests build on each other in file order (one cluster), like an operator's se
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -68,8 +69,8 @@ class Bed:
     def h1(self) -> NsHost:
         return self.net.hosts[0]
 
-    def cfg(self, name: str = "er1") -> Config:
-        return self.cfgs[name]
+    def cfg(self, name: Optional[str] = None) -> Config:
+        return self.cfgs[name or self.h1.name]
 
     def toml(self, h: NsHost) -> str:
         return os.path.join(h.etc_dir, "etcd-agent", "agent.toml")
@@ -89,7 +90,7 @@ class Bed:
         for m in cfg.members:
             d = cfg.data_dir(m.name)
             out[m.name] = sorted(os.listdir(d)) if os.path.isdir(d) else []
-        out["data"] = sorted(os.listdir(os.path.dirname(cfg.data_dir("er1"))))
+        out["data"] = sorted(os.listdir(os.path.dirname(cfg.data_dir(self.h1.name))))
         return out
 
     def journal(self, member: str) -> Dict:
@@ -174,17 +175,18 @@ def build(net: NetnsBed, work: str) -> Bed:
     return b
 
 
-@pytest.fixture(scope="module")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+@contextlib.contextmanager
+def cluster_bed(prefix: str, subnet: str, work: str) -> Iterator[Bed]:
+    """Three namespace hosts with sshd, each with its own agent.toml, running a healthy cluster."""
     if os.geteuid() != 0:
         pytest.skip("multihost tests need root (network namespaces, sshd)")
     # `ip netns exec` can only bind /etc/netns/<ns>/etcd-agent over an existing /etc/etcd-agent
     made_etc = not os.path.exists(ETC_DIR)
     if made_etc:
         os.makedirs(ETC_DIR, mode=0o755)
-    net = NetnsBed(3, prefix=PREFIX, subnet=SUBNET)
+    net = NetnsBed(3, prefix=prefix, subnet=subnet)
     try:
-        yield build(net, str(tmp_path_factory.mktemp("er")))
+        yield build(net, work)
     finally:
         net.down()  # every process of the namespaces by PID: etcd, sshd, lock holders
         if made_etc:
@@ -192,6 +194,12 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
                 os.rmdir(ETC_DIR)
             except OSError:
                 pass
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    with cluster_bed(PREFIX, SUBNET, str(tmp_path_factory.mktemp("er"))) as b:
+        yield b
 
 
 @pytest.fixture(scope="module")

@@ -287,3 +287,20 @@ def test_space_needed_is_one_archive_not_two() -> None:
     assert db < plain < zstd < 1.01 * db
     assert zstd >= archive.compress_bound(db) + archive.head_room({})  # whatever zstd makes of it fits
     assert required_space(db, "zstd", 0.1) == int(zstd * 1.1)
+
+
+def test_stream_check_hashes_in_one_pass_whatever_the_chunking() -> None:
+    import hashlib
+    import random
+
+    data = SNAP
+    rnd = random.Random(7)
+    for _ in range(5):
+        c = StreamCheck()
+        pos = 0
+        while pos < len(data):
+            n = rnd.choice([1, 5, 31, 32, 33, 4096, 20_000])
+            c.update(memoryview(data)[pos:pos + n] if n % 2 else data[pos:pos + n])
+            pos += n
+            assert c.sha256 == hashlib.sha256(data[:pos]).hexdigest()
+        assert c.finish().sha256 == hashlib.sha256(data).hexdigest()

@@ -147,3 +147,48 @@ def test_read_regular_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(NotARegularFile) as ei:
         read_regular(str(f), 1023)
     assert ei.value.strerror == "is larger than 1023 bytes"
+
+
+def test_a_staged_file_lands_whole_under_its_name_or_not_at_all(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd_agent.fs import StagedFile
+
+    d = str(tmp_path)
+    with open(os.path.join(d, "snap.db"), "wb") as fh:
+        fh.write(b"old")
+    with umask(0):
+        s = StagedFile(d, "snap.db")
+    assert os.path.basename(s.path).startswith(".snap.db.") and s.path.endswith(".part")
+    assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o600
+    s.write(b"new ")
+    s.write(memoryview(b"bytes"))
+    with open(os.path.join(d, "snap.db"), "rb") as fh:
+        assert fh.read() == b"old"  # nothing visible under the name before the commit
+    s.commit()
+    with open(os.path.join(d, "snap.db"), "rb") as fh:
+        assert fh.read() == b"new bytes"
+    assert sorted(os.listdir(d)) == ["snap.db"] and s.size == 9
+    s.discard()  # after a commit: nothing to remove
+    t = StagedFile(d, "snap.db")
+    t.write(b"half")
+    t.discard()
+    assert sorted(os.listdir(d)) == ["snap.db"]
+
+
+def test_a_dead_writers_temp_goes_a_live_ones_stays(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd_agent.fs import StagedFile, remove_stale_parts
+
+    d = str(tmp_path)
+    live = StagedFile(d, "snap.db")  # holds its flock, as a running receiver does
+    for name in (".snap.db.0123456789ab.part", ".other.db.0123456789ab.part", "snap.db.part"):
+        with open(os.path.join(d, name), "wb") as fh:
+            fh.write(b"left by a SIGKILLed writer")
+    os.symlink("/etc/passwd", os.path.join(d, ".snap.db.symlink.part"))
+    nxt = StagedFile(d, "snap.db")
+    assert nxt.removed == [".snap.db.0123456789ab.part"]  # only this name's, only unlocked, never a symlink
+    assert os.path.exists(live.path) and os.path.exists(nxt.path)
+    assert os.path.exists(os.path.join(d, ".other.db.0123456789ab.part"))
+    assert os.path.lexists(os.path.join(d, ".snap.db.symlink.part")) and os.path.exists("/etc/passwd")
+    live.discard()
+    nxt._close()  # its writer "dies": the lock goes with the descriptor
+    assert remove_stale_parts(d, "snap.db") == [os.path.basename(nxt.path)]
+    assert remove_stale_parts(os.path.join(d, "gone"), "snap.db") == []

@@ -1,0 +1,123 @@
+"""The restore's ship against scripted hosts: the real sender (restore.ship) and the real stream
+rules (node.transfer) on both ends, over real pipes; no etcd, no SSH. The codec choice, refusals
+before any data, the manifest check before the end record, a stalled host cut off, an agent of
+another protocol refused at the pre-check."""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from typing import List
+
+import pytest
+
+from etcd_agent.errors import EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
+from etcd_agent.node.transfer import CodecChoice
+from etcd_agent.restore import ship as S
+from etcd_agent.restore.source import Source
+from tests.component.test_restore_orchestration import Bed, identity_of
+from tests.harness.scripted import ScriptedHost
+
+pytestmark = pytest.mark.component
+
+BEFORE_SHIP = ["precheck", "begin"]
+
+
+@pytest.fixture
+def bed(tmp_path: object) -> Bed:
+    return Bed(str(tmp_path))
+
+
+def kubernetes_like(n: int) -> bytes:
+    rnd = random.Random(3)
+    names = [f"pod-{rnd.randrange(10**6)}".encode() for _ in range(500)]
+    out = bytearray()
+    while len(out) < n:
+        out += b'{"kind":"Pod","metadata":{"name":"' + rnd.choice(names) + b'","uid":"' + os.urandom(6).hex().encode() + b'"}}'
+    return bytes(out[:n])
+
+
+def with_snapshot(bed: Bed, data: bytes, sha256: "str | None" = None) -> Source:
+    path = bed.source.path + ".alt"
+    with open(path, "wb") as fh:
+        fh.write(data)
+    bed.source = Source(path, "agent", len(data), sha256 or hashlib.sha256(data).hexdigest(), 42, "3.5.16",
+                        identity_of(bed.cfg), snapshot_path=path)
+    return bed.source
+
+
+def steps(bed: Bed) -> List[List[str]]:
+    return [bed.script.steps_of(m) for m in ("h1", "h2", "h3")]
+
+
+@pytest.mark.parametrize("kind", ["kubernetes-like", "random"])
+def test_a_snapshot_travels_compressed_only_when_that_pays(bed: Bed, kind: str) -> None:
+    data = kubernetes_like(12 << 20) if kind == "kubernetes-like" else os.urandom(12 << 20)
+    src = with_snapshot(bed, data)
+    said: List[str] = []
+    r = bed.restore()
+    r.say = said.append
+    assert r.run().done
+    want = "zstd" if kind == "kubernetes-like" else "none"
+    assert bed.script.codecs == {"h1": want, "h2": want, "h3": want}
+    assert set(bed.script.received.values()) == {src.sha256}  # every member got every byte
+    shipped = next(line for line in said if line.startswith("shipped "))
+    assert f"shipped {12 << 20} bytes to 3 member(s)" in shipped
+    assert ("compressed in transit" if want == "zstd" else "sent as it is") in shipped
+
+
+def test_a_receiver_that_cannot_take_it_refuses_before_any_data_and_nothing_stops(bed: Bed) -> None:
+    bed.script.fail("ship-ready", "h3", RefusedError("h3: 1024 bytes free in /x, the snapshot needs 3145728; "
+                                                      "refused before any data was sent"))
+    with pytest.raises(OperationFailed) as err:
+        bed.restore().run()
+    assert err.value.exit_code == EXIT_FAILED
+    assert "shipping the snapshot was refused before any data was sent; nothing stopped" in err.value.message
+    assert any("h3 (10.0.0.3): h3: 1024 bytes free" in d for d in err.value.details), err.value.details
+    assert bed.script.received == {}
+    assert steps(bed) == [BEFORE_SHIP + ["rollback"]] * 3  # etcd never stopped anywhere
+
+
+def test_a_snapshot_that_is_not_the_manifests_is_sent_to_nobody_whole(bed: Bed) -> None:
+    with_snapshot(bed, os.urandom(3 << 20), sha256="ab" * 32)
+    with pytest.raises(OperationFailed) as err:
+        bed.restore().run()
+    assert "the manifest says abababababababab" in str(err.value.details) + err.value.message
+    assert "no member kept it" in str(err.value.details) + err.value.message
+    assert bed.script.received == {}  # no receiver saw the end record
+    assert steps(bed) == [BEFORE_SHIP + ["rollback"]] * 3
+
+
+def test_a_receiver_failing_at_the_end_fails_the_ship(bed: Bed) -> None:
+    bed.script.fail("ship", "h2", OperationFailed("h2: the shipped snapshot: sha256 trailer does not match"))
+    with pytest.raises(OperationFailed) as err:
+        bed.restore().run()
+    assert any("sha256 trailer does not match" in d for d in err.value.details), err.value.details
+    assert "stop" not in sum(steps(bed), [])
+
+
+def test_a_host_that_stops_reading_is_cut_off_and_the_others_keep_nothing(bed: Bed) -> None:
+    src = with_snapshot(bed, os.urandom(24 << 20))  # far more than the pipes and queues hold
+    bed.script.stalls.append("h2")
+    hosts = {m.name: bed.hosts[m.ssh_host] for m in bed.cfg.members}
+    targets = [S.Target(name, f"{name} (test)", h, ["etcd-agent", "node", "receive", "--member", name, "--size",
+                                                  str(src.size), "--codec", "none"])
+               for name, h in hosts.items()]
+    with pytest.raises(OperationFailed) as err:
+        S.fan_out(src, targets, codec=CodecChoice("none", 1.0, 0), idle=0.5)
+    assert "shipping the snapshot failed; nothing stopped" in err.value.message
+    assert any(d.startswith("h2 (test): the stream has not moved for 0.5s") for d in err.value.details), \
+        err.value.details
+    assert bed.script.received == {}
+
+
+def test_an_agent_of_another_protocol_is_refused_at_the_pre_check(bed: Bed) -> None:
+    old: ScriptedHost = bed.hosts["10.0.0.3"]
+    old.protocol = 3  # the agent before the framed stream
+    with pytest.raises(AgentError) as err:
+        bed.restore().run()
+    assert err.value.exit_code == EXIT_REFUSED and "nothing touched" in err.value.message
+    assert any("h3 (10.0.0.3)" in d and "speaks node protocol 3, the caller 4" in d
+               and "install the same etcd-agent version on every master" in d for d in err.value.details), \
+        err.value.details
+    assert bed.script.received == {} and "begin" not in sum(steps(bed), [])
