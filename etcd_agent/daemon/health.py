@@ -5,6 +5,8 @@ Rules, in the order they are checked:
   stops etcd and moves data on purpose, and one that crashed must be resumed or rolled back by
   an operator, never "healed" by restarting or replacing the member;
 - a rolling upgrade stepping this member (its marker, live process) means hands off as well;
+- etcd stopping (its unit "deactivating": an operator's `systemctl restart`, or systemd's own
+  stop) is waited out: a start now would cancel that job;
 - a member with data whose etcd runs is left alone (healthy, starting, or waiting for quorum);
 - a member with data whose etcd is down is restarted — restarting is how a cluster that lost
   quorum gets it back, so this is allowed without quorum; after repeated failures with the
@@ -93,6 +95,11 @@ def _hands_off(o: Observation) -> Optional[Decision]:
             f"an upgrade is stepping this member to etcd {o.upgrade_to}; hands off: it stops and "
             "restarts etcd on purpose (and rolls back itself on failure)",
         )
+    if o.unit_state == "deactivating":
+        # a stop job runs (an operator's `systemctl restart/stop`, or systemd's own): a start or
+        # restart now would replace that job ("Job for etcd.service canceled"); systemd ends it
+        # within TimeoutStopSec, and the next cycle sees what is left
+        return Decision(WAIT, "etcd is stopping (a stop or restart job is running); not interfering")
     return None
 
 

@@ -22,6 +22,9 @@ def obs(**kw):
     [
         ({}, h.NONE),
         ({"unit_state": "activating", "local_healthy": False}, h.NONE),
+        # an operator's `systemctl restart etcd` is in its stop half: never replace that job
+        ({"unit_state": "deactivating", "local_healthy": False, "healthy_voters": 2}, h.WAIT),
+        ({"unit_state": "deactivating", "local_healthy": False, "has_data": False, "healthy_voters": 2}, h.WAIT),
         ({"local_healthy": False, "healthy_voters": 1}, h.WAIT),  # no quorum: wait, never act
         ({"unit_state": "failed", "local_healthy": False, "healthy_voters": 2}, h.RESTART),
         ({"local_healthy": False, "self_learner": True, "healthy_voters": 2}, h.PROMOTE),
