@@ -112,7 +112,7 @@ def _target(args: argparse.Namespace) -> Optional[str]:
 
 
 def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..restore.orchestrate import cleanup
+    from ..restore.commands import cleanup
 
     if args.keep < 0:
         raise UsageError("--keep must be >= 0")
@@ -144,7 +144,7 @@ def _cleanup_output(rows: List[Dict[str, Any]], dry_run: bool) -> Output:
 
 
 def cmd_rollback(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..restore.orchestrate import rollback_open
+    from ..restore.commands import rollback_open
 
     res = rollback_open(ctx.config(), _progress, dry_run=args.dry_run,
                         confirm=None if args.yes else (lambda q: ctx.confirm(q, False)))

@@ -33,22 +33,11 @@ from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
 from .receive import RECEIVED, SNAPSHOT
+from .setaside import cleanup_set_aside, free_name
 
 log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
-
-
-def _stamp() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
-def _free_name(base: str, tag: str) -> str:
-    target = f"{base}.{tag}-{_stamp()}"
-    n = 1
-    while os.path.lexists(target if n == 1 else f"{target}.{n}"):
-        n += 1
-    return target if n == 1 else f"{target}.{n}"
 
 
 # what each binary reports, once per session: a host's members share their tools
@@ -247,7 +236,7 @@ class NodeRestore:
                                       "its data dir is not moved")
             if not os.path.lexists(self.data_dir):
                 return {"moved": None}
-            target = _free_name(self.data_dir, "pre-restore")
+            target = free_name(self.data_dir, "pre-restore")
             self._pending(j, "aside", {"target": target})
             os.rename(self.data_dir, target)
             log.warning("%s: data dir %s set aside as %s", self.member.name, self.data_dir, target)
@@ -418,44 +407,8 @@ class NodeRestore:
         if j.state == J.DONE:
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
         did: List[str] = []
-        moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
-        restored_here = j.done("restore") or "argv" in (j.pending.get("restore") or {})
-        # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
-        # etcd's to undo: a member still running on its own data is left running, not restarted
-        touched = any(j.done(s) or s in j.pending for s in ("aside", "restore", "chown", "repair", "start"))
-        if touched or not self.backend.is_active():
-            self.backend.stop(30.0)
-            did.append("etcd stopped")
-        else:
-            did.append("etcd left running: its data dir was never touched")
-        tmp = f"{self.data_dir}.restoring"
-        if os.path.lexists(tmp) and (j.pending.get("restore") or {}).get("output") == tmp:
-            shutil.rmtree(tmp)  # our own partial output
-        if isinstance(moved, str) and os.path.lexists(moved):
-            if os.path.lexists(self.data_dir):
-                failed = _free_name(self.data_dir, "failed-restore")
-                os.rename(self.data_dir, failed)
-                did.append(f"restored data moved to {failed}")
-            os.rename(moved, self.data_dir)
-            did.append(f"{moved} moved back to {self.data_dir}")
-        elif restored_here and os.path.lexists(self.data_dir):
-            failed = _free_name(self.data_dir, "failed-restore")
-            os.rename(self.data_dir, failed)
-            did.append(f"no old data dir; restored data moved to {failed}")
-        rep = j.info("repair")
-        conf = self.cfg.conf_file(self.member.name)
-        orig = os.path.join(self.work_dir, CONF_ORIG)
-        if rep.get("conf_saved") and os.path.isfile(orig):
-            with open(orig, "rb") as fh:
-                write_atomic(conf, fh.read(), mode=0o644)
-            did.append(f"{conf} restored")
-        elif rep.get("conf_created") and os.path.isfile(conf):
-            os.unlink(conf)  # there was none before: leave the host as it was
-            did.append(f"{conf} (rendered by this restore) removed")
-        if rep.get("unit_created") and os.path.isfile(self.cfg.etcd.unit_file):
-            os.unlink(self.cfg.etcd.unit_file)
-            self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
-            did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
+        self._rollback_data(j, did)
+        self._rollback_files(j, did)
         if j.was_running and os.path.isdir(os.path.join(self.data_dir, "member")) and not self.backend.is_active():
             try:
                 self.backend.start()
@@ -471,6 +424,51 @@ class NodeRestore:
         markers.clear_restore(self.cfg, self.member.name, self.op)
         return {"step": "rollback", "member": self.member.name, "did": did, "running": self.backend.is_active(),
                 "was_running": j.was_running}
+
+    def _rollback_data(self, j: J.Journal, did: List[str]) -> None:
+        """etcd stopped if this op touched its data (left running if not); the old data dir put
+        back, the restored one kept aside as failed-restore."""
+        moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
+        restored_here = j.done("restore") or "argv" in (j.pending.get("restore") or {})
+        # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
+        # etcd's to undo: a member still running on its own data is left running, not restarted
+        touched = any(j.done(s) or s in j.pending for s in ("aside", "restore", "chown", "repair", "start"))
+        if touched or not self.backend.is_active():
+            self.backend.stop(30.0)
+            did.append("etcd stopped")
+        else:
+            did.append("etcd left running: its data dir was never touched")
+        tmp = f"{self.data_dir}.restoring"
+        if os.path.lexists(tmp) and (j.pending.get("restore") or {}).get("output") == tmp:
+            shutil.rmtree(tmp)  # our own partial output
+        if isinstance(moved, str) and os.path.lexists(moved):
+            if os.path.lexists(self.data_dir):
+                failed = free_name(self.data_dir, "failed-restore")
+                os.rename(self.data_dir, failed)
+                did.append(f"restored data moved to {failed}")
+            os.rename(moved, self.data_dir)
+            did.append(f"{moved} moved back to {self.data_dir}")
+        elif restored_here and os.path.lexists(self.data_dir):
+            failed = free_name(self.data_dir, "failed-restore")
+            os.rename(self.data_dir, failed)
+            did.append(f"no old data dir; restored data moved to {failed}")
+
+    def _rollback_files(self, j: J.Journal, did: List[str]) -> None:
+        """etcd.conf and the unit as they were before this op."""
+        rep = j.info("repair")
+        conf = self.cfg.conf_file(self.member.name)
+        orig = os.path.join(self.work_dir, CONF_ORIG)
+        if rep.get("conf_saved") and os.path.isfile(orig):
+            with open(orig, "rb") as fh:
+                write_atomic(conf, fh.read(), mode=0o644)
+            did.append(f"{conf} restored")
+        elif rep.get("conf_created") and os.path.isfile(conf):
+            os.unlink(conf)  # there was none before: leave the host as it was
+            did.append(f"{conf} (rendered by this restore) removed")
+        if rep.get("unit_created") and os.path.isfile(self.cfg.etcd.unit_file):
+            os.unlink(self.cfg.etcd.unit_file)
+            self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
+            did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
 
     # ------------------------------------------------------------ housekeeping
 
@@ -491,21 +489,4 @@ class NodeRestore:
                 os.unlink(p)
 
     def cleanup(self, keep: int, dry_run: bool) -> Dict[str, Any]:
-        parent = os.path.dirname(self.data_dir) or "/"
-        try:
-            entries = os.listdir(parent)
-        except FileNotFoundError:
-            entries = []
-        decisions = P.cleanup_plan(self.data_dir, entries, keep)
-        removed = []
-        for d in decisions:
-            if not d.keep and not dry_run:
-                shutil.rmtree(d.path)
-                removed.append(d.path)
-                log.info("removed %s: %s", d.path, d.reason)
-        return {
-            "member": self.member.name,
-            "dry_run": dry_run,
-            "decisions": [{"path": d.path, "keep": d.keep, "reason": d.reason} for d in decisions],
-            "removed": removed,
-        }
+        return cleanup_set_aside(self.data_dir, self.member.name, keep, dry_run)

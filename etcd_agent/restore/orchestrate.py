@@ -24,12 +24,9 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..backup.evidence import gather
 from ..backup.identity import Evidence, HostIds, Verdict, judge
-from ..cluster.health import wait_converged
-from ..cluster.lineage import record_lineage
 from ..config import Config, Member
 from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
 from ..fs import ensure_private_dir
@@ -38,6 +35,7 @@ from ..node.protocol import Owner
 from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
+from .live import EtcdCluster, LiveCluster, Progress
 from .ship import ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
@@ -46,9 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[str], None]
-
 
 PREPARE = ["aside", "restore", "chown", "repair"]  # a stopped member's steps before it starts
 
@@ -92,93 +87,6 @@ class Outcome:
 # ---------------------------------------------------------------- the running cluster
 
 
-class LiveCluster(Protocol):
-    """What the orchestrator asks the cluster itself (over etcd's client API)."""
-
-    def evidence(self) -> Evidence:
-        """What the running cluster says of itself (member list, id, restore lineage in etcd);
-        empty when no member answers (an outage)."""
-        ...
-
-    def leader(self) -> Optional[str]:
-        """The member that leads now, if any answers."""
-        ...
-
-    def converged(self, timeout: float, say: Progress) -> Dict[str, int]:
-        """Wait until every member is healthy at one revision; member -> revision."""
-        ...
-
-    def member_ids(self) -> Dict[str, Tuple[str, str]]:
-        """member -> (its id, the cluster id), as each answers now."""
-        ...
-
-    def record_lineage(self, member_ids: List[str]) -> None:
-        """Append the restored snapshot's member ids to the lineage kept in etcd."""
-        ...
-
-    def k8s_cleanup(self) -> List[str]:
-        """Remove what Kubernetes left stale in the restored data (``cluster.kubernetes``)."""
-        ...
-
-    def wait_ready(self, member: Member) -> Optional[float]:
-        """Wait for the member's apiserver /readyz; seconds, or None when no URL is set."""
-        ...
-
-
-class EtcdCluster:
-    """``LiveCluster`` through the etcd client API of the configured members."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-
-    def evidence(self) -> Evidence:
-        return gather(self.cfg, local=False)
-
-    def leader(self) -> Optional[str]:
-        from ..etcd.client import EtcdClient
-
-        with EtcdClient.from_config(self.cfg, timeout=1.0) as c:
-            for m in self.cfg.members:
-                try:
-                    if c.status(m.client_url, timeout=1.0).is_leader:
-                        return m.name
-                except AgentError:
-                    continue
-        return None
-
-    def converged(self, timeout: float, say: Progress) -> Dict[str, int]:
-        return wait_converged(self.cfg, timeout, say)
-
-    def member_ids(self) -> Dict[str, Tuple[str, str]]:
-        from ..etcd.client import EtcdClient
-
-        out: Dict[str, Tuple[str, str]] = {}
-        with EtcdClient.from_config(self.cfg, timeout=3.0) as c:
-            for m in self.cfg.members:
-                try:
-                    st = c.status(m.client_url)
-                    out[m.name] = (f"{st.member_id:x}", f"{st.cluster_id:x}")
-                except AgentError:
-                    pass
-        return out
-
-    def record_lineage(self, member_ids: List[str]) -> None:
-        record_lineage(self.cfg, member_ids)
-
-    def k8s_cleanup(self) -> List[str]:
-        from ..cluster.kubernetes import cleanup
-        from ..etcd.client import EtcdClient
-
-        with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
-            plan = cleanup(self.cfg, c, dry_run=False)
-        return [f"deleted {r.key}: {r.why}" for r in plan.delete] + plan.notes
-
-    def wait_ready(self, member: Member) -> Optional[float]:
-        from ..cluster.kubernetes import wait_ready
-
-        return wait_ready(self.cfg, member)
-
-
 # ---------------------------------------------------------------- restore
 
 
@@ -204,6 +112,16 @@ class Restore:
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
                                                                                    identities=opts.identities))
+
+    def open_all(self, command: str) -> None:
+        """Sessions to every host, each holding its lock, for ``command`` (e.g. "restore
+        rollback"): what the rollback command needs before it can read journals and roll back."""
+        self.nodes = self._make_nodes(self.cfg)
+        self.owner = new_owner(command)
+        open_sessions(self.cfg, self.nodes, self.owner, self.say)
+
+    def close_all(self) -> None:
+        close_sessions(self.nodes)
 
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))
@@ -441,7 +359,7 @@ class Restore:
             if isinstance(exc, KeyboardInterrupt):
                 self.say("interrupted: rolling every member back")
             details = exc.details if isinstance(exc, AgentError) else [message(exc)]
-            ok, lines = self._rollback(began or [m for n in self.nodes for m in n.members])
+            ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
             if ok:
                 msg = f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
             else:
@@ -505,7 +423,7 @@ class Restore:
 
     # ------------------------------------------------------------ rollback
 
-    def _rollback(self, members: List[Member]) -> Tuple[bool, List[str]]:
+    def rollback(self, members: List[Member]) -> Tuple[bool, List[str]]:
         """Roll every member back; (all succeeded, one line per member saying what is true now)."""
         self.say("rolling back every member")
         lines: List[str] = []
@@ -544,67 +462,3 @@ class Restore:
 
 def restore(cfg: Config, opts: Options) -> Outcome:
     return Restore(cfg, opts).run()
-
-
-# ---------------------------------------------------------------- rollback and cleanup commands
-
-
-def rollback_open(
-    cfg: Config,
-    progress: Progress = lambda s: None,
-    *,
-    dry_run: bool = False,
-    confirm: Optional[Callable[[str], bool]] = None,
-    nodes: Optional[Callable[[Config], List[HostNode]]] = None,
-) -> Dict[str, Any]:
-    """``restore rollback``: roll back whatever unfinished restore the hosts have journaled.
-    ``dry_run`` only reports the open journals; ``confirm(text)`` False refuses (nothing done)."""
-    r = Restore(cfg, Options(spec="", progress=progress), nodes=nodes)
-    r.nodes = r._make_nodes(cfg)
-    r.owner = new_owner("restore rollback")
-    open_sessions(cfg, r.nodes, r.owner, progress)
-    try:
-        open_ops: Dict[str, str] = {}
-        for n in r.nodes:
-            for m in n.members:
-                f = P.NodeFacts.from_json(n.call("precheck", member=m.name))
-                if f.journal is not None and f.journal.open:
-                    open_ops[m.name] = f.journal.op
-        if not open_ops:
-            return {"rolled_back": {}, "note": "no unfinished restore is journaled"}
-        what = ", ".join(f"{m} (op {op})" for m, op in sorted(open_ops.items()))
-        if dry_run:
-            return {"would_roll_back": dict(sorted(open_ops.items())),
-                    "note": f"would roll back the unfinished restore of {what}: restored data moved to "
-                            "<data dir>.failed-restore-<time>, the set-aside data dir put back, etcd restarted, "
-                            "the apiserver unfenced"}
-        if confirm is not None and not confirm(f"roll back the unfinished restore of {what}?"):
-            raise RefusedError("rollback not confirmed; nothing changed")
-        out: Dict[str, Any] = {}
-        for op in sorted(set(open_ops.values())):
-            r.op = op
-            ok, lines = r._rollback([cfg.member(m) for m, o in open_ops.items() if o == op])
-            out[op] = {"ok": ok, "report": lines}
-            if not ok:
-                raise OperationFailed(f"rollback of restore {op} incomplete: run `etcd-agent restore rollback --yes` "
-                                      "again once the hosts below answer", details=lines)
-        return {"rolled_back": out}
-    finally:
-        close_sessions(r.nodes)
-
-
-def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[Dict[str, Any]]:
-    """``restore cleanup``: every member's set-aside data dirs, the newest ``keep`` kept."""
-    nodes = group_hosts(cfg)
-    open_sessions(cfg, nodes, new_owner("restore cleanup"), lambda s: None)
-    try:
-        out = []
-        for n in nodes:
-            for m in n.members:
-                try:
-                    out.append(n.call("cleanup", member=m.name, keep=keep, dry_run=dry_run))
-                except AgentError as exc:
-                    out.append({"member": m.name, "error": exc.message, "decisions": [], "removed": []})
-        return out
-    finally:
-        close_sessions(nodes)

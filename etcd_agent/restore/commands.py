@@ -1,0 +1,72 @@
+"""``restore rollback`` and ``restore cleanup``: the commands an operator runs after a restore
+(or instead of finishing one), over the same node sessions as the restore itself."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from ..config import Config
+from ..errors import AgentError, OperationFailed, RefusedError
+from ..node.client import new_owner
+from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
+from . import plan as P
+from .live import Progress
+from .orchestrate import Options, Restore
+
+
+def rollback_open(
+    cfg: Config,
+    progress: Progress = lambda s: None,
+    *,
+    dry_run: bool = False,
+    confirm: Optional[Callable[[str], bool]] = None,
+    nodes: Optional[Callable[[Config], List[HostNode]]] = None,
+) -> Dict[str, Any]:
+    """``restore rollback``: roll back whatever unfinished restore the hosts have journaled.
+    ``dry_run`` only reports the open journals; ``confirm(text)`` False refuses (nothing done)."""
+    r = Restore(cfg, Options(spec="", progress=progress), nodes=nodes)
+    r.open_all("restore rollback")
+    try:
+        open_ops: Dict[str, str] = {}
+        for n in r.nodes:
+            for m in n.members:
+                f = P.NodeFacts.from_json(n.call("precheck", member=m.name))
+                if f.journal is not None and f.journal.open:
+                    open_ops[m.name] = f.journal.op
+        if not open_ops:
+            return {"rolled_back": {}, "note": "no unfinished restore is journaled"}
+        what = ", ".join(f"{m} (op {op})" for m, op in sorted(open_ops.items()))
+        if dry_run:
+            return {"would_roll_back": dict(sorted(open_ops.items())),
+                    "note": f"would roll back the unfinished restore of {what}: restored data moved to "
+                            "<data dir>.failed-restore-<time>, the set-aside data dir put back, etcd restarted, "
+                            "the apiserver unfenced"}
+        if confirm is not None and not confirm(f"roll back the unfinished restore of {what}?"):
+            raise RefusedError("rollback not confirmed; nothing changed")
+        out: Dict[str, Any] = {}
+        for op in sorted(set(open_ops.values())):
+            r.op = op
+            ok, lines = r.rollback([cfg.member(m) for m, o in open_ops.items() if o == op])
+            out[op] = {"ok": ok, "report": lines}
+            if not ok:
+                raise OperationFailed(f"rollback of restore {op} incomplete: run `etcd-agent restore rollback --yes` "
+                                      "again once the hosts below answer", details=lines)
+        return {"rolled_back": out}
+    finally:
+        r.close_all()
+
+
+def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[Dict[str, Any]]:
+    """``restore cleanup``: every member's set-aside data dirs, the newest ``keep`` kept."""
+    nodes = group_hosts(cfg)
+    open_sessions(cfg, nodes, new_owner("restore cleanup"), lambda s: None)
+    try:
+        out = []
+        for n in nodes:
+            for m in n.members:
+                try:
+                    out.append(n.call("cleanup", member=m.name, keep=keep, dry_run=dry_run))
+                except AgentError as exc:
+                    out.append({"member": m.name, "error": exc.message, "decisions": [], "removed": []})
+        return out
+    finally:
+        close_sessions(nodes)

@@ -1,0 +1,48 @@
+"""Data dirs a restore sets aside (``<data dir>.pre-restore-<time>``, ``.failed-restore-<time>``):
+their names, and ``restore cleanup``'s removal of all but the newest ``keep`` on this host."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any, Dict
+
+from .plan import cleanup_plan
+
+log = logging.getLogger(__name__)
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def free_name(base: str, tag: str) -> str:
+    """``<base>.<tag>-<UTC time>``, with ``.2``, ``.3`` ... when that name is taken."""
+    target = f"{base}.{tag}-{_stamp()}"
+    n = 1
+    while os.path.lexists(target if n == 1 else f"{target}.{n}"):
+        n += 1
+    return target if n == 1 else f"{target}.{n}"
+
+
+def cleanup_set_aside(data_dir: str, member: str, keep: int, dry_run: bool) -> Dict[str, Any]:
+    """Remove this member's set-aside data dirs but the newest ``keep`` (``dry_run``: report only)."""
+    parent = os.path.dirname(data_dir) or "/"
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        entries = []
+    decisions = cleanup_plan(data_dir, entries, keep)
+    removed = []
+    for d in decisions:
+        if not d.keep and not dry_run:
+            shutil.rmtree(d.path)
+            removed.append(d.path)
+            log.info("removed %s: %s", d.path, d.reason)
+    return {
+        "member": member,
+        "dry_run": dry_run,
+        "decisions": [{"path": d.path, "keep": d.keep, "reason": d.reason} for d in decisions],
+        "removed": removed,
+    }
