@@ -1,15 +1,17 @@
 """Protobuf wire codec of the etcd messages the delta feature uses (pure code, no grpc).
 
 Field numbers are those of etcd's ``api/etcdserverpb/rpc.proto`` and ``api/mvccpb/kv.proto``.
-Like ``etcd_agent.etcd.wire``, decoding by field number avoids the stale etcd3 stubs (their
+Reading uses ``etcd_agent.etcd.wire`` (the one protobuf reader); decoding by field number avoids the stale etcd3 stubs (their
 ``WatchCreateRequest`` has no ``fragment``). Every decoder is bounded by the buffer it is given
 and raises ``ValueError`` on malformed input; the transport turns that into our errors.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
+from ..etcd.wire import iter_fields
+from ..etcd.wire import signed as _signed
 from .segments import DELETE, PUT, Event
 
 _U64 = 1 << 64
@@ -17,53 +19,6 @@ _I64_MAX = (1 << 63) - 1
 
 
 # ---------------------------------------------------------------- primitives
-
-
-def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def _signed(v: int) -> int:
-    """A varint read as int64 (negative numbers are 10-byte two's complement)."""
-    return v - _U64 if v > _I64_MAX else v
-
-
-def iter_fields(buf: bytes) -> Iterator[Tuple[int, int, object]]:
-    """(field number, wire type, value): varints as int, length-delimited as bytes."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos, end)
-        num, wtype = key >> 3, key & 7
-        if wtype == 0:
-            val, pos = _varint(buf, pos, end)
-            yield num, 0, val
-        elif wtype == 2:
-            ln, pos = _varint(buf, pos, end)
-            if ln > end - pos:
-                raise ValueError("truncated length-delimited field")
-            yield num, 2, buf[pos : pos + ln]
-            pos += ln
-        elif wtype == 1:
-            if pos + 8 > end:
-                raise ValueError("truncated fixed64")
-            pos += 8
-        elif wtype == 5:
-            if pos + 4 > end:
-                raise ValueError("truncated fixed32")
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wtype}")
 
 
 def varint(value: int) -> bytes:

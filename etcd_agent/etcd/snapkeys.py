@@ -30,6 +30,7 @@ from ..errors import SnapshotFormatError
 from .bbolt import BUCKET_LEAF_FLAG, MAX_COUNT_PAGES, MAX_KEY, ReadAt, _Bucket, _Page, _Reader
 from .snapdb import KEY_BUCKET, MAX_ROOT_BUCKETS
 from .snapvalues import MAX_REVISION
+from .wire import iter_fields, signed
 
 MAX_VALUE = 256 * 1024 * 1024  # one KeyValue; etcd's --max-request-bytes is 1.5 MiB by default
 WHOLE_PAGE = 1024 * 1024  # a leaf page up to this size is read in one go, bigger ones piecemeal
@@ -107,62 +108,25 @@ class Keyspace:
     lease_entries: int  # entries of the ``lease`` bucket (leases granted and not revoked)
 
 
-# --- mvccpb.KeyValue{key=1, create_revision=2, mod_revision=3, version=4, value=5, lease=6} ----
-def _varint(buf: bytes, pos: int, end: int) -> Tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise SnapshotFormatError("KeyValue: truncated varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise SnapshotFormatError("KeyValue: varint too long")
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
 def decode_kv(buf: bytes) -> Tuple[bytes, int, int, int, bytes, int]:
-    """(key, create_revision, mod_revision, version, value, lease) of one stored KeyValue."""
+    """(key, create_revision, mod_revision, version, value, lease) of one stored
+    mvccpb.KeyValue{key=1, create_revision=2, mod_revision=3, version=4, value=5, lease=6}."""
     key = value = b""
-    create = mod = version = lease = 0
-    pos, end = 0, len(buf)
-    while pos < end:
-        tag, pos = _varint(buf, pos, end)
-        num, wt = tag >> 3, tag & 7
-        if wt == 0:
-            v, pos = _varint(buf, pos, end)
-            if num == 2:
-                create = _signed(v)
-            elif num == 3:
-                mod = _signed(v)
-            elif num == 4:
-                version = _signed(v)
-            elif num == 6:
-                lease = _signed(v)
-        elif wt == 2:
-            n, pos = _varint(buf, pos, end)
-            if n > end - pos:
-                raise SnapshotFormatError("KeyValue: truncated field")
-            if num == 1:
-                key = buf[pos:pos + n]
-            elif num == 5:
-                value = buf[pos:pos + n]
-            pos += n
-        elif wt == 1:
-            pos += 8
-        elif wt == 5:
-            pos += 4
-        else:
-            raise SnapshotFormatError(f"KeyValue: wire type {wt}")
-        if pos > end:
-            raise SnapshotFormatError("KeyValue: truncated field")
-    return key, create, mod, version, value, lease
+    ints = {2: 0, 3: 0, 4: 0, 6: 0}
+    try:
+        for num, wt, val in iter_fields(buf):
+            if wt == 2 and num in (1, 5):
+                assert isinstance(val, bytes)
+                if num == 1:
+                    key = val
+                else:
+                    value = val
+            elif wt == 0 and num in ints:
+                assert isinstance(val, int)
+                ints[num] = signed(val)
+    except ValueError as exc:
+        raise SnapshotFormatError(f"KeyValue: {exc}") from None
+    return key, ints[2], ints[3], ints[4], value, ints[6]
 
 
 def _revision_key(raw: bytes) -> Tuple[int, int, bool]:

@@ -51,6 +51,18 @@ def _walk(buf: bytes) -> Iterator[Tuple[int, bool, int, int]]:
             raise ValueError(f"unsupported wire type {wtype}")
 
 
+def iter_fields(buf: bytes) -> Iterator[Tuple[int, int, Value]]:
+    """(field number, wire type 0 or 2, value) in order: varints as int, length-delimited as
+    bytes; fixed-size fields skipped. ValueError on malformed input."""
+    for num, delimited, val, at in _walk(buf):
+        yield (num, 2, buf[at - val : at]) if delimited else (num, 0, val)
+
+
+def signed(v: int) -> int:
+    """A varint read as int64 (negative numbers are 10-byte two's complement)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 def fields(buf: bytes) -> Dict[int, List[Value]]:
     """Field number -> values in order (varints as int, length-delimited as bytes)."""
     out: Dict[int, List[Value]] = {}
