@@ -25,7 +25,8 @@ from ..safejson import UnsafeJson, loads
 # of another version is refused at the hello (the pre-check names it), never half-way through.
 # 3: one `steps` call runs a host's members at once.
 # 4: `node receive` speaks node.transfer's stream (ready line, frames, zstd, end record).
-PROTOCOL = 4
+# 5: `restore` stages the restored data beside the data dir while etcd serves; `install` moves it in.
+PROTOCOL = 5
 MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off

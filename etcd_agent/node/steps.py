@@ -39,7 +39,7 @@ def begin(ctx: NodeContext, args: Args) -> Dict[str, Any]:
 
 
 # steps that take nothing but the member and the op
-SIMPLE_STEPS = ("fence", "stop", "aside", "restore", "chown", "repair", "start", "unfence", "rollback")
+SIMPLE_STEPS = ("restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence", "rollback")
 
 
 def simple(name: str) -> Handler:

@@ -23,7 +23,8 @@ MAX_JOURNAL = 1 << 20
 RUNNING, DONE, ROLLED_BACK = "running", "done", "rolled-back"
 FINAL_STATES = (DONE, ROLLED_BACK)
 # The journaled steps of one member, in order.
-STEPS = ("begin", "fence", "stop", "aside", "receive", "restore", "chown", "repair", "start", "unfence", "finish")
+STEPS = ("begin", "receive", "restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence",
+         "finish")
 
 
 @dataclass

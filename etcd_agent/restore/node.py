@@ -275,13 +275,14 @@ class NodeRestore:
         return rec
 
     def restore(self) -> Dict[str, Any]:
+        """``snapshot restore`` into ``<data dir>.restoring`` while etcd still serves from the data
+        dir (nothing of the live member is touched): the long part of a restore is no downtime.
+        ``install`` moves it into place once etcd is stopped and its data set aside."""
         def do(j: J.Journal) -> Dict[str, Any]:
             tmp = f"{self.data_dir}.restoring"
             pend = j.pending.get("restore")
-            if pend and "argv" in pend and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
-                return {"argv": pend["argv"]}  # renamed before a crash
-            if os.path.lexists(self.data_dir):
-                raise OperationFailed(f"{self.member.name}: {self.data_dir} reappeared after it was set aside; not touching it")
+            if pend and "argv" in pend and os.path.isdir(tmp):
+                return {"argv": pend["argv"], "output": tmp}  # finished before a crash
             self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
             snap = os.path.join(self.work_dir, SNAPSHOT)
             if os.path.lexists(tmp):
@@ -300,11 +301,28 @@ class NodeRestore:
                     shutil.rmtree(tmp)
                 tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-2:]
                 raise OperationFailed(f"{self.member.name}: snapshot restore failed (exit {res.returncode}): {' / '.join(tail)}")
+            os.chmod(tmp, 0o700)
             self._pending(j, "restore", {"output": tmp, "argv": argv})
-            os.rename(tmp, self.data_dir)
-            os.chmod(self.data_dir, 0o700)
-            return {"argv": argv}
+            return {"argv": argv, "output": tmp}
         return self._step("restore", do)
+
+    def install(self) -> Dict[str, Any]:
+        """The restored data (staged by ``restore``) into the data dir's place: a rename."""
+        def do(j: J.Journal) -> Dict[str, Any]:
+            tmp = f"{self.data_dir}.restoring"
+            if j.pending.get("install") and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
+                return {"installed": self.data_dir}  # renamed before a crash
+            if os.path.lexists(self.data_dir):
+                raise OperationFailed(f"{self.member.name}: {self.data_dir} reappeared after it was set aside; not touching it")
+            if not j.done("restore") or not os.path.isdir(tmp):
+                raise OperationFailed(f"{self.member.name}: no restored data staged in {tmp}")
+            if self.backend.is_active():
+                raise OperationFailed(f"{self.member.name}: etcd runs again ({self.backend.describe()}); "
+                                      "the restored data is not moved in")
+            self._pending(j, "install", {"from": tmp})
+            os.rename(tmp, self.data_dir)
+            return {"installed": self.data_dir}
+        return self._step("install", do)
 
     def chown(self) -> Dict[str, Any]:
         def do(j: J.Journal) -> Dict[str, Any]:
@@ -429,18 +447,20 @@ class NodeRestore:
         """etcd stopped if this op touched its data (left running if not); the old data dir put
         back, the restored one kept aside as failed-restore."""
         moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
-        restored_here = j.done("restore") or "argv" in (j.pending.get("restore") or {})
+        installed = j.done("install") or "install" in j.pending
         # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
         # etcd's to undo: a member still running on its own data is left running, not restarted
-        touched = any(j.done(s) or s in j.pending for s in ("aside", "restore", "chown", "repair", "start"))
+        # (``restore`` only staged beside it, with etcd serving)
+        touched = any(j.done(s) or s in j.pending for s in ("aside", "install", "chown", "repair", "start"))
         if touched or not self.backend.is_active():
             self.backend.stop(30.0)
             did.append("etcd stopped")
         else:
             did.append("etcd left running: its data dir was never touched")
         tmp = f"{self.data_dir}.restoring"
-        if os.path.lexists(tmp) and (j.pending.get("restore") or {}).get("output") == tmp:
-            shutil.rmtree(tmp)  # our own partial output
+        if os.path.lexists(tmp) and tmp in ((j.pending.get("restore") or {}).get("output"), j.info("restore").get("output")):
+            shutil.rmtree(tmp)  # our own output, staged and never moved in
+            did.append(f"staged {tmp} removed")
         if isinstance(moved, str) and os.path.lexists(moved):
             if os.path.lexists(self.data_dir):
                 failed = free_name(self.data_dir, "failed-restore")
@@ -448,7 +468,7 @@ class NodeRestore:
                 did.append(f"restored data moved to {failed}")
             os.rename(moved, self.data_dir)
             did.append(f"{moved} moved back to {self.data_dir}")
-        elif restored_here and os.path.lexists(self.data_dir):
+        elif installed and os.path.lexists(self.data_dir):
             failed = free_name(self.data_dir, "failed-restore")
             os.rename(self.data_dir, failed)
             did.append(f"no old data dir; restored data moved to {failed}")

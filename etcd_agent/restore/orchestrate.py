@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-PREPARE = ["aside", "restore", "chown", "repair"]  # a stopped member's steps before it starts
+PREPARE = ["aside", "install", "chown", "repair"]  # a stopped member's steps before it starts
 
 
 @dataclass
@@ -331,6 +331,8 @@ class Restore:
         try:
             self._phase("begin", begin)
             self._ship(source, facts)
+            # the snapshot restored beside each data dir while etcd still serves: no downtime
+            self._batch("restore", [(m, ["restore"]) for n in self.nodes for m in n.members])
             t = time.monotonic()
             leader, followers = self._leader_last()
             self.timings["leader"] = time.monotonic() - t

@@ -251,12 +251,13 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
         Step("begin", f"journal in {wd}/journal.json (0700 dir)"),
         Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
                         f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"),
+        Step("restore", f"snapshot restore into {tmp} while etcd still serves (its data dir untouched)", tuple(argv)),
         Step("fence", _fence_text(cfg, owner)),
         Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend"
                      f"{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''}); followers first, "
                      "the leader last"),
         Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"),
-        Step("restore", f"snapshot restore into {tmp}, then rename to {data_dir}", tuple(argv)),
+        Step("install", f"rename {tmp} to {data_dir}"),
         Step("chown", f"chown -R {spec} {data_dir}" if cfg.etcd.service_manager == "systemd" else
              f"chown -R {spec} {data_dir} when the agent runs as root and {cfg.etcd.user} exists (etcd runs as it)",
              ("chown", "-R", spec, data_dir) if cfg.etcd.service_manager == "systemd" else None),

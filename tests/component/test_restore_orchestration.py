@@ -101,8 +101,8 @@ def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed
     out = bed.restore().run()
     assert out.done and out.downtime is not None
     for m in ("h1", "h2", "h3"):
-        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "aside", "restore",
-                                          "chown", "repair", "start", "unfence", "finish"]
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence", "stop", "aside",
+                                          "install", "chown", "repair", "start", "unfence", "finish"]
     assert bed.order("stop")[-1] == "h2"  # the leader last
     assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
     assert not bed.script.violations
@@ -122,8 +122,8 @@ def test_members_of_one_host_stop_together_and_the_leader_after_them(tmp_path: o
     assert out.done and not bed.script.violations
     assert sorted(bed.order("stop")[:2]) == ["h2", "h3"] and bed.order("stop")[-1] == "h1"
     for m in ("h1", "h2", "h3"):  # the leader's stop rides with the prepare steps
-        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "fence", "stop", "aside", "restore",
-                                          "chown", "repair", "start", "unfence", "finish"]
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence", "stop", "aside",
+                                          "install", "chown", "repair", "start", "unfence", "finish"]
 
 
 def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_path: object) -> None:
@@ -134,7 +134,7 @@ def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_p
     assert any(d.startswith("h2 (10.0.0.2): ") and "read-only" in d for d in ei.value.details), ei.value.details
     assert not any(d.startswith("h3") and "read-only" in d for d in ei.value.details)
     assert bed.script.steps_of("h3")[-2:] == ["repair", "rollback"]  # h3 finished its list, then rolled back
-    assert "restore" not in bed.script.steps_of("h2") and "start" not in bed.script.steps_of("h3")
+    assert "install" not in bed.script.steps_of("h2") and "start" not in bed.script.steps_of("h3")
     assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
 
 
@@ -147,6 +147,8 @@ def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
     assert any("disk full" in d for d in ei.value.details)
     assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
     assert "start" not in bed.script.steps_of("h1")
+    # the staged restore runs before the fence: a member that cannot restore stops nothing
+    assert "fence" not in bed.script.steps_of("h1") and "stop" not in bed.script.steps_of("h1")
 
 
 def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> None:

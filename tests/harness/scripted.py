@@ -41,7 +41,7 @@ class Script:
         self.codecs: Dict[str, str] = {}  # member -> how it travelled
         self.stalls: List[str] = []  # members whose receiver stops reading after its ready line
         self.lock = threading.Lock()
-        for name in ("begin", "fence", "stop", "aside", "restore", "chown", "repair", "start", "unfence", "finish",
+        for name in ("begin", "restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence", "finish",
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
             self.steps[name] = self._ok(name)
         self.steps["precheck"] = self._precheck

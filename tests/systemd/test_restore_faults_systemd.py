@@ -305,7 +305,7 @@ def test_host_killed_mid_restore_rolled_back(rf: NspawnBed, backup: Dict) -> Non
         reap(proc)
     assert proc.returncode == 1, out + err
     j3 = node_journal(rf3)
-    died_in = [s for s in ("aside", "receive", "restore", "chown", "repair") if s in j3.get("steps", {})]
+    died_in = [s for s in ("receive", "restore", "aside", "install", "chown", "repair") if s in j3.get("steps", {})]
     assert j3.get("state") == "running" and "unfence" not in j3.get("steps", {}), j3
     assert "ROLLBACK INCOMPLETE" in err and f"rf3 ({rf[2].ip}): NOT rolled back" in err, err
     assert "etcd-agent restore rollback --yes" in err, err  # the next command, named

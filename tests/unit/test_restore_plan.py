@@ -85,7 +85,9 @@ def test_plan_argv_per_host() -> None:
         "--initial-advertise-peer-urls=http://10.0.0.2:2380", "--data-dir=/var/lib/etcd/default.etcd.restoring",
     )
     names = [s.name for s in h2.steps]
-    assert names.index("fence") < names.index("stop") < names.index("aside") < names.index("restore") < names.index("start")
+    # the restore itself staged while etcd serves; only stop, aside, install, chown, repair, start after the fence
+    assert names.index("receive") < names.index("restore") < names.index("fence") < names.index("stop")
+    assert names.index("stop") < names.index("aside") < names.index("install") < names.index("start")
     chown = next(s for s in h2.steps if s.name == "chown")
     assert chown.argv == ("chown", "-R", "etcd:etcd", "/var/lib/etcd/default.etcd")
     assert not plan.bump and "etcd 3.4" in plan.bump_note
