@@ -301,7 +301,7 @@ def _agent_tarball(bed: RestoreBed, snapshot: str, name: str, key: Any) -> str:
     files = {"etcd.conf": open(cfg.conf_file("eb1"), "rb").read()}
     stamp = datetime.strptime(name[5:24], "%Y-%m-%d-%H-%M-%S").replace(tzinfo=timezone.utc)
 
-    def build(infos: Dict[str, FileInfo], facts: Any, ident: SnapshotIdentity, status: Any) -> Manifest:
+    def build(infos: Dict[str, FileInfo], facts: Any, ident: SnapshotIdentity) -> Manifest:
         m = Manifest(files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()}, name=name,
                      created=stamp.isoformat(), created_unix=int(stamp.timestamp()), host="eb1", member="eb1",
                      endpoint=cfg.member("eb1").client_url, revision=ident.revision, etcd_version="3.4.23",
