@@ -82,3 +82,19 @@ def version_of(host: "Host", binary: str, timeout: float = 30.0) -> str:
         if "version:" in low and "api" not in low and "git" not in low and "go " not in low:
             return line.split(":", 1)[1].strip()
     raise CommandError(f"cannot read a version from `{binary}`: {res.stdout.strip()[:200]!r}", res)
+
+
+# what each binary reports, once per process: a host's members share their tools
+_VERSIONS: Dict[str, Optional[str]] = {}
+
+
+def cached_version(host: "Host", binary: Optional[str]) -> Optional[str]:
+    """``version_of`` asked once per binary per process; None when unset or it does not answer."""
+    if not binary:
+        return None
+    if binary not in _VERSIONS:
+        try:
+            _VERSIONS[binary] = version_of(host, binary)
+        except CommandError:
+            _VERSIONS[binary] = None
+    return _VERSIONS[binary]

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
 from ..config import Config, Member
-from ..errors import AgentError, CommandError, OperationFailed, RefusedError
-from ..etcd.tools import ETCDCTL_ENV, snapshot_restore_argv, version_of
+from ..errors import AgentError, OperationFailed, RefusedError
+from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
 from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
@@ -38,21 +38,6 @@ from .setaside import cleanup_set_aside, free_name
 log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
-
-
-# what each binary reports, once per session: a host's members share their tools
-_VERSIONS: Dict[str, Optional[str]] = {}
-
-
-def _version(host: LocalHost, binary: Optional[str]) -> Optional[str]:
-    if not binary:
-        return None
-    if binary not in _VERSIONS:
-        try:
-            _VERSIONS[binary] = version_of(host, binary)
-        except CommandError:
-            _VERSIONS[binary] = None
-    return _VERSIONS[binary]
 
 
 class NodeRestore:
@@ -111,7 +96,7 @@ class NodeRestore:
         cfg, m = self.cfg, self.member
         tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
         with ThreadPoolExecutor(max_workers=len(tools)) as ex:  # three binaries started at once
-            versions = dict(zip((key for key, _b in tools), ex.map(lambda kb: _version(self.host, kb[1]), tools)))
+            versions = dict(zip((key for key, _b in tools), ex.map(lambda kb: cached_version(self.host, kb[1]), tools)))
         probe = os.path.dirname(self.data_dir) or "/"
         while not os.path.exists(probe) and probe != "/":
             probe = os.path.dirname(probe)
