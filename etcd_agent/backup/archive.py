@@ -154,6 +154,24 @@ def _member(name: str, data: bytes, mtime: int) -> bytes:
     return _header(name, len(data), mtime) + data + _pad(len(data))
 
 
+def _manifest_member(manifest: Manifest, mtime: int) -> bytes:
+    """The manifest as a tar member, refused when larger than any reader accepts (MAX_MANIFEST):
+    an archive whose manifest cannot be read back is no backup, whatever its compression."""
+    data = manifest.to_bytes()
+    if len(data) > MAX_MANIFEST:
+        raise BackupError(f"the manifest is {len(data)} bytes, more than a reader accepts ({MAX_MANIFEST})")
+    return _member(MANIFEST, data, mtime)
+
+
+def _checked_into(check: StreamCheck, write: Callable[[Chunk], None]) -> Callable[[List[Chunk]], None]:
+    """A ``pump`` consumer: every chunk through the stream check, then to ``write``."""
+    def consume(batch: List[Chunk]) -> None:
+        for chunk in batch:
+            check.update(chunk)
+            write(chunk)
+    return consume
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -295,7 +313,7 @@ def _write_plain(
         manifest = replace(manifest, format_version=ENCRYPTED_FORMAT_VERSION, encryption=Encryption(
             tuple(str(r) for r in enc.recipients), facts.size, facts.sha256 or ""))
     manifest = finish(manifest)
-    out.write(_member(MANIFEST, manifest.to_bytes(), mtime))
+    out.write(_manifest_member(manifest, mtime))
     out.write(_end_blocks(out.pos))
     return facts, identity, manifest
 
@@ -322,23 +340,14 @@ def _write_zstd(
     room = head_room(files)
     frames = ZstdFrames(FileOut(fd, room), room)
     check = StreamCheck()
-
-    def compress(batch: List[Chunk]) -> None:
-        for chunk in batch:
-            check.update(chunk)
-            frames.write(chunk)
-
-    pump(chunks, compress)
+    pump(chunks, _checked_into(check, frames.write))
     frames.end_snapshot()
     facts = check.finish()
     frames.tail(_pad(facts.size) + b"\0" * (2 * BLOCK))
     identity = _identity(frames.read_at, facts.size)
     infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
     manifest = finish(build_manifest(infos, facts, identity))
-    data = manifest.to_bytes()
-    if len(data) > MAX_MANIFEST:
-        raise BackupError(f"the manifest is {len(data)} bytes, more than a reader accepts ({MAX_MANIFEST})")
-    frames.head(_member(MANIFEST, data, mtime) + _small_members(files, mtime) + _header(SNAPSHOT, facts.size, mtime))
+    frames.head(_manifest_member(manifest, mtime) + _small_members(files, mtime) + _header(SNAPSHOT, facts.size, mtime))
     return facts, identity, manifest
 
 
@@ -360,14 +369,7 @@ def _write_gzip(
     try:
         os.fchmod(sfd, 0o600)
         check = StreamCheck()
-        sout = FileOut(sfd)
-
-        def take(batch: List[Chunk]) -> None:
-            for chunk in batch:
-                check.update(chunk)
-                sout.write(chunk)
-
-        pump(chunks, take)
+        pump(chunks, _checked_into(check, FileOut(sfd).write))
         facts = check.finish()
         identity = _identity(lambda off, n: os.pread(sfd, n, off), facts.size)
         infos[SNAPSHOT] = FileInfo(facts.size, facts.sha256 or "")
@@ -383,7 +385,7 @@ def _write_gzip(
             if piece:
                 out.write(piece)
 
-        put(_member(MANIFEST, manifest.to_bytes(), mtime) + _small_members(files, mtime)
+        put(_manifest_member(manifest, mtime) + _small_members(files, mtime)
             + _header(SNAPSHOT, facts.size, mtime))
         done = 0
         while done < facts.size:
