@@ -8,9 +8,9 @@ from ..config import Config
 from ..errors import AgentError, OperationFailed, RefusedError
 from ..node.client import new_owner
 from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
-from . import plan as P
 from .live import Progress
 from .orchestrate import Options, Restore
+from .precheck import NodeFacts
 
 
 def rollback_open(
@@ -29,7 +29,7 @@ def rollback_open(
         open_ops: Dict[str, str] = {}
         for n in r.nodes:
             for m in n.members:
-                f = P.NodeFacts.from_json(n.call("precheck", member=m.name))
+                f = NodeFacts.from_json(n.call("precheck", member=m.name))
                 if f.journal is not None and f.journal.open:
                     open_ops[m.name] = f.journal.op
         if not open_ops:

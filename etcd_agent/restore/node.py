@@ -32,6 +32,7 @@ from ..state.pins import pinned_config
 from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
+from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
 from .receive import RECEIVED, SNAPSHOT
 from .setaside import cleanup_set_aside, free_name
 
@@ -51,7 +52,7 @@ class NodeRestore:
         self.member: Member = cfg.member(member)
         self.op = op
         self.data_dir = cfg.data_dir(member).rstrip("/")
-        self.work_dir = P.work_dir_for(self.data_dir, member)
+        self.work_dir = work_dir_for(self.data_dir, member)
         self.journal_path = J.path_in(self.work_dir)
         self.host = LocalHost(member)
         self.backend = backend_for(self.cfg, member)
@@ -92,7 +93,7 @@ class NodeRestore:
 
     # ------------------------------------------------------------ precheck (read-only)
 
-    def precheck(self) -> P.NodeFacts:
+    def precheck(self) -> NodeFacts:
         cfg, m = self.cfg, self.member
         tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
         with ThreadPoolExecutor(max_workers=len(tools)) as ex:  # three binaries started at once
@@ -117,8 +118,8 @@ class NodeRestore:
         rec = bootstrap.read(cfg, m.name)
         db_ids, db_note = self._db_member_ids() if state == "member" else ((), "")
         j = self.journal()
-        return P.NodeFacts(
-            member=m.name, protocol=P.NODE_PROTOCOL, agent_version=__version__,
+        return NodeFacts(
+            member=m.name, protocol=NODE_PROTOCOL, agent_version=__version__,
             etcd_version=versions["etcd"], etcdctl_version=versions["etcdctl"], etcdutl_version=versions["etcdutl"],
             free_bytes=shutil.disk_usage(probe).free, data_dir=self.data_dir, data_dir_state=state,
             work_dir=self.work_dir, conf_file=cfg.conf_file(m.name), conf_present=os.path.isfile(cfg.conf_file(m.name)),

@@ -36,6 +36,7 @@ from ..node.sessions import HostNode, close_sessions, group_hosts, message, open
 from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
+from .precheck import NodeFacts, check_host, default_token, resume_decision, token_problem
 from .ship import ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
@@ -174,13 +175,13 @@ class Restore:
                  f"member healthy at revision {sorted(set(outcome.revisions.values()))}")
         return outcome
 
-    def _precheck(self) -> Tuple[Dict[str, P.NodeFacts], Dict[str, List[str]]]:
+    def _precheck(self) -> Tuple[Dict[str, NodeFacts], Dict[str, List[str]]]:
         """Every reachable host's facts (read-only); a problem line for every member that has none."""
-        facts: Dict[str, P.NodeFacts] = {}
+        facts: Dict[str, NodeFacts] = {}
         problems: Dict[str, List[str]] = {}
 
-        def precheck(n: HostNode) -> Dict[str, P.NodeFacts]:
-            return {m.name: P.NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
+        def precheck(n: HostNode) -> Dict[str, NodeFacts]:
+            return {m.name: NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
 
         for n in self.nodes:
             if n.where in self.unreachable:
@@ -202,18 +203,18 @@ class Restore:
                                 f"{self.opts.new_token} cannot change it midway")
             return resume.op, resume.token, resume.new_cluster or self.opts.new_cluster
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        token = self.opts.new_token or P.default_token(self.cfg.cluster.name, stamp)
+        token = self.opts.new_token or default_token(self.cfg.cluster.name, stamp)
         return f"{stamp}-{(source.sha256 or 'runbook')[:8]}", token, self.opts.new_cluster
 
-    def _plan(self, source: Source, facts: Dict[str, P.NodeFacts], host_problems: Dict[str, List[str]]) -> P.Plan:
+    def _plan(self, source: Source, facts: Dict[str, NodeFacts], host_problems: Dict[str, List[str]]) -> P.Plan:
         """The plan with every refusal filled in: resume conflicts, identity, each host's checks."""
         from .. import __version__
 
         cfg = self.cfg
         journals: Dict[str, Optional[JournalSummary]] = {m: f.journal for m, f in facts.items()}
-        resume, rproblems = P.resume_decision(journals, source.path, source.sha256)
+        resume, rproblems = resume_decision(journals, source.path, source.sha256)
         self.op, token, new_cluster = self._op(source, resume, rproblems)
-        bad_token = P.token_problem(token)
+        bad_token = token_problem(token)
         if bad_token:
             raise UsageError(bad_token)
         verdict = self._identity(source, facts, new_cluster) if resume is None else None
@@ -226,14 +227,14 @@ class Restore:
         for hp in plan.hosts:
             hp.problems += host_problems.get(hp.member, [])
             if hp.member in facts:
-                hp.problems += P.check_host(cfg, cfg.member(hp.member), facts[hp.member], snapshot_size=source.size,
+                hp.problems += check_host(cfg, cfg.member(hp.member), facts[hp.member], snapshot_size=source.size,
                                             snapshot_version=source.etcd_version, agent_version=__version__,
                                             resuming=resume is not None)
         return plan
 
     # ------------------------------------------------------------ the steps
 
-    def _identity(self, source: Source, facts: Dict[str, P.NodeFacts], new_cluster: bool) -> Verdict:
+    def _identity(self, source: Source, facts: Dict[str, NodeFacts], new_cluster: bool) -> Verdict:
         """Whose snapshot is this, from its own db, against everything of the current cluster
         that could be found: the running cluster (if any member answers), each host's data dir db
         and bootstrap record, and every restore lineage recorded on the hosts or in etcd."""
@@ -317,7 +318,7 @@ class Restore:
         extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
         self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
 
-    def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, P.NodeFacts], outcome: Outcome) -> None:
+    def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, NodeFacts], outcome: Outcome) -> None:
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
         began: List[Member] = []
 
@@ -407,7 +408,7 @@ class Restore:
 
     # ------------------------------------------------------------ shipping
 
-    def _ship(self, source: Source, facts: Dict[str, P.NodeFacts]) -> None:
+    def _ship(self, source: Source, facts: Dict[str, NodeFacts]) -> None:
         """The snapshot to every member's work dir while etcd still serves (shipping is not
         downtime): read and hashed once here, fanned out to one receiver per member, each hashing
         what lands (``restore.ship``); then each member's ``receive`` step compares."""

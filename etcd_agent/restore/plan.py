@@ -14,18 +14,7 @@ from ..cluster.lineage import LINEAGE_KEY
 from ..config import Config, Member, merged
 from ..etcd.tools import snapshot_restore_argv
 from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
-
-# the host facts and the pre-check rules are precheck's; orchestrate and node still reach them
-# as plan.X (they are being changed on another branch): the redundant aliases keep that working
-from .precheck import BUMP_MIN_ETCDUTL
-from .precheck import NODE_PROTOCOL as NODE_PROTOCOL
-from .precheck import NodeFacts as NodeFacts
-from .precheck import can_bump as can_bump
-from .precheck import check_host as check_host
-from .precheck import default_token as default_token
-from .precheck import resume_decision as resume_decision
-from .precheck import token_problem as token_problem
-from .precheck import work_dir_for as work_dir_for
+from .precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
 
 # What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.
 BUMP_REVISION = 1_000_000_000

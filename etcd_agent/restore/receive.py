@@ -27,7 +27,7 @@ from ..node.protocol import PROTOCOL
 from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
 from ..state.locks import holder_of
 from . import journal as J
-from .plan import work_dir_for
+from .precheck import work_dir_for
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from etcd_agent.hosts.base import LineBuffer
 from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.server import Handler, NodeContext, serve
 from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError
-from etcd_agent.restore.plan import NodeFacts, work_dir_for
+from etcd_agent.restore.precheck import NodeFacts, work_dir_for
 
 StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail
 

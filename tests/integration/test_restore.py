@@ -26,7 +26,8 @@ from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.errors import OperationFailed
 from etcd_agent.restore.orchestrate import Options, restore
-from etcd_agent.restore.plan import BUMP_REVISION, work_dir_for
+from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.precheck import work_dir_for
 from etcd_agent.state.locks import OperationLock, lock_path_for
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY

@@ -22,7 +22,8 @@ import pytest
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.hosts.local import LocalHost
-from etcd_agent.restore.plan import BUMP_REVISION, can_bump
+from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.precheck import can_bump
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY, release
 from tests.harness.watcher import Watcher, server_watchers

@@ -27,7 +27,8 @@ import pytest
 from etcd_agent.config import Config, load
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.restore.plan import BUMP_REVISION, work_dir_for
+from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.precheck import work_dir_for
 from tests.harness.netns import NetnsBed, NsHost
 from tests.harness.releases import DEFAULT, release
 

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Sequence
 import pytest
 
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.restore.plan import work_dir_for
+from etcd_agent.restore.precheck import work_dir_for
 from tests.multihost.test_restore_ssh import AGENT, AGENT_TOML, KEYS, Bed, cluster_bed, counts, put_many, wait_healthy
 
 pytestmark = pytest.mark.multihost

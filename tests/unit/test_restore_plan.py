@@ -5,6 +5,7 @@ from typing import Any, Dict
 
 from etcd_agent.config import parse_text
 from etcd_agent.restore import plan as P
+from etcd_agent.restore import precheck as C
 from etcd_agent.restore.journal import JournalSummary
 from etcd_agent.topology import Bootstrap, parse_conf
 
@@ -47,21 +48,21 @@ def manifest(**kw: Any) -> Dict[str, Any]:
     return m
 
 
-def facts(c: Any, name: str, **kw: Any) -> P.NodeFacts:
+def facts(c: Any, name: str, **kw: Any) -> C.NodeFacts:
     m = c.member(name)
     d = dict(
-        member=name, protocol=P.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
+        member=name, protocol=C.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
         etcdctl_version="3.4.23", etcdutl_version=None, free_bytes=10**10, data_dir=c.data_dir(name),
-        data_dir_state="member", work_dir=P.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
+        data_dir_state="member", work_dir=C.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
         conf_present=True, unit_present=True, backend="systemd", running=True, fence_ok=True,
         fence_detail="", identity_match=True, peer_url=m.peer_url, client_url=m.client_url,
     )
     d.update(kw)
-    return P.NodeFacts.from_json(d)
+    return C.NodeFacts.from_json(d)
 
 
 def check(c: Any, name: str, **kw: Any) -> list:
-    return P.check_host(c, c.member(name), facts(c, name, **kw), snapshot_size=1000,
+    return C.check_host(c, c.member(name), facts(c, name, **kw), snapshot_size=1000,
                         snapshot_version="3.4.23", agent_version="0.1.0", resuming=False)
 
 
@@ -146,7 +147,7 @@ def test_bump_follows_the_tools_the_hosts_run() -> None:
 
 def test_a_newer_minor_backup_is_refused_with_the_way_out() -> None:
     c = cfg()
-    probs = P.check_host(c, c.member("master1"), facts(c, "master1"), snapshot_size=1000,
+    probs = C.check_host(c, c.member("master1"), facts(c, "master1"), snapshot_size=1000,
                          snapshot_version="3.5.16", agent_version="0.1.0", resuming=False)
     assert probs == [
         "the backup is from etcd 3.5.16, this host has etcd 3.4.23 and etcdctl 3.4.23: restoring it would downgrade "
@@ -156,7 +157,7 @@ def test_a_newer_minor_backup_is_refused_with_the_way_out() -> None:
     # older and newer patches of one minor, and any older minor, restore
     newer = {"etcd_version": "3.5.30", "etcdctl_version": "3.5.30", "etcdutl_version": "3.5.30"}
     for snap in ("3.5.30", "3.5.1", "3.4.23"):
-        assert P.check_host(c, c.member("master1"), facts(c, "master1", **newer), snapshot_size=1000,
+        assert C.check_host(c, c.member("master1"), facts(c, "master1", **newer), snapshot_size=1000,
                             snapshot_version=snap, agent_version="0.1.0", resuming=False) == [], snap
 
 
@@ -187,18 +188,18 @@ def _journal(op: str, state: str = "running", backup: str = "/b/x.tar", sha: "st
 
 
 def test_resume_decision() -> None:
-    assert P.resume_decision({"a": None, "b": _journal("o", "done")}, "/b/x.tar", "s") == (None, [])
+    assert C.resume_decision({"a": None, "b": _journal("o", "done")}, "/b/x.tar", "s") == (None, [])
     j = _journal("o1")
-    got, problems = P.resume_decision({"a": j, "b": None}, "/b/x.tar", "s")
+    got, problems = C.resume_decision({"a": j, "b": None}, "/b/x.tar", "s")
     assert got is not None and got.token == "t" and problems == []
-    got, problems = P.resume_decision({"a": j}, "/b/x.tar", "other")  # same file, other bytes
+    got, problems = C.resume_decision({"a": j}, "/b/x.tar", "other")  # same file, other bytes
     assert got is None and "resume" in problems[0]
-    got, problems = P.resume_decision({"a": j}, "/b/y.tar", "s")  # another backup
+    got, problems = C.resume_decision({"a": j}, "/b/y.tar", "s")  # another backup
     assert got is None and "rollback --yes" in problems[0]
-    got, problems = P.resume_decision({"a": j, "b": _journal("o2")}, "/b/x.tar", "s")
+    got, problems = C.resume_decision({"a": j, "b": _journal("o2")}, "/b/x.tar", "s")
     assert got is None and "different unfinished" in problems[0]
     # a runbook restore journals no sha256 until the snapshot has been shipped: same file resumes
-    got, problems = P.resume_decision({"a": _journal("o3", sha=None)}, "/b/x.tar", None)
+    got, problems = C.resume_decision({"a": _journal("o3", sha=None)}, "/b/x.tar", None)
     assert got is not None and got.op == "o3"
 
 
@@ -229,5 +230,5 @@ def test_cleanup_keeps_newest() -> None:
 
 
 def test_tokens() -> None:
-    assert P.token_problem(P.default_token("k8s", "20240101T000000Z")) is None
-    assert P.token_problem("bad token;rm") is not None
+    assert C.token_problem(C.default_token("k8s", "20240101T000000Z")) is None
+    assert C.token_problem("bad token;rm") is not None
