@@ -40,6 +40,7 @@ from etcd_agent.errors import AgentError  # noqa: E402
 from etcd_agent.etcd.bbolt import BOLT_MAGIC, BOLT_VERSION, META_FLAG, NO_FREELIST, TRAILER, _fnv64a  # noqa: E402
 from etcd_agent.hosts.ssh import SshHost  # noqa: E402
 from etcd_agent.node.client import new_owner  # noqa: E402
+from etcd_agent.node.replies import RollbackReply, StepReply  # noqa: E402
 from etcd_agent.node.sessions import HostNode, close_sessions, open_sessions  # noqa: E402
 from etcd_agent.restore.ship import ship_snapshot  # noqa: E402
 from etcd_agent.restore.source import Source  # noqa: E402
@@ -192,15 +193,16 @@ class Bench:
         op = f"bench-{self.ops}"
         nodes = self.nodes[:k]
         for n in nodes:
-            n.call("begin", member=n.members[0].name, op=op, token="bench", initial_cluster="", sha256=source.sha256,
-                   size=source.size, backup=source.path, bump=None, fence_owner=False, new_cluster=False)
+            n.ask(StepReply, "begin", member=n.members[0].name, op=op, token="bench", initial_cluster="",
+                  sha256=source.sha256, size=source.size, backup=source.path, bump=None, fence_owner=False,
+                  new_cluster=False)
         subprocess.run(["sync"], check=True)
         cpu0, t0 = os.times(), time.monotonic()
         shipped = ship_snapshot(self.cfg, source, [(n.members[0], n) for n in nodes], op=op, owner=self.owner,
                                 say=lambda s: None)
         wall, cpu1 = time.monotonic() - t0, os.times()
         for n in nodes:  # drops the received copy; nothing else was touched
-            n.call("rollback", member=n.members[0].name, op=op)
+            n.ask(RollbackReply, "rollback", member=n.members[0].name, op=op)
         return {"seconds": max(shipped.hosts.values()), "wall": wall, "wire": shipped.wire,
                 "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}
 

@@ -71,6 +71,11 @@ class CommandTimedOut(CommandError):
     """An external command did not finish within its timeout."""
 
 
+class ProtocolError(OperationFailed):
+    """Another agent (or a file) sent a document that is not what the protocol says: a field
+    missing or of the wrong type. Raised where it is read, naming the field, never later."""
+
+
 class HostUnreachable(OperationFailed):
     """A host could not be reached (connect, auth or host key failure)."""
 

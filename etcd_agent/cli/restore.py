@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from ..errors import EXIT_REFUSED, RefusedError, UsageError
 from .main import Context, Output
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..node.replies import CleanupReply
 
 
 def register(sub: Any) -> None:
@@ -120,7 +123,7 @@ def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
     if not args.dry_run:
         # deleting old data dirs cannot be undone: show the list, then ask
         preview = cleanup(cfg, args.keep, True)
-        doomed = [d["path"] for r in preview for d in r["decisions"] if not d["keep"]]
+        doomed = [d.path for r in preview for d in r.decisions if not d.keep]
         if not doomed:
             return _cleanup_output(preview, True)
         for path in doomed:
@@ -130,17 +133,18 @@ def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
     return _cleanup_output(cleanup(cfg, args.keep, args.dry_run), args.dry_run)
 
 
-def _cleanup_output(rows: List[Dict[str, Any]], dry_run: bool) -> Output:
+def _cleanup_output(rows: List["CleanupReply"], dry_run: bool) -> Output:
     lines: List[str] = []
     for r in rows:
-        if r.get("error"):
-            lines.append(f"{r['member']}: ERROR {r['error']}")
-        for d in r["decisions"]:
-            verb = "keep" if d["keep"] else ("would remove" if dry_run else "removed")
-            lines.append(f"{r['member']}: {verb:<12} {d['path']}  ({d['reason']})")
-        if not r["decisions"] and not r.get("error"):
-            lines.append(f"{r['member']}: no set-aside data dirs")
-    return Output({"members": rows, "dry_run": dry_run}, "\n".join(lines), exit_code=1 if any(r.get("error") for r in rows) else 0)
+        if r.error:
+            lines.append(f"{r.member}: ERROR {r.error}")
+        for d in r.decisions:
+            verb = "keep" if d.keep else ("would remove" if dry_run else "removed")
+            lines.append(f"{r.member}: {verb:<12} {d.path}  ({d.reason})")
+        if not r.decisions and not r.error:
+            lines.append(f"{r.member}: no set-aside data dirs")
+    return Output({"members": [r.to_json() for r in rows], "dry_run": dry_run}, "\n".join(lines),
+                  exit_code=1 if any(r.error for r in rows) else 0)
 
 
 def cmd_rollback(args: argparse.Namespace, ctx: Context) -> Output:

@@ -31,6 +31,7 @@ from ..etcd.client import EndpointStatus, EtcdClient
 from ..etcd.versions import check_step, parse, plan_hops
 from ..fs import makedirs, write_atomic
 from ..node.client import new_owner
+from ..node.replies import BackupReply, ReleaseReply, UpgradeReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, local_node, message, node_of, open_sessions, parallel
 from ..waiting import NotYet, poll
 from .health import cluster_health, statuses, wait_cluster_healthy
@@ -217,17 +218,17 @@ class Upgrade:
         for h in self.plan.hops:
             hosts = {node_of(self.nodes, m).where: node_of(self.nodes, m) for m in h.members}
 
-            def check(n: HostNode, version: str = h.to_version) -> Dict[str, Any]:
-                return n.call("release-version", version=version)
+            def check(n: HostNode, version: str = h.to_version) -> ReleaseReply:
+                return n.ask(ReleaseReply, "release-version", version=version)
 
             for n, got, err in parallel(check, list(hosts.values())):
                 binary = os.path.join(self.cfg.etcd.versions_dir, h.to_version, "etcd")
                 if err is not None or got is None:
                     bad.append(f"{n.where}: {binary}: {message(err) if err else 'no answer'}")
                     continue
-                reported = got.get("binary")
+                reported = got.binary
                 names = ", ".join(m.name for m in n.members if m.name in h.members)
-                if not isinstance(reported, str) or parse(reported).key != parse(h.to_version).key:
+                if reported is None or parse(reported).key != parse(h.to_version).key:
                     bad.append(f"{names} ({n.where}): {binary} reports {reported or 'nothing (missing or broken)'}, "
                                f"not {h.to_version}")
                 else:
@@ -282,8 +283,8 @@ class Upgrade:
             _progress(self.cfg, self.plan, f"hop {index}: upgrading {step.name}")
             began = time.monotonic()
             try:
-                out = node_of(self.nodes, step.name).call("upgrade-member", member=step.name, to=hop.to_version,
-                                                          timeout=self.step_timeout)
+                out = node_of(self.nodes, step.name).ask(UpgradeReply, "upgrade-member", member=step.name,
+                                                         to=hop.to_version, timeout=self.step_timeout)
             except AgentError as exc:
                 step.seconds = time.monotonic() - began
                 step.outcome = "rolled back" if "rolled back" in exc.message else "failed"
@@ -294,7 +295,7 @@ class Upgrade:
                 raise OperationFailed(f"hop {hop.from_version} -> {hop.to_version} stopped at {step.name}: "
                                       f"{exc.message}") from None
             step.seconds = time.monotonic() - began
-            step.outcome = str(out.get("outcome", "upgraded"))
+            step.outcome = out.outcome
             self.plan.versions[step.name] = hop.to_version
             if self.on_step:
                 self.on_step(step)
@@ -313,8 +314,7 @@ class Upgrade:
         source = next((n for n in self.cfg.members if n.name != self.plan.leader), self.cfg.members[0]).name
         local = local_node(self.nodes)
         if local is not None:
-            res = local.call("backup", member=source, timeout=max(600.0, self.step_timeout))
-            return str(res["path"])
+            return local.ask(BackupReply, "backup", member=source, timeout=max(600.0, self.step_timeout)).path
         from ..backup.service import take_backup
 
         return take_backup(self.cfg, member=source, full_verify=True, prune=False).path

@@ -18,13 +18,14 @@ from ..errors import AgentError, Interrupted, OperationFailed, RefusedError
 from ..etcd.client import EtcdClient
 from ..etcd.versions import parse
 from ..hosts.local import LocalHost
+from ..node.replies import UpgradeReply
 from ..state.markers import clear_upgrading, mark_upgrading
 from ..state.pins import read_pin, release_tools, restore_pin, write_pin
 
 log = logging.getLogger(__name__)
 
 
-def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict[str, Any]:
+def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> UpgradeReply:
     """Step this host's member ``name`` to ``version``; roll back to the old binary on failure."""
     from ..etcd.tools import version_of
     from .local import LocalMember
@@ -40,7 +41,7 @@ def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict
     old = LocalMember(cfg, m)
     old_binary = old.cfg.etcd.binary
     if old_binary == tools["binary"] and old.healthy():
-        return {"member": name, "version": version, "outcome": "skipped", "binary": old_binary}
+        return UpgradeReply(name, version, "skipped", binary=old_binary)
     start = time.monotonic()
     # the daemon must not restart the etcd we stop on purpose (it would start the old unit)
     mark_upgrading(cfg, name, version, old_binary)
@@ -68,7 +69,7 @@ def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> Dict
         clear_upgrading(cfg, name)
     secs = time.monotonic() - start
     log.info("%s: now on etcd %s (%.1fs)", name, version, secs)
-    return {"member": name, "version": version, "outcome": "upgraded", "binary": tools["binary"], "seconds": secs}
+    return UpgradeReply(name, version, "upgraded", binary=tools["binary"], seconds=secs)
 
 
 def _crash_watch(member: Any) -> Callable[[], bool]:

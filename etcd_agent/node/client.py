@@ -15,14 +15,16 @@ import socket
 import sys
 import threading
 from types import TracebackType
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, List, Optional, Type, TypeVar
 
 from ..config import DEFAULT_PATH, Config
 from ..errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
 from ..hosts.base import Host, Session
+from ..typedjson import Document, JsonObject
 from .protocol import MAX_LINE, PING_EVERY, PROTOCOL, Hello, Owner, Reply, Request, Welcome, decode, encode
 
 log = logging.getLogger(__name__)
+D = TypeVar("D", bound=Document)
 
 
 def new_owner(command: str) -> Owner:
@@ -110,7 +112,11 @@ class NodeClient:
 
     # ------------------------------------------------------------ calls
 
-    def call(self, step: str, *, timeout: Optional[float] = None, **args: Any) -> Dict[str, Any]:
+    def ask(self, kind: Type[D], step: str, *, timeout: Optional[float] = None, **args: Any) -> D:
+        """``call``, its result read as ``kind`` (ProtocolError naming the field that is not one)."""
+        return kind.from_json(self.call(step, timeout=timeout, **args), f"{self.where}: node {step} reply")
+
+    def call(self, step: str, *, timeout: Optional[float] = None, **args: Any) -> JsonObject:
         """Run ``step`` on the host; its result, or its error rebuilt (BusyError stays exit 4 ...)."""
         with self._call_lock:
             if self._session is None:
@@ -134,7 +140,7 @@ class NodeClient:
                 raise
             return reply.raise_for(self.where)
 
-    def _read_doc(self, timeout: float) -> Dict[str, Any]:
+    def _read_doc(self, timeout: float) -> JsonObject:
         assert self._session is not None
         line = self._session.recv_line(timeout, MAX_LINE)
         if not line.endswith(b"\n"):

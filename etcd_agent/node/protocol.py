@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 from ..errors import AgentError, OperationFailed, error_from_json
 from ..safejson import UnsafeJson, loads
+from ..typedjson import JsonObject
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
@@ -56,7 +57,7 @@ class Owner:
     pid: int
     command: str  # e.g. "restore 20261201T100000Z-1a2b3c4d"
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"token": self.token, "host": self.host, "pid": self.pid, "command": self.command}
 
     @classmethod
@@ -73,7 +74,7 @@ class Hello:
     owner: Owner
     lock: bool  # take this host's operation lock for the whole session
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"hello": {"protocol": self.protocol, "owner": self.owner.to_json(), "lock": self.lock}}
 
     @classmethod
@@ -90,7 +91,7 @@ class Welcome:
     agent_version: str
     host: str
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"welcome": {"protocol": self.protocol, "agent_version": self.agent_version, "host": self.host}}
 
     @classmethod
@@ -105,9 +106,9 @@ class Welcome:
 class Request:
     id: int
     step: str
-    args: Dict[str, Any] = field(default_factory=dict)
+    args: JsonObject = field(default_factory=dict)
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"id": self.id, "step": self.step, "args": self.args}
 
     @classmethod
@@ -121,10 +122,10 @@ class Request:
 @dataclass(frozen=True)
 class Reply:
     id: int
-    result: Optional[Dict[str, Any]] = None
-    error: Optional[Dict[str, Any]] = None  # AgentError.to_json()
+    result: Optional[JsonObject] = None
+    error: Optional[JsonObject] = None  # AgentError.to_json()
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         if self.error is not None:
             return {"id": self.id, "error": self.error}
         return {"id": self.id, "result": self.result or {}}
@@ -144,7 +145,7 @@ class Reply:
     def failure(cls, rid: int, exc: AgentError) -> "Reply":
         return cls(rid, error=exc.to_json())
 
-    def raise_for(self, where: str) -> Dict[str, Any]:
+    def raise_for(self, where: str) -> JsonObject:
         """The result, or the sender's error rebuilt as its own class (same exit code)."""
         if self.error is not None:
             raise error_from_json(self.error, where=f"{where}: ")
@@ -158,7 +159,7 @@ def encode(doc: Mapping[str, Any]) -> bytes:
     return line
 
 
-def decode(line: bytes, where: str) -> Dict[str, Any]:
+def decode(line: bytes, where: str) -> JsonObject:
     """One line as a JSON object; OperationFailed naming ``where`` when it is not one."""
     try:
         doc = loads(line.strip(), max_bytes=MAX_LINE)

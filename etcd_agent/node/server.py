@@ -22,7 +22,9 @@ from .. import __version__
 from ..config import Config
 from ..errors import AgentError, BusyError, OperationFailed, RefusedError
 from ..state.locks import SHORT_WAIT, OperationLock, lock_path_for
+from ..typedjson import Document, JsonObject
 from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
+from .replies import LockReply
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class NodeContext:
     owner: Owner
     lock: Optional[OperationLock]
 
-    def take_lock(self) -> Dict[str, Any]:
+    def take_lock(self) -> LockReply:
         """This host's operation lock for the rest of the session (BusyError naming the holder)."""
         if self.lock is None or not self.lock.held:
             from ..fs import ensure_private_dir
@@ -44,7 +46,7 @@ class NodeContext:
             # this host's own backup (the daemon's or cron's) ends by itself: wait for it
             self.lock = OperationLock(lock_path_for(self.cfg.backup.dir), self.owner.command,
                                       holder={"owner": self.owner.to_json()}).acquire(wait=SHORT_WAIT)
-        return {"lock": self.lock.path, "held": True}
+        return LockReply(self.lock.path, True)
 
     def require_lock(self, step: str) -> None:
         """Steps that change anything run only inside a session holding this host's lock."""
@@ -52,7 +54,7 @@ class NodeContext:
             raise RefusedError(f"node {step}: this session does not hold the host's operation lock")
 
 
-Handler = Callable[[NodeContext, Args], Dict[str, Any]]
+Handler = Callable[[NodeContext, Args], Document]  # a step: its typed reply
 
 
 class _Stop:
@@ -142,14 +144,14 @@ def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[st
             return "the caller stopped reading"
 
 
-def _dispatch(ctx: NodeContext, doc: Dict[str, Any], handlers: Dict[str, Handler]) -> Reply:
+def _dispatch(ctx: NodeContext, doc: JsonObject, handlers: Dict[str, Handler]) -> Reply:
     rid = doc.get("id") if isinstance(doc.get("id"), int) else -1
     try:
         req = Request.from_json(doc)
         fn = handlers.get(req.step)
         if fn is None:
             raise RefusedError(f"node: unknown step {req.step!r} (agent {__version__})")
-        return Reply(req.id, result=fn(ctx, Args(req.args, req.step)))
+        return Reply(req.id, result=fn(ctx, Args(req.args, req.step)).to_json())
     except AgentError as exc:
         return Reply.failure(int(rid or -1), exc)
     except Exception as exc:  # a bug in a step: reported to the caller as a failure, not a hang
@@ -157,7 +159,7 @@ def _dispatch(ctx: NodeContext, doc: Dict[str, Any], handlers: Dict[str, Handler
         return Reply.failure(int(rid or -1), OperationFailed(f"node step crashed: {type(exc).__name__}: {exc}"))
 
 
-def _write(stdout: BinaryIO, doc: Dict[str, Any]) -> bool:
+def _write(stdout: BinaryIO, doc: JsonObject) -> bool:
     try:
         stdout.write(encode(doc))
         stdout.flush()

@@ -11,18 +11,21 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from ..config import Config, Member
 from ..errors import AgentError, BusyError, HostUnreachable, RefusedError
 from ..hosts.base import Host
 from ..locality import is_local, machine_identity
+from ..typedjson import Document
 from .client import NodeClient
 from .protocol import Owner
+from .replies import LockReply
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 T = TypeVar("T")
+D = TypeVar("D", bound=Document)
 
 
 @dataclass
@@ -35,10 +38,11 @@ class HostNode:
     members: List[Member]
     client: Optional[NodeClient] = None
 
-    def call(self, step: str, **args: Any) -> Dict[str, Any]:
+    def ask(self, kind: Type[D], step: str, **args: Any) -> D:
+        """``step`` on this host, its reply read as ``kind`` (``NodeClient.ask``)."""
         if self.client is None:
             raise HostUnreachable(f"{self.where}: no session")
-        return self.client.call(step, **args)
+        return self.client.ask(kind, step, **args)
 
 
 def group_hosts(cfg: Config) -> List[HostNode]:
@@ -105,7 +109,7 @@ def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progres
                            details=[f"{w}: {why}" for w, why in failed.items()])
     for n in (n for n in nodes if n.client is not None):
         try:
-            n.call("lock")
+            n.ask(LockReply, "lock")
         except BusyError as exc:
             close_sessions(nodes)
             raise BusyError(exc.message, details=["wait for it to finish (`etcd-agent status` on that master shows "

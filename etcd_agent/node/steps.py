@@ -7,35 +7,39 @@ Each handler reads its typed arguments and calls the code that does the work on 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 from ..errors import AgentError, OperationFailed, RefusedError
+from ..typedjson import Document
 from .protocol import Args, str_list
+from .replies import BackupReply, MemberSteps, ReleaseReply, StepReply, StepsReply
 from .server import Handler, NodeContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..restore.node import NodeRestore
 
 log = logging.getLogger(__name__)
 
 
-def _node(ctx: NodeContext, args: Args) -> Any:
+def _node(ctx: NodeContext, args: Args) -> "NodeRestore":
     from ..restore.node import NodeRestore
 
     return NodeRestore(ctx.cfg, args.text("member"), args.opt_text("op"))
 
 
-def precheck(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def precheck(ctx: NodeContext, args: Args) -> Document:
     from ..restore.node import NodeRestore
 
-    return NodeRestore(ctx.cfg, args.text("member")).precheck().to_json()
+    return NodeRestore(ctx.cfg, args.text("member")).precheck()
 
 
-def begin(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def begin(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("begin")
-    result: Dict[str, Any] = _node(ctx, args).begin(
+    return _node(ctx, args).begin(
         token=args.text("token"), initial_cluster=args.text("initial_cluster"), sha256=args.opt_text("sha256"),
         size=args.integer("size"), backup=args.text("backup"), bump=args.opt_integer("bump"),
         fence_owner=args.flag("fence_owner"), new_cluster=args.flag("new_cluster"),
     )
-    return result
 
 
 # steps that take nothing but the member and the op
@@ -43,54 +47,61 @@ SIMPLE_STEPS = ("restore", "fence", "stop", "aside", "install", "chown", "repair
 
 
 def simple(name: str) -> Handler:
-    def handler(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+    def handler(ctx: NodeContext, args: Args) -> Document:
         ctx.require_lock(name)
-        result: Dict[str, Any] = getattr(_node(ctx, args), name)()
-        return result
+        return run_step(_node(ctx, args), name)
 
     return handler
 
 
-def steps(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def run_step(node: "NodeRestore", name: str) -> StepReply:
+    """One of ``SIMPLE_STEPS`` by name (checked against that list: never any other attribute)."""
+    if name not in SIMPLE_STEPS:
+        raise RefusedError(f"node: not a simple step: {name}")
+    fn: Callable[[], StepReply] = getattr(node, name)
+    return fn()
+
+
+def steps(ctx: NodeContext, args: Args) -> Document:
     """Simple steps of several of this host's members in one call (``run_members``)."""
     plan = member_steps(args)
     ctx.require_lock("steps")
     op = args.opt_text("op")
     from ..restore.node import NodeRestore
 
-    def runner(member: str) -> Callable[[str], Dict[str, Any]]:
+    def runner(member: str) -> Callable[[str], StepReply]:
         node = NodeRestore(ctx.cfg, member, op)
-        return lambda name: getattr(node, name)()
+        return lambda name: run_step(node, name)
 
     return run_members(plan, runner)
 
 
 # member -> a function running that member's steps by name
-Runner = Callable[[str], Callable[[str], Dict[str, Any]]]
+Runner = Callable[[str], Callable[[str], StepReply]]
 
 
-def run_members(plan: List[Tuple[str, List[str]]], runner: Runner) -> Dict[str, Any]:
+def run_members(plan: List[Tuple[str, List[str]]], runner: Runner) -> StepsReply:
     """Each member's steps in order, stopping at its first failure; the members at once (two etcds
     of one host stopped one after the other would each wait out etcd's peer shutdown). Every
     member's results come back, and its error when it failed; what it finished is journaled."""
     from .sessions import parallel
 
-    def run(item: Tuple[str, List[str]]) -> Dict[str, Any]:
+    def run(item: Tuple[str, List[str]]) -> MemberSteps:
         member, names = item
-        done: List[Dict[str, Any]] = []
+        done: List[StepReply] = []
         try:
             step = runner(member)
             for name in names:
                 done.append(step(name))
         except AgentError as exc:
-            return {"member": member, "steps": done, "error": exc.to_json()}
+            return MemberSteps(member, tuple(done), exc.to_json())
         except Exception as exc:  # a bug in a step: reported as that member's failure, not a hang
             log.exception("node steps of %s failed unexpectedly", member)
             crash = OperationFailed(f"node step crashed: {type(exc).__name__}: {exc}")
-            return {"member": member, "steps": done, "error": crash.to_json()}
-        return {"member": member, "steps": done}
+            return MemberSteps(member, tuple(done), crash.to_json())
+        return MemberSteps(member, tuple(done))
 
-    return {"members": [res for _item, res, _err in parallel(run, plan) if res is not None]}
+    return StepsReply(tuple(res for _item, res, _err in parallel(run, plan) if res is not None))
 
 
 def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
@@ -114,49 +125,50 @@ def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
     return out
 
 
-def receive(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def receive(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("receive")
-    result: Dict[str, Any] = _node(ctx, args).receive(args.text("sha256"))
-    return result
+    return _node(ctx, args).receive(args.text("sha256"))
 
 
-def finish(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def finish(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("finish")
-    result: Dict[str, Any] = _node(ctx, args).finish(
-        member_id=args.opt_text("member_id"), cluster_id=args.opt_text("cluster_id"), ancestors=str_list(args, "ancestors"))
-    return result
+    return _node(ctx, args).finish(
+        member_id=args.opt_text("member_id"), cluster_id=args.opt_text("cluster_id"), ancestors=str_list(args, "ancestors"),
+    )
 
 
-def cleanup(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def cleanup(ctx: NodeContext, args: Args) -> Document:
     keep, dry_run = args.integer("keep"), args.flag("dry_run")
     if not dry_run:
         ctx.require_lock("cleanup")
-    result: Dict[str, Any] = _node(ctx, args).cleanup(keep, dry_run)
-    return result
+    return _node(ctx, args).cleanup(keep, dry_run)
 
 
-def upgrade_member(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def upgrade_member(ctx: NodeContext, args: Args) -> Document:
     from ..member.upgrade import upgrade_member as step
 
     ctx.require_lock("upgrade-member")
     return step(ctx.cfg, args.text("member"), args.text("to"), args.number("timeout", 120.0))
 
 
-def release_version(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def release_version(ctx: NodeContext, args: Args) -> Document:
     from ..member.upgrade import release_versions
 
-    return dict(release_versions(ctx.cfg, args.text("version")))
+    got = release_versions(ctx.cfg, args.text("version"))
+    return ReleaseReply(got.get("binary"), got.get("etcdctl"), got.get("etcdutl"))
 
 
-def backup(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def backup(ctx: NodeContext, args: Args) -> Document:
     """A verified backup written here, under the lock this session already holds."""
     from ..backup.service import take_backup
 
     ctx.require_lock("backup")
-    return take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False).to_json()
+    b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False)
+    return BackupReply(b.path, b.size, b.revision, b.sha256, round(b.duration, 3), b.member, tuple(b.pruned),
+                       tuple(b.warnings), tuple(b.quarantined))
 
 
-def lock(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+def lock(ctx: NodeContext, args: Args) -> Document:
     return ctx.take_lock()
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..config import Config
 from ..errors import AgentError, OperationFailed, RefusedError
 from ..node.client import new_owner
+from ..node.replies import CleanupReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
 from .live import Progress
 from .orchestrate import Options, Restore
@@ -29,7 +30,7 @@ def rollback_open(
         open_ops: Dict[str, str] = {}
         for n in r.nodes:
             for m in n.members:
-                f = NodeFacts.from_json(n.call("precheck", member=m.name))
+                f = n.ask(NodeFacts, "precheck", member=m.name)
                 if f.journal is not None and f.journal.open:
                     open_ops[m.name] = f.journal.op
         if not open_ops:
@@ -55,7 +56,7 @@ def rollback_open(
         r.close_all()
 
 
-def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[Dict[str, Any]]:
+def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[CleanupReply]:
     """``restore cleanup``: every member's set-aside data dirs, the newest ``keep`` kept."""
     nodes = group_hosts(cfg)
     open_sessions(cfg, nodes, new_owner("restore cleanup"), lambda s: None)
@@ -64,9 +65,9 @@ def cleanup(cfg: Config, keep: int, dry_run: bool) -> List[Dict[str, Any]]:
         for n in nodes:
             for m in n.members:
                 try:
-                    out.append(n.call("cleanup", member=m.name, keep=keep, dry_run=dry_run))
+                    out.append(n.ask(CleanupReply, "cleanup", member=m.name, keep=keep, dry_run=dry_run))
                 except AgentError as exc:
-                    out.append({"member": m.name, "error": exc.message, "decisions": [], "removed": []})
+                    out.append(CleanupReply(m.name, dry_run, error=exc.message))
         return out
     finally:
         close_sessions(nodes)

@@ -4,7 +4,7 @@ Every step writes its outcome here when it is done, and a step that moves data w
 intention first (``pending``), so a run killed between the move and the record is recognised by
 the next one. A re-run skips the steps recorded as done: that is how a restore resumes. The
 journal crosses a boundary (a file, and the node protocol's replies), so it is one typed object
-with one ``from_json``/``to_json``.
+with one ``from_json``/``to_json``; each step's record is that step's typed reply (``node.replies``).
 """
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Type, TypeVar
 
 from ..errors import OperationFailed
 from ..fs import write_atomic
+from ..node.replies import StepReply
 from ..safejson import UnsafeJson, loads
+from ..typedjson import Document
 
 JOURNAL = "journal.json"
 MAX_JOURNAL = 1 << 20
@@ -25,10 +27,22 @@ FINAL_STATES = (DONE, ROLLED_BACK)
 # The journaled steps of one member, in order.
 STEPS = ("begin", "receive", "restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence",
          "finish")
+R = TypeVar("R", bound=StepReply)
+
+
+@dataclass(frozen=True)
+class Pending(Document):
+    """A step's intention, journaled before it moves data: a run killed between the move and the
+    record is recognised by the next one."""
+
+    target: Optional[str] = None  # aside: the name the data dir is renamed to
+    output: Optional[str] = None  # restore: its staging dir
+    argv: Optional[Tuple[str, ...]] = None  # restore: set once `snapshot restore` succeeded
+    staged: Optional[str] = None  # install: the staged data being moved in
 
 
 @dataclass
-class Journal:
+class Journal(Document):
     op: str
     member: str
     backup: str
@@ -42,8 +56,8 @@ class Journal:
     was_running: bool
     state: str = RUNNING
     created: float = field(default_factory=time.time)
-    steps: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    pending: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    steps: Dict[str, StepReply] = field(default_factory=dict)  # what each step did: its reply
+    pending: Dict[str, Pending] = field(default_factory=dict)
     rollback: List[str] = field(default_factory=list)
 
     @property
@@ -53,41 +67,20 @@ class Journal:
     def done(self, step: str) -> bool:
         return step in self.steps
 
-    def info(self, step: str) -> Dict[str, Any]:
-        """What ``step`` recorded (empty when it has not run)."""
-        return self.steps.get(step) or {}
-
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "op": self.op, "member": self.member, "backup": self.backup, "token": self.token,
-            "initial_cluster": self.initial_cluster, "sha256": self.sha256, "size": self.size, "bump": self.bump,
-            "fence_owner": self.fence_owner, "new_cluster": self.new_cluster, "was_running": self.was_running,
-            "state": self.state, "created": self.created, "steps": self.steps, "pending": self.pending,
-            "rollback": self.rollback,
-        }
+    def record(self, kind: Type[R]) -> Optional[R]:
+        """What the step ``kind`` answers recorded (None when it has not run)."""
+        r = self.steps.get(kind.STEP)
+        return r if isinstance(r, kind) else None
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str) -> "Journal":
-        def get(key: str, kind: Any, optional: bool = False) -> Any:
-            v = d.get(key)
-            if v is None and optional:
-                return None
-            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-                raise OperationFailed(f"{where}: journal field {key!r} is missing or malformed")
-            return v
-
-        steps = get("steps", dict)
-        pending = get("pending", dict)
-        if not all(isinstance(v, dict) for v in list(steps.values()) + list(pending.values())):
-            raise OperationFailed(f"{where}: journal steps are malformed")
-        rollback = d.get("rollback") or []
-        return cls(
-            op=get("op", str), member=get("member", str), backup=get("backup", str), token=get("token", str),
-            initial_cluster=get("initial_cluster", str), sha256=get("sha256", str, True), size=get("size", int),
-            bump=get("bump", int, True), fence_owner=bool(d.get("fence_owner")), new_cluster=bool(d.get("new_cluster")),
-            was_running=bool(d.get("was_running")), state=get("state", str), created=float(get("created", (int, float))),
-            steps=steps, pending=pending, rollback=[str(x) for x in rollback] if isinstance(rollback, list) else [],
-        )
+    def from_json(cls, d: object, where: str) -> "Journal":
+        """The journal's key names each step record (and its member), whatever the record says."""
+        if isinstance(d, dict) and isinstance(d.get("steps"), dict):
+            d = {**d, "steps": {k: {**v, "step": k, "member": d.get("member")} if isinstance(v, dict) else v
+                                for k, v in d["steps"].items()}}
+        j = super().from_json(d, where)
+        assert isinstance(j, Journal)
+        return j
 
     def summary(self) -> "JournalSummary":
         return JournalSummary(self.op, self.state, self.sha256, self.token, self.backup, self.initial_cluster,
@@ -95,7 +88,7 @@ class Journal:
 
 
 @dataclass(frozen=True)
-class JournalSummary:
+class JournalSummary(Document):
     """What a host reports about its member's journal in a pre-check."""
 
     op: str
@@ -110,18 +103,6 @@ class JournalSummary:
     @property
     def open(self) -> bool:
         return self.state not in FINAL_STATES
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"op": self.op, "state": self.state, "sha256": self.sha256, "token": self.token, "backup": self.backup,
-                "initial_cluster": self.initial_cluster, "new_cluster": self.new_cluster, "steps": list(self.steps)}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "JournalSummary":
-        steps = d.get("steps") or []
-        sha = d.get("sha256")
-        return cls(str(d.get("op")), str(d.get("state")), sha if isinstance(sha, str) else None, str(d.get("token")),
-                   str(d.get("backup")), str(d.get("initial_cluster")), bool(d.get("new_cluster")),
-                   tuple(str(s) for s in steps) if isinstance(steps, list) else ())
 
 
 def load(path: str) -> Optional[Journal]:

@@ -9,14 +9,14 @@ orchestrator can never drive this host while the first one's session lives.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import pwd
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .. import __version__
 from ..config import Config, Member
@@ -27,18 +27,21 @@ from ..hosts.local import LocalHost
 from ..locality import machine_identity
 from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
+from ..node import replies as R
+from ..safejson import UnsafeJson, loads
 from ..state import bootstrap, lineage, markers
 from ..state.pins import pinned_config
 from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
 from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
-from .receive import RECEIVED, SNAPSHOT
+from .receive import RECEIVED, SNAPSHOT, Landed
 from .setaside import cleanup_set_aside, free_name
 
 log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
+MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
 
 
 class NodeRestore:
@@ -72,22 +75,22 @@ class NodeRestore:
             )
         return j
 
-    def _step(self, name: str, fn: Callable[[J.Journal], Dict[str, Any]]) -> Dict[str, Any]:
-        """Run ``fn(journal)`` unless ``name`` is journaled already; journal its result."""
+    def _step(self, name: str, fn: Callable[[J.Journal], R.StepReply]) -> R.StepReply:
+        """Run ``fn(journal)`` unless ``name`` is journaled already; journal its reply."""
         j = self._mine()
         if not j.open:
             raise RefusedError(f"{self.member.name}: restore {self.op} is {j.state} already")
-        if j.done(name):
-            return {"step": name, "member": self.member.name, "skipped": "already done", **j.info(name)}
-        result = fn(j)
-        result["at"] = time.time()
+        prev = j.steps.get(name)
+        if prev is not None:
+            return dataclasses.replace(prev, step=name, member=self.member.name, skipped=prev.skipped or "already done")
+        result = dataclasses.replace(fn(j), step=name, member=self.member.name, at=time.time())
         j.steps[name] = result
         j.pending.pop(name, None)
         J.save(self.journal_path, j)
         log.info("%s: restore %s: %s done", self.member.name, self.op, name)
-        return {"step": name, "member": self.member.name, **result}
+        return result
 
-    def _pending(self, j: J.Journal, name: str, info: Dict[str, Any]) -> None:
+    def _pending(self, j: J.Journal, name: str, info: J.Pending) -> None:
         j.pending[name] = info
         J.save(self.journal_path, j)
 
@@ -165,7 +168,7 @@ class NodeRestore:
     # ------------------------------------------------------------ steps
 
     def begin(self, *, token: str, initial_cluster: str, sha256: Optional[str], size: int, backup: str,
-              bump: Optional[int], fence_owner: bool, new_cluster: bool) -> Dict[str, Any]:
+              bump: Optional[int], fence_owner: bool, new_cluster: bool) -> R.StepReply:
         """Create the work dir and the journal (or find this op's journal: resume)."""
         ensure_private_dir(self.work_dir)  # the snapshot lands here: 0700, or refused if found open
         j = self.journal()
@@ -181,102 +184,101 @@ class NodeRestore:
                           initial_cluster=initial_cluster, sha256=sha256, size=size, bump=bump,
                           fence_owner=fence_owner, new_cluster=new_cluster, was_running=self.backend.is_active())
             J.save(self.journal_path, j)
-        return self._step("begin", lambda j: {"was_running": j.was_running})
+        return self._step("begin", lambda j: R.BeginReply(was_running=j.was_running))
 
-    def fence(self) -> Dict[str, Any]:
-        def do(j: J.Journal) -> Dict[str, Any]:
+    def fence(self) -> R.StepReply:
+        def do(j: J.Journal) -> R.StepReply:
             k = self.cfg.kubernetes
             if k.fence == "none" or not j.fence_owner:
-                return {"method": "none"}
+                return R.FenceReply(method="none")
             if k.fence == "unit":
                 active = self.host.run(["systemctl", "is-active", k.apiserver_unit], timeout=30, check=False).stdout.strip()
                 was = active in ("active", "activating", "reloading")
                 if was:
                     self.host.run(["systemctl", "stop", k.apiserver_unit], timeout=120)
-                return {"method": "unit", "was_active": was}
+                return R.FenceReply(method="unit", was_active=was)
             aside = os.path.join(k.manifest_aside_dir, os.path.basename(k.manifest))
             if os.path.isfile(k.manifest):
                 makedirs(k.manifest_aside_dir, 0o700)
                 os.replace(k.manifest, aside)
-                return {"method": "manifest", "moved": aside}
-            return {"method": "manifest", "moved": aside if os.path.isfile(aside) else None}
+                return R.FenceReply(method="manifest", moved=aside)
+            return R.FenceReply(method="manifest", moved=aside if os.path.isfile(aside) else None)
         return self._step("fence", do)
 
-    def stop(self) -> Dict[str, Any]:
-        def do(j: J.Journal) -> Dict[str, Any]:
+    def stop(self) -> R.StepReply:
+        def do(j: J.Journal) -> R.StepReply:
             self.backend.stop(30.0)
             if self.backend.is_active():
                 raise OperationFailed(f"{self.member.name}: etcd still running after stop ({self.backend.describe()})")
-            return {}
+            return R.StepReply()
         return self._step("stop", do)
 
-    def aside(self) -> Dict[str, Any]:
-        def do(j: J.Journal) -> Dict[str, Any]:
+    def aside(self) -> R.StepReply:
+        def do(j: J.Journal) -> R.StepReply:
             pend = j.pending.get("aside")
-            if pend and not os.path.lexists(self.data_dir) and os.path.lexists(str(pend["target"])):
-                return {"moved": pend["target"]}  # moved before a crash, not journaled yet
+            if pend and pend.target and not os.path.lexists(self.data_dir) and os.path.lexists(pend.target):
+                return R.AsideReply(moved=pend.target)  # moved before a crash, not journaled yet
             if self.backend.is_active():
                 # something started etcd again since `stop` (a supervisor that is not hands-off):
                 # never move a live member's data from under it
                 raise OperationFailed(f"{self.member.name}: etcd runs again ({self.backend.describe()}); "
                                       "its data dir is not moved")
             if not os.path.lexists(self.data_dir):
-                return {"moved": None}
+                return R.AsideReply(moved=None)
             target = free_name(self.data_dir, "pre-restore")
-            self._pending(j, "aside", {"target": target})
+            self._pending(j, "aside", J.Pending(target=target))
             os.rename(self.data_dir, target)
             log.warning("%s: data dir %s set aside as %s", self.member.name, self.data_dir, target)
-            return {"moved": target}
+            return R.AsideReply(moved=target)
         return self._step("aside", do)
 
-    def receive(self, sender_sha256: str) -> Dict[str, Any]:
+    def receive(self, sender_sha256: str) -> R.StepReply:
         """The shipped snapshot is complete and is what was sent: the receiver hashed it as it
         wrote it (``received.json``); that hash must be the sender's and, when the journal holds
         the manifest's claim, that one too. Nothing is read twice."""
-        def do(j: J.Journal) -> Dict[str, Any]:
+        def do(j: J.Journal) -> R.StepReply:
             rec = self._received()
-            if rec["sha256"] != sender_sha256:
+            if rec.sha256 != sender_sha256:
                 self._drop_payload()
-                raise OperationFailed(f"{self.member.name}: received snapshot sha256 {rec['sha256'][:16]}... is not "
+                raise OperationFailed(f"{self.member.name}: received snapshot sha256 {rec.sha256[:16]}... is not "
                                       f"what was sent ({sender_sha256[:16]}...); removed")
-            if j.sha256 is not None and j.sha256 != rec["sha256"]:
+            if j.sha256 is not None and j.sha256 != rec.sha256:
                 self._drop_payload()
-                raise OperationFailed(f"{self.member.name}: the snapshot's sha256 {rec['sha256'][:16]}... is not the "
+                raise OperationFailed(f"{self.member.name}: the snapshot's sha256 {rec.sha256[:16]}... is not the "
                                       f"manifest's {j.sha256[:16]}...; removed")
-            j.sha256 = rec["sha256"]
-            return {"sha256": rec["sha256"], "size": rec["size"]}
+            j.sha256 = rec.sha256
+            return R.ReceiveReply(sha256=rec.sha256, size=rec.size)
         return self._step("receive", do)
 
-    def _received(self) -> Dict[str, Any]:
+    def _received(self) -> Landed:
         path = os.path.join(self.work_dir, SNAPSHOT)
         try:
-            with open(os.path.join(self.work_dir, RECEIVED), encoding="utf-8") as fh:
-                rec = json.load(fh)
+            with open(os.path.join(self.work_dir, RECEIVED), "rb") as fh:
+                rec = Landed.from_json(loads(fh.read(MAX_RECORD + 1), max_bytes=MAX_RECORD), f"{self.member.name}: {RECEIVED}")
             st = os.stat(path)
-        except (OSError, ValueError):
+        except (OSError, UnsafeJson):
             raise OperationFailed(f"{self.member.name}: no complete snapshot was shipped to {path}") from None
-        if not isinstance(rec, dict) or (rec.get("size"), rec.get("ino"), rec.get("mtime_ns")) != (
-                st.st_size, st.st_ino, st.st_mtime_ns):
+        if (rec.size, rec.ino, rec.mtime_ns) != (st.st_size, st.st_ino, st.st_mtime_ns):
             raise OperationFailed(f"{self.member.name}: {path} changed since it was received")
         return rec
 
-    def restore(self) -> Dict[str, Any]:
+    def restore(self) -> R.StepReply:
         """``snapshot restore`` into ``<data dir>.restoring`` while etcd still serves from the data
         dir (nothing of the live member is touched): the long part of a restore is no downtime.
         ``install`` moves it into place once etcd is stopped and its data set aside."""
-        def do(j: J.Journal) -> Dict[str, Any]:
+        def do(j: J.Journal) -> R.StepReply:
             tmp = f"{self.data_dir}.restoring"
             pend = j.pending.get("restore")
-            if pend and "argv" in pend and os.path.isdir(tmp):
-                return {"argv": pend["argv"], "output": tmp}  # finished before a crash
+            if pend and pend.argv is not None and os.path.isdir(tmp):
+                return R.RestoreReply(argv=pend.argv, output=tmp)  # finished before a crash
             self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
             snap = os.path.join(self.work_dir, SNAPSHOT)
             if os.path.lexists(tmp):
-                if not (pend and pend.get("output") == tmp):
+                if not (pend and pend.output == tmp):
                     raise OperationFailed(f"{self.member.name}: {tmp} exists and was not made by this restore; "
                                           "not deleting it (move it away, then re-run)")
                 shutil.rmtree(tmp)  # our own partial output of an interrupted attempt
-            self._pending(j, "restore", {"output": tmp})
+            self._pending(j, "restore", J.Pending(output=tmp))
             argv = snapshot_restore_argv(
                 self.cfg, snapshot=snap, name=self.member.name, initial_cluster=j.initial_cluster,
                 token=j.token, peer_url=self.member.peer_url, data_dir=tmp, bump_revision=j.bump,
@@ -288,16 +290,16 @@ class NodeRestore:
                 tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-2:]
                 raise OperationFailed(f"{self.member.name}: snapshot restore failed (exit {res.returncode}): {' / '.join(tail)}")
             os.chmod(tmp, 0o700)
-            self._pending(j, "restore", {"output": tmp, "argv": argv})
-            return {"argv": argv, "output": tmp}
+            self._pending(j, "restore", J.Pending(output=tmp, argv=tuple(argv)))
+            return R.RestoreReply(argv=tuple(argv), output=tmp)
         return self._step("restore", do)
 
-    def install(self) -> Dict[str, Any]:
+    def install(self) -> R.StepReply:
         """The restored data (staged by ``restore``) into the data dir's place: a rename."""
-        def do(j: J.Journal) -> Dict[str, Any]:
+        def do(j: J.Journal) -> R.StepReply:
             tmp = f"{self.data_dir}.restoring"
-            if j.pending.get("install") and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
-                return {"installed": self.data_dir}  # renamed before a crash
+            if "install" in j.pending and os.path.isdir(self.data_dir) and not os.path.lexists(tmp):
+                return R.InstallReply(installed=self.data_dir)  # renamed before a crash
             if os.path.lexists(self.data_dir):
                 raise OperationFailed(f"{self.member.name}: {self.data_dir} reappeared after it was set aside; not touching it")
             if not j.done("restore") or not os.path.isdir(tmp):
@@ -305,29 +307,28 @@ class NodeRestore:
             if self.backend.is_active():
                 raise OperationFailed(f"{self.member.name}: etcd runs again ({self.backend.describe()}); "
                                       "the restored data is not moved in")
-            self._pending(j, "install", {"from": tmp})
+            self._pending(j, "install", J.Pending(staged=tmp))
             os.rename(tmp, self.data_dir)
-            return {"installed": self.data_dir}
+            return R.InstallReply(installed=self.data_dir)
         return self._step("install", do)
 
-    def chown(self) -> Dict[str, Any]:
-        def do(j: J.Journal) -> Dict[str, Any]:
+    def chown(self) -> R.StepReply:
+        def do(j: J.Journal) -> R.StepReply:
             owner = etcd_owner(self.cfg)
             if owner is None:
-                return {"skipped": f"etcd runs as this agent's user ({pwd.getpwuid(os.geteuid()).pw_name})"}
+                return R.ChownReply(skipped=f"etcd runs as this agent's user ({pwd.getpwuid(os.geteuid()).pw_name})")
             spec = f"{self.cfg.etcd.user}:{self.cfg.etcd.group}"
             self.host.run(["chown", "-R", spec, self.data_dir], timeout=600)
-            return {"owner": spec}
+            return R.ChownReply(owner=spec)
         return self._step("chown", do)
 
-    def repair(self) -> Dict[str, Any]:
+    def repair(self) -> R.StepReply:
         """etcd.conf (and etcd.service) present and naming this member in the restored cluster.
 
         Rendered, never copied: a missing conf or unit is written from the agent's own templates
         for this host; an archive's etcd.conf/etcd.service never becomes live config. An existing
         conf keeps its other lines (the host's own tuning) and gets the identity keys rewritten."""
-        def do(j: J.Journal) -> Dict[str, Any]:
-            out: Dict[str, Any] = {}
+        def do(j: J.Journal) -> R.StepReply:
             conf = self.cfg.conf_file(self.member.name)
             boot = Bootstrap(self.member.name, EXISTING, j.initial_cluster, j.token)
             values = P.restore_conf_values(self.cfg, self.member, boot)
@@ -339,55 +340,48 @@ class NodeRestore:
             if old is None:
                 makedirs(os.path.dirname(conf) or "/", 0o755)  # not 0777 under umask 000
                 write_atomic(conf, render_conf(self.cfg, self.member, boot).encode(), mode=0o644)
-                out["conf"] = "missing: rendered from the agent's config"
-                out["conf_created"] = True
+                rep = R.RepairReply(conf="missing: rendered from the agent's config", conf_created=True)
+            elif all(parse_conf(old).get(k) == v for k, v in values.items()):
+                rep = R.RepairReply(conf="kept")
             else:
-                cur = parse_conf(old)
-                if all(cur.get(k) == v for k, v in values.items()):
-                    out["conf"] = "kept"
-                else:
-                    write_atomic(os.path.join(self.work_dir, CONF_ORIG), old.encode(), mode=0o600)
-                    write_atomic(conf, P.rewrite_conf(old, values).encode(), mode=0o644)
-                    out["conf"] = "identity/cluster keys rewritten (original kept for rollback)"
-                    out["conf_saved"] = True
-            if self.cfg.etcd.service_manager == "systemd":
-                unit = self.cfg.etcd.unit_file
-                if os.path.isfile(unit):
-                    out["unit"] = "kept"
-                else:
-                    write_atomic(unit, LocalMember(self.cfg, self.member).unit_text().encode(), mode=0o644)
-                    self.host.run(["systemctl", "daemon-reload"], timeout=60)
-                    out["unit"] = "missing: rendered from the agent's template"
-                    out["unit_created"] = True
-            return out
+                write_atomic(os.path.join(self.work_dir, CONF_ORIG), old.encode(), mode=0o600)
+                write_atomic(conf, P.rewrite_conf(old, values).encode(), mode=0o644)
+                rep = R.RepairReply(conf="identity/cluster keys rewritten (original kept for rollback)", conf_saved=True)
+            unit = self.cfg.etcd.unit_file
+            if self.cfg.etcd.service_manager != "systemd":
+                return rep
+            if os.path.isfile(unit):
+                return dataclasses.replace(rep, unit="kept")
+            write_atomic(unit, LocalMember(self.cfg, self.member).unit_text().encode(), mode=0o644)
+            self.host.run(["systemctl", "daemon-reload"], timeout=60)
+            return dataclasses.replace(rep, unit="missing: rendered from the agent's template", unit_created=True)
         return self._step("repair", do)
 
-    def start(self) -> Dict[str, Any]:
-        def do(j: J.Journal) -> Dict[str, Any]:
+    def start(self) -> R.StepReply:
+        def do(j: J.Journal) -> R.StepReply:
             self.backend.start()
-            return {}
+            return R.StepReply()
         return self._step("start", do)
 
-    def unfence(self) -> Dict[str, Any]:
+    def unfence(self) -> R.StepReply:
         return self._step("unfence", self._unfence)
 
-    def _unfence(self, j: J.Journal) -> Dict[str, Any]:
-        f = j.info("fence")
+    def _unfence(self, j: J.Journal) -> R.UnfenceReply:
+        f = j.record(R.FenceReply) or R.FenceReply()
         k = self.cfg.kubernetes
-        if f.get("method") == "unit" and f.get("was_active"):
+        if f.method == "unit" and f.was_active:
             self.host.run(["systemctl", "start", k.apiserver_unit], timeout=120)
-            return {"started": k.apiserver_unit}
-        moved = f.get("moved")
-        if f.get("method") == "manifest" and isinstance(moved, str):
-            if os.path.isfile(moved) and not os.path.exists(k.manifest):
-                os.replace(moved, k.manifest)
-            return {"restored": k.manifest}
-        return {}
+            return R.UnfenceReply(started=k.apiserver_unit)
+        if f.method == "manifest" and f.moved is not None:
+            if os.path.isfile(f.moved) and not os.path.exists(k.manifest):
+                os.replace(f.moved, k.manifest)
+            return R.UnfenceReply(restored=k.manifest)
+        return R.UnfenceReply()
 
-    def finish(self, *, member_id: Optional[str], cluster_id: Optional[str], ancestors: List[str]) -> Dict[str, Any]:
+    def finish(self, *, member_id: Optional[str], cluster_id: Optional[str], ancestors: List[str]) -> R.StepReply:
         """Mark the journal done, record what this member now is (its new id, the new token) and
         where its data came from (``ancestors``: the snapshot's member ids), drop the payload."""
-        res = self._step("finish", lambda j: {})
+        res = self._step("finish", lambda j: R.StepReply())
         j = self._mine()
         j.state = J.DONE
         J.save(self.journal_path, j)
@@ -400,14 +394,14 @@ class NodeRestore:
 
     # ------------------------------------------------------------ rollback
 
-    def rollback(self) -> Dict[str, Any]:
+    def rollback(self) -> R.RollbackReply:
         """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as
         before; then report what is true now (running or not), not what was intended."""
         j = self._mine()
         if j.state == J.ROLLED_BACK:
             markers.clear_restore(self.cfg, self.member.name, self.op)
-            return {"step": "rollback", "member": self.member.name, "skipped": "already rolled back",
-                    "running": self.backend.is_active()}
+            return R.RollbackReply(step="rollback", member=self.member.name, skipped="already rolled back",
+                                 running=self.backend.is_active())
         if j.state == J.DONE:
             raise RefusedError(f"{self.member.name}: restore {self.op} finished; nothing to roll back")
         did: List[str] = []
@@ -419,20 +413,21 @@ class NodeRestore:
                 did.append("etcd started again")
             except AgentError as exc:
                 did.append(f"etcd NOT started again: {exc.message}")
-        if j.done("fence") and not j.done("unfence") and self._unfence(j):  # {}: nothing was fenced
+        if j.done("fence") and not j.done("unfence") and self._unfence(j) != R.UnfenceReply():  # nothing was fenced
             did.append("apiserver unfenced")
         j.state = J.ROLLED_BACK
         j.rollback = did
         J.save(self.journal_path, j)
         self._drop_payload()
         markers.clear_restore(self.cfg, self.member.name, self.op)
-        return {"step": "rollback", "member": self.member.name, "did": did, "running": self.backend.is_active(),
-                "was_running": j.was_running}
+        return R.RollbackReply(step="rollback", member=self.member.name, did=tuple(did), running=self.backend.is_active(),
+                             was_running=j.was_running)
 
     def _rollback_data(self, j: J.Journal, did: List[str]) -> None:
         """etcd stopped if this op touched its data (left running if not); the old data dir put
         back, the restored one kept aside as failed-restore."""
-        moved = j.info("aside").get("moved") or (j.pending.get("aside") or {}).get("target")
+        aside, pend = j.record(R.AsideReply), j.pending.get("aside")
+        moved = (aside.moved if aside else None) or (pend.target if pend else None)
         installed = j.done("install") or "install" in j.pending
         # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
         # etcd's to undo: a member still running on its own data is left running, not restarted
@@ -444,7 +439,8 @@ class NodeRestore:
         else:
             did.append("etcd left running: its data dir was never touched")
         tmp = f"{self.data_dir}.restoring"
-        if os.path.lexists(tmp) and tmp in ((j.pending.get("restore") or {}).get("output"), j.info("restore").get("output")):
+        staged = (j.pending.get("restore") or J.Pending()).output, (j.record(R.RestoreReply) or R.RestoreReply()).output
+        if os.path.lexists(tmp) and tmp in staged:
             shutil.rmtree(tmp)  # our own output, staged and never moved in
             did.append(f"staged {tmp} removed")
         if isinstance(moved, str) and os.path.lexists(moved):
@@ -461,17 +457,17 @@ class NodeRestore:
 
     def _rollback_files(self, j: J.Journal, did: List[str]) -> None:
         """etcd.conf and the unit as they were before this op."""
-        rep = j.info("repair")
+        rep = j.record(R.RepairReply) or R.RepairReply()
         conf = self.cfg.conf_file(self.member.name)
         orig = os.path.join(self.work_dir, CONF_ORIG)
-        if rep.get("conf_saved") and os.path.isfile(orig):
+        if rep.conf_saved and os.path.isfile(orig):
             with open(orig, "rb") as fh:
                 write_atomic(conf, fh.read(), mode=0o644)
             did.append(f"{conf} restored")
-        elif rep.get("conf_created") and os.path.isfile(conf):
+        elif rep.conf_created and os.path.isfile(conf):
             os.unlink(conf)  # there was none before: leave the host as it was
             did.append(f"{conf} (rendered by this restore) removed")
-        if rep.get("unit_created") and os.path.isfile(self.cfg.etcd.unit_file):
+        if rep.unit_created and os.path.isfile(self.cfg.etcd.unit_file):
             os.unlink(self.cfg.etcd.unit_file)
             self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
             did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
@@ -494,5 +490,5 @@ class NodeRestore:
             if os.path.isfile(p) and not os.path.islink(p):
                 os.unlink(p)
 
-    def cleanup(self, keep: int, dry_run: bool) -> Dict[str, Any]:
+    def cleanup(self, keep: int, dry_run: bool) -> R.CleanupReply:
         return cleanup_set_aside(self.data_dir, self.member.name, keep, dry_run)

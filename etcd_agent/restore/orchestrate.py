@@ -32,6 +32,7 @@ from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError,
 from ..fs import ensure_private_dir
 from ..node.client import NodeClient, new_owner
 from ..node.protocol import Owner
+from ..node.replies import RollbackReply, StepReply, StepsReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
@@ -181,7 +182,7 @@ class Restore:
         problems: Dict[str, List[str]] = {}
 
         def precheck(n: HostNode) -> Dict[str, NodeFacts]:
-            return {m.name: NodeFacts.from_json(n.call("precheck", member=m.name)) for m in n.members}
+            return {m.name: n.ask(NodeFacts, "precheck", member=m.name) for m in n.members}
 
         for n in self.nodes:
             if n.where in self.unreachable:
@@ -283,20 +284,18 @@ class Restore:
 
         def per_host(items: List[Tuple[Member, Sequence[str]]]) -> List[str]:
             n = self.node_of(items[0][0].name)
-            res = n.call("steps", op=self.op, members=[{"member": m.name, "steps": list(s)} for m, s in items])
-            answers = res.get("members")
-            by_name = {a.get("member"): a for a in answers if isinstance(a, dict)} if isinstance(answers, list) else {}
+            res = n.ask(StepsReply, "steps", op=self.op, members=[{"member": m.name, "steps": list(s)} for m, s in items])
+            by_name = {a.member: a for a in res.members}
             failed = []
             for m, _names in items:
                 a = by_name.get(m.name)
-                done = a.get("steps") if a is not None else None
-                if a is None or not isinstance(done, list):
+                if a is None:
                     failed.append(f"{m.name} ({n.where}): no answer for this member")
                     continue
-                for r in done:
-                    self._said(m, r if isinstance(r, dict) else {}, "?")
-                if "error" in a:
-                    failed.append(f"{m.name} ({n.where}): {error_from_json(a['error']).message}")
+                for r in a.steps:
+                    self._said(m, r, "?")
+                if a.error is not None:
+                    failed.append(f"{m.name} ({n.where}): {error_from_json(a.error).message}")
             return failed
 
         failed: List[str] = []
@@ -308,15 +307,15 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
-    def _call(self, m: Member, step: str, **args: Any) -> Dict[str, Any]:
-        res = self.node_of(m.name).call(step, member=m.name, op=self.op, **args)
+    def _call(self, m: Member, step: str, **args: Any) -> StepReply:
+        res = self.node_of(m.name).ask(StepReply, step, member=m.name, op=self.op, **args)
         self._said(m, res, step)
         return res
 
-    def _said(self, m: Member, r: Dict[str, Any], step: str) -> None:
+    def _said(self, m: Member, r: StepReply, step: str) -> None:
         """One progress line for a step's result."""
-        extra = r.get("skipped") or r.get("moved") or r.get("conf") or ""
-        self.say(f"{m.name} ({self.node_of(m.name).where}): {r.get('step', step)} ok" + (f" - {extra}" if extra else ""))
+        extra = r.note()
+        self.say(f"{m.name} ({self.node_of(m.name).where}): {r.step or step} ok" + (f" - {extra}" if extra else ""))
 
     def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, NodeFacts], outcome: Outcome) -> None:
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
@@ -432,14 +431,14 @@ class Restore:
         lines: List[str] = []
         ok = True
 
-        def one(m: Member) -> Dict[str, Any]:
+        def one(m: Member) -> RollbackReply:
             n = self.node_of(m.name)
             try:
-                return n.call("rollback", member=m.name, op=self.op)
+                return n.ask(RollbackReply, "rollback", member=m.name, op=self.op)
             except HostUnreachable:
                 # the session broke (the host was cut off, or timed out): a fresh one may work
                 self._reopen(n)
-                return n.call("rollback", member=m.name, op=self.op)
+                return n.ask(RollbackReply, "rollback", member=m.name, op=self.op)
 
         for m, res, err in parallel(one, members):
             where = self.node_of(m.name).where
@@ -449,9 +448,9 @@ class Restore:
                 ok = False
                 lines.append(f"{m.name} ({where}): NOT rolled back: {message(err) if err else 'no answer'}")
             else:
-                state = "etcd running" if res.get("running") else (
-                    "etcd stopped (it was not running before)" if not res.get("was_running") else "etcd NOT running")
-                lines.append(f"{m.name} ({where}) rolled back: {'; '.join(res.get('did', [])) or res.get('skipped', '')}; now {state}")
+                state = "etcd running" if res.running else (
+                    "etcd stopped (it was not running before)" if not res.was_running else "etcd NOT running")
+                lines.append(f"{m.name} ({where}) rolled back: {'; '.join(res.did) or res.skipped or ''}; now {state}")
             self.say(lines[-1])
         return ok, lines
 

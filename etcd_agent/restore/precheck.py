@@ -7,13 +7,13 @@ says whether this run resumes an unfinished restore. ``plan`` builds the plan fr
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 from ..config import NAME_RE, Config, Member
 from ..node.protocol import PROTOCOL
+from ..typedjson import Document
 from .journal import JournalSummary
 
 # Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
@@ -24,7 +24,7 @@ NODE_PROTOCOL = PROTOCOL
 
 
 @dataclass(frozen=True)
-class NodeFacts:
+class NodeFacts(Document):
     """What one host reported about itself for one member (``node precheck``)."""
 
     member: str
@@ -59,54 +59,6 @@ class NodeFacts:
     # upgrade (None from agents that do not say: the plan assumes this config's)
     etcdctl_path: Optional[str] = None
     etcdutl_path: Optional[str] = None
-
-    def to_json(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["journal"] = self.journal.to_json() if self.journal else None
-        d["tls_missing"] = list(self.tls_missing)
-        d["lineage"] = [list(x) for x in self.lineage]
-        d["db_member_ids"] = list(self.db_member_ids)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "NodeFacts":
-        def opt(key: str) -> Optional[str]:
-            v = d.get(key)
-            return v if isinstance(v, str) else None
-
-        journal = d.get("journal")
-        lin = d.get("lineage") or []
-        return cls(
-            member=str(d["member"]),
-            protocol=int(d["protocol"]),
-            agent_version=str(d.get("agent_version", "?")),
-            etcd_version=opt("etcd_version"),
-            etcdctl_version=opt("etcdctl_version"),
-            etcdutl_version=opt("etcdutl_version"),
-            free_bytes=int(d.get("free_bytes", 0)),
-            data_dir=str(d["data_dir"]),
-            data_dir_state=str(d.get("data_dir_state", "absent")),
-            work_dir=str(d["work_dir"]),
-            conf_file=str(d.get("conf_file", "")),
-            conf_present=bool(d.get("conf_present")),
-            unit_present=d.get("unit_present") if isinstance(d.get("unit_present"), bool) else None,
-            backend=str(d.get("backend", "?")),
-            running=bool(d.get("running")),
-            fence_ok=bool(d.get("fence_ok")),
-            fence_detail=str(d.get("fence_detail", "")),
-            identity_match=bool(d.get("identity_match")),
-            tls_missing=tuple(str(x) for x in (d.get("tls_missing") or ())),
-            journal=JournalSummary.from_json(journal) if isinstance(journal, dict) else None,
-            peer_url=str(d.get("peer_url", "")),
-            client_url=str(d.get("client_url", "")),
-            bootstrap_member_id=opt("bootstrap_member_id"),
-            bootstrap_cluster_id=opt("bootstrap_cluster_id"),
-            lineage=tuple(tuple(str(y) for y in x) for x in lin if isinstance(x, list)),
-            db_member_ids=tuple(str(x) for x in (d.get("db_member_ids") or ()) if isinstance(x, str)),
-            db_note=str(d.get("db_note") or ""),
-            etcdctl_path=opt("etcdctl_path"),
-            etcdutl_path=opt("etcdutl_path"),
-        )
 
 
 def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:

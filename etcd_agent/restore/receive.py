@@ -17,7 +17,8 @@ import logging
 import os
 import select
 import time
-from typing import Any, Callable, Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..backup.snapcheck import StreamCheck
 from ..config import Config
@@ -26,6 +27,7 @@ from ..fs import StagedFile, write_atomic
 from ..node.protocol import PROTOCOL
 from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
 from ..state.locks import holder_of
+from ..typedjson import Document
 from . import journal as J
 from .precheck import work_dir_for
 
@@ -33,6 +35,21 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT = "etcd_snapshot.db"
 RECEIVED = "received.json"
+
+
+@dataclass(frozen=True)
+class Landed(Document):
+    """``received.json``: what was committed to ``SNAPSHOT``, and the file it was committed as
+    (size, inode, mtime: the steps after ``receive`` check they still hold those bytes)."""
+
+    sha256: str
+    size: int
+    ino: int
+    mtime_ns: int
+    pages: Optional[int] = None
+    page_size: Optional[int] = None
+    codec: Optional[str] = None
+    wire: Optional[int] = None
 PIPE_SIZE = 1 << 20  # stdin from sshd: a bigger pipe means fewer, larger reads
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
 
@@ -104,9 +121,8 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
         staged.discard()
         raise
     st2 = os.stat(final)
-    rec = {"sha256": digest, "size": st2.st_size, "ino": st2.st_ino, "mtime_ns": st2.st_mtime_ns,
-           "pages": facts[0], "page_size": facts[1], "codec": codec, "wire": frames.wire}
-    write_atomic(os.path.join(work_dir, RECEIVED), (json.dumps(rec) + "\n").encode(), mode=0o600)
+    rec = Landed(digest, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts[0], facts[1], codec, frames.wire)
+    write_atomic(os.path.join(work_dir, RECEIVED), (json.dumps(rec.to_json()) + "\n").encode(), mode=0o600)
     log.info("%s: received %d bytes for restore %s in %.1fs (%s, %d on the wire; sha256 %s...)%s", member, size, op,
              time.monotonic() - t0, codec, frames.wire, digest[:16],
              f"; removed {len(staged.removed)} temp file(s) of a receiver that died" if staged.removed else "")

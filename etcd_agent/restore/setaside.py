@@ -6,8 +6,8 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Dict
 
+from ..node.replies import CleanupReply, Decision
 from .plan import cleanup_plan
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def free_name(base: str, tag: str) -> str:
     return target if n == 1 else f"{target}.{n}"
 
 
-def cleanup_set_aside(data_dir: str, member: str, keep: int, dry_run: bool) -> Dict[str, Any]:
+def cleanup_set_aside(data_dir: str, member: str, keep: int, dry_run: bool) -> CleanupReply:
     """Remove this member's set-aside data dirs but the newest ``keep`` (``dry_run``: report only)."""
     parent = os.path.dirname(data_dir) or "/"
     try:
@@ -40,9 +40,5 @@ def cleanup_set_aside(data_dir: str, member: str, keep: int, dry_run: bool) -> D
             shutil.rmtree(d.path)
             removed.append(d.path)
             log.info("removed %s: %s", d.path, d.reason)
-    return {
-        "member": member,
-        "dry_run": dry_run,
-        "decisions": [{"path": d.path, "keep": d.keep, "reason": d.reason} for d in decisions],
-        "removed": removed,
-    }
+    return CleanupReply(member=member, dry_run=dry_run, removed=tuple(removed),
+                        decisions=tuple(Decision(d.path, d.keep, d.reason) for d in decisions))

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.backup.identity import Evidence
@@ -20,11 +21,24 @@ from etcd_agent.config import Config
 from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
 from etcd_agent.hosts.base import LineBuffer
 from etcd_agent.node.protocol import PROTOCOL, Args, encode
+from etcd_agent.node.replies import StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext, serve
 from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError
 from etcd_agent.restore.precheck import NodeFacts, work_dir_for
+from etcd_agent.typedjson import Document
 
 StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail
+
+
+@dataclass(frozen=True)
+class Verbatim(Document):
+    """A scripted reply, sent exactly as the script wrote it (a test may script a malformed one:
+    the orchestrator's reading is what it tests)."""
+
+    doc: Dict[str, Any]
+
+    def to_json(self) -> Dict[str, Any]:
+        return dict(self.doc)
 
 
 class Script:
@@ -59,7 +73,7 @@ class Script:
         return {"step": "rollback", "member": member, "did": ["etcd stopped", "old data dir back", "etcd started again"],
                 "running": True, "was_running": True}
 
-    def batch(self, host: str, args: Args, die_at: Optional[Tuple[str, str]]) -> Dict[str, Any]:
+    def batch(self, host: str, args: Args, die_at: Optional[Tuple[str, str]]) -> StepsReply:
         """``steps``: several members' simple steps through the real server's ``run_members``
         (the members at once, each one's results and error). ``die_at`` (step, member) in the
         request: the session drops instead of answering, before any of it runs."""
@@ -68,7 +82,8 @@ class Script:
         plan = member_steps(args)
         if any(die_at == (n, member) for member, names in plan for n in names):
             raise _Dropped()
-        return run_members(plan, lambda member: lambda name: self.run(host, name, member, args))
+        return run_members(plan, lambda member: lambda name: StepReply.from_json(
+            self.run(host, name, member, args), f"scripted {name}"))
 
     def _host_of(self, member: str) -> str:
         return self.cfg.member(member).ssh_host
@@ -207,7 +222,7 @@ class ServeSession(ScriptedSession):
         host = self.host
 
         def handler_for(step: str) -> Handler:
-            def handler(ctx: NodeContext, args: Args) -> Dict[str, Any]:
+            def handler(ctx: NodeContext, args: Args) -> Document:
                 if step == "lock":
                     return ctx.take_lock()
                 if step == "steps":
@@ -220,7 +235,7 @@ class ServeSession(ScriptedSession):
                     raise _Dropped()
                 if step != "precheck":
                     ctx.require_lock(step)
-                return host.script.run(host.name, step, member, args)
+                return Verbatim(host.script.run(host.name, step, member, args))
             return handler
 
         handlers = {name: handler_for(name) for name in list(host.script.steps) + ["lock", "steps"]}

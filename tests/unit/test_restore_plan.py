@@ -58,7 +58,7 @@ def facts(c: Any, name: str, **kw: Any) -> C.NodeFacts:
         fence_detail="", identity_match=True, peer_url=m.peer_url, client_url=m.client_url,
     )
     d.update(kw)
-    return C.NodeFacts.from_json(d)
+    return C.NodeFacts.from_json(d, "test")
 
 
 def check(c: Any, name: str, **kw: Any) -> list:
@@ -179,8 +179,8 @@ def test_host_rules() -> None:
     assert any("neither etcdutl nor etcdctl" in p for p in check(c, "master1", etcdctl_version=None))
     assert any("this host has etcdctl 3.3.1: restoring it would downgrade" in p for p in check(c, "master1", etcdctl_version="3.3.1"))
     assert any("TLS file" in p for p in check(c, "master1", tls_missing=["/x.crt"]))
-    assert any("unfinished restore" in p for p in check(c, "master1", journal={"op": "x", "state": "running"}))
-    assert check(c, "master1", journal={"op": "x", "state": "done"}) == []
+    assert any("unfinished restore" in p for p in check(c, "master1", journal=_journal("x").to_json()))
+    assert check(c, "master1", journal=_journal("x", "done").to_json()) == []
 
 
 def _journal(op: str, state: str = "running", backup: str = "/b/x.tar", sha: "str | None" = "s") -> JournalSummary:
