@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
-from etcd_agent.state.locks import OperationLock
+from etcd_agent.state.locks import Holder, OperationLock
 
 from . import proto
 from .errors import ChainBroken, DeltaError
@@ -178,7 +178,7 @@ class DeltaWatcher:
         ensure_private_dir(self.out_dir)
         # the holder record tells a prune (another process) which chain is being written
         lock = OperationLock(os.path.join(self.out_dir, LOCK_NAME), "delta watch",
-                             holder={"base_revision": self.base_revision, "endpoint": self.endpoint}).acquire()
+                             holder=Holder(base_revision=self.base_revision, endpoint=self.endpoint)).acquire()
         try:
             remove_stale_temps(self.out_dir)
             resumed = find_resume_point(self.out_dir, self.base_revision)

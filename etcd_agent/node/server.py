@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 from .. import __version__
 from ..config import Config
 from ..errors import AgentError, BusyError, OperationFailed, RefusedError
-from ..state.locks import SHORT_WAIT, OperationLock, lock_path_for
+from ..state.locks import SHORT_WAIT, Holder, OperationLock, SessionOwner, lock_path_for
 from ..typedjson import Document, JsonObject
 from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
 from .replies import LockReply
@@ -45,7 +45,7 @@ class NodeContext:
             ensure_private_dir(self.cfg.backup.dir)
             # this host's own backup (the daemon's or cron's) ends by itself: wait for it
             self.lock = OperationLock(lock_path_for(self.cfg.backup.dir), self.owner.command,
-                                      holder={"owner": self.owner.to_json()}).acquire(wait=SHORT_WAIT)
+                                      holder=Holder(owner=SessionOwner(**self.owner.to_json()))).acquire(wait=SHORT_WAIT)
         return LockReply(self.lock.path, True)
 
     def require_lock(self, step: str) -> None:

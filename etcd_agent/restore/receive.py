@@ -78,8 +78,8 @@ class IdleStream:
 def _expecting(cfg: Config, member: str, op: str, owner_token: str) -> str:
     """The member's work dir, when this op's journal there waits for the snapshot from this owner."""
     holder = holder_of(cfg.backup.dir)
-    owner = (holder or {}).get("owner") if holder else None
-    if not isinstance(owner, dict) or owner.get("token") != owner_token:
+    owner = holder.owner if holder else None
+    if owner is None or owner.token != owner_token:
         raise BusyError(f"{member}: this host's operation lock is not held by the restore shipping to it; nothing written")
     work_dir = work_dir_for(cfg.data_dir(member).rstrip("/"), member)
     j = J.load(J.path_in(work_dir))

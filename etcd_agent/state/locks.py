@@ -11,6 +11,7 @@ when its orchestrator closes it, dies, or goes silent (``node.protocol.SILENCE_L
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -18,10 +19,13 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Dict, List, Optional, Type
+from typing import List, Optional, Type
 
 from ..errors import BackupError, BusyError, OperationFailed
+from ..safejson import UnsafeJson, loads
+from ..typedjson import Document
 from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,30 @@ SHORT_OPERATIONS = frozenset({"backup", "prune", "import"})
 SHORT_WAIT = 60.0
 
 
+@dataclass(frozen=True)
+class SessionOwner(Document):
+    """The orchestrator driving a node session that holds the lock (``node.protocol.Owner``)."""
+
+    command: Optional[str] = None
+    host: Optional[str] = None
+    pid: Optional[int] = None
+    token: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Holder(Document):
+    """The lock file's record of its holder; every field optional (the file is read as found)."""
+
+    operation: Optional[str] = None
+    pid: Optional[int] = None
+    host: Optional[str] = None
+    since: Optional[str] = None
+    owner: Optional[SessionOwner] = None  # a node session's orchestrator
+    base_revision: Optional[int] = None  # a delta watcher's chain (``delta.chains.active_base``)
+    endpoint: Optional[str] = None
+    text: Optional[str] = None  # an old plain-text record, or a damaged one
+
+
 def lock_path_for(backup_dir: str) -> str:
     return os.path.join(backup_dir, LOCK_NAME)
 
@@ -44,10 +72,10 @@ class OperationLock:
 
     ``holder`` is recorded in the file for the next caller's busy message (and for ``status``)."""
 
-    def __init__(self, path: str, operation: str, holder: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, path: str, operation: str, holder: Optional[Holder] = None) -> None:
         self.path = path
         self.operation = operation
-        self.holder = holder or {}
+        self.holder = holder or Holder()
         self._fd: Optional[int] = None
 
     @property
@@ -61,7 +89,7 @@ class OperationLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise BackupError(f"cannot open lock file {self.path}: {exc.strerror or exc}") from None
-        seen: List[Dict[str, Any]] = []
+        seen: List[Holder] = []
 
         def take() -> bool:
             try:
@@ -78,7 +106,7 @@ class OperationLock:
                 raise NotYet(f"{describe_holder(rec)} still holds it")
             raise _HeldBy(rec)
 
-        def busy(rec: Dict[str, Any], waited: str = "") -> BusyError:
+        def busy(rec: Holder, waited: str = "") -> BusyError:
             os.close(fd)
             return BusyError(f"busy: {describe_holder(rec) or 'another etcd-agent operation'} holds "
                              f"{self.path}{waited}; {self.operation} not started, nothing touched")
@@ -95,10 +123,10 @@ class OperationLock:
         except OSError as exc:
             os.close(fd)
             raise BackupError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
-        rec = {"operation": self.operation, "pid": os.getpid(), "host": socket.gethostname(),
-               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.holder}
+        rec = dataclasses.replace(self.holder, operation=self.operation, pid=os.getpid(), host=socket.gethostname(),
+                                  since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(rec, sort_keys=True) + "\n").encode(), 0)
+        os.pwrite(fd, (json.dumps(rec.to_json(), sort_keys=True) + "\n").encode(), 0)
         self._fd = fd
         log.debug("took operation lock %s for %s", self.path, self.operation)
         return self
@@ -123,44 +151,44 @@ class OperationLock:
 class _HeldBy(Exception):
     """The lock's holder is not one to wait for."""
 
-    def __init__(self, rec: Dict[str, Any]) -> None:
+    def __init__(self, rec: Holder) -> None:
         super().__init__("held")
         self.rec = rec
 
 
-def _short(rec: Dict[str, Any]) -> bool:
+def _short(rec: Holder) -> bool:
     """The holder is this host's own backup (or prune, import): it ends by itself, soon."""
-    return "owner" not in rec and rec.get("operation") in SHORT_OPERATIONS
+    return rec.owner is None and rec.operation in SHORT_OPERATIONS
 
 
-def read_holder_fd(fd: int) -> Dict[str, Any]:
-    """What the holder recorded (an old plain-text record or damage gives {"text": ...})."""
+def read_holder_fd(fd: int) -> Holder:
+    """What the holder recorded (an old plain-text record or damage gives ``text``)."""
     try:
-        raw = os.pread(fd, MAX_HOLDER, 0).decode("utf-8", "replace").strip()
+        raw = os.pread(fd, MAX_HOLDER, 0)
     except OSError:
-        return {}
-    if not raw:
-        return {}
+        return Holder()
+    text = raw.decode("utf-8", "replace").strip()
+    if not text:
+        return Holder()
     try:
-        rec = json.loads(raw)
-    except ValueError:
-        return {"text": raw[:200]}
-    return rec if isinstance(rec, dict) else {"text": raw[:200]}
+        return Holder.from_json(loads(raw, max_bytes=MAX_HOLDER), "lock holder")
+    except (UnsafeJson, OperationFailed):
+        return Holder(text=text[:200])
 
 
-def describe_holder(rec: Dict[str, Any]) -> str:
+def describe_holder(rec: Holder) -> str:
     """``rec`` as one phrase: ``restore 2026...-ab12 driven from master1 (pid 4242) since ...``."""
-    if not rec:
+    if rec == Holder():
         return ""
-    if "text" in rec:
-        return str(rec["text"])
-    owner = rec.get("owner") if isinstance(rec.get("owner"), dict) else None
-    what = str(owner.get("command")) if owner else str(rec.get("operation", "an operation"))
-    where = f"{owner.get('host')} (pid {owner.get('pid')})" if owner else f"{rec.get('host')} (pid {rec.get('pid')})"
-    return f"`etcd-agent {what}` from {where} since {rec.get('since', '?')}"
+    if rec.text is not None:
+        return rec.text
+    owner = rec.owner
+    what = str(owner.command) if owner else (rec.operation or "an operation")
+    where = f"{owner.host} (pid {owner.pid})" if owner else f"{rec.host} (pid {rec.pid})"
+    return f"`etcd-agent {what}` from {where} since {rec.since or '?'}"
 
 
-def holder_of(backup_dir: str) -> Optional[Dict[str, Any]]:
+def holder_of(backup_dir: str) -> Optional[Holder]:
     """The live holder of this host's lock, or None when it is free (the flock decides, not the
     file: a record left by a dead holder is not a holder)."""
     path = lock_path_for(backup_dir)

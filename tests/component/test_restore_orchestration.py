@@ -184,10 +184,10 @@ def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> Non
 
 
 def test_a_held_lock_is_busy_and_nothing_is_touched(bed: Bed) -> None:
-    from etcd_agent.state.locks import OperationLock, lock_path_for
+    from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for
 
     other = OperationLock(lock_path_for(bed.hosts["10.0.0.2"].cfg.backup.dir), "restore --from x",
-                          holder={"owner": {"token": "t", "host": "master9", "pid": 77, "command": "restore --from x"}})
+                          holder=Holder(owner=SessionOwner("restore --from x", "master9", 77, "t")))
     with other:
         with pytest.raises(AgentError) as ei:
             bed.restore().run()

@@ -28,7 +28,7 @@ from etcd_agent.errors import OperationFailed
 from etcd_agent.restore.orchestrate import Options, restore
 from etcd_agent.restore.plan import BUMP_REVISION
 from etcd_agent.restore.precheck import work_dir_for
-from etcd_agent.state.locks import OperationLock, lock_path_for
+from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY
 
@@ -153,7 +153,7 @@ def test_dry_run_busy_and_hostile_tarball_change_nothing(cluster_factory, capsys
 
     # another operator's restore holds the lock: busy at once, nothing touched
     with OperationLock(lock_path_for(c.cfg.backup.dir), "restore 1",
-                       holder={"owner": {"command": "restore 1", "host": "m9", "pid": 1}}):
+                       holder=Holder(owner=SessionOwner("restore 1", "m9", 1))):
         capsys.readouterr()
         assert cli(c, "restore", "--from", b.path, "--yes") == 4
         assert "`etcd-agent restore 1` from m9 (pid 1)" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import pytest
 
 from etcd_agent.errors import BusyError
-from etcd_agent.state.locks import OperationLock, holder_of
+from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, holder_of
 from tests.harness.fakes import FakeClock
 
 
@@ -29,10 +29,10 @@ def test_a_restore_waits_for_the_hosts_backup(tmp_path: Any) -> None:
     path = str(tmp_path / ".etcd-agent.lock")
     backup = OperationLock(path, "backup").acquire()
     clock = ReleasingClock(backup, after=3.0)
-    restore = OperationLock(path, "restore 1", holder={"owner": {"command": "restore 1"}}).acquire(wait=60, clock=clock)
+    restore = OperationLock(path, "restore 1", holder=Holder(owner=SessionOwner(command="restore 1"))).acquire(wait=60, clock=clock)
     assert restore.held and 3.0 <= clock.now - clock.t0 < 4.0
     rec = holder_of(str(tmp_path))
-    assert rec is not None and rec["operation"] == "restore 1"
+    assert rec is not None and rec.operation == "restore 1"
     restore.release()
 
 
@@ -48,7 +48,7 @@ def test_a_backup_that_does_not_end_in_time_is_named(tmp_path: Any) -> None:
 
 def test_anything_else_is_refused_at_once(tmp_path: Any) -> None:
     path = str(tmp_path / ".etcd-agent.lock")
-    other = OperationLock(path, "restore 7", holder={"owner": {"command": "restore 7", "host": "m2", "pid": 9}}).acquire()
+    other = OperationLock(path, "restore 7", holder=Holder(owner=SessionOwner("restore 7", "m2", 9))).acquire()
     clock = FakeClock()
     with pytest.raises(BusyError, match=r"`etcd-agent restore 7` from m2 \(pid 9\) .*; restore 8 not started"):
         OperationLock(path, "restore 8").acquire(wait=60, clock=clock)
@@ -60,3 +60,31 @@ def test_anything_else_is_refused_at_once(tmp_path: Any) -> None:
         OperationLock(path, "backup").acquire(clock=clock)
     assert clock.sleeps == []
     first.release()
+
+
+@pytest.mark.parametrize("record, named", [
+    # what agents before the typed holder wrote: the same keys, read the same
+    (b'{"host": "m2", "operation": "restore 3", "owner": {"command": "restore 3", "host": "m1", "pid": 5, '
+     b'"token": "t"}, "pid": 6, "since": "2026-12-01T10:00:00Z"}\n', "`etcd-agent restore 3` from m1 (pid 5) since 2026"),
+    (b"backup pid 42\n", "backup pid 42"),  # an old plain-text record
+    (b'{"operation": "backup", "pid": "many"}', '{"operation": "backup", "pid": "many"}'),  # a wrong type: shown as text
+    (b'["backup"]', '["backup"]'),
+])
+def test_a_held_locks_record_is_read_as_found(tmp_path: Any, record: bytes, named: str) -> None:
+    import fcntl
+    import os
+
+    path = str(tmp_path / ".etcd-agent.lock")
+    with open(path, "wb") as fh:
+        fh.write(record)
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a holder that wrote this record
+    try:
+        rec = holder_of(str(tmp_path))
+        assert rec is not None
+        with pytest.raises(BusyError) as ei:
+            OperationLock(path, "restore 9").acquire()
+        assert named in ei.value.message and "restore 9 not started" in ei.value.message
+    finally:
+        os.close(fd)
+    assert holder_of(str(tmp_path)) is None  # the flock decides, not the record left behind
