@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import stat
 from typing import Iterator, List
 
+from ..delta.leftovers import remove_left
 from ..errors import RefusedError
 from ..fs import makedirs
 
@@ -89,28 +89,5 @@ def prepare_dir(path: str) -> None:
 
 def sweep(path: str) -> List[str]:
     """What a drill that died left in ``path`` (call with the host's drill lock held): a staging
-    dir, a scratch dir and the etcd still running in it - found by its working directory (the
-    scratch starts etcd there) and its executable's name, stopped by escalation."""
-    import psutil
-
-    removed: List[str] = []
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if not (name.startswith(STAGE_PREFIX) or name.startswith(SCRATCH_PREFIX)) or os.path.islink(full):
-            continue
-        if name.startswith(SCRATCH_PREFIX):
-            for p in psutil.process_iter(["cwd", "exe", "name"]):
-                try:
-                    if p.info["cwd"] == full and os.path.basename(p.info["exe"] or p.info["name"] or "").startswith("etcd"):
-                        log.warning("stopping etcd pid %d left running by a drill that died (%s)", p.pid, full)
-                        p.terminate()
-                        try:
-                            p.wait(15)
-                        except psutil.TimeoutExpired:
-                            p.kill()
-                            p.wait(10)
-                except (psutil.Error, OSError):
-                    continue
-        shutil.rmtree(full, ignore_errors=True)
-        removed.append(name)
-    return removed
+    dir, a scratch dir and the etcd still running in it (``delta.leftovers``)."""
+    return remove_left(path, (STAGE_PREFIX, SCRATCH_PREFIX))

@@ -12,6 +12,7 @@ The watcher, segment format and replay engine (not yet wired into the daemon and
 - ``watcher``   ``DeltaWatcher``: a watch on the local member written into segments
 - ``watchevents`` what the watch delivers as whole revisions: decoded, fragments reassembled (pure)
 - ``scratch``   a throwaway single-member etcd on loopback, restored from a snapshot
+- ``leftovers`` what a killed drill or replay left: its dirs, and the scratch etcd still running in them
 - ``replay``    a replay's target, its plan (where it stops, from a checked chain) and its result
 - ``replayrun`` the replay carried out: a chain onto a full snapshot in a scratch etcd; a new snapshot out
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
@@ -26,6 +25,7 @@ from etcd_agent.state.locks import OperationLock
 
 from . import status
 from .errors import ReplayError
+from .leftovers import remove_left
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay
 from .replayrun import replay
 from .scratch import EtcdBinaries, ScratchOptions
@@ -169,9 +169,7 @@ def lock(cfg: "Config") -> OperationLock:
     d = pitr_dir(cfg)
     makedirs(d, 0o700)
     held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
-    for n in os.listdir(d):
-        if n.startswith(("etcd-replay-", "etcd-scratch-")):
-            shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+    remove_left(d, ("etcd-replay-", "etcd-scratch-"))  # and stops the etcd a killed replay left running
     return held
 
 

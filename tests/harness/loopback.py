@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
 from typing import List, Optional, Tuple
 
 from etcd_agent.config import Config, load, with_local
@@ -172,3 +173,27 @@ class LoopbackCluster:
     def stop(self) -> None:
         for lm in self.members:
             lm.backend.stop(timeout=10)
+
+
+def orphan_etcd(directory: str, binary: str) -> "subprocess.Popen[bytes]":
+    """What a run killed with -9 leaves: a single-member etcd running in ``directory`` (its
+    working directory, as the agent's throwaway members run), in its own session, healthy."""
+    from etcd_agent.waiting import poll
+
+    os.makedirs(os.path.join(directory, "data"), exist_ok=True)
+    (cp, pp), = free_port_pairs(1)
+    proc = subprocess.Popen([binary, "--name", "x", "--data-dir", os.path.join(directory, "data"),
+                             "--listen-client-urls", f"http://127.0.0.1:{cp}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{cp}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{pp}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+                             "--initial-cluster", f"x=http://127.0.0.1:{pp}"], cwd=directory,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with EtcdClient([f"http://127.0.0.1:{cp}"], timeout=2.0) as cl:
+            poll(lambda: cl.healthy(f"http://127.0.0.1:{cp}")[0], timeout=30, what=f"the etcd in {directory}")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc

@@ -24,8 +24,7 @@ from etcd_agent.backup.drill import run_drill
 from etcd_agent.backup.service import take_backup
 from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.waiting import poll
-from tests.harness.loopback import LoopbackCluster, free_port_pairs
+from tests.harness.loopback import LoopbackCluster, orphan_etcd
 
 pytestmark = pytest.mark.integration
 
@@ -268,18 +267,8 @@ def test_a_second_drill_on_the_host_is_busy_and_a_dead_drill_is_swept(cluster_fa
     assert res.returncode == 4 and "busy" in res.stderr
     # what a drill killed with -9 leaves: a scratch dir with its etcd still running in it
     left = os.path.join(d, "etcd-scratch-dead")
-    os.makedirs(os.path.join(left, "data"))
-    (cp, pp), = free_port_pairs(1)
-    orphan = subprocess.Popen([f"{B}/etcd", "--name", "x", "--data-dir", os.path.join(left, "data"),
-                               "--listen-client-urls", f"http://127.0.0.1:{cp}",
-                               "--advertise-client-urls", f"http://127.0.0.1:{cp}",
-                               "--listen-peer-urls", f"http://127.0.0.1:{pp}",
-                               "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
-                               "--initial-cluster", f"x=http://127.0.0.1:{pp}"], cwd=left,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    orphan = orphan_etcd(left, f"{B}/etcd")
     try:
-        with EtcdClient([f"http://127.0.0.1:{cp}"], timeout=2.0) as cl:
-            poll(lambda: cl.healthy(f"http://127.0.0.1:{cp}")[0], timeout=30, what="the orphan etcd")
         res = agent(c.config_path, "drill")
         assert res.returncode == 0, res.stdout + res.stderr
         assert orphan.wait(20) is not None
