@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 ETCD_DIR = "/opt/etcd/3.5.16"
 PORT_RANGE = (10000, 21998)
+# What a Kubernetes master listens on inside that range (kubelet 10248/10250/10255, kube-proxy
+# 10249/10256, controller-manager 10257, scheduler 10259): free while that component restarts, and
+# a throwaway etcd holding one then would keep it from coming back for the length of a drill.
+KUBERNETES_PORTS = frozenset(range(10248, 10260))
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 
 
@@ -133,7 +137,7 @@ def pick_ports(rng: Optional[random.Random] = None) -> Tuple[int, int]:
     rng = rng or random.Random()
     for _ in range(1000):
         c = rng.randrange(PORT_RANGE[0], PORT_RANGE[1], 2)
-        if _free(c) and _free(c + 1):
+        if c not in KUBERNETES_PORTS and c + 1 not in KUBERNETES_PORTS and _free(c) and _free(c + 1):
             return c, c + 1
     raise ScratchError(f"no free port pair in {PORT_RANGE[0]}-{PORT_RANGE[1]} after 1000 tries")
 
