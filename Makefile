@@ -29,13 +29,21 @@ demo: deps-demo venv
 # + sshd), systemd (nspawn), then the unit tier on Python 3.9. Each runs even when an earlier one
 # failed; the summary names every one that failed and the target fails if any did. pytest's exit
 # code 5 means it collected nothing: a broken tier, reported as such.
+# The loopback tier runs on two pytest-xdist workers (INTEGRATION_WORKERS=0 runs it in one
+# process): its tests mostly wait on etcd, and each picks ports from its worker's own range. A
+# file stays on one worker (--dist loadfile: module-scoped clusters and ordered tests); the demo's
+# fixed ports are a flock (tests/integration/conftest.py). The namespace and nspawn tiers share
+# one machine-wide bed and stay serial.
 TIERS ?= unit component integration multihost systemd
+INTEGRATION_WORKERS ?= 2
+XDIST_integration = $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile)
 test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \
 	echo "== ruff"; $(VENV)/bin/ruff check etcd_agent tests bench || failed="$$failed ruff"; \
 	for t in $(TIERS); do \
-	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $(PYTEST_ARGS); rc=$$?; \
+	  case $$t in integration) x="$(XDIST_integration)";; *) x="";; esac; \
+	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $$x $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: tests/$$t collected no tests - the tier is broken, not passing" >&2; fi; \
 	  [ $$rc -eq 0 ] || failed="$$failed $$t"; \
 	done; \

@@ -12,6 +12,7 @@ import socket
 import subprocess
 from typing import List, Optional, Tuple
 
+from etcd_agent.cluster.demo import ports as demo_ports
 from etcd_agent.config import Config, load, with_local
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
@@ -31,19 +32,34 @@ def _free(port: int) -> bool:
 
 # Below the kernel's ephemeral range (32768-60999 by default): a port from that range, free when
 # it was picked, can be taken by any outgoing connection (a gRPC client, say) before etcd binds it
-# seconds later - seen as an etcd that "exited while starting" mid-test. Also clear of the demo's
-# fixed ports (2379/2380, 22379/22380, 32379/32380 ...).
-PORT_RANGE = (10000, 21998)
+# seconds later - seen as an etcd that "exited while starting" mid-test. Above the range the
+# agent's own throwaway etcds draw from (delta.scratch.PORT_RANGE, 10000-21998: drills and
+# point-in-time replays started by a test on another xdist worker), and clear of the demo's fixed
+# ports (2379/2380, 22379/22380, 32379/32380 ...).
+PORT_RANGE = (22000, 32300)
+DEMO_PORTS = frozenset(p for i in range(4) for p in demo_ports(i))
+
+
+def worker_port_range() -> Tuple[int, int]:
+    """This pytest-xdist worker's share of PORT_RANGE (all of it without xdist): two workers
+    probing the same range could both find a port free and race to bind it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    span = (PORT_RANGE[1] - PORT_RANGE[0]) // max(count, 1) // 2 * 2
+    low = PORT_RANGE[0] + index * span
+    return low, low + span
 
 
 def free_port_pairs(n: int) -> List[Tuple[int, int]]:
     """n (client, peer) port pairs, all free right now."""
     rng = random.Random()
+    low, high = worker_port_range()
     out: List[Tuple[int, int]] = []
     used = set()
     while len(out) < n:
-        c = rng.randrange(PORT_RANGE[0], PORT_RANGE[1], 2)
-        if c in used or not (_free(c) and _free(c + 1)):
+        c = rng.randrange(low, high, 2)
+        if c in used or c in DEMO_PORTS or c + 1 in DEMO_PORTS or not (_free(c) and _free(c + 1)):
             continue
         used |= {c, c + 1}
         out.append((c, c + 1))

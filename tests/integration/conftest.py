@@ -1,4 +1,7 @@
+import fcntl
 import os
+import tempfile
+import time
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as the CLI sets it (cli/main.py), before grpc loads
 
@@ -22,3 +25,24 @@ def cluster_factory(tmp_path):
     yield make
     for c in made:
         c.stop()
+
+
+@pytest.fixture
+def demo_ports():
+    """The demo's fixed ports (2379/2380, 22379/22380, 32379/32380), held by one test at a time
+    across pytest-xdist workers and other runs on this machine: a flock beside the temp root."""
+    path = os.path.join(tempfile.gettempdir(), "etcd-agent-demo-ports.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the demo's ports stayed taken for 15 min ({path} held)", pytrace=False)
+                time.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)

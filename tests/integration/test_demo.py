@@ -10,7 +10,8 @@ import pytest
 
 from etcd_agent.cluster.demo import port_free, ports
 
-pytestmark = pytest.mark.integration
+# the demo binds its fixed ports: one test at a time holds them (conftest.demo_ports)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("demo_ports")]
 
 
 def etcds_under(directory):

@@ -28,8 +28,10 @@ def test_scrape_daemon_metrics(cluster_factory, tmp_path):
     with open(state / "upgrade.json", "w") as fh:  # as `etcd-agent upgrade` leaves it
         json.dump({"target": "3.5.1", "state": "done", "total": 3, "done": 3, "updated": time.time()}, fh)
 
+    log_path = tmp_path / "daemon.log"  # a file, not a pipe nobody reads until the end: a pipe fills and stalls it
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path, "run",
-                             "--member", "m2", "--interval", "1"], stderr=subprocess.PIPE, text=True)
+                             "--member", "m2", "--interval", "1"], stderr=log, text=True)
     try:
         text, deadline = "", time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -48,9 +50,11 @@ def test_scrape_daemon_metrics(cluster_factory, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+        log.close()
+    daemon_log = log_path.read_text()[-3000:]
     got = {(n, tuple(sorted(labels.items()))): v for n, labels, v in samples(text)}
     for m in ("m1", "m2", "m3"):
-        assert got[("etcd_agent_member_healthy", (("member", m),))] == 1.0
+        assert got.get(("etcd_agent_member_healthy", (("member", m),))) == 1.0, (text[-2000:], daemon_log)
         assert got[("etcd_agent_db_size_bytes", (("member", m),))] > 0
     assert sum(v for (n, _l), v in got.items() if n == "etcd_agent_member_is_leader") == 1.0
     assert got[("etcd_agent_cluster_healthy_members", ())] == 3.0

@@ -16,7 +16,8 @@ import pytest
 from etcd_agent.cluster.demo import port_free, ports
 from etcd_agent.waiting import poll
 
-pytestmark = pytest.mark.integration
+# the demo binds its fixed ports: one test at a time holds them (conftest.demo_ports)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("demo_ports")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_DIR = os.path.join(ROOT, "etcd-agent-demo")

@@ -1,6 +1,6 @@
 """etcd/snapdb against real etcd snapshots: 3.4.23 (/usr/bin), 3.5.16 and 3.5.30 (/opt/etcd/<v>).
 
-Every etcd runs on 127.0.0.1 with ports drawn at random from 10000-21998 (below the kernel's
+Every etcd runs on 127.0.0.1 with ports drawn at random by tests/harness/loopback.py (below the kernel's
 ephemeral range, so no outgoing connection takes them between the pick and etcd's bind) and is
 stopped by PID at the end of its test.
 """
@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import pytest
 
 from etcd_agent.etcd import bbolt, snapdb
 from etcd_agent.etcd.snapdb import SnapshotFormatError, SnapshotIdentity
+from tests.harness.loopback import free_port_pairs
 
 pytestmark = pytest.mark.integration
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,27 +71,16 @@ NEWEST = RELEASES[-1]
 
 
 # --- ports and processes -------------------------------------------------------------------------
-PORT_RANGE = (10000, 21998)
 _taken: Set[int] = set()
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def port_pair() -> Tuple[int, int]:
     """A (client, peer) pair free right now and not handed out before in this run."""
-    rng = random.Random()
     while True:
-        c = rng.randrange(PORT_RANGE[0], PORT_RANGE[1], 2)
-        if c not in _taken and _free(c) and _free(c + 1):
-            _taken.update((c, c + 1))
-            return c, c + 1
+        (c, p), = free_port_pairs(1)
+        if c not in _taken:
+            _taken.update((c, p))
+            return c, p
 
 
 class Node:

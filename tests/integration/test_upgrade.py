@@ -80,6 +80,25 @@ def versions_of(c):
         return {m.name: cl.status(m.client_url).version for m in c.cfg.members}
 
 
+def who_serves(c):
+    """Each member's etcd as the kernel sees it (pid, binary, parent, start time): what a failed
+    version check prints, so a member restarted on the wrong release says who started it."""
+    import psutil
+
+    ports = {int(m.client_url.rsplit(":", 1)[1]): m.name for m in c.cfg.members}
+    out = {}
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports and conn.pid:
+            try:
+                p = psutil.Process(conn.pid)
+                parent = p.parent()
+                out[ports[conn.laddr.port]] = (p.pid, p.exe(), p.create_time(),
+                                               parent.cmdline()[:6] if parent else None)
+            except psutil.Error as exc:
+                out[ports[conn.laddr.port]] = repr(exc)
+    return out
+
+
 def cli(c, *args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path, *args],
@@ -142,7 +161,7 @@ def upgrade_with_writes(bed, source, target):
                 i += 1
                 time.sleep(0.005)
 
-    assert set(versions_of(bed).values()) == {source}
+    assert set(versions_of(bed).values()) == {source}, who_serves(bed)
     t = threading.Thread(target=writer, daemon=True)
     t.start()
     try:
@@ -207,7 +226,8 @@ def restore_across(bed, backup_version, running):
     took = time.monotonic() - t0
     assert res.returncode == 0, res.stdout + res.stderr
     # the restored members run the pinned release, not agent.toml's 3.4.23
-    assert set(versions_of(bed).values()) == {running}
+    assert set(versions_of(bed).values()) == {running}, who_serves(bed)
+    print(f"\nafter the restore: {who_serves(bed)}")
     with bed.client() as cl:
         assert cl.get("/seed") == b"1" and cl.count_prefix(f"/after-upgrade-to-{running}/") == 0
         revs = {cl.status(m.client_url).revision for m in bed.cfg.members}
