@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities
 
 log = logging.getLogger(__name__)
+
+
+def new_op_id(stamp: str, sha256: Optional[str]) -> str:
+    """A new restore's id: when, what, and a random part - a retry within the same second of
+    a rolled-back restore of the same backup is a new restore, not that one (whose journal
+    says rolled back and would refuse it)."""
+    return f"{stamp}-{(sha256 or 'runbook')[:8]}-{secrets.token_hex(3)}"
 
 PREPARE = ["aside", "install", "chown", "repair"]  # a stopped member's steps before it starts
 
@@ -205,7 +213,7 @@ class Restore:
             return resume.op, resume.token, resume.new_cluster or self.opts.new_cluster
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         token = self.opts.new_token or default_token(self.cfg.cluster.name, stamp)
-        return f"{stamp}-{(source.sha256 or 'runbook')[:8]}", token, self.opts.new_cluster
+        return new_op_id(stamp, source.sha256), token, self.opts.new_cluster
 
     def _plan(self, source: Source, facts: Dict[str, NodeFacts], host_problems: Dict[str, List[str]]) -> P.Plan:
         """The plan with every refusal filled in: resume conflicts, identity, each host's checks."""

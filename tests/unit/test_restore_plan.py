@@ -232,3 +232,13 @@ def test_cleanup_keeps_newest() -> None:
 def test_tokens() -> None:
     assert C.token_problem(C.default_token("k8s", "20240101T000000Z")) is None
     assert C.token_problem("bad token;rm") is not None
+
+
+def test_two_restores_of_one_backup_in_the_same_second_get_different_ids() -> None:
+    """A retry right after a rolled-back restore is a new restore: its journal is not the old one's."""
+    from etcd_agent.restore.orchestrate import new_op_id
+
+    ids = {new_op_id("20261201T160000Z", "ab" * 32) for _ in range(50)}
+    assert len(ids) == 50
+    assert all(i.startswith("20261201T160000Z-abababab-") for i in ids)
+    assert new_op_id("20261201T160000Z", None).startswith("20261201T160000Z-runbook-")
