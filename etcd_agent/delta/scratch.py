@@ -31,11 +31,12 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError
+from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
+from etcd_agent.waiting import poll
 
 from .errors import ScratchError
 from .rpc import EtcdRpc
@@ -102,25 +103,6 @@ class SnapshotStatus:
     def to_json(self) -> Dict[str, object]:
         return {"path": self.path, "revision": self.revision, "totalKey": self.total_keys,
                 "totalSize": self.total_size, "hash": self.hash}
-
-
-def wait_until(
-    pred: Callable[[], bool],
-    timeout: float,
-    *,
-    interval: float = 0.1,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> bool:
-    """Poll ``pred`` until it is true (True) or ``timeout`` seconds pass (False)."""
-    deadline = clock() + timeout
-    while True:
-        if pred():
-            return True
-        left = deadline - clock()
-        if left <= 0:
-            return False
-        sleep(min(interval, left))
 
 
 def _free(port: int) -> bool:
@@ -384,7 +366,11 @@ class ScratchEtcd:
             except EtcdError:
                 return False
 
-        ok = wait_until(ready, self.options.start_timeout, interval=0.1)
+        try:
+            poll(ready, timeout=self.options.start_timeout, what="the scratch etcd", interval=0.1)
+            ok = True
+        except OperationFailed:
+            ok = False
         code = self._proc.poll()
         if code is not None or not ok:
             tail = self.log_tail()
