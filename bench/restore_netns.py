@@ -1,6 +1,6 @@
 """The namespace tier of bench/restore_bench.py: three hosts fc1..fc3 (10.213.12.11-13) with sshd.
 
-Built like tests/multihost/test_restore_ssh.py's bed (each host its own agent.toml through
+Built by tests/harness/restorebed.py like the restore tests over SSH (each host its own agent.toml through
 /etc/netns, the process backend, etcd 3.5.16 with etcdutl), under the machine-wide bed lock. The
 agent runs on fc1 (fc1 through LocalHost, fc2/fc3 over SSH, known_hosts enforced). By hand is
 what an operator on fc1 does: per host stop etcd, ``mv`` the data dir aside, ``etcdutl snapshot
@@ -53,7 +53,7 @@ from etcd_agent.topology import parse_conf
 from tests.harness import bedlock
 from tests.harness.netns import NetnsBed, NsHost
 from tests.harness.releases import DEFAULT, release
-from tests.multihost.test_restore_ssh import AGENT, AGENT_TOML, ETC_DIR, Bed, build, counts
+from tests.harness.restorebed import AGENT, AGENT_TOML, ETC_DIR, RestoreBed, build, counts
 
 PREFIX, SUBNET = "fc", "10.213.12"
 
@@ -205,10 +205,10 @@ def one_node(snap: str, work: str) -> Tuple[float, float]:
 
 
 class NetnsBench:
-    def __init__(self, bed: Bed, snap: str) -> None:
+    def __init__(self, bed: RestoreBed, snap: str) -> None:
         self.bed = bed
         self.snap = snap
-        self.cfg = bed.cfg(bed.h1.name)
+        self.cfg = bed.cfg(bed.h(1).name)
 
     def ssh_argv(self, h: NsHost, script: str) -> List[str]:
         net = self.bed.net
@@ -292,7 +292,7 @@ def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64) -> None
     work = tempfile.mkdtemp(prefix="fc-restore-netns-", dir=directory)
     net = NetnsBed(3, prefix=PREFIX, subnet=SUBNET)
     try:
-        bed = build(net, work)
+        bed = build(net, work, PREFIX, etcd=release(DEFAULT).toml())
         cfg = bed.cfg(net.hosts[0].name)
         t = time.monotonic()
         fill(cfg, "/k/", keys, value_bytes)

@@ -46,7 +46,8 @@ from etcd_agent.restore.ship import ship_snapshot  # noqa: E402
 from etcd_agent.restore.source import Source  # noqa: E402
 from tests.harness import bedlock  # noqa: E402
 from tests.harness.netns import NetnsBed  # noqa: E402
-from tests.multihost.test_restore_ssh import AGENT_TOML, ETC_DIR, agent_toml  # noqa: E402
+from tests.harness.releases import DEFAULT, release  # noqa: E402
+from tests.harness.restorebed import AGENT_TOML, ETC_DIR, agent_toml  # noqa: E402
 
 PREFIX, SUBNET = "sh", "10.213.14"
 PAGE = 4096
@@ -169,13 +170,14 @@ class Bench:
         self.work = work
         self.rounds = rounds
         hosts = net.hosts
+        etcd = release(DEFAULT).toml()
         for h in hosts:
             os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
             for sub in (f"{h.name}/backups", f"{h.name}/state", f"scp/{h.name}"):
                 os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
             with open(os.path.join(h.etc_dir, "etcd-agent", "agent.toml"), "w") as fh:
-                fh.write(agent_toml(work, hosts, h, net))
-        cfg, errors = parse_text(agent_toml(work, hosts, hosts[0], net), path=AGENT_TOML)
+                fh.write(agent_toml(work, hosts, h, net, PREFIX, etcd))
+        cfg, errors = parse_text(agent_toml(work, hosts, hosts[0], net, PREFIX, etcd), path=AGENT_TOML)
         assert cfg is not None and not errors, errors
         self.cfg: Config = cfg
         self.owner = new_owner("ship bench")

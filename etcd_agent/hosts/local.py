@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Deque, Mapping, Optional, Sequence, Union
+from typing import IO, Deque, Mapping, Optional, Sequence, Union
 
 from ..errors import CommandError, CommandTimedOut, HostUnreachable
 from ..fs import fsync_dir, write_atomic
@@ -94,26 +94,16 @@ class LocalHost:
         pass
 
 
-class LocalSession:
-    """A child process spoken to through pipes. Its own session (process group): a Ctrl-C in the
-    operator's terminal reaches only the caller, which then decides (rolls back through it)."""
+class PipeSession:
+    """The caller's end of a session over pipes: ``stdin`` written, ``out_fd`` read by lines with
+    a deadline. LocalSession's child process is one other end; the test harness's scripted hosts
+    (threads on ``os.pipe()``) are another, speaking through the same code."""
 
-    def __init__(self, where: str, argv: Sequence[str]) -> None:
+    def __init__(self, where: str, stdin: IO[bytes], out_fd: int) -> None:
         self.where = where
-        try:
-            self._proc = subprocess.Popen(
-                [str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True,
-            )
-        except OSError as exc:
-            raise HostUnreachable(f"{where}: cannot start `{shlex.join(argv)}`: {exc.strerror or exc}") from None
-        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
-        self._stdin = self._proc.stdin
-        self._out_fd = self._proc.stdout.fileno()
+        self._stdin = stdin
+        self._out_fd = out_fd
         self._lines = LineBuffer(where, self._read_some)
-        self._err: Deque[str] = collections.deque(maxlen=20)
-        self._err_thread = threading.Thread(target=self._drain_stderr, name=f"stderr-{where}", daemon=True)
-        self._err_thread.start()
 
     def _read_some(self, timeout: float) -> Optional[bytes]:
         ready, _w, _x = select.select([self._out_fd], [], [], timeout)
@@ -121,24 +111,12 @@ class LocalSession:
             return None
         return os.read(self._out_fd, 65536)
 
-    def _drain_stderr(self) -> None:
-        assert self._proc.stderr is not None
-        for raw in self._proc.stderr:
-            self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
     def send(self, data: Union[bytes, memoryview]) -> None:
         try:
             self._stdin.write(data)
             self._stdin.flush()
         except (BrokenPipeError, ValueError, OSError) as exc:
             raise HostUnreachable(f"{self.where}: session ended ({exc})") from None
-
-    def abort(self) -> None:
-        """End the command now (SIGTERM to its pid: a receiver removes its temp file on the way out)."""
-        try:
-            self._proc.terminate()
-        except OSError:
-            pass
 
     def close_input(self) -> None:
         try:
@@ -149,11 +127,39 @@ class LocalSession:
     def recv_line(self, timeout: float, limit: int) -> bytes:
         return self._lines.line(timeout, limit)
 
-    def close(self, grace: float = 10.0) -> None:
+
+class LocalSession(PipeSession):
+    """A child process spoken to through pipes. Its own session (process group): a Ctrl-C in the
+    operator's terminal reaches only the caller, which then decides (rolls back through it)."""
+
+    def __init__(self, where: str, argv: Sequence[str]) -> None:
         try:
-            self._stdin.close()
+            self._proc = subprocess.Popen(
+                [str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise HostUnreachable(f"{where}: cannot start `{shlex.join(argv)}`: {exc.strerror or exc}") from None
+        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
+        super().__init__(where, self._proc.stdin, self._proc.stdout.fileno())
+        self._err: Deque[str] = collections.deque(maxlen=20)
+        self._err_thread = threading.Thread(target=self._drain_stderr, name=f"stderr-{where}", daemon=True)
+        self._err_thread.start()
+
+    def _drain_stderr(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def abort(self) -> None:
+        """End the command now (SIGTERM to its pid: a receiver removes its temp file on the way out)."""
+        try:
+            self._proc.terminate()
         except OSError:
             pass
+
+    def close(self, grace: float = 10.0) -> None:
+        self.close_input()
         try:
             self._proc.wait(grace)
         except subprocess.TimeoutExpired:

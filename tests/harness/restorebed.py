@@ -1,7 +1,7 @@
 """A 3-master cluster on namespace hosts with real sshd, for restore tests over SSH.
 
-The layout of ``tests/multihost/test_restore_ssh.py``, shared by the restore modules that came
-after it: host i is ``f"{prefix}{i}"`` at ``f"{subnet}.{10 + i}"``, each sees its own
+The bed of the restore and ship tests over SSH (``tests/multihost/test_restore*_ssh.py``,
+``test_ship_ssh.py``) and of ``bench/restore_netns.py`` and ``bench/ship_bench.py``: host i is ``f"{prefix}{i}"`` at ``f"{subnet}.{10 + i}"``, each sees its own
 ``/etc/etcd-agent/agent.toml`` (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/etcd-agent``) with
 ``[local] name`` set and its own backup and state dirs; data dirs and conf files are distinct per
 member under one temp dir; etcd runs with the process backend inside each namespace. The
@@ -35,13 +35,16 @@ ETC_DIR = "/etc/etcd-agent"
 AGENT_TOML = f"{ETC_DIR}/agent.toml"
 COMMAND_TIMEOUT = 20.0  # per node call: bounds how long a dead link holds up the orchestrator
 CTL_ENV = dict(os.environ, ETCDCTL_API="3")
+ETCD_TOML = f'binary = "{ETCD}"\netcdctl = "{ETCDCTL}"'  # the [etcd] keys that pick the binaries
 
 
-def agent_toml(work: str, hosts: List[NsHost], me: NsHost, bed: NetnsBed, cluster: str) -> str:
+def agent_toml(work: str, hosts: List[NsHost], me: NsHost, bed: NetnsBed, cluster: str,
+               etcd: str = ETCD_TOML) -> str:
+    """Host ``me``'s agent.toml; ``etcd`` selects the binaries (e.g. ``release(DEFAULT).toml()``)."""
     lines = [
         "[cluster]", f'name = "{cluster}"', f'token = "{cluster}-token"', 'bootstrap = "static"',
         "[local]", f'name = "{me.name}"',
-        "[etcd]", f'binary = "{ETCD}"', f'etcdctl = "{ETCDCTL}"', 'service_manager = "process"', 'user = "root"', 'group = "root"',
+        "[etcd]", etcd, 'service_manager = "process"', 'user = "root"', 'group = "root"',
         # the same path in every host's config (the pre-check compares them); distinct per member
         f'data_dir = "{work}/data/{{name}}.etcd"', f'conf_file = "{work}/conf/{{name}}.conf"',
         f'unit_file = "{work}/conf/etcd.service"', f'run_dir = "{work}/run"', "start_timeout = 30.0",
@@ -82,6 +85,14 @@ class RestoreBed:
     def agent(self, h: NsHost, *args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
         return subprocess.run(self.agent_argv(h, *args), capture_output=True, text=True, timeout=timeout)
 
+    def backup(self, h: Optional[NsHost] = None) -> Dict[str, Any]:
+        """``etcd-agent --json backup`` on host ``h`` (the first by default): its record."""
+        res = self.agent(h or self.h(1), "--json", "backup")
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert isinstance(doc, dict), doc
+        return doc
+
     def popen_agent(self, h: NsHost, *args: str, **kw: Any) -> "subprocess.Popen[bytes]":
         """Started in the background (tracked: ``down()`` stops it); its pid is the agent's own
         (``ip netns exec``, ``unshare`` and ``sh -c exec`` all exec)."""
@@ -121,6 +132,17 @@ class RestoreBed:
 
     def data_listing(self) -> List[str]:
         return sorted(os.listdir(os.path.dirname(self.cfg().data_dir(self.h(1).name))))
+
+    def listing(self) -> Dict[str, List[str]]:
+        """member -> what its data dir holds, and "data" -> the data dirs' parent: what a refused
+        restore must leave as it was."""
+        cfg = self.cfg()
+        out = {}
+        for m in cfg.members:
+            d = cfg.data_dir(m.name)
+            out[m.name] = sorted(os.listdir(d)) if os.path.isdir(d) else []
+        out["data"] = self.data_listing()
+        return out
 
     def work_dir(self, member: str) -> str:
         return work_dir_for(self.cfg().data_dir(member), member)
@@ -214,12 +236,35 @@ def retry_busy(run: Any, timeout: float = 120.0) -> Tuple["subprocess.CompletedP
         time.sleep(1.0)
 
 
+def build(net: NetnsBed, work: str, cluster: str, *, etcd: str = ETCD_TOML,
+          before_start: Any = None) -> RestoreBed:
+    """The bed up on ``net``: namespaces, sshd, every host's config written, the cluster started and
+    healthy. ``before_start(bed)`` runs once the hosts and sshd are up, before the cluster is
+    bootstrapped (e.g. to run another cluster there first). The caller brings it down."""
+    net.up()
+    b = RestoreBed(net, work)
+    for h in net.hosts:
+        os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
+        for sub in (f"{h.name}/backups", f"{h.name}/state"):
+            os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
+    net.start_sshd()  # known_hosts exists from here on; the configs name it
+    for h in net.hosts:
+        with open(b.toml(h), "w") as fh:
+            fh.write(agent_toml(work, net.hosts, h, net, cluster, etcd))
+        b.cfgs[h.name] = load(b.toml(h))
+    if before_start is not None:
+        before_start(b)
+    for h in net.hosts:
+        start_static(b, h)
+    wait_healthy(b.cfg(), 60)
+    return b
+
+
 @contextmanager
 def restore_bed(tmp_path_factory: pytest.TempPathFactory, prefix: str, subnet: str, *,
-                before_start: Any = None) -> Iterator[RestoreBed]:
-    """The bed up, sshd on every host, every host's config written, the cluster started and
-    healthy; everything stopped by PID on the way out. ``before_start(bed)`` runs once the hosts
-    and sshd are up, before the cluster is bootstrapped (e.g. to run another cluster there first)."""
+                etcd: str = ETCD_TOML, before_start: Any = None) -> Iterator[RestoreBed]:
+    """``build``'s bed, cluster ``prefix``, in a temp dir of its own; everything stopped by PID on
+    the way out."""
     if os.geteuid() != 0:
         pytest.skip("multihost tests need root (network namespaces, sshd)")
     # `ip netns exec` can only bind /etc/netns/<ns>/etcd-agent over an existing /etc/etcd-agent
@@ -229,23 +274,7 @@ def restore_bed(tmp_path_factory: pytest.TempPathFactory, prefix: str, subnet: s
     net = NetnsBed(3, prefix=prefix, subnet=subnet)
     work = str(tmp_path_factory.mktemp(prefix))
     try:
-        net.up()
-        b = RestoreBed(net, work)
-        for h in net.hosts:
-            os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
-            for sub in (f"{h.name}/backups", f"{h.name}/state"):
-                os.makedirs(os.path.join(work, sub), mode=0o700, exist_ok=True)
-        net.start_sshd()  # known_hosts exists from here on; the configs name it
-        for h in net.hosts:
-            with open(b.toml(h), "w") as fh:
-                fh.write(agent_toml(work, net.hosts, h, net, prefix))
-            b.cfgs[h.name] = load(b.toml(h))
-        if before_start is not None:
-            before_start(b)
-        for h in net.hosts:
-            start_static(b, h)
-        wait_healthy(b.cfg(), 60)
-        yield b
+        yield build(net, work, prefix, etcd=etcd, before_start=before_start)
     finally:
         net.down()  # every process of the namespaces by PID: etcd, sshd, lock holders
         if made_etc:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from etcd_agent.backup.identity import Evidence
 from etcd_agent.config import Config
 from etcd_agent.errors import AgentError, HostUnreachable, RefusedError
-from etcd_agent.hosts.base import LineBuffer
+from etcd_agent.hosts.local import PipeSession
 from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.replies import StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext, serve
@@ -151,45 +151,21 @@ class ScriptedHost:
         pass
 
 
-class ScriptedSession:
-    """Pipes to a thread playing the host's side."""
+class ScriptedSession(PipeSession):
+    """Pipes to a thread playing the host's side (the caller's end is the product's, LocalHost's)."""
 
     def __init__(self, host: ScriptedHost) -> None:
         self.host = host
-        self.where = host.name
         self._in_r, self._in_w = os.pipe()  # we write the host's stdin
         self._out_r, self._out_w = os.pipe()  # the host writes its stdout
-        self._stdin = os.fdopen(self._in_w, "wb")
-        self._lines = LineBuffer(self.where, self._read_some)
+        super().__init__(host.name, os.fdopen(self._in_w, "wb"), self._out_r)
         self.code: Optional[int] = None
         self.aborted = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._thread.start()
 
-    def _read_some(self, timeout: float) -> Optional[bytes]:
-        import select
-
-        ready, _w, _x = select.select([self._out_r], [], [], timeout)
-        return os.read(self._out_r, 65536) if ready else None
-
     def _main(self) -> None:
         raise NotImplementedError
-
-    def send(self, data: bytes) -> None:
-        try:
-            self._stdin.write(data)
-            self._stdin.flush()
-        except (BrokenPipeError, ValueError, OSError) as exc:
-            raise HostUnreachable(f"{self.where}: session ended ({exc})") from None
-
-    def close_input(self) -> None:
-        try:
-            self._stdin.close()
-        except OSError:
-            pass
-
-    def recv_line(self, timeout: float, limit: int) -> bytes:
-        return self._lines.line(timeout, limit)
 
     def close(self, grace: float = 10.0) -> None:
         self.close_input()

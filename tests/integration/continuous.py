@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from etcd_agent.delta import chains, proto
 from etcd_agent.delta.rpc import EtcdRpc
@@ -37,6 +38,26 @@ def make_bed(directory: str, n: int = 3, *, delta: Optional[Dict[str, str]] = No
     extra = delta_extra(directory, delta=delta, daemon=daemon, backup=backup, tables=tables)
     c = LoopbackCluster(directory, n, bootstrap="static", extra=extra)  # the default release, 3.5.16
     return Daemons(c)
+
+
+@contextmanager
+def beds(directory: str, n: int = 3) -> Iterator[Callable[..., Daemons]]:
+    """``make(**kw)``: a new bed under ``directory`` (c0, c1 ...; ``kw`` as for ``make_bed``, of
+    ``n`` members unless it says); every bed made, its daemons and its cluster, stopped on the way out."""
+    made: List[Daemons] = []
+
+    def make(**kw: Any) -> Daemons:
+        kw.setdefault("n", n)
+        d = make_bed(os.path.join(directory, f"c{len(made)}"), **kw)
+        made.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.stop()
+            d.c.stop()
 
 
 def start_all(d: Daemons, timeout: float = 90) -> None:

@@ -13,13 +13,13 @@ import pytest
 from etcd_agent.delta import chains
 from tests.integration.continuous import (
     agent,
+    beds,
     breaks,
     delete,
     dump,
     full_backups,
     lease_ttl,
     logs,
-    make_bed,
     put,
     rpc,
     segment_files,
@@ -36,17 +36,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def bed(tmp_path):  # type: ignore[no-untyped-def]
-    made = []
-
-    def make(**kw):  # type: ignore[no-untyped-def]
-        d = make_bed(str(tmp_path / f"c{len(made)}"), **kw)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.stop()
-        d.c.stop()
+    with beds(str(tmp_path)) as make:
+        yield make
 
 
 def iso(t: float) -> str:

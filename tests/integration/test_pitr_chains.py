@@ -19,9 +19,9 @@ from tests.harness.loopback import free_port_pairs
 from tests.harness.s3server import S3Server
 from tests.integration.continuous import (
     agent,
+    beds,
     dump,
     full_backups,
-    make_bed,
     put,
     rpc,
     segment_files,
@@ -37,17 +37,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def bed(tmp_path):  # type: ignore[no-untyped-def]
-    made = []
-
-    def make(**kw):  # type: ignore[no-untyped-def]
-        d = make_bed(str(tmp_path / f"c{len(made)}"), 1, **kw)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.stop()
-        d.c.stop()
+    with beds(str(tmp_path), 1) as make:
+        yield make
 
 
 def batch(c, prefix: str, n: int) -> int:  # type: ignore[no-untyped-def]

@@ -2,7 +2,6 @@
 or exactly as readable as it must be, and a dir it did not create keeps its mode."""
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -10,7 +9,7 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Dict, Iterator
+from typing import Dict
 
 import pytest
 
@@ -19,31 +18,13 @@ from etcd_agent.config import load, with_local
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
 from tests.harness.loopback import free_port_pairs
+from tests.harness.modes import modes, umask
 from tests.harness.releases import DEFAULT, release
 
 pytestmark = pytest.mark.integration
 
 AGENT = os.path.join(os.path.dirname(sys.executable), "etcd-agent")
 EXTRA = f'[ssh]\nagent_path = "{AGENT}"\n'
-
-
-@contextlib.contextmanager
-def umask(value: int) -> Iterator[None]:
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def modes(root: str) -> Dict[str, int]:
-    """Relative path -> permission bits of everything below ``root`` (symlinks not followed)."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = os.path.join(d, n)
-            out[os.path.relpath(p, root)] = stat.S_IMODE(os.lstat(p).st_mode)
-    return out
 
 
 def writable_by_others(got: Dict[str, int]) -> Dict[str, str]:

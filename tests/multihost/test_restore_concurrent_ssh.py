@@ -15,7 +15,6 @@ The tests build on each other in file order (one cluster), like an operator's se
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -63,9 +62,7 @@ def backup(bed: RestoreBed) -> str:
     put_many(cfg, "/k/", KEYS)
     # random: the ship compresses what shrinks, and the two-masters test needs a ship that takes time
     put_many(cfg, "/bulk/", BULK, size=BULK_SIZE, random=True)
-    res = bed.agent(bed.h(1), "--json", "backup")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    out = bed.backup()
     path = out["path"]
     print(f"\n[figure] concurrent bed: {KEYS} keys + {BULK} x {BULK_SIZE} B, backup of {os.path.getsize(path)} bytes "
           f"in {out['duration']:.1f}s ({time.monotonic() - t:.1f}s with the puts)")

@@ -147,9 +147,7 @@ def taken(bed: RestoreBed) -> Dict[str, Any]:
     t = time.monotonic()
     put_many(cfg, "/k/", KEYS)
     print(f"\n[figure] runbook bed: {KEYS} keys put in {time.monotonic() - t:.1f}s")
-    res = bed.agent(bed.h(1), "--json", "backup")
-    assert res.returncode == 0, res.stderr
-    backup = json.loads(res.stdout)
+    backup = bed.backup()
     # the runbook, by hand, on eb1: snapshot save, the conf and unit as the agent rendered them
     hand = os.path.join(bed.work, "by-hand")
     os.makedirs(hand, mode=0o700)

@@ -10,71 +10,49 @@ disk is too small. The tests build on each other in file order (one cluster).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Sequence
 
 import pytest
 
-from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.restore.precheck import work_dir_for
-from tests.multihost.test_restore_ssh import AGENT, AGENT_TOML, KEYS, Bed, cluster_bed, counts, put_many, wait_healthy
+from tests.harness.releases import DEFAULT, release
+from tests.harness.restorebed import RestoreBed, counts, put_many, restore_bed, wait_healthy
 
 pytestmark = pytest.mark.multihost
 
 PREFIX, SUBNET = "sh", "10.213.14"
+KEYS = 10_000
 RANDOM_VALUES = 480  # x 64 KiB of random bytes: a ~32 MB snapshot that does not compress
 
 
 @pytest.fixture(scope="module")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    with cluster_bed(PREFIX, SUBNET, str(tmp_path_factory.mktemp("sh"))) as b:
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestoreBed]:
+    with restore_bed(tmp_path_factory, PREFIX, SUBNET, etcd=release(DEFAULT).toml()) as b:
         put_many(b.cfg(), "/k/", KEYS)
         yield b
 
 
-def backup(bed: Bed) -> Dict:
-    res = bed.agent(bed.h1, "--json", "backup")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
-
-
-def put_random(bed: Bed, prefix: str, n: int) -> None:
-    def some(k: int) -> None:
-        with EtcdClient.from_config(bed.cfg(), timeout=10.0) as cl:
-            for i in range(k, n, 4):
-                cl.put(f"{prefix}{i:06d}", os.urandom(64 << 10))
-
-    with ThreadPoolExecutor(4) as ex:
-        list(ex.map(some, range(4)))
-
-
-def work_dir(bed: Bed, member: str) -> str:
-    return work_dir_for(bed.cfg().data_dir(member), member)
-
-
-def staging(bed: Bed) -> Dict[str, List[str]]:
+def staging(bed: RestoreBed) -> Dict[str, List[str]]:
     """What a ship left in each member's work dir: temp files, the snapshot, its receipt."""
     out = {}
     for m in bed.cfg().members:
-        d = work_dir(bed, m.name)
+        d = bed.work_dir(m.name)
         out[m.name] = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, ".etcd_snapshot.db.*"))
                              + glob.glob(os.path.join(d, "etcd_snapshot.db*")) + glob.glob(os.path.join(d, "received.json")))
     return out
 
 
-def untouched(bed: Bed) -> Dict[str, tuple]:
+def untouched(bed: RestoreBed) -> Dict[str, tuple]:
     """Each member's etcd pid and data dir inode: what a failed ship must leave as it was."""
     cfg = bed.cfg()
     pids = bed.pids()
     return {m.name: (pids[m.name], os.stat(cfg.data_dir(m.name)).st_ino) for m in cfg.members}
 
 
-def nothing_staged(bed: Bed) -> bool:
+def nothing_staged(bed: RestoreBed) -> bool:
     return not any(staging(bed).values())
 
 
@@ -87,11 +65,11 @@ def shipped_line(stderr: str) -> str:
     return next(line for line in stderr.splitlines() if "shipped " in line)
 
 
-def restore_everywhere(bed: Bed, b: Dict, how: str, prefixes: Sequence[str], want: List[int]) -> None:
+def restore_everywhere(bed: RestoreBed, b: Dict, how: str, prefixes: Sequence[str], want: List[int]) -> None:
     """Restore ``b`` with keys written after it; check the ship said ``how`` and every member serves
     ``want`` keys under ``prefixes`` (the later ones gone), with nothing left staged."""
     put_many(bed.cfg(), "/later/", 100)
-    res = bed.agent(bed.h1, "restore", "--from", b["path"], "--yes")
+    res = bed.agent(bed.h(1), "restore", "--from", b["path"], "--yes")
     assert res.returncode == 0, res.stdout + res.stderr
     line = shipped_line(res.stderr)
     assert "to 3 member(s)" in line and how in line, line
@@ -101,25 +79,25 @@ def restore_everywhere(bed: Bed, b: Dict, how: str, prefixes: Sequence[str], wan
     print(f"\n[figure] netns tier: {line.split('restore: ')[-1]}")
 
 
-def test_a_compressible_snapshot_ships_compressed_to_three_hosts(bed: Bed) -> None:
-    restore_everywhere(bed, backup(bed), "compressed in transit", ["/k/"], [KEYS])
+def test_a_compressible_snapshot_ships_compressed_to_three_hosts(bed: RestoreBed) -> None:
+    restore_everywhere(bed, bed.backup(), "compressed in transit", ["/k/"], [KEYS])
 
 
-def test_a_random_snapshot_ships_as_it_is_to_three_hosts(bed: Bed) -> None:
-    put_random(bed, "/rnd/", RANDOM_VALUES)
-    restore_everywhere(bed, backup(bed), "sent as it is", ["/k/", "/rnd/"], [KEYS, RANDOM_VALUES])
+def test_a_random_snapshot_ships_as_it_is_to_three_hosts(bed: RestoreBed) -> None:
+    put_many(bed.cfg(), "/rnd/", RANDOM_VALUES, size=64 << 10, random=True)
+    restore_everywhere(bed, bed.backup(), "sent as it is", ["/k/", "/rnd/"], [KEYS, RANDOM_VALUES])
 
 
-def test_a_host_cut_mid_ship_stops_nothing_and_leaves_no_copy(bed: Bed) -> None:
-    b = backup(bed)  # ~32 MB of random values: the raw stream
+def test_a_host_cut_mid_ship_stops_nothing_and_leaves_no_copy(bed: RestoreBed) -> None:
+    b = bed.backup()  # ~32 MB of random values: the raw stream
     put_many(bed.cfg(), "/after/", 10)
     before = untouched(bed)
     sh3 = bed.net.hosts[2]
     bed.net.shape(sh3, "40mbit")  # ~8 s for the snapshot: room to cut it half-way
-    proc = bed.net.popen(bed.h1, [AGENT, "-c", AGENT_TOML, "restore", "--from", b["path"], "--yes"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = bed.popen_agent(bed.h(1), "restore", "--from", b["path"], "--yes",
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        parts = os.path.join(work_dir(bed, "sh3"), ".etcd_snapshot.db.*.part")
+        parts = os.path.join(bed.work_dir("sh3"), ".etcd_snapshot.db.*.part")
         deadline = time.monotonic() + 120
         while not any(os.path.getsize(p) > (4 << 20) for p in glob.glob(parts) if os.path.exists(p)):
             assert proc.poll() is None, proc.communicate()[1].decode()
@@ -155,7 +133,7 @@ def test_a_host_cut_mid_ship_stops_nothing_and_leaves_no_copy(bed: Bed) -> None:
     # session may hold the host's lock until it notices the caller is gone)
     deadline = time.monotonic() + 120
     while True:
-        res = bed.agent(bed.h1, "restore", "rollback", "--yes")
+        res = bed.agent(bed.h(1), "restore", "rollback", "--yes")
         if res.returncode != 4 or time.monotonic() > deadline:
             break
         time.sleep(2)
@@ -173,8 +151,8 @@ def snapshot_span(path: str) -> "tuple[int, int]":
         return m.offset_data, m.size
 
 
-def test_a_snapshot_that_is_not_the_manifests_is_refused_and_the_old_data_kept(bed: Bed, tmp_path: object) -> None:
-    b = backup(bed)
+def test_a_snapshot_that_is_not_the_manifests_is_refused_and_the_old_data_kept(bed: RestoreBed, tmp_path: object) -> None:
+    b = bed.backup()
     put_many(bed.cfg(), "/after-bad/", 10)
     bad = os.path.join(str(tmp_path), "tampered.tar")
     with open(b["path"], "rb") as src, open(bad, "wb") as dst:
@@ -186,7 +164,7 @@ def test_a_snapshot_that_is_not_the_manifests_is_refused_and_the_old_data_kept(b
         fh.seek(off + size // 2)
         fh.write(bytes([byte[0] ^ 0xFF]))
     before = untouched(bed)
-    res = bed.agent(bed.h1, "restore", "--from", bad, "--yes")
+    res = bed.agent(bed.h(1), "restore", "--from", bad, "--yes")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "the manifest says" in res.stderr and "no member kept it, nothing stopped" in res.stderr, res.stderr
     assert details(res.stderr).count("rolled back: etcd left running: its data dir was never touched") == 3, res.stderr
@@ -196,16 +174,16 @@ def test_a_snapshot_that_is_not_the_manifests_is_refused_and_the_old_data_kept(b
     assert nothing_staged(bed), staging(bed)
 
 
-def test_a_work_dir_without_room_is_refused_before_any_data_flows(bed: Bed) -> None:
-    b = backup(bed)
+def test_a_work_dir_without_room_is_refused_before_any_data_flows(bed: RestoreBed) -> None:
+    b = bed.backup()
     sh2 = bed.net.hosts[1]
-    wd = work_dir(bed, "sh2")
+    wd = bed.work_dir("sh2")
     # the work dir on a disk of its own, 256 KiB: the pre-check measures beside the data dir, so
     # only the receiver, on its own disk, can tell
     bed.net.run_in_sshd_mounts(sh2, ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", wd])
     try:
         before = untouched(bed)
-        res = bed.agent(bed.h1, "restore", "--from", b["path"], "--yes")
+        res = bed.agent(bed.h(1), "restore", "--from", b["path"], "--yes")
     finally:
         bed.net.run_in_sshd_mounts(sh2, ["umount", wd])
     assert res.returncode == 1, res.stdout + res.stderr

@@ -11,15 +11,7 @@ import pytest
 
 from etcd_agent.errors import RefusedError
 from etcd_agent.fs import NotARegularFile, ensure_private_dir, makedirs, missing_dirs, open_append, read_regular
-
-
-@contextlib.contextmanager
-def umask(value: int) -> Iterator[None]:
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
+from tests.harness.modes import umask
 
 
 @contextlib.contextmanager

@@ -3,10 +3,7 @@
 tests/integration/test_umask.py)."""
 from __future__ import annotations
 
-import contextlib
 import os
-import stat
-from typing import Dict, Iterator
 
 from etcd_agent.config import load
 from etcd_agent.hosts.local import LocalHost
@@ -15,25 +12,7 @@ from etcd_agent.member.process import ProcessBackend
 from etcd_agent.member.systemd import SystemdBackend
 from etcd_agent.state import bootstrap, markers, pins
 from etcd_agent.topology import static_bootstrap
-
-
-@contextlib.contextmanager
-def umask(value: int) -> Iterator[None]:
-    old = os.umask(value)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def modes(root: str) -> Dict[str, int]:
-    """Relative path -> permission bits of everything below ``root``."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = os.path.join(d, n)
-            out[os.path.relpath(p, root)] = stat.S_IMODE(os.lstat(p).st_mode)
-    return out
+from tests.harness.modes import modes, umask
 
 
 def config(tmp_path, manager: str = "process"):  # type: ignore[no-untyped-def]
