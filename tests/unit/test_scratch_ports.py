@@ -1,28 +1,27 @@
 """The ports a throwaway etcd takes: never one a Kubernetes master's own components listen on."""
 from __future__ import annotations
 
-import random
 import socket
 from typing import List
 
 from etcd_agent.delta.scratch import KUBERNETES_PORTS, PORT_RANGE, pick_ports
 
 
-class Scripted(random.Random):
-    """Draws the given even ports in order, then refuses to draw more (fails closed)."""
+class Scripted:
+    """Stands in for random.Random's randrange (all pick_ports calls): draws the given even ports
+    in order, then refuses to draw more (fails closed)."""
 
     def __init__(self, draws: List[int]) -> None:
-        super().__init__()
         self.draws = list(draws)
 
-    def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int:  # type: ignore[override]
-        assert stop is not None and start <= self.draws[0] < stop and self.draws[0] % step == 0
+    def randrange(self, start: int, stop: int, step: int = 1) -> int:
+        assert start <= self.draws[0] < stop and self.draws[0] % step == 0
         return self.draws.pop(0)
 
 
 def test_kubernetes_ports_are_never_picked_even_when_free() -> None:
     free = [p for p in range(10300, 10400, 2) if all(_bindable(q) for q in (p, p + 1))][0]
-    assert pick_ports(Scripted([10248, 10250, 10254, 10256, 10258, free])) == (free, free + 1)
+    assert pick_ports(Scripted([10248, 10250, 10254, 10256, 10258, free])) == (free, free + 1)  # type: ignore[arg-type]
 
 
 def test_the_range_and_the_reserved_ports() -> None:
