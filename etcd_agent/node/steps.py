@@ -164,8 +164,7 @@ def backup(ctx: NodeContext, args: Args) -> Document:
 
     ctx.require_lock("backup")
     b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False)
-    return BackupReply(b.path, b.size, b.revision, b.sha256, round(b.duration, 3), b.member, tuple(b.pruned),
-                       tuple(b.warnings), tuple(b.quarantined))
+    return BackupReply.from_json(b.to_json(), "node backup")  # BackupResult.to_json is the one shape
 
 
 def lock(ctx: NodeContext, args: Args) -> Document:
