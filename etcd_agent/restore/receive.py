@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT = "etcd_snapshot.db"
 RECEIVED = "received.json"
+PIPE_SIZE = 1 << 20  # stdin from sshd: a bigger pipe means fewer, larger reads
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,6 @@ class Landed(Document):
     page_size: Optional[int] = None
     codec: Optional[str] = None
     wire: Optional[int] = None
-PIPE_SIZE = 1 << 20  # stdin from sshd: a bigger pipe means fewer, larger reads
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
 
 
 class IdleStream:
