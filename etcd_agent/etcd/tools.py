@@ -56,8 +56,11 @@ def snapshot_restore_argv(
     peer_url: str,
     data_dir: str,
     bump_revision: Optional[int] = None,
+    skip_hash_check: bool = False,
 ) -> List[str]:
-    """``snapshot restore`` with one member's identity; etcdutl also gets the k8s-safe flags."""
+    """``snapshot restore`` with one member's identity; etcdutl also gets the k8s-safe flags.
+    ``skip_hash_check`` only when etcd's sha256 trailer of exactly this file was checked already
+    (etcdutl would otherwise read the whole copy back once more to hash it)."""
     argv = snapshot_tool(cfg) + [
         "snapshot",
         "restore",
@@ -70,6 +73,8 @@ def snapshot_restore_argv(
     ]
     if bump_revision is not None and cfg.etcd.etcdutl:
         argv += [f"--bump-revision={bump_revision}", "--mark-compacted"]
+    if skip_hash_check:
+        argv.append("--skip-hash-check")
     return argv
 
 

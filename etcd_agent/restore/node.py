@@ -271,7 +271,7 @@ class NodeRestore:
             pend = j.pending.get("restore")
             if pend and pend.argv is not None and os.path.isdir(tmp):
                 return R.RestoreReply(argv=pend.argv, output=tmp)  # finished before a crash
-            self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
+            landed = self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
             snap = os.path.join(self.work_dir, SNAPSHOT)
             if os.path.lexists(tmp):
                 if not (pend and pend.output == tmp):
@@ -282,6 +282,8 @@ class NodeRestore:
             argv = snapshot_restore_argv(
                 self.cfg, snapshot=snap, name=self.member.name, initial_cluster=j.initial_cluster,
                 token=j.token, peer_url=self.member.peer_url, data_dir=tmp, bump_revision=j.bump,
+                # the receiver checked etcd's trailer as these bytes landed: not read back again
+                skip_hash_check=landed.trailer_checked,
             )
             res = self.host.run(argv, timeout=1800, check=False, env=ETCDCTL_ENV)
             if not res.ok:

@@ -225,7 +225,7 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
     if f is not None and (f.etcdctl_path or f.etcdutl_path):
         host_cfg = merged(cfg, etcd={"etcdctl": f.etcdctl_path or cfg.etcd.etcdctl, "etcdutl": f.etcdutl_path})
     argv = snapshot_restore_argv(host_cfg, snapshot=snap, name=m.name, initial_cluster=ic, token=token, peer_url=m.peer_url,
-                                 data_dir=tmp, bump_revision=BUMP_REVISION if bump else None)
+                                 data_dir=tmp, bump_revision=BUMP_REVISION if bump else None, skip_hash_check=True)
     spec = f"{cfg.etcd.user}:{cfg.etcd.group}"
     if not source.sha256:
         claim = "the sha256 the sender computes"
@@ -240,7 +240,9 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
         Step("begin", f"journal in {wd}/journal.json (0700 dir)"),
         Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
                         f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"),
-        Step("restore", f"snapshot restore into {tmp} while etcd still serves (its data dir untouched)", tuple(argv)),
+        Step("restore", f"snapshot restore into {tmp} while etcd still serves (its data dir untouched); etcd's "
+                        "trailer was checked as the snapshot landed, so it is not read back to be hashed again",
+             tuple(argv)),
         Step("fence", _fence_text(cfg, owner)),
         Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend"
                      f"{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''}); followers first, "

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..backup.snapcheck import StreamCheck
+from ..backup.snapcheck import SnapshotFacts, StreamCheck
 from ..config import Config
 from ..errors import BusyError, OperationFailed, RefusedError
 from ..fs import StagedFile, write_atomic
@@ -52,6 +52,7 @@ class Landed(Document):
     page_size: Optional[int] = None
     codec: Optional[str] = None
     wire: Optional[int] = None
+    trailer_checked: bool = False  # etcd's sha256 trailer matched the data as it landed
 
 
 class IdleStream:
@@ -121,7 +122,8 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
         staged.discard()
         raise
     st2 = os.stat(final)
-    rec = Landed(digest, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts[0], facts[1], codec, frames.wire)
+    rec = Landed(digest, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts.high_water, facts.page_size, codec, frames.wire,
+                 facts.trailer_checked)
     write_atomic(os.path.join(work_dir, RECEIVED), (json.dumps(rec.to_json()) + "\n").encode(), mode=0o600)
     log.info("%s: received %d bytes for restore %s in %.1fs (%s, %d on the wire; sha256 %s...)%s", member, size, op,
              time.monotonic() - t0, codec, frames.wire, digest[:16],
@@ -129,9 +131,9 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
     return Received(member, size, digest, frames.wire).to_json()
 
 
-def _land(dec: Decoder, check: StreamCheck, staged: StagedFile, what: str) -> Tuple[str, Tuple[int, int]]:
+def _land(dec: Decoder, check: StreamCheck, staged: StagedFile, what: str) -> Tuple[str, SnapshotFacts]:
     """Decode, check and write every slice; then the sender's end record must match what landed.
-    Returns (sha256, (bbolt pages, page size))."""
+    Returns the sha256 and what the one pass found (etcd's trailer, the bbolt meta pages)."""
     for chunk in dec.chunks():
         check.update(chunk)
         staged.write(chunk)
@@ -141,4 +143,4 @@ def _land(dec: Decoder, check: StreamCheck, staged: StagedFile, what: str) -> Tu
         raise StreamError(f"{what}: sha256 {digest[:16]}... arrived, the sender read {end.sha256[:16]}...; "
                           "nothing kept")
     facts = check.finish()  # etcd's sha256 trailer and the bbolt meta pages, from the same pass
-    return digest, (facts.high_water, facts.page_size)
+    return digest, facts

@@ -84,6 +84,7 @@ def test_plan_argv_per_host() -> None:
         "/usr/bin/etcdctl", "snapshot", "restore", "/var/lib/etcd/.etcd-agent-restore-master2/etcd_snapshot.db",
         "--name=master2", f"--initial-cluster={ic}", "--initial-cluster-token=tok-1",
         "--initial-advertise-peer-urls=http://10.0.0.2:2380", "--data-dir=/var/lib/etcd/default.etcd.restoring",
+        "--skip-hash-check",  # the receiver checked etcd's trailer as the copy landed
     )
     names = [s.name for s in h2.steps]
     # the restore itself staged while etcd serves; only stop, aside, install, chown, repair, start after the fence
@@ -130,7 +131,7 @@ def test_bump_follows_the_tools_the_hosts_run() -> None:
     assert plan.bump and "revision bumped by" in plan.bump_note
     for h in plan.hosts:
         argv = next(s for s in h.steps if s.name == "restore").argv
-        assert argv is not None and argv[0] == "/opt/etcd/3.5.16/etcdutl" and argv[-1] == "--mark-compacted", argv
+        assert argv is not None and argv[0] == "/opt/etcd/3.5.16/etcdutl" and argv[-2:] == ("--mark-compacted", "--skip-hash-check"), argv
     assert all(check(c, m.name, **pinned) == [] for m in c.members)
     # one host not upgraded (no pin): nobody bumps, and the note names it
     fs["master2"] = facts(c, "master2", etcdctl_path="/usr/bin/etcdctl")

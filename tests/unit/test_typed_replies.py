@@ -24,6 +24,7 @@ from etcd_agent.node.replies import (
 )
 from etcd_agent.restore import journal as J
 from etcd_agent.restore.precheck import NodeFacts
+from etcd_agent.restore.receive import Landed
 
 W = "m1 (10.0.0.1): node fence reply"
 
@@ -175,3 +176,14 @@ def test_node_facts_from_the_wire_are_checked() -> None:
     doc = good.to_json()
     del doc["protocol"]
     assert "NodeFacts lacks its field 'protocol'" in refused(NodeFacts, doc)
+
+
+def test_a_received_record_of_an_older_agent_does_not_claim_the_trailer_was_checked() -> None:
+    """``received.json`` written before ``trailer_checked`` existed: the restore step then lets
+    etcdutl hash the copy itself (no ``--skip-hash-check``)."""
+    old = {"sha256": "ab" * 32, "size": 4128, "ino": 7, "mtime_ns": 1, "pages": 1, "page_size": 4096,
+           "codec": "raw", "wire": 4200}
+    assert Landed.from_json(old, "received.json").trailer_checked is False
+    assert Landed.from_json({**old, "trailer_checked": True}, "received.json").trailer_checked is True
+    with pytest.raises(ProtocolError):
+        Landed.from_json({**old, "trailer_checked": "yes"}, "received.json")
