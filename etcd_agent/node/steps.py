@@ -7,6 +7,7 @@ Each handler reads its typed arguments and calls the code that does the work on 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 from ..errors import AgentError, OperationFailed, RefusedError
@@ -127,7 +128,11 @@ def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
 
 def receive(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("receive")
-    return _node(ctx, args).receive(args.text("sha256"))
+    path = args.opt_text("copy_from")
+    if path is not None and not os.path.isabs(path):
+        raise RefusedError(f"node receive: copy_from must be an absolute path, got {path!r}")
+    copy_from = (path, args.opt_integer("offset") or 0) if path is not None else None
+    return _node(ctx, args).receive(args.opt_text("sha256"), copy_from)
 
 
 def finish(ctx: NodeContext, args: Args) -> Document:

@@ -35,7 +35,7 @@ from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
 from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
-from .receive import RECEIVED, SNAPSHOT, Landed
+from .receive import RECEIVED, SNAPSHOT, Landed, land_file
 from .setaside import cleanup_set_aside, free_name
 
 log = logging.getLogger(__name__)
@@ -232,13 +232,18 @@ class NodeRestore:
             return R.AsideReply(moved=target)
         return self._step("aside", do)
 
-    def receive(self, sender_sha256: str) -> R.StepReply:
+    def receive(self, sender_sha256: Optional[str], copy_from: Optional[Tuple[str, int]] = None) -> R.StepReply:
         """The shipped snapshot is complete and is what was sent: the receiver hashed it as it
         wrote it (``received.json``); that hash must be the sender's and, when the journal holds
-        the manifest's claim, that one too. Nothing is read twice."""
+        the manifest's claim, that one too. Nothing is read twice. ``copy_from`` (path, offset):
+        the snapshot is on this host already (the restoring master's own members): copied here
+        with the receiver's checks first (``receive.land_file``); the orchestrator compares its
+        hash with what it ships to the others."""
         def do(j: J.Journal) -> R.StepReply:
+            if copy_from is not None:
+                land_file(self.cfg, self.member.name, j.op, copy_from[0], copy_from[1], j.size)
             rec = self._received()
-            if rec.sha256 != sender_sha256:
+            if sender_sha256 is not None and rec.sha256 != sender_sha256:
                 self._drop_payload()
                 raise OperationFailed(f"{self.member.name}: received snapshot sha256 {rec.sha256[:16]}... is not "
                                       f"what was sent ({sender_sha256[:16]}...); removed")

@@ -33,7 +33,7 @@ from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError,
 from ..fs import ensure_private_dir
 from ..node.client import NodeClient, new_owner
 from ..node.protocol import Owner
-from ..node.replies import RollbackReply, StepReply, StepsReply
+from ..node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
@@ -280,10 +280,11 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
-    def _batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]]) -> None:
+    def _batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]], timing: Optional[str] = None) -> None:
         """Simple steps, each member's list in order: one ``steps`` call per host carrying all its
         members, which the host runs at once; the hosts in parallel. A member that fails stops
-        only its own list; the phase then fails naming every member that did."""
+        only its own list; the phase then fails naming every member that did. ``timing``: the
+        name its time is counted under, when not ``name``."""
         t = time.monotonic()
         by_host: Dict[str, List[Tuple[Member, Sequence[str]]]] = {}
         for m, names in plan:
@@ -311,7 +312,8 @@ class Restore:
             if e is not None:
                 failed.append(f"{', '.join(m.name for m, _n in items)} ({w}): {message(e)}")
             failed += lines or []
-        self.timings[name] = self.timings.get(name, 0.0) + time.monotonic() - t
+        key = timing or name
+        self.timings[key] = self.timings.get(key, 0.0) + time.monotonic() - t
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
@@ -338,9 +340,7 @@ class Restore:
         fenced_at: Optional[float] = None
         try:
             self._phase("begin", begin)
-            self._ship(source, facts)
-            # the snapshot restored beside each data dir while etcd still serves: no downtime
-            self._batch("restore", [(m, ["restore"]) for n in self.nodes for m in n.members])
+            self._stage(source, facts)
             t = time.monotonic()
             leader, followers = self._leader_last()
             self.timings["leader"] = time.monotonic() - t
@@ -413,23 +413,81 @@ class Restore:
             return None, members
         return self.cfg.member(leader), [m for m in members if m.name != leader]
 
-    # ------------------------------------------------------------ shipping
+    # ------------------------------------------------------------ staging: copy or ship, restore
 
-    def _ship(self, source: Source, facts: Dict[str, NodeFacts]) -> None:
-        """The snapshot to every member's work dir while etcd still serves (shipping is not
+    def _stage(self, source: Source, facts: Dict[str, NodeFacts]) -> None:
+        """Every member's snapshot into its work dir and restored beside its data dir while etcd
+        still serves (none of it is downtime). This master's own members copy it from the file
+        here and restore it at once, on a thread of their own, while it is shipped to the others,
+        which then restore theirs: the local restore overlaps the ship. Both halves end before
+        anything is raised, so a rollback never races a step still running."""
+        everyone = [m for n in self.nodes for m in n.members]
+        here = [m for m in everyone if self.node_of(m.name).local]
+        away = [m for m in everyone if not self.node_of(m.name).local]
+        copied: Dict[str, str] = {}  # member -> sha256 of its copy
+        shipped: List[str] = []
+
+        def local_half() -> None:
+            self._phase("copy", lambda m: self._copy(m, source, copied), self._unreceived(here, facts))
+            self._batch("restore", [(m, ["restore"]) for m in here], timing="restore here")
+
+        def remote_half() -> None:
+            sha = self._ship(source, self._unreceived(away, facts))
+            if sha is not None:
+                shipped.append(sha)
+            self._batch("restore", [(m, ["restore"]) for m in away])
+
+        halves = [f for f, ms in ((local_half, here), (remote_half, away)) if ms]
+        failed = [e for _f, _r, e in parallel(lambda f: f(), halves) if e is not None]
+        for e in failed:
+            if len(failed) == 1 or isinstance(e, KeyboardInterrupt):
+                raise e
+        if failed:
+            raise OperationFailed("restore failed while staging the snapshot; nothing stopped",
+                                  details=[message(e) for e in failed])
+        wrong = {n: s for n, s in copied.items() if shipped and s != shipped[0]}
+        if wrong:  # one read here, another there: the file changed under the restore
+            raise OperationFailed("the snapshot copied on this master is not the one shipped to the others "
+                                  f"({shipped[0][:16]}...); nothing stopped",
+                                  details=[f"{n}: {s[:16]}..." for n, s in sorted(wrong.items())])
+
+    def _unreceived(self, members: List[Member], facts: Dict[str, NodeFacts]) -> List[Member]:
+        """``members`` whose snapshot this op has not received yet (a resumed restore skips the rest)."""
+        out = []
+        for m in members:
+            f = facts.get(m.name)
+            j = f.journal if f is not None else None
+            if not (j is not None and j.op == self.op and "receive" in j.steps):
+                out.append(m)
+        return out
+
+    def _copy(self, m: Member, source: Source, copied: Dict[str, str]) -> None:
+        """A member on this master: its node copies the snapshot from the file here, with the
+        receiver's checks (sha256 against the manifest's when there is one, etcd's trailer, bbolt)."""
+        path, offset = source.location()
+        r = self.node_of(m.name).ask(ReceiveReply, "receive", member=m.name, op=self.op, sha256=source.sha256,
+                                     copy_from=os.path.abspath(path), offset=offset)
+        self._said(m, r, "receive")
+        if r.sha256 is None:
+            raise OperationFailed(f"{m.name}: its copy of the snapshot reports no sha256")
+        copied[m.name] = r.sha256
+
+    def _ship(self, source: Source, todo: List[Member]) -> Optional[str]:
+        """The snapshot to the other masters' members while etcd still serves (shipping is not
         downtime): read and hashed once here, fanned out to one receiver per member, each hashing
-        what lands (``restore.ship``); then each member's ``receive`` step compares."""
+        what lands (``restore.ship``); then each member's ``receive`` step compares. The sha256
+        shipped, or None when there was nothing to ship."""
         t = time.monotonic()
-        todo = [m for n in self.nodes for m in n.members
-                if not (facts.get(m.name) and facts[m.name].journal and facts[m.name].journal.op == self.op  # type: ignore[union-attr]
-                        and "receive" in facts[m.name].journal.steps)]  # type: ignore[union-attr]
+        sha = None
         if todo:
             assert self.owner is not None
             shipped = ship_snapshot(self.cfg, source, [(m, self.node_of(m.name)) for m in todo], op=self.op,
                                     owner=self.owner, say=self.say)
             self.say(shipped.describe())
             self._phase("ship", lambda m: self._call(m, "receive", sha256=shipped.sha256), todo)
+            sha = shipped.sha256
         self.timings["ship"] = time.monotonic() - t
+        return sha
 
     # ------------------------------------------------------------ rollback
 

@@ -238,8 +238,12 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
     steps = [
         Step("lock", f"take the operation lock {cfg.backup.dir}/.etcd-agent.lock (held until the end)"),
         Step("begin", f"journal in {wd}/journal.json (0700 dir)"),
-        Step("receive", f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
-                        f"hashed as it is read and as it lands, checked against {claim} and etcd's own trailer"),
+        Step("receive", (f"copy the snapshot ({source.size} bytes) from the file on this master to {snap} (0600) "
+                         "while the others are shipped to and etcd still serves; hashed as it is copied"
+                         if where == "local" else
+                         f"ship the snapshot ({source.size} bytes) to {snap} (0600) while etcd still serves; "
+                         "hashed as it is read and as it lands")
+             + f", checked against {claim} and etcd's own trailer"),
         Step("restore", f"snapshot restore into {tmp} while etcd still serves (its data dir untouched); etcd's "
                         "trailer was checked as the snapshot landed, so it is not read back to be hashed again",
              tuple(argv)),

@@ -16,13 +16,13 @@ import json
 import logging
 import os
 import select
-import time
+import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
-from ..backup.snapcheck import SnapshotFacts, StreamCheck
+from ..backup.snapcheck import StreamCheck
 from ..config import Config
-from ..errors import BusyError, OperationFailed, RefusedError
+from ..errors import BackupCorrupt, BusyError, OperationFailed, RefusedError
 from ..fs import StagedFile, write_atomic
 from ..node.protocol import PROTOCOL
 from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
@@ -37,6 +37,7 @@ SNAPSHOT = "etcd_snapshot.db"
 RECEIVED = "received.json"
 PIPE_SIZE = 1 << 20  # stdin from sshd: a bigger pipe means fewer, larger reads
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
+READ_SIZE = 1 << 20  # a local copy's reads
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ def _expecting(cfg: Config, member: str, op: str, owner_token: str) -> str:
     owner = holder.owner if holder else None
     if owner is None or owner.token != owner_token:
         raise BusyError(f"{member}: this host's operation lock is not held by the restore shipping to it; nothing written")
+    return _waiting(cfg, member, op)
+
+
+def _waiting(cfg: Config, member: str, op: str) -> str:
+    """The member's work dir, when this op's journal there waits for the snapshot."""
     work_dir = work_dir_for(cfg.data_dir(member).rstrip("/"), member)
     j = J.load(J.path_in(work_dir))
     if j is None or j.op != op:
@@ -99,21 +105,76 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
     what = f"{member}: the shipped snapshot"
     work_dir = _expecting(cfg, member, op, owner_token)
     require_codec(codec)
+
+    def land(staged: StagedFile, check: StreamCheck) -> Tuple[str, int]:
+        free = _room(work_dir, size, member)
+        ready(Ready(PROTOCOL, codec, free))
+        frames = FrameReader(IdleStream(stdin_fd, idle, what).read_into, what)
+        dec = Decoder(frames, codec, size)
+        _write_checked(dec.chunks(), check, staged)
+        end = dec.finish()
+        if end.sha256 != check.sha256:
+            raise StreamError(f"{what}: sha256 {check.sha256[:16]}... arrived, the sender read {end.sha256[:16]}...; "
+                              "nothing kept")
+        return codec, frames.wire
+
+    rec = _landing(work_dir, size, what, land)
+    log.info("%s: received %d bytes for restore %s (%s, %d on the wire; sha256 %s...)", member, size, op, codec,
+             rec.wire, rec.sha256[:16])
+    return Received(member, size, rec.sha256, rec.wire or 0).to_json()
+
+
+def land_file(cfg: Config, member: str, op: str, path: str, offset: int, size: int) -> Landed:
+    """The snapshot of a member on the restoring master itself: ``size`` bytes at ``offset`` of
+    ``path`` (the backup, or its extracted copy) copied into the work dir with the receiver's own
+    checks in the same single pass (sha256, etcd's trailer, bbolt meta), then committed the same
+    way. No pipe, no second process: the orchestrator runs it while it ships to the others."""
+    what = f"{member}: the snapshot copied from {path}"
+    work_dir = _waiting(cfg, member, op)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OperationFailed(f"{what}: cannot open it: {exc.strerror or exc}; nothing written") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or offset < 0 or st.st_size < offset + size:
+            raise RefusedError(f"{what}: not a regular file holding {size} bytes at offset {offset}; nothing written")
+
+        def land(staged: StagedFile, check: StreamCheck) -> Tuple[str, int]:
+            _room(work_dir, size, member)
+            _write_checked(_file_chunks(fd, offset, size), check, staged)
+            return "file", size
+
+        rec = _landing(work_dir, size, what, land)
+    finally:
+        os.close(fd)
+    log.info("%s: copied %d bytes for restore %s from %s (sha256 %s...)", member, size, op, path, rec.sha256[:16])
+    return rec
+
+
+def _room(work_dir: str, size: int, member: str) -> int:
+    st = os.statvfs(work_dir)
+    free = st.f_bavail * st.f_frsize
+    if free < size:
+        raise RefusedError(f"{member}: {free} bytes free in {work_dir}, the snapshot needs {size}; "
+                           "refused before any data was sent")
+    return free
+
+
+def _landing(work_dir: str, size: int, what: str,
+             land: Callable[[StagedFile, StreamCheck], Tuple[str, int]]) -> Landed:
+    """``land`` writes the checked bytes into a staged file; committed (fsync, rename, fsync of the
+    dir) only if it returns and the one pass proved a sound snapshot; then ``received.json``.
+    Anything else removes the temp file."""
     final = os.path.join(work_dir, SNAPSHOT)
     for old in (final, os.path.join(work_dir, RECEIVED)):  # of an attempt this journal never recorded
         if os.path.lexists(old):
             os.unlink(old)
     staged = StagedFile(work_dir, SNAPSHOT)
+    check = StreamCheck(declared=size, what=what)
     try:
-        st = os.statvfs(work_dir)
-        free = st.f_bavail * st.f_frsize
-        if free < size:
-            raise RefusedError(f"{member}: {free} bytes free in {work_dir}, the snapshot needs {size}; "
-                               "refused before any data was sent")
-        ready(Ready(PROTOCOL, codec, free))
-        t0 = time.monotonic()
-        frames = FrameReader(IdleStream(stdin_fd, idle, what).read_into, what)
-        digest, facts = _land(Decoder(frames, codec, size), StreamCheck(declared=size, what=what), staged, what)
+        how, wire = land(staged, check)
+        facts = check.finish()  # etcd's sha256 trailer and the bbolt meta pages, from the same pass
         staged.commit()
     except OSError as exc:
         staged.discard()
@@ -121,26 +182,27 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
     except BaseException:
         staged.discard()
         raise
+    if staged.removed:
+        log.info("%s: removed %d temp file(s) of a receiver that died", what, len(staged.removed))
     st2 = os.stat(final)
-    rec = Landed(digest, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts.high_water, facts.page_size, codec, frames.wire,
+    rec = Landed(check.sha256, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts.high_water, facts.page_size, how, wire,
                  facts.trailer_checked)
     write_atomic(os.path.join(work_dir, RECEIVED), (json.dumps(rec.to_json()) + "\n").encode(), mode=0o600)
-    log.info("%s: received %d bytes for restore %s in %.1fs (%s, %d on the wire; sha256 %s...)%s", member, size, op,
-             time.monotonic() - t0, codec, frames.wire, digest[:16],
-             f"; removed {len(staged.removed)} temp file(s) of a receiver that died" if staged.removed else "")
-    return Received(member, size, digest, frames.wire).to_json()
+    return rec
 
 
-def _land(dec: Decoder, check: StreamCheck, staged: StagedFile, what: str) -> Tuple[str, SnapshotFacts]:
-    """Decode, check and write every slice; then the sender's end record must match what landed.
-    Returns the sha256 and what the one pass found (etcd's trailer, the bbolt meta pages)."""
-    for chunk in dec.chunks():
+def _write_checked(chunks: Iterable[Union[bytes, memoryview]], check: StreamCheck, staged: StagedFile) -> None:
+    for chunk in chunks:
         check.update(chunk)
         staged.write(chunk)
-    end = dec.finish()
-    digest = check.sha256
-    if end.sha256 != digest:
-        raise StreamError(f"{what}: sha256 {digest[:16]}... arrived, the sender read {end.sha256[:16]}...; "
-                          "nothing kept")
-    facts = check.finish()  # etcd's sha256 trailer and the bbolt meta pages, from the same pass
-    return digest, facts
+
+
+def _file_chunks(fd: int, offset: int, size: int) -> Iterator[bytes]:
+    left, pos = size, offset
+    while left > 0:
+        chunk = os.pread(fd, min(READ_SIZE, left), pos)
+        if not chunk:
+            raise BackupCorrupt(f"the file ended {left} bytes before the snapshot did")
+        left -= len(chunk)
+        pos += len(chunk)
+        yield chunk

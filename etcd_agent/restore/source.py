@@ -71,6 +71,15 @@ class Source:
         fh.seek(self.offset)
         return fh
 
+    def location(self) -> Tuple[str, int]:
+        """The file on this host holding the snapshot's bytes, and where in it they start (a plain
+        tarball: the backup itself; compressed or encrypted: the private extracted copy)."""
+        if self.archive is not None:
+            snap = self.archive.plaintext()[0]
+            return snap.path, snap.offset
+        assert self.snapshot_path is not None
+        return self.snapshot_path, self.offset
+
     def read_at(self, offset: int, n: int) -> bytes:
         """``n`` bytes of the snapshot from ``offset`` (fewer at its end): samples, no stream."""
         if self.archive is not None:

@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
 
@@ -83,9 +83,10 @@ class Bed:
             sha = hashlib.sha256(fh.read()).hexdigest()
         self.source = Source(snap, "agent", 3 << 20, sha, 42, "3.5.16", identity_of(cfg), snapshot_path=snap)
 
-    def restore(self, **kw: object) -> Restore:
+    def restore(self, here: Sequence[str] = (), **kw: object) -> Restore:
+        """``here``: the hosts that are the master the restore runs on."""
         opts = Options(spec="latest", progress=lambda s: None, **kw)  # type: ignore[arg-type]
-        return Restore(self.cfg, opts, nodes=scripted_nodes(self.script, self.hosts), cluster=self.cluster,
+        return Restore(self.cfg, opts, nodes=scripted_nodes(self.script, self.hosts, here), cluster=self.cluster,
                        open_source=lambda cfg, spec, staging, now: self.source)
 
     def order(self, step: str) -> List[str]:

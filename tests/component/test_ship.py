@@ -4,10 +4,12 @@ before any data, the manifest check before the end record, a stalled host cut of
 another protocol refused at the pre-check."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
-from typing import List
+import threading
+from typing import Any, Dict, List
 
 import pytest
 
@@ -122,3 +124,56 @@ def test_an_agent_of_another_protocol_is_refused_at_the_pre_check(bed: Bed) -> N
                and "install the same etcd-agent version on every master" in d for d in err.value.details), \
         err.value.details
     assert bed.script.received == {} and "begin" not in sum(steps(bed), [])
+
+
+# ---------------------------------------------------------------- this master's own members
+
+
+def test_this_masters_member_copies_and_restores_while_the_others_are_shipped_to(bed: Bed) -> None:
+    """h1 is the master the restore runs on: its member copies the snapshot from the file here
+    (no stream) and restores it while h2 and h3 still receive theirs."""
+    restoring = threading.Event()
+    seen: List[bool] = []
+    bed.script.hooks[("restore", "h1")] = restoring.set
+    # h2's receiver takes no data until h1's restore has begun: without the overlap it waits out
+    # its 10 s and says so
+    bed.script.hooks[("ship-data", "h2")] = lambda: seen.append(restoring.wait(10))
+    said: List[str] = []
+    r = bed.restore(here=["10.0.0.1"])
+    r.say = said.append
+    assert r.run().done
+    assert seen == [True], "h1's restore did not run while h2 was still being shipped to"
+    assert bed.script.codecs["h1"] == "copy" and set(bed.script.codecs) == {"h1", "h2", "h3"}
+    assert set(bed.script.received.values()) == {bed.source.sha256}  # the same bytes everywhere
+    assert any(line.startswith(f"shipped {bed.source.size} bytes to 2 member(s)") for line in said), said
+    for m in ("h1", "h2", "h3"):
+        assert bed.script.steps_of(m)[:4] == ["precheck", "begin", "receive", "restore"]
+    assert not bed.script.violations
+
+
+def test_a_copy_here_failing_rolls_everyone_back_once_the_ship_has_ended(bed: Bed) -> None:
+    bed.script.fail("receive", "h1", OperationFailed("h1: the snapshot copied from /x: sha256 trailer does not match"))
+    with pytest.raises(OperationFailed) as err:
+        bed.restore(here=["10.0.0.1"]).run()
+    assert "sha256 trailer does not match" in " ".join(err.value.details), err.value.details
+    assert set(bed.script.received) == {"h2", "h3"}  # the ship was not cut short by the other half
+    for m in ("h1", "h2", "h3"):  # nobody was fenced or stopped; every member rolled back
+        steps_ = bed.script.steps_of(m)
+        assert "fence" not in steps_ and "stop" not in steps_ and steps_[-1] == "rollback", (m, steps_)
+    assert "restore" not in bed.script.steps_of("h1")
+
+
+def test_a_copy_here_that_differs_from_what_was_shipped_is_refused_before_the_fence(bed: Bed) -> None:
+    bed.source = dataclasses.replace(bed.source, sha256=None)  # no manifest claim: only the two reads can disagree
+    real = bed.script.steps["receive"]
+
+    def other_bytes(member: str, args: Any) -> Dict[str, Any]:
+        got = real(member, args)
+        return {**got, "sha256": "0" * 64} if member == "h1" else got
+
+    bed.script.steps["receive"] = other_bytes
+    with pytest.raises(OperationFailed) as err:
+        bed.restore(here=["10.0.0.1"]).run()
+    assert "the snapshot copied on this master is not the one shipped to the others" in err.value.message
+    for m in ("h1", "h2", "h3"):
+        assert "fence" not in bed.script.steps_of(m) and bed.script.steps_of(m)[-1] == "rollback"

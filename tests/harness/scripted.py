@@ -54,12 +54,16 @@ class Script:
         self.received: Dict[str, str] = {}  # member -> sha256 of what arrived
         self.codecs: Dict[str, str] = {}  # member -> how it travelled
         self.stalls: List[str] = []  # members whose receiver stops reading after its ready line
+        # (step, member) -> called as that step begins ("ship-data": a receiver before its first
+        # frame), before any scripted failure: a test's probe of what runs at the same time
+        self.hooks: Dict[Tuple[str, str], Callable[[], None]] = {}
         self.lock = threading.Lock()
         for name in ("begin", "restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence", "finish",
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
             self.steps[name] = self._ok(name)
         self.steps["precheck"] = self._precheck
         self.steps["rollback"] = self._rollback
+        self.steps["receive"] = self._receive
 
     def fail(self, step: str, member: str, error: AgentError) -> None:
         self.failures[(step, member)] = error
@@ -68,6 +72,23 @@ class Script:
         def fn(member: str, args: Args) -> Dict[str, Any]:
             return {"step": name, "member": member}
         return fn
+
+    def _receive(self, member: str, args: Args) -> Dict[str, Any]:
+        """``receive``: after a ship, the receipt; with ``copy_from`` (a member on the restoring
+        master), the copy: the bytes at that offset of that file hashed like a receiver would."""
+        path = args.opt_text("copy_from")
+        if path is None:
+            return {"step": "receive", "member": member}
+        offset, size = args.opt_integer("offset") or 0, os.path.getsize(path) - (args.opt_integer("offset") or 0)
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        with self.lock:
+            self.received[member] = h.hexdigest()
+            self.codecs[member] = "copy"
+        return {"step": "receive", "member": member, "sha256": h.hexdigest(), "size": size}
 
     def _rollback(self, member: str, args: Args) -> Dict[str, Any]:
         return {"step": "rollback", "member": member, "did": ["etcd stopped", "old data dir back", "etcd started again"],
@@ -104,6 +125,9 @@ class Script:
     def run(self, host: str, step: str, member: str, args: Args) -> Dict[str, Any]:
         with self.lock:
             self.calls.append((host, step, member))
+        hook = self.hooks.get((step, member))
+        if hook is not None:
+            hook()
         err = self.failures.get((step, member))
         if err is not None:
             raise err
@@ -257,6 +281,9 @@ class ReceiveSession(ScriptedSession):
             if member in self.host.script.stalls:
                 self.aborted.wait()  # a cut link: nothing read until the sender drops the connection
                 return
+            hook = self.host.script.hooks.get(("ship-data", member))
+            if hook is not None:
+                hook()
             frames = FrameReader(stdin.readinto, f"{member}: the shipped snapshot")
             h = hashlib.sha256()
             try:
@@ -278,14 +305,16 @@ class ReceiveSession(ScriptedSession):
             say(Received(member, size, h.hexdigest(), frames.wire).to_json())
 
 
-def scripted_nodes(script: Script, hosts: Dict[str, ScriptedHost]) -> Callable[[Config], List[Any]]:
-    """A ``nodes`` factory for ``Restore``/``Upgrade``: one node per configured member's host."""
+def scripted_nodes(script: Script, hosts: Dict[str, ScriptedHost],
+                   here: Sequence[str] = ()) -> Callable[[Config], List[Any]]:
+    """A ``nodes`` factory for ``Restore``/``Upgrade``: one node per configured member's host;
+    the hosts in ``here`` are the master the restore runs on (their members copy, not receive)."""
     from etcd_agent.node.sessions import HostNode
 
     def make(cfg: Config) -> List[Any]:
         out: Dict[str, HostNode] = {}
         for m in cfg.members:
-            n = out.get(m.ssh_host) or HostNode(m.ssh_host, hosts[m.ssh_host], False, [])
+            n = out.get(m.ssh_host) or HostNode(m.ssh_host, hosts[m.ssh_host], m.ssh_host in here, [])
             n.members.append(m)
             out[m.ssh_host] = n
         return list(out.values())

@@ -1,0 +1,103 @@
+"""restore.receive.land_file: the restoring master's own member copies the snapshot from the file
+here with the receiver's checks in one pass, and commits only a sound copy. Real etcd snapshot
+(tests/data), real files; nothing but the work dir is written."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, List
+
+import pytest
+
+from etcd_agent.config import parse_text
+from etcd_agent.errors import AgentError, BackupCorrupt, OperationFailed, RefusedError
+from etcd_agent.node.replies import ReceiveReply
+from etcd_agent.restore import journal as J
+from etcd_agent.restore.precheck import work_dir_for
+from etcd_agent.restore.receive import RECEIVED, SNAPSHOT, Landed, land_file
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # etcd 3.5.16, with its sha256 trailer
+
+TEXT = """
+[cluster]
+name = "k8s"
+[etcd]
+data_dir = "{d}/etcd/m1.etcd"
+[backup]
+dir = "{d}/backups"
+[[member]]
+name = "m1"
+host = "127.0.0.1"
+"""
+
+
+@pytest.fixture
+def bed(tmp_path: Any) -> Any:
+    cfg, errors = parse_text(TEXT.format(d=tmp_path))
+    assert cfg is not None and not errors, errors
+    wd = work_dir_for(cfg.data_dir("m1"), "m1")
+    os.makedirs(wd, mode=0o700)
+    j = J.Journal(op="op1", member="m1", backup="b.tar", token="t", initial_cluster="", sha256=None, size=len(SNAP),
+                  bump=None, fence_owner=False, new_cluster=False, was_running=True)
+    J.save(J.path_in(wd), j)
+    return cfg, wd, str(tmp_path)
+
+
+def source_file(d: str, data: bytes, prefix: bytes = b"") -> str:
+    path = os.path.join(d, "backup.tar")
+    with open(path, "wb") as fh:
+        fh.write(prefix + data + b"\0" * 1024)  # a snapshot inside a bigger file, like a plain tarball's
+    return path
+
+
+def left_in(wd: str) -> List[str]:
+    return sorted(n for n in os.listdir(wd) if n != "journal.json")
+
+
+def test_a_copy_from_inside_a_tarball_is_checked_and_committed(bed: Any) -> None:
+    cfg, wd, d = bed
+    path = source_file(d, SNAP, prefix=b"x" * 1536)
+    rec = land_file(cfg, "m1", "op1", path, 1536, len(SNAP))
+    assert rec.sha256 == hashlib.sha256(SNAP).hexdigest() and rec.trailer_checked and rec.codec == "file"
+    with open(os.path.join(wd, SNAPSHOT), "rb") as fh:
+        assert fh.read() == SNAP
+    with open(os.path.join(wd, RECEIVED)) as fh:
+        assert Landed.from_json(json.load(fh), RECEIVED) == rec
+    assert left_in(wd) == [SNAPSHOT, RECEIVED] and oct(os.stat(os.path.join(wd, SNAPSHOT)).st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("damage", ["trailer", "meta", "short"])
+def test_a_damaged_copy_is_refused_and_nothing_is_kept(bed: Any, damage: str) -> None:
+    cfg, wd, d = bed
+    data = bytearray(SNAP)
+    if damage == "trailer":
+        data[len(data) // 2] ^= 0x01  # one bit in the db: etcd's trailer no longer matches
+    elif damage == "meta":
+        data[0:16] = b"\0" * 16  # the first meta page's header
+    path = source_file(d, bytes(data))
+    size = len(SNAP) + (1024 + 512 if damage == "short" else 0)  # claims more than the file holds
+    with pytest.raises(AgentError) as err:
+        land_file(cfg, "m1", "op1", path, 0, size)
+    assert isinstance(err.value, (BackupCorrupt, RefusedError)), err.value
+    assert left_in(wd) == [], "a refused copy left files behind"
+
+
+def test_a_symlink_or_a_journal_not_waiting_is_refused_before_anything_is_written(bed: Any) -> None:
+    cfg, wd, d = bed
+    path = source_file(d, SNAP)
+    link = os.path.join(d, "link.tar")
+    os.symlink(path, link)
+    with pytest.raises(OperationFailed, match="cannot open it"):
+        land_file(cfg, "m1", "op1", link, 0, len(SNAP))
+    with pytest.raises(RefusedError, match="no journal of restore op2"):
+        land_file(cfg, "m1", "op2", path, 0, len(SNAP))  # another restore's copy
+    land_file(cfg, "m1", "op1", path, 0, len(SNAP))
+    j = J.load(J.path_in(wd))
+    assert j is not None
+    j.steps["receive"] = ReceiveReply(step="receive", member="m1", sha256=hashlib.sha256(SNAP).hexdigest())
+    J.save(J.path_in(wd), j)
+    with pytest.raises(RefusedError, match="received already"):
+        land_file(cfg, "m1", "op1", path, 0, len(SNAP))
+    assert left_in(wd) == [SNAPSHOT, RECEIVED]  # the first copy is still there, untouched
