@@ -69,6 +69,13 @@ class ReceiveReply(StepReply):
     STEP = "receive"
     sha256: Optional[str] = None
     size: Optional[int] = None
+    how: Optional[str] = None  # "file": copied from the file on the restoring master; else the stream's codec
+
+    def note(self) -> str:
+        if self.skipped:
+            return self.skipped
+        return f"copied from the file on this master, sha256 {self.sha256[:16]}..." if self.how == "file" and \
+            self.sha256 else ""
 
 
 @dataclass(frozen=True)

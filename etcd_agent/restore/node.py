@@ -252,7 +252,7 @@ class NodeRestore:
                 raise OperationFailed(f"{self.member.name}: the snapshot's sha256 {rec.sha256[:16]}... is not the "
                                       f"manifest's {j.sha256[:16]}...; removed")
             j.sha256 = rec.sha256
-            return R.ReceiveReply(sha256=rec.sha256, size=rec.size)
+            return R.ReceiveReply(sha256=rec.sha256, size=rec.size, how=rec.codec)
         return self._step("receive", do)
 
     def _received(self) -> Landed:

@@ -61,8 +61,12 @@ def test_readme_rehearsal_runs_verbatim_on_make_demo() -> None:
         assert got == ["/rehearsal/before", "yes"], res.stdout + res.stderr  # the write after the backup is gone
         assert "restored from" in res.stdout, res.stdout
         during = "".join(lines[before:])
-        # the supervisor kept its hands off while the restore stopped the members, as the daemon does
-        assert "hands off" in during and "restarting it" not in during, during
+        # the supervisor kept its hands off while the restore stopped the members, as the daemon
+        # does. It looks once a second: a restore of the demo's small db can begin and end between
+        # two looks, so "hands off" is printed only when a look fell inside it.
+        assert "restarting it" not in during, during
+        if "supervising again" in during:
+            assert during.index("hands off") < during.index("supervising again"), during
         print(f"\nFIGURE README rehearsal on make demo: {took:.1f}s for its {len(script.splitlines())} lines")
     finally:
         os.killpg(demo.pid, signal.SIGINT)
