@@ -342,7 +342,8 @@ def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64) -> None
         scp_mbs = size / scp_s / 1e6
         if ships:
             ship_mbs = size / statistics.median(ships) / 1e6
-            print(f"ship: agent {ship_mbs:.1f} MB/s per host (3 members at once; snapshot / median ship phase) vs "
+            print(f"ship: agent {ship_mbs:.1f} MB/s per host (to fc2 and fc3 at once while fc1 copies its own; snapshot / "
+                  "median ship phase) vs "
                   f"scp to 2 hosts at once {scp_mbs:.1f} MB/s per host: {ship_mbs / scp_mbs:.2f}x")
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"load average at the end: {load}")
