@@ -425,30 +425,32 @@ class Restore:
         here = [m for m in everyone if self.node_of(m.name).local]
         away = [m for m in everyone if not self.node_of(m.name).local]
         copied: Dict[str, str] = {}  # member -> sha256 of its copy
-        shipped: List[str] = []
 
-        def local_half() -> None:
+        def local_half() -> Optional[str]:
             self._phase("copy", lambda m: self._copy(m, source, copied), self._unreceived(here, facts))
             self._batch("restore", [(m, ["restore"]) for m in here], timing="restore here")
+            return None
 
-        def remote_half() -> None:
+        def remote_half() -> Optional[str]:
             sha = self._ship(source, self._unreceived(away, facts))
-            if sha is not None:
-                shipped.append(sha)
             self._batch("restore", [(m, ["restore"]) for m in away])
+            return sha
 
         halves = [f for f, ms in ((local_half, here), (remote_half, away)) if ms]
-        failed = [e for _f, _r, e in parallel(lambda f: f(), halves) if e is not None]
+        results = parallel(lambda f: f(), halves)
+        failed = [e for _f, _r, e in results if e is not None]
         for e in failed:
             if len(failed) == 1 or isinstance(e, KeyboardInterrupt):
                 raise e
         if failed:
             raise OperationFailed("restore failed while staging the snapshot; nothing stopped",
                                   details=[message(e) for e in failed])
-        wrong = {n: s for n, s in copied.items() if shipped and s != shipped[0]}
+        shipped = next((sha for _f, sha, _e in results if sha is not None), None)
+        wrong = {n: s for n, s in copied.items() if shipped is not None and s != shipped}
         if wrong:  # one read here, another there: the file changed under the restore
+            assert shipped is not None
             raise OperationFailed("the snapshot copied on this master is not the one shipped to the others "
-                                  f"({shipped[0][:16]}...); nothing stopped",
+                                  f"({shipped[:16]}...); nothing stopped",
                                   details=[f"{n}: {s[:16]}..." for n, s in sorted(wrong.items())])
 
     def _unreceived(self, members: List[Member], facts: Dict[str, NodeFacts]) -> List[Member]:
