@@ -179,6 +179,20 @@ class ProcessBackend:
         self._child = None
         self._cleanup_pidfile()
 
+    def signal_stop(self) -> None:
+        """SIGTERM to the process proven to be ours, without waiting: ``stop`` (which sends it
+        again, harmless to an etcd already stopping) waits for the exit."""
+        proc = self._process()
+        if proc is None:
+            return
+        import psutil
+
+        log.info("%s: asking etcd pid %d to stop", self.member, proc.pid)
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+
     def _wait_exit(self, proc: Any, timeout: float) -> bool:
         """True once ``proc`` has exited. Our own child is reaped here; another parent's (a daemon
         or the demo that started it) may reap it only later: a zombie has exited, so it counts."""

@@ -71,6 +71,10 @@ class SystemdBackend:
     def stop(self, timeout: float = 90.0) -> None:
         self._systemctl("stop", self.unit, timeout=timeout)
 
+    def signal_stop(self) -> None:
+        """A stop job queued, not waited for: ``stop`` then joins the same job and waits."""
+        self._systemctl("stop", "--no-block", self.unit)
+
     def restart(self) -> None:
         self._systemctl("reset-failed", self.unit, check=False)
         self._systemctl("restart", "--no-block", self.unit)

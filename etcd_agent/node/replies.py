@@ -56,6 +56,19 @@ class FenceReply(StepReply):
 
 
 @dataclass(frozen=True)
+class HaltReply(StepReply):
+    STEP = "halt"
+    # "db closed" (etcd is still exiting), "exited", "not running", or what kept it from being seen
+    how: str = ""
+    waited: Optional[float] = None  # seconds from the signal to that
+
+    def note(self) -> str:
+        if self.skipped:
+            return self.skipped
+        return self.how + (f" after {self.waited:.2f}s" if self.waited is not None else "")
+
+
+@dataclass(frozen=True)
 class AsideReply(StepReply):
     STEP = "aside"
     moved: Optional[str] = None  # the data dir's name aside; None: there was none
@@ -126,7 +139,7 @@ class RollbackReply(StepReply):
 
 
 _BY_STEP: Dict[str, Type[StepReply]] = {k.STEP: k for k in (
-    BeginReply, FenceReply, AsideReply, ReceiveReply, RestoreReply, InstallReply, ChownReply, RepairReply,
+    BeginReply, FenceReply, HaltReply, AsideReply, ReceiveReply, RestoreReply, InstallReply, ChownReply, RepairReply,
     UnfenceReply, RollbackReply)}
 
 

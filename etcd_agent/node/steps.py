@@ -44,7 +44,7 @@ def begin(ctx: NodeContext, args: Args) -> Document:
 
 
 # steps that take nothing but the member and the op
-SIMPLE_STEPS = ("restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence", "rollback")
+SIMPLE_STEPS = ("restore", "fence", "halt", "stop", "aside", "install", "chown", "repair", "start", "unfence", "rollback")
 
 
 def simple(name: str) -> Handler:

@@ -25,7 +25,7 @@ MAX_JOURNAL = 1 << 20
 RUNNING, DONE, ROLLED_BACK = "running", "done", "rolled-back"
 FINAL_STATES = (DONE, ROLLED_BACK)
 # The journaled steps of one member, in order.
-STEPS = ("begin", "receive", "restore", "fence", "stop", "aside", "install", "chown", "repair", "start", "unfence",
+STEPS = ("begin", "receive", "restore", "fence", "halt", "stop", "aside", "install", "chown", "repair", "start", "unfence",
          "finish")
 R = TypeVar("R", bound=StepReply)
 

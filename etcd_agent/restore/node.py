@@ -25,6 +25,7 @@ from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
 from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
+from ..member.dblock import db_locked
 from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
 from ..node import replies as R
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
 MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
+HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
+HALT_POLL = 0.01
 
 
 class NodeRestore:
@@ -204,6 +207,33 @@ class NodeRestore:
                 return R.FenceReply(method="manifest", moved=aside)
             return R.FenceReply(method="manifest", moved=aside if os.path.isfile(aside) else None)
         return self._step("fence", do)
+
+    def halt(self) -> R.StepReply:
+        """A follower's first half of ``stop``: etcd is asked to stop (SIGTERM, or a systemd stop
+        job) and waited for only until it has closed its db (``member.dblock``), not until it
+        exits. etcd 3.5 then spends up to a second closing its peer server; the leader, stopped
+        next, finds these members gone, stops at once without trying to hand over leadership,
+        and its exit ends their wait too. ``stop`` follows and waits for the exit: nothing of
+        the data is moved while any process lives. Where the lock cannot be seen here (it was
+        not seen held before the signal), this waits for the exit, as ``stop`` does."""
+        def do(j: J.Journal) -> R.StepReply:
+            if not self.backend.is_active():
+                return R.HaltReply(how="not running")
+            seen = db_locked(self.data_dir)
+            self._pending(j, "halt", J.Pending())  # from here on, rollback starts it again
+            t = time.monotonic()
+            self.backend.signal_stop()
+            if seen is not True:
+                self.backend.stop(30.0)
+                return R.HaltReply(how=f"exited (its db lock {'not held' if seen is False else 'unreadable'} "
+                                       "before the signal)", waited=time.monotonic() - t)
+            while time.monotonic() - t < HALT_TIMEOUT:
+                if db_locked(self.data_dir) is not True:
+                    return R.HaltReply(how="db closed", waited=time.monotonic() - t)
+                time.sleep(HALT_POLL)
+            # `stop` waits for the exit (and kills a process that ignores its signal)
+            return R.HaltReply(how=f"db still open after {HALT_TIMEOUT:.0f}s", waited=time.monotonic() - t)
+        return self._step("halt", do)
 
     def stop(self) -> R.StepReply:
         def do(j: J.Journal) -> R.StepReply:
@@ -438,8 +468,9 @@ class NodeRestore:
         installed = j.done("install") or "install" in j.pending
         # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
         # etcd's to undo: a member still running on its own data is left running, not restarted
-        # (``restore`` only staged beside it, with etcd serving)
-        touched = any(j.done(s) or s in j.pending for s in ("aside", "install", "chown", "repair", "start"))
+        # (``restore`` only staged beside it, with etcd serving). A halted one may still be
+        # exiting: its exit is waited for, then it is started again below.
+        touched = any(j.done(s) or s in j.pending for s in ("halt", "aside", "install", "chown", "repair", "start"))
         if touched or not self.backend.is_active():
             self.backend.stop(30.0)
             did.append("etcd stopped")

@@ -342,15 +342,16 @@ class Restore:
             self._phase("begin", begin)
             self._stage(source, facts)
             t = time.monotonic()
-            leader, followers = self._leader_last()
+            _leader, followers = self._leader_last()
             self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
             everyone = [m for n in self.nodes for m in n.members]
             self._batch("fence", [(m, ["fence"]) for m in everyone])
-            self._batch("stop", [(m, ["stop"]) for m in followers])
-            # the leader stops once its followers have; then it and they prepare at once
-            self._batch("prepare", [(m, (["stop"] if leader is not None and m.name == leader.name else []) + PREPARE)
-                                    for m in everyone])
+            # the followers first, until each has closed its data (``halt``: its exit takes etcd
+            # 3.5 another second); then the leader, which finds them gone and stops at once. Each
+            # member's data is touched only after its own exit (``stop``, then the prepare steps)
+            self._batch("stop", [(m, ["halt"]) for m in followers])
+            self._batch("prepare", [(m, ["stop"] + PREPARE) for m in everyone])
             self._batch("start", [(m, ["start"]) for m in everyone])
             t = time.monotonic()
             outcome.revisions = self.cluster.converged(

@@ -250,7 +250,8 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
         Step("fence", _fence_text(cfg, owner)),
         Step("stop", f"stop etcd ({cfg.etcd.service_manager} backend"
                      f"{', ' + cfg.etcd.unit if cfg.etcd.service_manager == 'systemd' else ''}); followers first, "
-                     "the leader last"),
+                     "each waited for until it has closed its db, then the leader; every exit is waited for "
+                     "before its data dir is touched"),
         Step("aside", f"move {data_dir} to {data_dir.rstrip('/')}.pre-restore-<UTC time> (kept, never deleted)"),
         Step("install", f"rename {tmp} to {data_dir}"),
         Step("chown", f"chown -R {spec} {data_dir}" if cfg.etcd.service_manager == "systemd" else

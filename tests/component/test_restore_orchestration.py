@@ -101,10 +101,11 @@ def bed(tmp_path: object) -> Bed:
 def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed) -> None:
     out = bed.restore().run()
     assert out.done and out.downtime is not None
-    for m in ("h1", "h2", "h3"):
-        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence", "stop", "aside",
-                                          "install", "chown", "repair", "start", "unfence", "finish"]
-    assert bed.order("stop")[-1] == "h2"  # the leader last
+    for m in ("h1", "h2", "h3"):  # the followers halt (until their db is closed), then everyone stops
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
+            [] if m == "h2" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
+    steps = [(s, m) for _h, s, m in bed.script.calls]
+    assert max(steps.index(("halt", m)) for m in ("h1", "h3")) < steps.index(("stop", "h2"))  # the leader last
     assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
     assert not bed.script.violations
 
@@ -112,19 +113,25 @@ def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed
 def test_members_of_one_host_stop_together_and_the_leader_after_them(tmp_path: object) -> None:
     bed = Bed(str(tmp_path), leader="h1", text=SHARED)
     together = threading.Barrier(2, timeout=30)
+    halted: List[str] = []
+
+    def halt(member: str, args: object) -> Dict[str, object]:
+        together.wait()  # h2 and h3 share a host: only halted at once do both get past this
+        halted.append(member)
+        return {"step": "halt", "member": member, "how": "db closed"}
 
     def stop(member: str, args: object) -> Dict[str, object]:
-        if member != "h1":
-            together.wait()  # h2 and h3 share a host: only stopped at once do both get past this
+        assert member != "h1" or sorted(halted) == ["h2", "h3"], halted  # the leader once both have closed their db
         return {"step": "stop", "member": member}
 
+    bed.script.steps["halt"] = halt
     bed.script.steps["stop"] = stop
     out = bed.restore().run()
     assert out.done and not bed.script.violations
-    assert sorted(bed.order("stop")[:2]) == ["h2", "h3"] and bed.order("stop")[-1] == "h1"
-    for m in ("h1", "h2", "h3"):  # the leader's stop rides with the prepare steps
-        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence", "stop", "aside",
-                                          "install", "chown", "repair", "start", "unfence", "finish"]
+    assert sorted(bed.order("halt")) == ["h2", "h3"] and sorted(bed.order("stop")) == ["h1", "h2", "h3"]
+    for m in ("h1", "h2", "h3"):  # every member's stop (its exit) rides with its prepare steps
+        assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
+            [] if m == "h1" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
 
 
 def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_path: object) -> None:

@@ -407,7 +407,12 @@ def test_agent_killed_mid_restore_then_resumed(rf: NspawnBed, backup: Dict) -> N
         no_fight(c, killed)
     status = agent(rf1, "status")
     assert status.returncode == 0 and "RESTORE IN PROGRESS" not in status.stdout, status.stdout
+    # the killed run had halted both followers (a systemd stop job, then etcd's db lock seen gone
+    # from inside the container) before the leader's stop
+    halts = {c.name: node_journal(c)["steps"]["halt"] for c in rf.containers if "halt" in node_journal(c)["steps"]}
+    assert len(halts) == 2 and all(h["how"] == "db closed" for h in halts.values()), halts
     record("agent killed mid-restore", (
         f"orchestrator SIGKILLed after rf2's data was set aside; `status` showed RESTORE IN PROGRESS, "
         f"the daemons waited ({waited:.1f} s for 3 hands-off cycles each, etcd left down); the re-run "
-        f"resumed op {op} to 3 healthy members with the backup's {KEYS} keys only in {resumed:.1f} s"))
+        f"resumed op {op} to 3 healthy members with the backup's {KEYS} keys only in {resumed:.1f} s; "
+        "the followers had halted: " + ", ".join(f"{n} db closed after {h['waited']:.2f} s" for n, h in halts.items())))
