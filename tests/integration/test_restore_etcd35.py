@@ -23,7 +23,10 @@ import pytest
 
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
+from etcd_agent.cluster.health import wait_converged
 from etcd_agent.hosts.local import LocalHost
+from etcd_agent.node.replies import HaltReply, RollbackReply
+from etcd_agent.restore.node import NodeRestore
 from etcd_agent.restore.plan import BUMP_REVISION
 from etcd_agent.restore.precheck import can_bump
 from tests.harness.loopback import LoopbackCluster
@@ -237,3 +240,29 @@ def test_the_followers_close_their_data_then_the_leader_stops(cluster_factory, c
               + "; ".join(f"{m}: {how}" for m, how in sorted(halts.items()))
               + f"; halt phase {timings['stop']:.2f}s, then the leader's stop and everyone's prepare "
                 f"{timings['prepare']:.2f}s; downtime {json.loads(out)['downtime']:.2f}s")
+
+
+def test_a_follower_rolled_back_while_it_is_still_exiting_runs_again(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The window ``halt`` opens: the follower's db is closed, its process still lives (etcd 3.5
+    closing its peer server). A rollback right then waits for its exit and starts it again on
+    its untouched data - it is not taken for a member that never stopped."""
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    c.start_static()
+    put_range(c, "/k/", 100)
+    with c.client() as cl:
+        follower = next(m.name for m in c.cfg.members if not cl.status(m.client_url).is_leader)
+    node = NodeRestore(c.cfg, follower, "op-halted")
+    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
+               new_cluster=False)
+    halted = node.halt()
+    assert isinstance(halted, HaltReply) and halted.how == "db closed", halted
+    lingering = node.backend.is_active()  # usually True: the process exits up to 1 s later
+    rb = node.rollback()
+    assert isinstance(rb, RollbackReply) and rb.running, rb
+    assert "etcd stopped" in rb.did and "etcd started again" in rb.did, rb
+    revs = wait_converged(c.cfg, 60)
+    with c.client() as cl:
+        assert cl.count_prefix("/k/") == 100
+    with capsys.disabled():
+        print(f"\nFIGURE halt-rollback: {follower} {halted.note()}; its process still alive at the rollback: "
+              f"{lingering}; rollback: {'; '.join(rb.did)}; all {len(revs)} healthy at {set(revs.values())}")
