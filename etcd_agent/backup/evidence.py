@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING, FrozenSet, List, Optional, Set, Tuple
 
 from ..errors import AgentError
+from ..member.dblock import db_path
 from .identity import Evidence, HostIds, KnownMember
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,7 +65,7 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
     except (ConfigError, OSError) as exc:
         return hosts, [f"this host's members unknown ({exc})"]
     for m in members:
-        db = os.path.join(cfg.data_dir(m.name), "member", "snap", "db")
+        db = db_path(cfg.data_dir(m.name))
         if os.path.exists(db):
             try:
                 ident = read_identity(db)

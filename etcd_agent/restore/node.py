@@ -25,7 +25,7 @@ from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
 from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
-from ..member.dblock import db_locked
+from ..member.dblock import db_locked, db_path
 from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
 from ..node import replies as R
@@ -146,7 +146,7 @@ class NodeRestore:
         etcd down (evidence for whose backup may be restored here)."""
         from ..etcd.snapdb import read_identity
 
-        db = os.path.join(self.data_dir, "member", "snap", "db")
+        db = db_path(self.data_dir)
         try:
             return tuple(f"{x:x}" for x in read_identity(db).member_ids), ""
         except FileNotFoundError:

@@ -342,7 +342,7 @@ class Restore:
             self._phase("begin", begin)
             self._stage(source, facts)
             t = time.monotonic()
-            _leader, followers = self._leader_last()
+            followers = self._followers()
             self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
             everyone = [m for n in self.nodes for m in n.members]
@@ -405,14 +405,12 @@ class Restore:
                 self.say(f"{m.name}: apiserver ready after {waited:.1f}s")
         self.timings["unfence"] = time.monotonic() - t
 
-    def _leader_last(self) -> Tuple[Optional[Member], List[Member]]:
-        """The members in stop order: followers first, the leader last (stopping the leader
-        together with its followers stalls while it hands leadership to peers that are going)."""
+    def _followers(self) -> List[Member]:
+        """The members halted before the leader is stopped (stopping the leader together with
+        its followers stalls while it hands leadership to peers that are going); every member
+        when no leader answers."""
         leader = self.cluster.leader()
-        members = list(self.cfg.members)
-        if leader is None:
-            return None, members
-        return self.cfg.member(leader), [m for m in members if m.name != leader]
+        return [m for m in self.cfg.members if m.name != leader]
 
     # ------------------------------------------------------------ staging: copy or ship, restore
 
