@@ -58,7 +58,8 @@ class FenceReply(StepReply):
 @dataclass(frozen=True)
 class HaltReply(StepReply):
     STEP = "halt"
-    # "db closed" (etcd is still exiting), "exited", "not running", or what kept it from being seen
+    # "db closed" (etcd is still exiting), "exited", "not running", "stopped earlier in this restore"
+    # (a resume: never signal the restored etcd), or what kept the db lock from being seen
     how: str = ""
     waited: Optional[float] = None  # seconds from the signal to that
 

@@ -217,6 +217,11 @@ class NodeRestore:
         the data is moved while any process lives. Where the lock cannot be seen here (it was
         not seen held before the signal), this waits for the exit, as ``stop`` does."""
         def do(j: J.Journal) -> R.StepReply:
+            if j.done("stop"):
+                # a resumed restore: this member stopped in the run that was cut off (it was
+                # the leader then, so it had no halt); the etcd running now, if any, is the
+                # restored one its own `start` began - never signal it
+                return R.HaltReply(how="stopped earlier in this restore")
             if not self.backend.is_active():
                 return R.HaltReply(how="not running")
             seen = db_locked(self.data_dir)

@@ -267,3 +267,30 @@ def test_a_follower_rolled_back_while_it_is_still_exiting_runs_again(cluster_fac
     with capsys.disabled():
         print(f"\nFIGURE halt-rollback: {follower} {halted.note()}; its process still alive at the rollback: "
               f"{lingering}; rollback: {'; '.join(rb.did)}; all {len(revs)} healthy at {set(revs.values())}")
+
+
+def test_a_resumed_restore_never_halts_the_etcd_its_own_start_began(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A restore cut off after a member's ``stop`` (it was the leader then, so it had no halt)
+    and ``start``: the resumed run finds a new leader and halts everyone else - this member's
+    etcd, running now, is the one its own ``start`` began. ``halt`` leaves it running (found
+    by CI: the resumed restore halted a restored member, whose ``start`` was "already done")."""
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    c.start_static()
+    put_range(c, "/k/", 100)
+    with c.client() as cl:
+        leader = next(m.name for m in c.cfg.members if cl.status(m.client_url).is_leader)
+    node = NodeRestore(c.cfg, leader, "op-resumed")
+    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
+               new_cluster=False)
+    node.stop()
+    node.backend.start()  # what the cut-off run's `start` step left running
+    wait_converged(c.cfg, 60)
+    pid = node.backend.pid()  # type: ignore[attr-defined]
+    assert pid is not None
+    halted = node.halt()
+    assert isinstance(halted, HaltReply) and halted.how == "stopped earlier in this restore", halted
+    assert node.backend.pid() == pid  # type: ignore[attr-defined]  # the same process, never signalled
+    revs = wait_converged(c.cfg, 60)
+    with capsys.disabled():
+        print(f"\nFIGURE resumed-halt: {leader} halt {halted.note()}; pid {pid} still running; "
+              f"all {len(revs)} healthy at {set(revs.values())}")
