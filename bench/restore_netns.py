@@ -320,9 +320,14 @@ def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64) -> None
         def between() -> None:
             nb.sweep()
             fill(cfg, "/later/", 100, 64)
+            # untimed: the previous round's gigabytes reach the disk now, not during this round
+            # (on one shared disk their writeback doubled a round's copy and ship times)
+            os.sync()
 
         runs = interleave(ways, rounds, between=between, check=check)
+        os.sync()
         restore_s, start_s = one_node(snap, work)
+        os.sync()
         scp_s = nb.scp_others()
         title = f"netns, 3 hosts over SSH, {keys} keys of {value_bytes} B, snapshot {size} bytes"
         report(title, runs, agent="agent restore --yes (SSH)")
