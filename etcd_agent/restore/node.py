@@ -400,6 +400,17 @@ class NodeRestore:
         return self._step("repair", do)
 
     def start(self) -> R.StepReply:
+        j = self._mine()
+        prev = j.steps.get("start")
+        if j.open and prev is not None and not self.backend.is_active():
+            # a resume: this member started on its restored data, then its etcd went (the host
+            # rebooted, the process died). Its data is the restored one: start it again, rather
+            # than wait for a member that will not come and roll every member back for it
+            self.backend.start()
+            log.info("%s: restore %s: start done before, etcd was not running: started again", self.member.name, self.op)
+            return dataclasses.replace(prev, step="start", member=self.member.name,
+                                       skipped="done before; etcd was not running: started again")
+
         def do(j: J.Journal) -> R.StepReply:
             self.backend.start()
             return R.StepReply()

@@ -294,3 +294,32 @@ def test_a_resumed_restore_never_halts_the_etcd_its_own_start_began(cluster_fact
     with capsys.disabled():
         print(f"\nFIGURE resumed-halt: {leader} halt {halted.note()}; pid {pid} still running; "
               f"all {len(revs)} healthy at {set(revs.values())}")
+
+
+def test_a_resumed_start_starts_again_a_restored_member_whose_etcd_went(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A member started on its data in a restore that was then cut off, and its etcd went since
+    (its host rebooted): the resumed run's ``start`` starts it again instead of answering
+    "already done" and leaving the whole restore to time out and roll back."""
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    c.start_static()
+    put_range(c, "/k/", 100)
+    member = c.cfg.members[1].name
+    node = NodeRestore(c.cfg, member, "op-gone")
+    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
+               new_cluster=False)
+    node.stop()
+    first = node.start()
+    assert first.skipped is None and node.backend.is_active(), first
+    wait_converged(c.cfg, 60)
+    node.backend.stop(30.0)  # what a reboot of its host leaves
+    assert not node.backend.is_active()
+    again = node.start()
+    assert again.skipped == "done before; etcd was not running: started again", again
+    assert node.backend.is_active()
+    revs = wait_converged(c.cfg, 60)
+    with c.client() as cl:
+        assert cl.count_prefix("/k/") == 100
+    third = node.start()  # running now: nothing to do
+    assert third.skipped == "already done", third
+    with capsys.disabled():
+        print(f"\nFIGURE resumed-start: {member} {again.note()}; all {len(revs)} healthy at {set(revs.values())}")
