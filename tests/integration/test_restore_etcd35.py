@@ -243,6 +243,14 @@ def test_the_followers_close_their_data_then_the_leader_stops(cluster_factory, c
                 f"{timings['prepare']:.2f}s; downtime {json.loads(out)['downtime']:.2f}s")
 
 
+def begun(c: LoopbackCluster, member: str, op: str) -> NodeRestore:
+    """A member's side of restore ``op`` after its ``begin`` (the journal open, nothing touched)."""
+    node = NodeRestore(c.cfg, member, op)
+    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
+               new_cluster=False)
+    return node
+
+
 def test_a_follower_rolled_back_while_it_is_still_exiting_runs_again(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
     """The window ``halt`` opens: the follower's db is closed, its process still lives (etcd 3.5
     closing its peer server). A rollback right then waits for its exit and starts it again on
@@ -252,9 +260,7 @@ def test_a_follower_rolled_back_while_it_is_still_exiting_runs_again(cluster_fac
     put_range(c, "/k/", 100)
     with c.client() as cl:
         follower = next(m.name for m in c.cfg.members if not cl.status(m.client_url).is_leader)
-    node = NodeRestore(c.cfg, follower, "op-halted")
-    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
-               new_cluster=False)
+    node = begun(c, follower, "op-halted")
     halted = node.halt()
     assert isinstance(halted, HaltReply) and halted.how == "db closed", halted
     lingering = node.backend.is_active()  # usually True: the process exits up to 1 s later
@@ -279,9 +285,7 @@ def test_a_resumed_restore_never_halts_the_etcd_its_own_start_began(cluster_fact
     put_range(c, "/k/", 100)
     with c.client() as cl:
         leader = next(m.name for m in c.cfg.members if cl.status(m.client_url).is_leader)
-    node = NodeRestore(c.cfg, leader, "op-resumed")
-    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
-               new_cluster=False)
+    node = begun(c, leader, "op-resumed")
     node.stop()
     node.backend.start()  # what the cut-off run's `start` step left running
     wait_converged(c.cfg, 60)
@@ -304,9 +308,7 @@ def test_a_resumed_start_starts_again_a_restored_member_whose_etcd_went(cluster_
     c.start_static()
     put_range(c, "/k/", 100)
     member = c.cfg.members[1].name
-    node = NodeRestore(c.cfg, member, "op-gone")
-    node.begin(token="t", initial_cluster="", sha256=None, size=0, backup="b.tar", bump=None, fence_owner=False,
-               new_cluster=False)
+    node = begun(c, member, "op-gone")
     node.stop()
     first = node.start()
     assert first.skipped is None and node.backend.is_active(), first
