@@ -78,14 +78,22 @@ class NodeRestore:
             )
         return j
 
-    def _step(self, name: str, fn: Callable[[J.Journal], R.StepReply]) -> R.StepReply:
-        """Run ``fn(journal)`` unless ``name`` is journaled already; journal its reply."""
+    def _step(self, name: str, fn: Callable[[J.Journal], R.StepReply],
+              again: Callable[[], Optional[str]] = lambda: None) -> R.StepReply:
+        """Run ``fn(journal)`` unless ``name`` is journaled already; journal its reply. A journaled
+        step runs again when ``again()`` gives a reason (what the journal cannot tell: whether a
+        process it started still runs); the reply then says that reason."""
         j = self._mine()
         if not j.open:
             raise RefusedError(f"{self.member.name}: restore {self.op} is {j.state} already")
         prev = j.steps.get(name)
         if prev is not None:
-            return dataclasses.replace(prev, step=name, member=self.member.name, skipped=prev.skipped or "already done")
+            why = again()
+            if why is not None:
+                fn(j)
+                log.info("%s: restore %s: %s again: %s", self.member.name, self.op, name, why)
+            return dataclasses.replace(prev, step=name, member=self.member.name,
+                                       skipped=why or prev.skipped or "already done")
         result = dataclasses.replace(fn(j), step=name, member=self.member.name, at=time.time())
         j.steps[name] = result
         j.pending.pop(name, None)
@@ -400,21 +408,16 @@ class NodeRestore:
         return self._step("repair", do)
 
     def start(self) -> R.StepReply:
-        j = self._mine()
-        prev = j.steps.get("start")
-        if j.open and prev is not None and not self.backend.is_active():
-            # a resume: this member started on its restored data, then its etcd went (the host
-            # rebooted, the process died). Its data is the restored one: start it again, rather
-            # than wait for a member that will not come and roll every member back for it
-            self.backend.start()
-            log.info("%s: restore %s: start done before, etcd was not running: started again", self.member.name, self.op)
-            return dataclasses.replace(prev, step="start", member=self.member.name,
-                                       skipped="done before; etcd was not running: started again")
-
         def do(j: J.Journal) -> R.StepReply:
             self.backend.start()
             return R.StepReply()
-        return self._step("start", do)
+
+        def gone() -> Optional[str]:
+            # a resume: this member started on its restored data, then its etcd went (the host
+            # rebooted, the process died). Its data is the restored one: start it again, rather
+            # than wait for a member that will not come and roll every member back for it
+            return None if self.backend.is_active() else "done before; etcd was not running: started again"
+        return self._step("start", do, again=gone)
 
     def unfence(self) -> R.StepReply:
         return self._step("unfence", self._unfence)
