@@ -194,10 +194,10 @@ def wait_healthy(cfg: Config, timeout: float, members: Optional[List[str]] = Non
     last = ""
     with EtcdClient.from_config(cfg, timeout=2.0) as cl:
         while time.monotonic() - t0 < timeout:
-            bad = [n for n in names if not cl.healthy(cfg.member(n).client_url, timeout=2.0)[0]]
+            bad = {n: why for n in names for ok, why in [cl.healthy(cfg.member(n).client_url, timeout=2.0)] if not ok}
             if not bad:
                 return time.monotonic() - t0
-            last = ",".join(bad)
+            last = "; ".join(f"{n}: {why}" for n, why in bad.items())
             time.sleep(0.2)
     raise AssertionError(f"not healthy after {timeout:.0f}s: {last}")
 

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.multihost
 PREFIX, SUBNET = "sh", "10.213.14"
 KEYS = 10_000
 RANDOM_VALUES = 480  # x 64 KiB of random bytes: a ~32 MB snapshot that does not compress
+HEAL = 150.0  # s for a member cut off for a minute or more to serve again: TCP_RTO_MAX 120 s + an election
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +144,17 @@ def test_a_host_cut_mid_ship_stops_nothing_and_leaves_no_copy(bed: RestoreBed) -
     assert res.returncode == 0, res.stdout + res.stderr
     assert bed.journal("sh3").get("state") == "rolled-back"
     assert untouched(bed) == before
-    wait_healthy(bed.cfg(), 30)
+    # How soon sh3 serves again after a cut of a minute or more is etcd's and TCP's business, not
+    # the restore's: a peer stream opened before the cut waits out TCP's retransmission backoff
+    # (up to 120 s on Linux). One CI run saw sh3 still unhealthy 30 s after its link came back.
+    healed = wait_healthy(bed.cfg(), HEAL)
+    print(f"FIGURE: sh3 healthy {healed:.1f}s after its link and the rollback")
+    settled(bed, "sh3")
     assert counts(bed.cfg(), "/after/", endpoint=bed.cfg().member("sh3").client_url) == [10]
     assert nothing_staged(bed), staging(bed)
-    settled(bed, "sh3")
 
 
-def settled(bed: RestoreBed, member: str, steady: float = 8.0, within: float = 90.0) -> None:
+def settled(bed: RestoreBed, member: str, steady: float = 8.0, within: float = 150.0) -> None:
     """Until linearizable reads through ``member`` have succeeded for ``steady`` seconds on end.
     After its link came back, a peer stream opened before the cut can stay stuck for a while
     (TCP's retransmission backoff) and then break. Seen in two clean-clone runs, where the next
