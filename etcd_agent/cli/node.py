@@ -23,12 +23,8 @@ def register(sub: Any) -> None:
     s = nsub.add_parser("serve", help="speak the node protocol on stdin/stdout until the caller closes the session")
     s.set_defaults(func=cmd_serve)
 
-    r = nsub.add_parser("receive", help="write a restore's snapshot from stdin into a member's work dir")
-    r.add_argument("--member", required=True, metavar="NAME")
-    r.add_argument("--op", required=True, metavar="ID")
-    r.add_argument("--owner", required=True, metavar="TOKEN", help="the session owner holding this host's lock")
-    r.add_argument("--size", required=True, type=int, metavar="BYTES")
-    r.add_argument("--codec", required=True, choices=("none", "zstd"), help="how the stream is encoded")
+    r = nsub.add_parser("receive", help="write a restore's snapshot from stdin into a member's work dir "
+                                          "(what, for whom and how encoded: the stream's first frame)")
     r.add_argument("--idle-timeout", required=True, type=float, metavar="SECONDS",
                    help="give up (and keep nothing) when no data arrives for this long")
     r.set_defaults(func=cmd_receive)
@@ -60,7 +56,8 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
 
 def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:
     """Prints one protocol line when ready for the data (or the error that refused it), and one
-    when done: the receipt, or the error as AgentError.to_json."""
+    when done: the receipt, or the error as AgentError.to_json. Nothing at all when the stream
+    ended before its order (the receiver was not needed)."""
     import signal
 
     from ..errors import AgentError, Interrupted, UsageError
@@ -81,14 +78,15 @@ def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
-        if args.size < 0 or not args.idle_timeout > 0:
-            raise UsageError("--size must be >= 0 and --idle-timeout > 0")
+        if not args.idle_timeout > 0:
+            raise UsageError("--idle-timeout must be > 0")
 
         def ready(r: Ready) -> None:
             say(r.to_json())
 
-        doc = receive_snapshot(ctx.config(), args.member, args.op, args.owner, args.size, args.codec,
-                               idle=args.idle_timeout, stdin_fd=sys.stdin.buffer.fileno(), ready=ready)
+        doc = receive_snapshot(ctx.config(), idle=args.idle_timeout, stdin_fd=sys.stdin.buffer.fileno(), ready=ready)
+        if doc is None:
+            return Output(None, None, exit_code=0, silent=True)
         code = 0
     except AgentError as exc:
         doc, code = exc.to_json(), exc.exit_code

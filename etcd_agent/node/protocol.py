@@ -28,7 +28,8 @@ from ..typedjson import JsonObject
 # 4: `node receive` speaks node.transfer's stream (ready line, frames, zstd, end record).
 # 5: `restore` stages the restored data beside the data dir while etcd serves; `install` moves it in.
 # 6: `halt`: a follower is signalled to stop and waited for only until its db is closed.
-PROTOCOL = 6
+# 7: `node receive` takes what it receives, and for whom, from the stream's first frame (the order).
+PROTOCOL = 7
 MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off

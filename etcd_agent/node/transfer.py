@@ -1,13 +1,18 @@
-"""The snapshot stream of ``etcd-agent node receive`` (node protocol 4), both ends' rules.
+"""The snapshot stream of ``etcd-agent node receive`` (node protocol 7), both ends' rules.
 
 A restore ships its snapshot to every member's host over one stream per member, beside the JSON
 session (a multi-GB payload would not fit its bounded lines). What the two ends say:
 
+- sender -> receiver, stdin: frames ``kind (1 byte) length (4 bytes, big-endian) payload``. The
+  first is ``O``, the order (JSON: member, op, the lock owner's token, size, codec). A receiver can
+  so be started before the restore knows what it will send (``restore.ship.Standby``: while the
+  hosts pre-check), and nothing about the op or its owner's token is on a command line (``ps``).
+  A stream that ends before its order was not needed: the receiver exits 0, having said nothing.
 - receiver -> sender, stdout: one ``Ready`` line as soon as it can take the snapshot (lock, journal,
   codec, a locked temp file, disk room: all checked) or an error document, and it exits. The sender
-  sends nothing before every receiver is ready, so a full disk fails in a round trip, not after a GB.
-- sender -> receiver, stdin: frames ``kind (1 byte) length (4 bytes, big-endian) payload``.
-  ``D`` carries the snapshot as sent (raw, or one zstd frame cut across D frames), at most
+  sends nothing more before every receiver is ready, so a full disk fails in a round trip, not
+  after a GB.
+- sender -> receiver, stdin: ``D`` carries the snapshot as sent (raw, or one zstd frame cut across D frames), at most
   ``MAX_FRAME`` bytes; ``E`` ends it: the plaintext's size and the sha256 the sender read (and
   checked against the manifest) as JSON, then end-of-file. Anything else is refused.
 - receiver -> sender, stdout: one last line, ``Received`` (what it committed) or an error document.
@@ -33,10 +38,13 @@ from ..safejson import UnsafeJson, loads
 
 CODECS = ("none", "zstd")
 ZSTD_LEVEL = 1  # on two cores, level 1 moves the most bytes per CPU-second; higher levels gain ~3%
-DATA, END = b"D", b"E"
+ORDER, DATA, END = b"O", b"D", b"E"
 HEADER = struct.Struct(">cI")
 MAX_FRAME = 4 << 20
 MAX_END = 4096
+MAX_ORDER = 4096
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a member name or an op id, as the config allows
+TOKEN_RE = re.compile(r"^[0-9a-f]{16,128}$")
 SLICE = 128 << 10  # decompressed bytes per step: big buffers are fresh mmaps each time (page faults)
 # level 1 uses a 512 KiB window; a frame asking for more than this is refused, not allocated
 MAX_WINDOW = 8 << 20
@@ -104,6 +112,31 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Order:
+    """The sender's first frame: what this receiver is to take, for whom."""
+
+    member: str
+    op: str
+    owner: str  # the token of the session owner that holds the host's lock
+    size: int
+    codec: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"member": self.member, "op": self.op, "owner": self.owner, "size": self.size, "codec": self.codec}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], what: str) -> "Order":
+        for key, rule in (("member", NAME_RE), ("op", NAME_RE), ("owner", TOKEN_RE)):
+            v = d.get(key)
+            if not isinstance(v, str) or not rule.match(v):
+                raise StreamError(f"{what}: {key!r} is missing or malformed")
+        codec = d.get("codec")
+        if not isinstance(codec, str) or not codec:
+            raise StreamError(f"{what}: 'codec' is missing")
+        return cls(str(d["member"]), str(d["op"]), str(d["owner"]), _int(d, "size", what), codec)
+
+
+@dataclass(frozen=True)
 class End:
     """The sender's last frame: the plaintext it read, checked on its side."""
 
@@ -149,8 +182,16 @@ def data_frames(payload: Chunk) -> List[Tuple[bytes, memoryview]]:
 
 
 def end_frame(end: End) -> Tuple[bytes, memoryview]:
-    body = json.dumps(end.to_json(), sort_keys=True).encode()
-    return HEADER.pack(END, len(body)), memoryview(body)
+    return _json_frame(END, end.to_json())
+
+
+def order_frame(order: Order) -> Tuple[bytes, memoryview]:
+    return _json_frame(ORDER, order.to_json())
+
+
+def _json_frame(kind: bytes, doc: Dict[str, Any]) -> Tuple[bytes, memoryview]:
+    body = json.dumps(doc, sort_keys=True).encode()
+    return HEADER.pack(kind, len(body)), memoryview(body)
 
 
 class Encoder:
@@ -225,6 +266,34 @@ class FrameReader:
             got += n
         self.wire += got
 
+    def order(self) -> Optional[Order]:
+        """The stream's first frame, the sender's order; None when the stream ended before any
+        byte of it (a receiver started ahead that was not needed)."""
+        head = memoryview(bytearray(HEADER.size))
+        first = self._read_into(head)
+        if first <= 0:
+            return None
+        self.wire += first
+        self._fill(head[first:], "inside the order")
+        kind, length = HEADER.unpack(head)
+        if kind != ORDER:
+            raise StreamError(f"{self.what}: the stream does not begin with the sender's order (frame {kind!r})")
+        return Order.from_json(self._record(length, MAX_ORDER, "order"), f"{self.what}: order")
+
+    def _record(self, length: int, limit: int, name: str) -> Dict[str, Any]:
+        """A JSON object of ``length`` bytes, at most ``limit``, read and parsed within bounds."""
+        if not 0 < length <= limit:
+            raise StreamError(f"{self.what}: an {name} of {length} bytes (at most {limit})")
+        body = memoryview(bytearray(length))
+        self._fill(body, f"inside the {name}")
+        try:
+            doc = loads(bytes(body), max_bytes=limit)
+        except UnsafeJson as exc:
+            raise StreamError(f"{self.what}: unreadable {name} ({exc})") from None
+        if not isinstance(doc, dict):
+            raise StreamError(f"{self.what}: the {name} is not an object")
+        return doc
+
     def _next(self) -> bool:
         """The next frame: True with data in the buffer, False at the end record."""
         if self.end is not None:
@@ -240,17 +309,7 @@ class FrameReader:
             return True
         if kind != END:
             raise StreamError(f"{self.what}: unknown frame kind {kind!r}")
-        if not 0 < length <= MAX_END:
-            raise StreamError(f"{self.what}: an end record of {length} bytes (at most {MAX_END})")
-        body = memoryview(bytearray(length))
-        self._fill(body, "inside the end record")
-        try:
-            doc = loads(bytes(body), max_bytes=MAX_END)
-        except UnsafeJson as exc:
-            raise StreamError(f"{self.what}: unreadable end record ({exc})") from None
-        if not isinstance(doc, dict):
-            raise StreamError(f"{self.what}: the end record is not an object")
-        self.end = End.from_json(doc, f"{self.what}: end record")
+        self.end = End.from_json(self._record(length, MAX_END, "end record"), f"{self.what}: end record")
         if self._read_into(memoryview(bytearray(1))) > 0:
             raise StreamError(f"{self.what}: data after the end record")
         return False

@@ -39,7 +39,7 @@ from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
 from .precheck import NodeFacts, check_host, default_token, resume_decision, token_problem
-from .ship import ship_snapshot
+from .ship import Standby, ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
 
@@ -119,6 +119,7 @@ class Restore:
         self.unreachable: Dict[str, str] = {}
         self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
         self._evidence: "Optional[Future[Evidence]]" = None
+        self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
                                                                                    identities=opts.identities))
@@ -149,12 +150,23 @@ class Restore:
             self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
             self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False)
             self.timings["sessions"] = time.monotonic() - t
+            self.standby = self._standby()
             try:
                 return self._run(source, t0)
             finally:
+                if self.standby is not None:
+                    self.standby.close()
                 close_sessions(self.nodes)
         finally:
             source.close()
+
+    def _standby(self) -> Optional[Standby]:
+        """Unattended (``--yes``), the receivers on the other masters start while the hosts
+        pre-check; asked to confirm, or a dry run, the restore starts none before it needs them."""
+        if self.opts.dry_run or self.opts.confirm is not None:
+            return None
+        away = [(m, n) for n in self.nodes if not n.local and n.where not in self.unreachable for m in n.members]
+        return Standby(self.cfg, away) if away else None
 
     def _run(self, source: Source, t0: float) -> Outcome:
         t = time.monotonic()
@@ -483,7 +495,7 @@ class Restore:
         if todo:
             assert self.owner is not None
             shipped = ship_snapshot(self.cfg, source, [(m, self.node_of(m.name)) for m in todo], op=self.op,
-                                    owner=self.owner, say=self.say)
+                                    owner=self.owner, say=self.say, standby=self.standby)
             self.say(shipped.describe())
             self._phase("ship", lambda m: self._call(m, "receive", sha256=shipped.sha256), todo)
             sha = shipped.sha256

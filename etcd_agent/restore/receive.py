@@ -1,8 +1,9 @@
 """``etcd-agent node receive``: one member's snapshot, off its stream, into the restore's work dir.
 
-The receiving end of ``restore.ship`` (the stream is ``node.transfer``'s). Only for the op
-journaled there, and only while the session of the same owner holds this host's lock: a second
-orchestrator cannot ship over the first one's files. Everything that can refuse is checked before
+The receiving end of ``restore.ship`` (the stream is ``node.transfer``'s). What it takes, and for
+whom, comes in the stream's first frame, the order: so the process can be started ahead, while the
+hosts pre-check. Only for the op journaled there, and only while the session of the same owner
+holds this host's lock: a second orchestrator cannot ship over the first one's files. Everything that can refuse is checked before
 the ``Ready`` line (lock, journal, codec, a temp file beside the target, room on its disk); then
 the stream is decoded in bounded slices, hashed and checked as it is written (one sha256 pass,
 etcd's own trailer, the bbolt meta pages), and committed only once the sender's end record
@@ -98,18 +99,25 @@ def _waiting(cfg: Config, member: str, op: str) -> str:
     return work_dir
 
 
-def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: int, codec: str, *,
-                     idle: float, stdin_fd: int, ready: Callable[[Ready], None]) -> Dict[str, Any]:
-    """Take the snapshot of ``size`` bytes off ``stdin_fd``; ``ready(doc)`` is told (to print it)
-    once everything that can refuse has been checked. Returns the ``Received`` document."""
-    what = f"{member}: the shipped snapshot"
-    work_dir = _expecting(cfg, member, op, owner_token)
+def receive_snapshot(cfg: Config, *, idle: float, stdin_fd: int,
+                     ready: Callable[[Ready], None]) -> Optional[Dict[str, Any]]:
+    """Take the order off ``stdin_fd``, then the snapshot it announces; ``ready(doc)`` is told (to
+    print it) once everything that can refuse has been checked. Returns the ``Received``
+    document, or None when the stream ended before any order (a receiver started ahead of a
+    restore that did not need it: nothing was looked at)."""
+    stream = IdleStream(stdin_fd, idle, "the shipped snapshot")
+    frames = FrameReader(stream.read_into, stream.what)
+    order = frames.order()
+    if order is None:
+        return None
+    member, size, codec = order.member, order.size, order.codec
+    what = stream.what = frames.what = f"{member}: the shipped snapshot"
+    work_dir = _expecting(cfg, member, order.op, order.owner)
     require_codec(codec)
 
     def land(staged: StagedFile, check: StreamCheck) -> Tuple[str, int]:
         free = _room(work_dir, size, member)
         ready(Ready(PROTOCOL, codec, free))
-        frames = FrameReader(IdleStream(stdin_fd, idle, what).read_into, what)
         dec = Decoder(frames, codec, size)
         _write_checked(dec.chunks(), check, staged)
         end = dec.finish()
@@ -119,7 +127,7 @@ def receive_snapshot(cfg: Config, member: str, op: str, owner_token: str, size: 
         return codec, frames.wire
 
     rec = _landing(work_dir, size, what, land)
-    log.info("%s: received %d bytes for restore %s (%s, %d on the wire; sha256 %s...)", member, size, op, codec,
+    log.info("%s: received %d bytes for restore %s (%s, %d on the wire; sha256 %s...)", member, size, order.op, codec,
              rec.wire, rec.sha256[:16])
     return Received(member, size, rec.sha256, rec.wire or 0).to_json()
 

@@ -12,6 +12,10 @@ has not been touched anywhere.
 
 A watchdog closes the connection of a host whose stream has not moved for ``idle`` seconds: on a
 cut link a send (or a close) would otherwise wait forever inside paramiko.
+
+Starting a receiver (an SSH session and an agent start on a loaded host: ~0.3 s) is not on the
+ship's clock when the restore runs unattended: ``Standby`` starts them while the hosts pre-check,
+and a receiver learns what it takes from the stream's first frame (``node.transfer.Order``).
 """
 from __future__ import annotations
 
@@ -20,16 +24,28 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..config import Config, Member
-from ..errors import AgentError, HostUnreachable, OperationFailed, error_from_json
+from ..errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
 from ..hosts.base import Host, Session
 from ..node.client import agent_argv
 from ..node.protocol import PROTOCOL, SILENCE_LIMIT, Owner, decode
 from ..node.sessions import HostNode, message, parallel
-from ..node.transfer import CodecChoice, Encoder, End, Ready, Received, choose_codec, data_frames, end_frame
+from ..node.transfer import (
+    CodecChoice,
+    Encoder,
+    End,
+    Order,
+    Ready,
+    Received,
+    choose_codec,
+    data_frames,
+    end_frame,
+    order_frame,
+)
 from .source import Source
 
 log = logging.getLogger(__name__)
@@ -49,12 +65,14 @@ Item = Union[Frame, None]  # None: the stream is complete, close it and wait for
 
 @dataclass(frozen=True)
 class Target:
-    """One member's receiver: where it runs and the command that starts it."""
+    """One member's receiver: where it runs, the command that starts it, what it is to take."""
 
     member: str
     where: str  # "er2 (10.213.4.12)", for messages
     host: Host
     argv: List[str]
+    order: Order
+    standby: Optional[Session] = None  # a receiver started ahead for it (``Standby``)
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,7 @@ class _Sink:
         self.moved = time.monotonic()  # when its stream last moved, or began to wait on the link
         self.blocked = False  # inside a send or close that waits on the link
         self.seconds = 0.0
+        self._answered = False  # the receiver has said something (ready, or why not)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ the receiver's lines
@@ -104,14 +123,39 @@ class _Sink:
             tail = self.session.stderr_tail()
             raise OperationFailed(f"{self.t.where}: the receiver ended without an answer" + (f": {tail}" if tail else ""))
         doc = decode(line, self.t.where)
+        self._answered = True
         if "error" in doc:
             raise error_from_json(doc, where=f"{self.t.where}: ")
         return doc
 
-    def open(self, codec: str) -> None:
-        """Start the receiver; return once it is ready for the data (or raise why it is not)."""
+    def open(self) -> None:
+        """Give the receiver its order (starting one, unless one was started ahead); return once
+        it is ready for the data (or raise why it is not). A receiver started ahead that is gone
+        without a word (it gave up waiting, its channel broke) is replaced once by a fresh one:
+        it was a shortcut, not a promise. One that answered - a refusal - has spoken for its host."""
+        if self.t.standby is not None:
+            self.session = self.t.standby
+            try:
+                self._order()
+                return
+            except CommandTimedOut:
+                raise  # it is there, but slow: a second one would not be quicker
+            except AgentError as exc:
+                if self._answered:
+                    raise
+                log.info("%s: the receiver started ahead is gone (%s); starting another", self.t.where, message(exc))
+                # its channel only: ``abort`` would close the host's whole connection, and with
+                # it the session that holds the host's lock
+                self.session.close(1.0)
         self.session = self.t.host.spawn(self.t.argv)
+        self._order()
+
+    def _order(self) -> None:
+        assert self.session is not None
+        for part in order_frame(self.t.order):
+            self.session.send(part)
         ready = Ready.from_json(self._answer(READY_TIMEOUT), self.t.where)
+        codec = self.t.order.codec
         if ready.protocol != PROTOCOL or ready.codec != codec:
             raise OperationFailed(f"{self.t.where}: the receiver speaks protocol {ready.protocol} with codec "
                                   f"{ready.codec}, this sender {PROTOCOL} with {codec}")
@@ -196,7 +240,7 @@ def fan_out(source: Source, targets: Sequence[Target], *, codec: CodecChoice, id
     sinks = [_Sink(t, broken) for t in targets]
     t0 = time.monotonic()
     try:
-        refused = [f"{message(e)}" for _s, _r, e in parallel(lambda s: s.open(codec.codec), sinks) if e is not None]
+        refused = [f"{message(e)}" for _s, _r, e in parallel(lambda s: s.open(), sinks) if e is not None]
         if refused:
             broken.set()
             raise OperationFailed("shipping the snapshot was refused before any data was sent; nothing stopped",
@@ -281,17 +325,63 @@ def _watch(sinks: List[_Sink], idle: float, joined: threading.Event) -> None:
                 s.session.abort()
 
 
+def _idle(cfg: Config) -> float:
+    return min(cfg.ssh.command_timeout, SILENCE_LIMIT)
+
+
+def receiver_argv(cfg: Config, local: bool) -> List[str]:
+    """``node receive`` on a host: the same for every member and op (the order says the rest)."""
+    return agent_argv(cfg, local) + ["node", "receive", "--idle-timeout", f"{_idle(cfg) + RECEIVER_GRACE:g}"]
+
+
+class Standby:
+    """Receivers started ahead, one per member on another master, while the hosts pre-check.
+    Each waits for its order; one the ship does not take is closed before any order and exits
+    having looked at nothing. ``close`` (always called) ends those, once their start is done."""
+
+    def __init__(self, cfg: Config, members: Sequence[Tuple[Member, HostNode]]) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(members)), thread_name_prefix="standby")
+        self._started: Dict[str, "Future[Session]"] = {
+            m.name: self._pool.submit(n.host.spawn, receiver_argv(cfg, n.local)) for m, n in members
+        }
+
+    def take(self, member: str) -> Optional[Session]:
+        """The receiver started for ``member``, or None (none was, or its start failed: the ship
+        starts one itself and reports why if that fails too)."""
+        fut = self._started.pop(member, None)
+        if fut is None:
+            return None
+        try:
+            return fut.result()  # bounded: a spawn's connect and exec have their own timeouts
+        except Exception as exc:
+            log.info("%s: the receiver started ahead did not start: %s", member, message(exc))
+            return None
+
+    def close(self) -> None:
+        for fut in self._started.values():
+            fut.add_done_callback(_end_unused)
+        self._started.clear()
+        self._pool.shutdown(wait=True)
+
+
+def _end_unused(fut: "Future[Session]") -> None:
+    if fut.exception() is None:
+        try:
+            fut.result().close(2.0)  # end-of-file before any order: it exits 0, nothing looked at
+        except Exception as exc:  # closing a session that broke meanwhile may fail in many ways
+            log.debug("closing an unused receiver: %s", exc)
+
+
 def ship_snapshot(cfg: Config, source: Source, members: Sequence[Tuple[Member, HostNode]], *, op: str, owner: Owner,
-                  say: Callable[[str], None]) -> Shipped:
-    """The restore's ship: decide the codec from samples, start a receiver per member, fan out."""
+                  say: Callable[[str], None], standby: Optional[Standby] = None) -> Shipped:
+    """The restore's ship: decide the codec from samples, order a receiver per member (started
+    ahead by ``standby``, or now), fan out."""
     codec = choose_codec(source.read_at, source.size)
-    idle = min(cfg.ssh.command_timeout, SILENCE_LIMIT)
     say(f"shipping {source.size} bytes to {len(members)} member(s), {codec.describe()}")
-    targets = [Target(m.name, f"{m.name} ({n.where})", n.host,
-                      agent_argv(cfg, n.local) + ["node", "receive", "--member", m.name, "--op", op, "--owner",
-                                                  owner.token, "--size", str(source.size), "--codec", codec.codec,
-                                                  "--idle-timeout", f"{idle + RECEIVER_GRACE:g}"])
+    targets = [Target(m.name, f"{m.name} ({n.where})", n.host, receiver_argv(cfg, n.local),
+                      Order(m.name, op, owner.token, source.size, codec.codec),
+                      standby.take(m.name) if standby is not None else None)
                for m, n in members]
-    shipped = fan_out(source, targets, codec=codec, idle=idle)
+    shipped = fan_out(source, targets, codec=codec, idle=_idle(cfg))
     log.info("%s", shipped.describe())
     return shipped

@@ -9,17 +9,18 @@ import hashlib
 import os
 import random
 import threading
+import time
 from typing import Any, Dict, List
 
 import pytest
 
 from etcd_agent.errors import EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
 from etcd_agent.node.protocol import PROTOCOL
-from etcd_agent.node.transfer import CodecChoice
+from etcd_agent.node.transfer import CodecChoice, Order
 from etcd_agent.restore import ship as S
 from etcd_agent.restore.source import Source
 from tests.component.test_restore_orchestration import Bed, identity_of
-from tests.harness.scripted import ScriptedHost
+from tests.harness.scripted import ReceiveSession, ScriptedHost
 
 pytestmark = pytest.mark.component
 
@@ -77,6 +78,7 @@ def test_a_receiver_that_cannot_take_it_refuses_before_any_data_and_nothing_stop
     assert err.value.exit_code == EXIT_FAILED
     assert "shipping the snapshot was refused before any data was sent; nothing stopped" in err.value.message
     assert any("h3 (10.0.0.3): h3: 1024 bytes free" in d for d in err.value.details), err.value.details
+    assert len(receivers(bed, "10.0.0.3")) == 1  # a refusal is its host's answer: not asked again
     assert bed.script.received == {}
     assert steps(bed) == [BEFORE_SHIP + ["rollback"]] * 3  # etcd never stopped anywhere
 
@@ -103,8 +105,8 @@ def test_a_host_that_stops_reading_is_cut_off_and_the_others_keep_nothing(bed: B
     src = with_snapshot(bed, os.urandom(24 << 20))  # far more than the pipes and queues hold
     bed.script.stalls.append("h2")
     hosts = {m.name: bed.hosts[m.ssh_host] for m in bed.cfg.members}
-    targets = [S.Target(name, f"{name} (test)", h, ["etcd-agent", "node", "receive", "--member", name, "--size",
-                                                  str(src.size), "--codec", "none"])
+    targets = [S.Target(name, f"{name} (test)", h, ["etcd-agent", "node", "receive", "--idle-timeout", "10"],
+                        Order(name, "op-1", "0" * 32, src.size, "none"))
                for name, h in hosts.items()]
     with pytest.raises(OperationFailed) as err:
         S.fan_out(src, targets, codec=CodecChoice("none", 1.0, 0), idle=0.5)
@@ -177,3 +179,72 @@ def test_a_copy_here_that_differs_from_what_was_shipped_is_refused_before_the_fe
     assert "the snapshot copied on this master is not the one shipped to the others" in err.value.message
     for m in ("h1", "h2", "h3"):
         assert "fence" not in bed.script.steps_of(m) and bed.script.steps_of(m)[-1] == "rollback"
+
+
+# ---------------------------------------------------------------- receivers started ahead
+
+
+def receivers(bed: Bed, host: str) -> List[ReceiveSession]:
+    return [s for s in bed.hosts[host].sessions if isinstance(s, ReceiveSession)]
+
+
+def ended(s: ReceiveSession, within: float = 5.0) -> bool:
+    s._thread.join(within)
+    return not s._thread.is_alive()
+
+
+def test_unattended_the_receivers_start_while_the_hosts_pre_check_and_the_ship_uses_them(bed: Bed) -> None:
+    # h3's pre-check answers only once a receiver runs on h2 and on h3: without the start ahead
+    # it waits out its 5 s and the test says so
+    started: List[bool] = []
+
+    def both_started() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (receivers(bed, "10.0.0.2") and receivers(bed, "10.0.0.3")):
+            time.sleep(0.01)
+        started.append(bool(receivers(bed, "10.0.0.2") and receivers(bed, "10.0.0.3")))
+
+    bed.script.hooks[("precheck", "h3")] = both_started
+    r = bed.restore(here=["10.0.0.1"])
+    assert r.run().done
+    assert started == [True], "no receiver ran on h2 and h3 while the hosts pre-checked"
+    for host, member in (("10.0.0.2", "h2"), ("10.0.0.3", "h3")):
+        got = receivers(bed, host)
+        assert len(got) == 1, got  # the one started ahead took the snapshot: no second start
+        assert got[0].order is not None and got[0].order.member == member and got[0].order.op == r.op
+        assert got[0].order.owner == r.owner.token if r.owner else False
+    assert receivers(bed, "10.0.0.1") == []  # this master's member copies; no receiver here
+    assert set(bed.script.received.values()) == {bed.source.sha256}
+
+
+def test_asked_to_confirm_no_receiver_starts_before_the_answer(bed: Bed) -> None:
+    with pytest.raises(RefusedError) as err:
+        bed.restore(confirm=lambda plan: False).run()
+    assert "not confirmed; nothing touched" in err.value.message
+    assert all(receivers(bed, h) == [] for h in bed.hosts)
+    assert bed.restore(confirm=lambda plan: True).run().done
+    assert all(len(receivers(bed, h)) == 1 for h in bed.hosts)  # started when the ship needed them
+
+
+def test_a_refused_restore_ends_its_receivers_before_any_order(bed: Bed) -> None:
+    bed.script.fail("precheck", "h3", RefusedError("h3: data dir is a symlink (scripted)"))
+    with pytest.raises(AgentError) as err:
+        bed.restore().run()
+    assert err.value.exit_code == EXIT_REFUSED and "nothing touched" in err.value.message
+    started = [s for h in bed.hosts for s in receivers(bed, h)]
+    assert len(started) == 3  # unattended: one ahead per member
+    for s in started:  # each saw its stream end before any order: exit 0, nothing looked at
+        assert ended(s) and s.order is None and s.code == 0
+    assert bed.script.received == {} and "begin" not in sum(steps(bed), [])
+
+
+def test_a_receiver_started_ahead_that_died_is_replaced_by_a_fresh_one(bed: Bed) -> None:
+    bed.script.gone.append("h2")  # h2's first receiver exits before its order, without a word
+    r = bed.restore()
+    assert r.run().done
+    first, second = receivers(bed, "10.0.0.2")
+    assert ended(first) and first.order is None and first.code == -1
+    assert second.order is not None and second.order.member == "h2"
+    assert [type(s).__name__ for s in bed.hosts["10.0.0.2"].sessions].count("ServeSession") == 1  # lock kept
+    assert len(receivers(bed, "10.0.0.3")) == 1
+    assert set(bed.script.received.values()) == {bed.source.sha256}

@@ -23,7 +23,7 @@ from etcd_agent.hosts.local import PipeSession
 from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.replies import StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext, serve
-from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError
+from etcd_agent.node.transfer import Decoder, FrameReader, Order, Ready, Received, StreamError
 from etcd_agent.restore.precheck import NodeFacts, work_dir_for
 from etcd_agent.typedjson import Document
 
@@ -54,6 +54,7 @@ class Script:
         self.received: Dict[str, str] = {}  # member -> sha256 of what arrived
         self.codecs: Dict[str, str] = {}  # member -> how it travelled
         self.stalls: List[str] = []  # members whose receiver stops reading after its ready line
+        self.gone: List[str] = []  # hosts whose first receiver exits at once, without a word
         # (step, member) -> called as that step begins ("ship-data": a receiver before its first
         # frame), before any scripted failure: a test's probe of what runs at the same time
         self.hooks: Dict[Tuple[str, str], Callable[[], None]] = {}
@@ -200,9 +201,11 @@ class ScriptedSession(PipeSession):
             pass
 
     def abort(self) -> None:
-        """The connection drops: the host's side ends (closing its pipe ends) and so does ours."""
-        self.aborted.set()
-        self.close_input()
+        """The connection drops, as ``SshSession.abort`` drops it: every session of this host
+        ends (its side closing its pipe ends), the node session holding its lock included."""
+        for s in list(self.host.sessions):
+            s.aborted.set()
+            s.close_input()
 
     def exit_code(self) -> Optional[int]:
         return self.code
@@ -259,13 +262,11 @@ class ReceiveSession(ScriptedSession):
 
     def __init__(self, host: ScriptedHost, argv: List[str]) -> None:
         self.argv = argv
+        self.order: Optional[Order] = None  # what the sender's first frame asked for
+        self.nth = sum(isinstance(x, ReceiveSession) for x in host.sessions)  # receivers on the host before it
         super().__init__(host)
 
-    def _arg(self, name: str) -> str:
-        return self.argv[self.argv.index(name) + 1]
-
     def _main(self) -> None:
-        member, size, codec = self._arg("--member"), int(self._arg("--size")), self._arg("--codec")
         failures = self.host.script.failures
         with os.fdopen(self._in_r, "rb") as stdin, os.fdopen(self._out_w, "wb") as stdout:
             def say(doc: Dict[str, Any]) -> None:
@@ -273,6 +274,20 @@ class ReceiveSession(ScriptedSession):
                 stdout.flush()
 
             self.code = 1
+            if self.host.name in self.host.script.gone and self.nth == 0:
+                self.code = -1  # it died (or gave up waiting) before its order came
+                return
+            frames = FrameReader(stdin.readinto, f"{self.host.name}: the shipped snapshot")
+            try:
+                self.order = frames.order()
+            except AgentError as exc:
+                say(exc.to_json())
+                return
+            if self.order is None:  # started ahead, not needed
+                self.code = 0
+                return
+            member, size, codec = self.order.member, self.order.size, self.order.codec
+            frames.what = f"{member}: the shipped snapshot"
             refused = failures.get(("ship-ready", member))
             if refused is not None:
                 say(refused.to_json())
@@ -284,7 +299,6 @@ class ReceiveSession(ScriptedSession):
             hook = self.host.script.hooks.get(("ship-data", member))
             if hook is not None:
                 hook()
-            frames = FrameReader(stdin.readinto, f"{member}: the shipped snapshot")
             h = hashlib.sha256()
             try:
                 dec = Decoder(frames, codec, size)

@@ -186,3 +186,52 @@ def test_mediocre_compression_is_not_worth_its_cpu() -> None:
     assert T.choose_codec(sampler(half, 64 << 20)[0], 64 << 20).codec == "zstd"
     some = os.urandom(900_000) + b"\0" * 148_576  # 1.17x: does not
     assert T.choose_codec(sampler(some, 64 << 20)[0], 64 << 20).codec == "none"
+
+
+# ---------------------------------------------------------------- the order: the stream's first frame
+
+ORDER = T.Order("m2", "20261202T035334Z-a9786d53-6e4962", "ab" * 16, 3 << 20, "zstd")
+
+
+def framed(kind: bytes, body: bytes) -> bytes:
+    return T.HEADER.pack(kind, len(body)) + body
+
+
+def test_an_order_opens_the_stream_and_the_data_follows_it() -> None:
+    data = compressible(1 << 20)
+    head, body = T.order_frame(T.Order("m2", "op-1", "ab" * 16, len(data), "zstd"))
+    frames = FrameReader(io.BytesIO(bytes(head) + bytes(body) + stream(data, "zstd")).readinto, "test")
+    order = frames.order()
+    assert order == T.Order("m2", "op-1", "ab" * 16, len(data), "zstd")
+    dec = Decoder(frames, order.codec, order.size)
+    assert b"".join(bytes(c) for c in dec.chunks()) == data and dec.finish().size == len(data)
+
+
+def test_a_stream_that_ends_before_its_order_was_not_needed() -> None:
+    assert FrameReader(io.BytesIO(b"").readinto, "test").order() is None
+
+
+@pytest.mark.parametrize("wire, why", [
+    (b"O\0", "the stream was cut inside the order"),  # cut in the header
+    (T.HEADER.pack(b"O", 100) + b'{"member": "m2"', "the stream was cut inside the order"),  # less than it said
+    (stream(b"x" * 10, "none"), "does not begin with the sender's order (frame b'D')"),
+    (T.HEADER.pack(b"O", T.MAX_ORDER + 1), f"an order of {T.MAX_ORDER + 1} bytes (at most {T.MAX_ORDER})"),
+    (T.HEADER.pack(b"O", 0), "an order of 0 bytes"),
+    (framed(b"O", b"[1, 2]"), "the order is not an object"),
+    (framed(b"O", b"{\"member\": "), "unreadable order"),
+])
+def test_a_stream_that_does_not_open_with_a_sound_order_is_refused(wire: bytes, why: str) -> None:
+    with pytest.raises(StreamError) as err:
+        FrameReader(io.BytesIO(wire).readinto, "test").order()
+    assert why in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("member", "m2; rm -rf /"), ("member", ""), ("member", 7), ("op", "../../etc"), ("owner", "not-hex"),
+    ("owner", "ab"), ("size", -1), ("size", True), ("size", "3"), ("codec", ""), ("member", None),
+])
+def test_an_order_with_a_field_out_of_shape_is_refused_naming_it(field: str, value: object) -> None:
+    doc = dict(ORDER.to_json(), **{field: value})
+    with pytest.raises(StreamError) as err:
+        FrameReader(io.BytesIO(framed(b"O", json.dumps(doc).encode())).readinto, "test").order()
+    assert repr(field) in err.value.message, err.value.message
