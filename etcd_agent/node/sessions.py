@@ -85,14 +85,15 @@ def message(exc: BaseException) -> str:
 
 
 def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress,
-                  require_all: bool = True) -> Dict[str, str]:
+                  require_all: bool = True, opened: Optional[Callable[[HostNode], None]] = None) -> Dict[str, str]:
     """A session on every host (in parallel), then every reachable host's lock in config order
     (``nodes`` as ``group_hosts`` returns them: by each host's first member), the same order on
     whichever master the run started: of two runs started together the first to lock the first
     host gets every lock, the other is refused at that host. BusyError (exit 4) names the holder
     (every session is closed then). A host that cannot be reached: RefusedError (exit 3) when
     ``require_all``, else it is returned (where -> why) with its session left empty, for a
-    per-host report. Nothing is touched either way."""
+    per-host report. Nothing is touched either way. ``opened(node)`` is told as each host's
+    session is open, before any lock (restore starts its receivers there)."""
 
     def start(n: HostNode) -> None:
         n.client = NodeClient(cfg, n.host, n.where, local=n.local, owner=owner, lock=False)
@@ -101,6 +102,8 @@ def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progres
         except BaseException:
             n.client = None
             raise
+        if opened is not None:
+            opened(n)
 
     failed = {n.where: message(e) for n, _r, e in parallel(start, nodes) if e is not None}
     if failed and require_all:
@@ -121,11 +124,18 @@ def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progres
 
 
 def close_sessions(nodes: List[HostNode]) -> None:
-    for n in nodes:
+    """End every session (each host then releases its lock) and connection, the hosts at once:
+    each close waits for its server's exit."""
+
+    def close(n: HostNode) -> None:
         if n.client is not None:
             n.client.close()
             n.client = None
         n.host.close()
+
+    for _n, _r, err in parallel(close, nodes):
+        if err is not None:
+            log.debug("closing a session: %s", message(err))
 
 
 def local_node(nodes: List[HostNode]) -> Optional[HostNode]:

@@ -148,25 +148,36 @@ class Restore:
             t = time.monotonic()
             self.nodes = self._make_nodes(cfg)
             self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
-            self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False)
-            self.timings["sessions"] = time.monotonic() - t
             self.standby = self._standby()
             try:
-                return self._run(source, t0)
+                self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False,
+                                                 opened=self.standby.start if self.standby else None)
+                self.timings["sessions"] = time.monotonic() - t
+                try:
+                    return self._run(source, t0)
+                finally:
+                    t = time.monotonic()
+                    self._close_standby()
+                    close_sessions(self.nodes)
+                    self.timings["close"] = time.monotonic() - t  # after the outcome's duration
             finally:
-                if self.standby is not None:
-                    self.standby.close()
-                close_sessions(self.nodes)
+                self._close_standby()  # when the sessions could not be opened
         finally:
             source.close()
 
     def _standby(self) -> Optional[Standby]:
-        """Unattended (``--yes``), the receivers on the other masters start while the hosts
-        pre-check; asked to confirm, or a dry run, the restore starts none before it needs them."""
+        """Unattended (``--yes``), the receivers on the other masters start as soon as their
+        host's session is open; asked to confirm, or a dry run, the restore starts none before it
+        needs them."""
         if self.opts.dry_run or self.opts.confirm is not None:
             return None
-        away = [(m, n) for n in self.nodes if not n.local and n.where not in self.unreachable for m in n.members]
+        away = sum(len(n.members) for n in self.nodes if not n.local)
         return Standby(self.cfg, away) if away else None
+
+    def _close_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
 
     def _run(self, source: Source, t0: float) -> Outcome:
         t = time.monotonic()
@@ -497,6 +508,8 @@ class Restore:
             shipped = ship_snapshot(self.cfg, source, [(m, self.node_of(m.name)) for m in todo], op=self.op,
                                     owner=self.owner, say=self.say, standby=self.standby)
             self.say(shipped.describe())
+            self.timings["ship: receivers ready"] = shipped.ready
+            self.timings["ship: stream"] = shipped.seconds - shipped.ready
             self._phase("ship", lambda m: self._call(m, "receive", sha256=shipped.sha256), todo)
             sha = shipped.sha256
         self.timings["ship"] = time.monotonic() - t

@@ -14,7 +14,7 @@ A watchdog closes the connection of a host whose stream has not moved for ``idle
 cut link a send (or a close) would otherwise wait forever inside paramiko.
 
 Starting a receiver (an SSH session and an agent start on a loaded host: ~0.3 s) is not on the
-ship's clock when the restore runs unattended: ``Standby`` starts them while the hosts pre-check,
+ship's clock when the restore runs unattended: ``Standby`` starts them as each host's session opens,
 and a receiver learns what it takes from the stream's first frame (``node.transfer.Order``).
 """
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Shipped:
     wire: int  # bytes sent to each member, frames included
     seconds: float
     hosts: Dict[str, float] = field(default_factory=dict)  # member -> seconds until its receipt
+    ready: float = 0.0  # seconds until every receiver was ready (a receiver's start included)
 
     def describe(self) -> str:
         slowest = max(self.hosts.values()) if self.hosts else self.seconds
@@ -245,6 +246,7 @@ def fan_out(source: Source, targets: Sequence[Target], *, codec: CodecChoice, id
             broken.set()
             raise OperationFailed("shipping the snapshot was refused before any data was sent; nothing stopped",
                                   details=refused)
+        ready = time.monotonic() - t0
         threads = [threading.Thread(target=s.run, args=(t0, max(120.0, source.size / 20e6)),
                                     name=f"ship-{s.t.member}", daemon=True) for s in sinks]
         for th in threads:
@@ -269,7 +271,7 @@ def fan_out(source: Source, targets: Sequence[Target], *, codec: CodecChoice, id
     finally:
         parallel(lambda s: s.close(), sinks)
     return Shipped(sha, source.size, codec, sinks[0].wire if sinks else 0, time.monotonic() - t0,
-                   {s.t.member: s.seconds for s in sinks})
+                   {s.t.member: s.seconds for s in sinks}, ready)
 
 
 def _pump(source: Source, sinks: List[_Sink], codec: str, broken: threading.Event) -> Optional[str]:
@@ -335,20 +337,31 @@ def receiver_argv(cfg: Config, local: bool) -> List[str]:
 
 
 class Standby:
-    """Receivers started ahead, one per member on another master, while the hosts pre-check.
-    Each waits for its order; one the ship does not take is closed before any order and exits
-    having looked at nothing. ``close`` (always called) ends those, once their start is done."""
+    """Receivers started ahead, one per member on another master: ``start(node)`` as soon as
+    that host's session is open (so never on a host that cannot be reached), while the other
+    sessions open and the hosts pre-check. Each waits for its order; one the ship does not take
+    is closed before any order and exits having looked at nothing. ``close`` (always called)
+    ends those, once their start is done."""
 
-    def __init__(self, cfg: Config, members: Sequence[Tuple[Member, HostNode]]) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(members)), thread_name_prefix="standby")
-        self._started: Dict[str, "Future[Session]"] = {
-            m.name: self._pool.submit(n.host.spawn, receiver_argv(cfg, n.local)) for m, n in members
-        }
+    def __init__(self, cfg: Config, workers: int) -> None:
+        self.cfg = cfg
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="standby")
+        self._started: Dict[str, "Future[Session]"] = {}
+        self._lock = threading.Lock()
+
+    def start(self, node: HostNode) -> None:
+        """A receiver for each of ``node``'s members, started in the background."""
+        if node.local:
+            return  # this master's own members copy from the file here
+        with self._lock:
+            for m in node.members:
+                self._started[m.name] = self._pool.submit(node.host.spawn, receiver_argv(self.cfg, node.local))
 
     def take(self, member: str) -> Optional[Session]:
         """The receiver started for ``member``, or None (none was, or its start failed: the ship
         starts one itself and reports why if that fails too)."""
-        fut = self._started.pop(member, None)
+        with self._lock:
+            fut = self._started.pop(member, None)
         if fut is None:
             return None
         try:
@@ -358,9 +371,10 @@ class Standby:
             return None
 
     def close(self) -> None:
-        for fut in self._started.values():
+        with self._lock:
+            left, self._started = list(self._started.values()), {}
+        for fut in left:
             fut.add_done_callback(_end_unused)
-        self._started.clear()
         self._pool.shutdown(wait=True)
 
 

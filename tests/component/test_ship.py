@@ -248,3 +248,15 @@ def test_a_receiver_started_ahead_that_died_is_replaced_by_a_fresh_one(bed: Bed)
     assert [type(s).__name__ for s in bed.hosts["10.0.0.2"].sessions].count("ServeSession") == 1  # lock kept
     assert len(receivers(bed, "10.0.0.3")) == 1
     assert set(bed.script.received.values()) == {bed.source.sha256}
+
+
+def test_no_receiver_is_started_on_a_host_that_cannot_be_reached(bed: Bed) -> None:
+    bed.hosts["10.0.0.3"].reachable = False
+    with pytest.raises(AgentError) as err:
+        bed.restore().run()
+    assert err.value.exit_code == EXIT_REFUSED and "nothing touched" in err.value.message
+    assert [a for a in bed.hosts["10.0.0.3"].attempts if "receive" in a] == []  # only its session was tried
+    assert len(bed.hosts["10.0.0.3"].attempts) == 1
+    for host in ("10.0.0.1", "10.0.0.2"):  # the reachable ones got theirs, ended before any order
+        (s,) = receivers(bed, host)
+        assert ended(s) and s.order is None and s.code == 0

@@ -154,8 +154,10 @@ class ScriptedHost:
         self.die_at: Optional[Tuple[str, str]] = None  # (step, member): the session drops instead of answering
         self.protocol = PROTOCOL  # another number plays an agent of another version
         self.sessions: List["ScriptedSession"] = []
+        self.attempts: List[List[str]] = []  # every spawn asked for, reachable or not
 
     def spawn(self, argv: Sequence[str]) -> "ScriptedSession":
+        self.attempts.append(list(argv))
         if not self.reachable:
             raise HostUnreachable(f"{self.name}: connect timed out (scripted)")
         if "serve" in argv:
