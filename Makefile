@@ -33,7 +33,9 @@ demo: deps-demo venv
 # process): its tests mostly wait on etcd, and each picks ports from its worker's own range. A
 # file stays on one worker (--dist loadfile: module-scoped clusters and ordered tests); the demo's
 # fixed ports are a flock (tests/integration/conftest.py). The namespace and nspawn tiers share
-# one machine-wide bed and stay serial.
+# one machine-wide bed and stay serial. The package is byte-compiled first, as the RPM ships it:
+# with PYTHONDONTWRITEBYTECODE (set on these machines) every agent process a test starts would
+# otherwise compile each module it imports.
 TIERS ?= unit component integration multihost systemd
 INTEGRATION_WORKERS ?= 2
 XDIST_integration = $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile)
@@ -41,6 +43,7 @@ test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \
 	echo "== ruff"; $(VENV)/bin/ruff check etcd_agent tests bench || failed="$$failed ruff"; \
+	$(VENV)/bin/python -m compileall -q -j 0 etcd_agent >/dev/null || failed="$$failed compileall"; \
 	for t in $(TIERS); do \
 	  case $$t in integration) x="$(XDIST_integration)";; *) x="";; esac; \
 	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $$x $(PYTEST_ARGS); rc=$$?; \

@@ -43,6 +43,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.installed import byte_compile  # noqa: E402
 from etcd_agent.age import generate_identity  # noqa: E402
 from etcd_agent.errors import EtcdUnavailable  # noqa: E402
 from etcd_agent.member.process import ProcessBackend  # noqa: E402
@@ -369,6 +370,7 @@ def main() -> int:
     ap.add_argument("--reuse", metavar="DIR", help="keep the filled etcd in DIR and reuse it on the next run")
     ap.add_argument("--no-study", action="store_true", help="skip the compression study")
     args = ap.parse_args()
+    byte_compile()
     base = args.reuse or tempfile.mkdtemp(prefix="etcd-agent-backup-bench-", dir=args.dir)
     os.makedirs(base, exist_ok=True)
     _secret, recipient = generate_identity()  # the secret is not needed: nothing is decrypted here

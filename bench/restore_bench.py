@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.installed import byte_compile  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.config import Config  # noqa: E402
 from etcd_agent.etcd.client import EtcdClient  # noqa: E402
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp")
     a = ap.parse_args()
+    byte_compile()
     if a.rounds < 1:
         ap.error("--rounds must be >= 1")
     if a.tier in ("loopback", "both"):

@@ -35,6 +35,7 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.installed import byte_compile  # noqa: E402
 from etcd_agent.config import Config, parse_text  # noqa: E402
 from etcd_agent.errors import AgentError  # noqa: E402
 from etcd_agent.etcd.bbolt import BOLT_MAGIC, BOLT_VERSION, META_FLAG, NO_FREELIST, TRAILER, _fnv64a  # noqa: E402
@@ -268,6 +269,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp/ship-bench")
     ap.add_argument("--keep", action="store_true", help="keep the generated snapshots (and reuse them next time)")
     a = ap.parse_args()
+    byte_compile()
     size = a.size_mib << 20
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
     sources = []
