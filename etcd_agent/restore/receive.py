@@ -57,6 +57,10 @@ class Landed(Document):
     trailer_checked: bool = False  # etcd's sha256 trailer matched the data as it landed
 
 
+class Silent(StreamError):
+    """No byte came for the idle limit."""
+
+
 class IdleStream:
     """A file descriptor read with a deadline on every read: a sender that goes silent (a cut link
     can leave the connection half open for hours) ends the receive after ``idle`` seconds."""
@@ -74,7 +78,7 @@ class IdleStream:
 
     def read_into(self, view: memoryview) -> int:
         if not self._poll.poll(int(self.idle * 1000)):
-            raise StreamError(f"{self.what}: no data for {self.idle:g}s (the sender is gone or cut off); nothing kept")
+            raise Silent(f"{self.what}: no data for {self.idle:g}s (the sender is gone or cut off); nothing kept")
         return os.readv(self.fd, [view])
 
 
@@ -107,7 +111,14 @@ def receive_snapshot(cfg: Config, *, idle: float, stdin_fd: int,
     restore that did not need it: nothing was looked at)."""
     stream = IdleStream(stdin_fd, idle, "the shipped snapshot")
     frames = FrameReader(stream.read_into, stream.what)
-    order = frames.order()
+    try:
+        order = frames.order()
+    except Silent:
+        if frames.wire:
+            raise
+        order = None  # started ahead, and no order came: it leaves without a word, and the
+        # sender, finding it gone, starts a fresh one (an answer would count as its host's)
+        log.info("no order within %gs: leaving, nothing looked at", idle)
     if order is None:
         return None
     member, size, codec = order.member, order.size, order.codec

@@ -1,6 +1,7 @@
 """restore.receive.land_file: the restoring master's own member copies the snapshot from the file
-here with the receiver's checks in one pass, and commits only a sound copy. Real etcd snapshot
-(tests/data), real files; nothing but the work dir is written."""
+here with the receiver's checks in one pass, and commits only a sound copy; and node receive's
+wait for its order. Real etcd snapshot (tests/data), real files and pipes; nothing but the work
+dir is written."""
 from __future__ import annotations
 
 import hashlib
@@ -101,3 +102,38 @@ def test_a_symlink_or_a_journal_not_waiting_is_refused_before_anything_is_writte
     with pytest.raises(RefusedError, match="received already"):
         land_file(cfg, "m1", "op1", path, 0, len(SNAP))
     assert left_in(wd) == [SNAPSHOT, RECEIVED]  # the first copy is still there, untouched
+
+
+# ---------------------------------------------------------------- node receive before its order
+
+
+def test_a_receiver_whose_order_never_comes_leaves_without_a_word(bed: Any) -> None:
+    """Started ahead, and the restore never got to its ship within the idle limit: it says
+    nothing (an answer would count as its host's refusal) and looks at nothing."""
+    from etcd_agent.restore.receive import receive_snapshot
+
+    cfg, wd, _d = bed
+    r, w = os.pipe()
+    said: List[Any] = []
+    try:
+        assert receive_snapshot(cfg, idle=0.2, stdin_fd=r, ready=said.append) is None
+    finally:
+        os.close(r)
+        os.close(w)
+    assert said == [] and sorted(os.listdir(wd)) == [os.path.basename(J.path_in(wd))]
+
+
+def test_a_receiver_cut_off_inside_its_order_says_so(bed: Any) -> None:
+    from etcd_agent.node.transfer import HEADER, StreamError
+    from etcd_agent.restore.receive import receive_snapshot
+
+    cfg, wd, _d = bed
+    r, w = os.pipe()
+    os.write(w, HEADER.pack(b"O", 64) + b'{"member":')  # then silence
+    try:
+        with pytest.raises(StreamError) as err:
+            receive_snapshot(cfg, idle=0.2, stdin_fd=r, ready=lambda doc: None)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert "no data for 0.2s" in err.value.message
