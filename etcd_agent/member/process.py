@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..config import Config
 from ..errors import OperationFailed
 from ..fs import makedirs, open_append, write_atomic
+from ..proctime import start_ticks
 from ..topology import parse_conf
 from ..waiting import poll
 
@@ -103,7 +104,8 @@ class ProcessBackend:
         created = psutil.Process(self._child.pid).create_time()
         write_atomic(
             self.pid_file,
-            json.dumps({"pid": self._child.pid, "create_time": created, "binary": self.cfg.etcd.binary}).encode(),
+            json.dumps({"pid": self._child.pid, "create_time": created, "start_ticks": start_ticks(self._child.pid),
+                        "binary": self.cfg.etcd.binary}).encode(),
             mode=0o600,
         )
         log.info("%s: started etcd pid %d (log %s)", self.member, self._child.pid, self.log_file)
@@ -120,12 +122,16 @@ class ProcessBackend:
             with open(self.pid_file, encoding="utf-8") as fh:
                 rec = json.load(fh)
             pid, created = int(rec["pid"]), float(rec["create_time"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            ticks = rec.get("start_ticks")
+        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
             return None
         self._reap()
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+            # the same process, not a recycled pid: by its start in ticks since boot, which no
+            # clock moves (proctime); a pid file of an older agent has only the wall-clock time
+            same = start_ticks(pid) == ticks if isinstance(ticks, int) else abs(proc.create_time() - created) <= 0.01
+            if not same or proc.status() == psutil.STATUS_ZOMBIE:
                 return None
             cmd = proc.cmdline()
             if not cmd or os.path.basename(cmd[0]) != os.path.basename(rec.get("binary", self.cfg.etcd.binary)):

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from ..config import Config
 from ..fs import makedirs, write_atomic
+from ..proctime import start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def mark_upgrading(cfg: Config, member: str, version: str, previous: str) -> str
     makedirs(cfg.daemon.state_dir, 0o700)
     pid = os.getpid()
     rec = {"member": member, "version": version, "previous": previous, "pid": pid,
-           "pid_started": _process_started(pid),
+           "pid_started": _process_started(pid), "pid_start_ticks": start_ticks(pid),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = upgrade_marker_path(cfg, member)
     write_atomic(path, (json.dumps(rec, sort_keys=True) + "\n").encode(), mode=0o600)
@@ -174,11 +175,13 @@ def upgrading(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
         return {"member": member, "version": "?", "error": f"unreadable marker {path}: {exc}"}
     if not isinstance(rec, dict):
         return {"member": member, "version": "?", "error": f"malformed marker {path}"}
-    pid, began = rec.get("pid"), rec.get("pid_started")
+    pid, began, ticks = rec.get("pid"), rec.get("pid_started"), rec.get("pid_start_ticks")
     started = _process_started(pid) if isinstance(pid, int) else None
     alive = started is not None
-    if started is not None and isinstance(began, (int, float)):
-        alive = abs(started - began) < 1.0  # not a recycled pid
+    if isinstance(pid, int) and started is not None and isinstance(ticks, int) and not isinstance(ticks, bool):
+        alive = start_ticks(pid) == ticks  # not a recycled pid, whatever the clock did (proctime)
+    elif started is not None and isinstance(began, (int, float)):
+        alive = abs(started - began) < 1.0  # a marker of an older agent: wall-clock times only
     if not alive:
         # the step died (killed, host rebooted): removed once, so the warning is not repeated
         log.warning("%s: stale upgrade marker %s (process %s is gone); removing it", member, path, pid)
