@@ -52,6 +52,7 @@ from bench.restore_bench import (
 from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend
+from etcd_agent.proctime import start_ticks
 from etcd_agent.topology import parse_conf
 from tests.harness import bedlock
 from tests.harness.netns import NetnsBed, NsHost
@@ -301,7 +302,8 @@ class NetnsBench:
         for m in self.cfg.members:
             with open(os.path.join(self.cfg.etcd.run_dir, f"{m.name}.by-hand-pid"), encoding="utf-8") as fh:
                 pid = int(fh.read().strip())
-            rec = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "binary": self.cfg.etcd.binary}
+            rec = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "start_ticks": start_ticks(pid),
+                   "binary": self.cfg.etcd.binary}
             with open(os.path.join(self.cfg.etcd.run_dir, f"{m.name}.pid"), "w", encoding="utf-8") as fh:
                 json.dump(rec, fh)
 
