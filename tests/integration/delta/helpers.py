@@ -71,9 +71,12 @@ class Writer:
             r.txn([proto.op_put(b"e%d-%d" % (self.ops, i), b"short", lid) for i in range(3)])
         self.ops += 1
 
-    def run(self, seconds: float, pause: float = 0.002) -> int:
+    def run(self, seconds: float, pause: float = 0.002, min_ops: int = 0) -> int:
+        """Steps for ``seconds``, and on until ``min_ops`` steps in all (a test that needs that
+        much history does not depend on how fast a loaded machine writes; at most 60 s more)."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        limit = end + 60.0
+        while time.monotonic() < end or (self.ops < min_ops and time.monotonic() < limit):
             self.step()
             time.sleep(pause)
         return self.ops

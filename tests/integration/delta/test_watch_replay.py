@@ -214,7 +214,9 @@ def _three_segment_chain(live, tmp_path):
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
     w = started(live, base, segdir, close_seconds=100, close_bytes=8 * 1024)
-    Writer(r, seed=3).run(2.0)
+    # enough history for 3 segments of 8 KiB whatever the machine's speed (a loaded CI run once
+    # wrote only 2 in the 2 s alone)
+    Writer(r, seed=3).run(2.0, min_ops=800)
     finish(w, live)
     paths = list_segments(segdir)
     infos = check_chain(paths, base).segments
