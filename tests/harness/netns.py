@@ -245,6 +245,18 @@ class NetnsBed:
         """Partition (``False``) or reconnect (``True``) a host by its root-side veth."""
         _ip("link", "set", self.veth(host), "up" if up else "down")
 
+    def reset_peers(self, host: NsHost) -> None:
+        """Abort every TCP connection between ``host`` and the other hosts, on both ends
+        (``ss -K``). After a cut of a minute, connections opened before it (etcd's peer streams)
+        otherwise linger in TCP's retransmission backoff and break one by one for minutes: a
+        test that healed the link hands the next one a bed whose reads through ``host`` can
+        still time out. Aborted, they are opened again at once."""
+        for other in self.hosts:
+            if other is host:
+                continue
+            for where, peer in ((other, host.ip), (host, other.ip)):
+                subprocess.run(self.exec_argv(where, ["ss", "-K", "dst", peer]), capture_output=True, timeout=30)
+
     # ------------------------------------------------------------ sshd
 
     def _ssh_dir(self, host: Optional[NsHost] = None) -> str:
