@@ -33,6 +33,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+from ..config.model import NAME_RE  # a member name, and an op id (stamp-sha-random) within it
 from ..errors import OperationFailed, RefusedError
 from ..safejson import UnsafeJson, loads
 
@@ -43,7 +44,6 @@ HEADER = struct.Struct(">cI")
 MAX_FRAME = 4 << 20
 MAX_END = 4096
 MAX_ORDER = 4096
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a member name or an op id, as the config allows
 TOKEN_RE = re.compile(r"^[0-9a-f]{16,128}$")
 SLICE = 128 << 10  # decompressed bytes per step: big buffers are fresh mmaps each time (page faults)
 # level 1 uses a 512 KiB window; a frame asking for more than this is refused, not allocated
