@@ -7,7 +7,9 @@ and to 3 hosts at once, both ways, rounds interleaved:
 
 - agent: the product's path - a ``node serve`` session holding each host's lock, a journaled
   ``begin``, then ``restore.ship.ship_snapshot`` (codec from samples, one read, zstd once when it
-  pays, one stream per host to ``etcd-agent node receive``, which hashes, checks, fsyncs, renames);
+  pays, one stream per host to ``etcd-agent node receive``, which hashes, checks, fsyncs, renames),
+  through the OpenSSH client (``[ssh] stream = "auto"``; ``--stream paramiko`` for the agent's own
+  connection);
 - scp: ``scp`` with OpenSSH's defaults and the bed's key and known_hosts, to the same disk (no fsync).
 
 Printed: MB/s per host (snapshot bytes / seconds until the slowest host is done, median of the
@@ -15,10 +17,12 @@ rounds), the ratio agent/scp, the sender's CPU seconds per GiB, and the load ave
 and the snapshots are removed afterwards (``--keep`` keeps the snapshots for another run).
 
     .venv/bin/python bench/ship_bench.py [--rounds 3] [--size-mib 1024] [--dir /var/tmp/ship-bench] [--keep]
+                                         [--stream paramiko]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -166,7 +170,7 @@ class KubernetesLike:
 
 
 class Bench:
-    def __init__(self, net: NetnsBed, work: str, rounds: int) -> None:
+    def __init__(self, net: NetnsBed, work: str, rounds: int, stream: str) -> None:
         self.net = net
         self.work = work
         self.rounds = rounds
@@ -180,7 +184,7 @@ class Bench:
                 fh.write(agent_toml(work, hosts, h, net, PREFIX, etcd))
         cfg, errors = parse_text(agent_toml(work, hosts, hosts[0], net, PREFIX, etcd), path=AGENT_TOML)
         assert cfg is not None and not errors, errors
-        self.cfg: Config = cfg
+        self.cfg: Config = dataclasses.replace(cfg, ssh=dataclasses.replace(cfg.ssh, stream=stream))
         self.owner = new_owner("ship bench")
         # every host over SSH (scp has no local shortcut either)
         self.nodes = [HostNode(h.ip, SshHost(h.name, h.ip, cfg.ssh), False, [cfg.member(h.name)]) for h in hosts]
@@ -206,8 +210,9 @@ class Bench:
         wall, cpu1 = time.monotonic() - t0, os.times()
         for n in nodes:  # drops the received copy; nothing else was touched
             n.ask(RollbackReply, "rollback", member=n.members[0].name, op=op)
-        return {"seconds": max(shipped.hosts.values()), "wall": wall, "wire": shipped.wire,
-                "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}
+        # this process and its children (the OpenSSH clients carrying the streams, reaped by now)
+        cpu = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("user", "system", "children_user", "children_system"))
+        return {"seconds": max(shipped.hosts.values()), "wall": wall, "wire": shipped.wire, "cpu": cpu}
 
     def scp(self, source: Source, k: int) -> Dict[str, float]:
         argv = ["scp", "-q", "-o", f"UserKnownHostsFile={self.net.known_hosts}", "-o", "StrictHostKeyChecking=yes",
@@ -267,6 +272,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--dir", default="/var/tmp/ship-bench")
+    ap.add_argument("--stream", choices=("auto", "openssh", "paramiko"), default="auto",
+                    help="[ssh] stream: what carries the agent's streams (default auto: the OpenSSH client)")
     ap.add_argument("--keep", action="store_true", help="keep the generated snapshots (and reuse them next time)")
     a = ap.parse_args()
     byte_compile()
@@ -294,7 +301,7 @@ def main() -> None:
             os.makedirs(os.path.join(h.etc_dir, "etcd-agent"), exist_ok=True)
         net.start_sshd()
         try:
-            bench = Bench(net, os.path.join(a.dir, "bed"), a.rounds)
+            bench = Bench(net, os.path.join(a.dir, "bed"), a.rounds, a.stream)
         except AgentError as exc:
             raise SystemExit("\n  - ".join([f"ship_bench: {exc.message}", *exc.details])) from None
         try:

@@ -29,6 +29,7 @@ BOOTSTRAP_MODES = ("static", "incremental")
 SERVICE_MANAGERS = ("systemd", "process")
 COMPRESSIONS = ("none", "zstd", "gzip")  # zstd recommended; gzip spools the snapshot first
 FENCE_METHODS = ("none", "unit", "manifest")
+SSH_STREAMS = ("auto", "openssh", "paramiko")  # what carries a restore's snapshot (ssh.stream)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 REMOTE_VERIFY_MODES = ("checksum", "etag", "download")
 BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
@@ -190,6 +191,10 @@ class SshSection:
     command_timeout: float = 600.0
     # where the agent is installed on the other masters
     agent_path: str = "/usr/bin/etcd-agent"
+    # what carries a restore's snapshot to the other masters: "openssh" (the ssh client, its
+    # ciphers in C on a core of its own), "paramiko" (a channel of the agent's own connection),
+    # or "auto" (openssh when an ssh client is installed). Both trust only known_hosts.
+    stream: str = "auto"
 
 
 @dataclass(frozen=True)

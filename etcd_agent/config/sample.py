@@ -125,6 +125,8 @@ host = "10.0.0.13"
 # connect_timeout = 10.0
 # command_timeout = 600.0
 # agent_path = "/usr/bin/etcd-agent"
+# stream = "auto"                   # the restore's snapshot: "openssh" (the ssh client, ciphers in C
+#                                   # beside the agent), "paramiko", or "auto" (openssh when installed)
 
 [kubernetes]
 # How restore keeps the apiserver away from etcd: "none", "unit" (stop/start apiserver_unit),

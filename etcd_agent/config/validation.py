@@ -24,6 +24,7 @@ from .model import (
     PREFIX_RE,
     REMOTE_VERIFY_MODES,
     SERVICE_MANAGERS,
+    SSH_STREAMS,
     UNIT_RE,
     BackupSection,
     Config,
@@ -206,6 +207,8 @@ def _validate_ssh(cfg: Config) -> List[str]:
         errs.append("ssh.port must be a TCP port (1-65535)")
     for key in ("connect_timeout", "command_timeout"):
         errs.extend(_seconds(f"ssh.{key}", getattr(s, key)))
+    if s.stream not in SSH_STREAMS:
+        errs.append(f"ssh.stream must be one of {', '.join(SSH_STREAMS)}, got {s.stream!r}")
     return errs
 
 

@@ -126,6 +126,11 @@ class Host(Protocol):
         """Start ``argv`` (no shell) as a long-running session; HostUnreachable if it cannot."""
         ...
 
+    def spawn_stream(self, argv: Sequence[str]) -> Session:
+        """Like ``spawn``, for a session fed bulk data (a restore's snapshot): over SSH it may go
+        through the OpenSSH client instead of this process's own connection (``ssh.stream``)."""
+        ...
+
     def close(self) -> None:
         ...
 

@@ -90,6 +90,9 @@ class LocalHost:
     def spawn(self, argv: Sequence[str]) -> "LocalSession":
         return LocalSession(self.name, argv)
 
+    def spawn_stream(self, argv: Sequence[str]) -> "LocalSession":
+        return LocalSession(self.name, argv)
+
     def close(self) -> None:
         pass
 

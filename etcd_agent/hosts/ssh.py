@@ -1,4 +1,5 @@
-"""SshHost: another master, through paramiko (argv quoted, host keys enforced, timeouts everywhere).
+"""SshHost: another master, through paramiko (argv quoted, host keys enforced, timeouts everywhere),
+and a restore's snapshot through the OpenSSH client under the same trust (``spawn_stream``).
 
 Host keys are checked only against the configured known_hosts file: an unknown or changed key
 refuses the connection (never auto-added, ~/.ssh/known_hosts never read). One transport per host
@@ -9,10 +10,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import os
 import re
 import select
 import shlex
+import shutil
 import socket
 import sys
 import tempfile
@@ -32,7 +35,8 @@ from paramiko.sftp import CMD_EXTENDED  # noqa: E402
 
 from ..config import SshSection
 from ..errors import CommandTimedOut, HostKeyRejected, HostUnreachable
-from .base import Result
+from .base import Result, Session
+from .local import LocalSession
 from .sshsession import CHUNK, SshSession
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,12 @@ LOCAL_TIMEOUT = "local-timeout"
 # paramiko's default (aes128-ctr with an HMAC) costs about one CPU-second more per GiB shipped.
 # Only the order changes: nothing is added, the server still has to offer it.
 FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+# The OpenSSH client's, for a restore's snapshot (``spawn_stream``): AES-GCM first (AES-NI), then
+# the rest of what every OpenSSH since 6.5 speaks; never CBC or arcfour.
+STREAM_CIPHERS = FAST_CIPHERS + ("chacha20-poly1305@openssh.com", "aes128-ctr", "aes192-ctr", "aes256-ctr")
+# A path handed to the OpenSSH client in a ``-o`` option is split on blanks and has its ``%``
+# and ``~`` expanded: one with anything else keeps the stream on paramiko.
+OPENSSH_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./@+-]*$")
 
 
 def preferred_ciphers(offered: Sequence[str]) -> Tuple[str, ...]:
@@ -269,6 +279,66 @@ class SshHost:
             chan.close()
             raise HostUnreachable(f"{self._where}: cannot start `{shlex.join(argv)}`: {exc}") from None
         return SshSession(self._where, chan)
+
+    def spawn_stream(self, argv: Sequence[str]) -> Session:
+        """Like ``spawn``, for a command that takes bulk data on its stdin (a restore's snapshot):
+        through the OpenSSH client when ``ssh.stream`` says so ("auto": when one is installed), so
+        the ciphers run in C in a process of its own instead of in this one under the GIL (on two
+        cores, 2-3x the throughput). The same trust as ``spawn``: the configured known_hosts only
+        (``StrictHostKeyChecking=yes``, nothing written back, no other file read, ``-F /dev/null``:
+        no ssh_config), the configured identity only (no agent), never a prompt (``BatchMode``).
+        ``abort`` ends that client alone; the host's own connection (its lock) lives on."""
+        argv = tuple(str(a) for a in argv)
+        words = self.openssh_argv(remote_command(argv))
+        if words is None:
+            return self.spawn(argv)
+        if not self._known_keys():
+            raise HostKeyRejected(f"{self._where}: no host key for {self._known_name()} in {self.cfg.known_hosts}; "
+                                  "refusing to connect (add the key after checking it out of band)")
+        return LocalSession(self._where, words)
+
+    def openssh_argv(self, command: str) -> Optional[List[str]]:
+        """The OpenSSH client's command line running ``command`` (quoted already) on this host,
+        or None when the stream stays on paramiko: ``ssh.stream = "paramiko"``, no client
+        installed ("auto"), or a configured path the client would read differently."""
+        c = self.cfg
+        client = None if c.stream == "paramiko" else shutil.which("ssh")
+        if client is None:
+            if c.stream == "openssh":
+                raise HostUnreachable(f"{self._where}: ssh.stream is \"openssh\" but no ssh client is installed "
+                                      "(install openssh-clients, or set ssh.stream = \"auto\")")
+            return None
+        keys = [c.identity_file] if c.identity_file else [
+            os.path.expanduser(p) for p in DEFAULT_KEYS if os.path.exists(os.path.expanduser(p))]
+        paths = [c.known_hosts, *keys]
+        if not keys or not all(OPENSSH_SAFE_PATH.match(p) for p in paths):
+            if c.stream == "openssh":
+                raise HostUnreachable(f"{self._where}: ssh.stream is \"openssh\" but the OpenSSH client cannot be given "
+                                      f"{', '.join(paths) or 'an identity'} (set ssh.stream = \"auto\")")
+            return None
+        opts = {
+            "BatchMode": "yes",
+            "StrictHostKeyChecking": "yes",
+            "UserKnownHostsFile": c.known_hosts,
+            "GlobalKnownHostsFile": "/dev/null",
+            "UpdateHostKeys": "no",
+            "CheckHostIP": "no",
+            "IdentitiesOnly": "yes",
+            "IdentityAgent": "none",
+            "PreferredAuthentications": "publickey",
+            "ConnectTimeout": str(max(1, math.ceil(c.connect_timeout))),
+            "Ciphers": ",".join(STREAM_CIPHERS),
+            "ForwardAgent": "no",
+            "ForwardX11": "no",
+            "ClearAllForwardings": "yes",
+            "LogLevel": "ERROR",
+        }
+        words = [client, "-F", "/dev/null", "-T", "-e", "none", "-p", str(c.port), "-l", c.user]
+        for key in keys:
+            words += ["-i", key]
+        for name, value in opts.items():
+            words += ["-o", f"{name}={value}"]
+        return words + ["--", self.address, command]
 
     # ------------------------------------------------------------ commands
 

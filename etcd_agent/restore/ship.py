@@ -131,23 +131,26 @@ class _Sink:
 
     def open(self) -> None:
         """Give the receiver its order (starting one, unless one was started ahead); return once
-        it is ready for the data (or raise why it is not). A receiver started ahead that is gone
-        without a word (it gave up waiting, its channel broke) is replaced once by a fresh one:
-        it was a shortcut, not a promise. One that answered - a refusal - has spoken for its host."""
-        if self.t.standby is not None:
-            self.session = self.t.standby
-            try:
-                self._order()
-                return
-            except CommandTimedOut:
-                raise  # it is there, but slow: a second one would not be quicker
-            except AgentError as exc:
-                if self._answered:
-                    raise
-                log.info("%s: the receiver started ahead is gone (%s); starting another", self.t.where, message(exc))
-                # its channel only: ``abort`` would close the host's whole connection, and with
-                # it the session that holds the host's lock
-                self.session.close(1.0)
+        it is ready for the data (or raise why it is not). The first receiver is a stream session
+        (``Host.spawn_stream``: the OpenSSH client, usually). One that is gone without a word (it
+        gave up waiting, its link broke, the OpenSSH client would not connect where paramiko
+        did) is replaced once by a fresh one on a channel of the host's own connection, the one
+        that already works: the first was a shortcut, not a promise. One that answered - a
+        refusal - has spoken for its host."""
+        self.session = self.t.standby if self.t.standby is not None else self.t.host.spawn_stream(self.t.argv)
+        try:
+            self._order()
+            return
+        except CommandTimedOut:
+            raise  # it is there, but slow: a second one would not be quicker
+        except AgentError as exc:
+            if self._answered:
+                raise
+            log.warning("%s: the receiver is gone without a word (%s); starting another over the host's "
+                        "own connection", self.t.where, message(exc))
+            # that session alone: ``abort`` on a channel would close the host's whole
+            # connection, and with it the session that holds the host's lock
+            self.session.close(1.0)
         self.session = self.t.host.spawn(self.t.argv)
         self._order()
 
@@ -355,7 +358,7 @@ class Standby:
             return  # this master's own members copy from the file here
         with self._lock:
             for m in node.members:
-                self._started[m.name] = self._pool.submit(node.host.spawn, receiver_argv(self.cfg, node.local))
+                self._started[m.name] = self._pool.submit(node.host.spawn_stream, receiver_argv(self.cfg, node.local))
 
     def take(self, member: str) -> Optional[Session]:
         """The receiver started for ``member``, or None (none was, or its start failed: the ship

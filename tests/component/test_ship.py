@@ -245,9 +245,30 @@ def test_a_receiver_started_ahead_that_died_is_replaced_by_a_fresh_one(bed: Bed)
     first, second = receivers(bed, "10.0.0.2")
     assert ended(first) and first.order is None and first.code == -1
     assert second.order is not None and second.order.member == "h2"
+    # the first was a stream session; its replacement rides the host's own connection
+    assert (first.via, second.via) == ("stream", "channel")
+    assert [s.via for s in receivers(bed, "10.0.0.3")] == ["stream"]
     assert [type(s).__name__ for s in bed.hosts["10.0.0.2"].sessions].count("ServeSession") == 1  # lock kept
     assert len(receivers(bed, "10.0.0.3")) == 1
     assert set(bed.script.received.values()) == {bed.source.sha256}
+
+
+def test_asked_to_confirm_a_stream_receiver_gone_without_a_word_is_replaced_over_the_hosts_connection(
+        bed: Bed) -> None:
+    bed.script.gone.append("h3")  # its OpenSSH client would not connect, say: it exits at once, silent
+    assert bed.restore(confirm=lambda plan: True).run().done
+    first, second = receivers(bed, "10.0.0.3")
+    assert (first.via, first.order, first.code) == ("stream", None, -1)
+    assert second.via == "channel" and second.order is not None and second.order.member == "h3"
+    assert set(bed.script.received.values()) == {bed.source.sha256}
+
+
+def test_a_stream_receiver_that_refused_is_not_tried_again(bed: Bed) -> None:
+    bed.script.fail("ship-ready", "h2", RefusedError("h2: no space for the snapshot (scripted)"))
+    with pytest.raises(AgentError) as err:
+        bed.restore(confirm=lambda plan: True).run()
+    assert "no space for the snapshot" in err.value.message + " ".join(getattr(err.value, "details", []))
+    assert len(receivers(bed, "10.0.0.2")) == 1  # it answered: its host has spoken
 
 
 def test_no_receiver_is_started_on_a_host_that_cannot_be_reached(bed: Bed) -> None:

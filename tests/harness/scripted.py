@@ -169,6 +169,12 @@ class ScriptedHost:
         self.sessions.append(s)
         return s
 
+    def spawn_stream(self, argv: Sequence[str]) -> "ScriptedSession":
+        """What the OpenSSH client would carry: the same scripted session, marked as a stream."""
+        s = self.spawn(argv)
+        s.via = "stream"
+        return s
+
     def _unscripted(self, *a: Any, **k: Any) -> Any:
         raise AssertionError(f"{self.name}: only the node protocol is scripted")
 
@@ -187,6 +193,7 @@ class ScriptedSession(PipeSession):
         self._out_r, self._out_w = os.pipe()  # the host writes its stdout
         super().__init__(host.name, os.fdopen(self._in_w, "wb"), self._out_r)
         self.code: Optional[int] = None
+        self.via = "channel"  # or "stream": started by spawn_stream (the OpenSSH client's way)
         self.aborted = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._thread.start()

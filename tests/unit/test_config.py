@@ -388,3 +388,12 @@ def test_drill_section_defaults_and_every_mistake():
     _, errors = parse_text(GOOD + '[drill]\ndir = "/var/lib/etcd_backup/drill"\n')
     assert errors == ["backup.dir '/var/lib/etcd_backup' and drill.dir '/var/lib/etcd_backup/drill' overlap "
                       "(one holds the other); give each a directory of its own"]
+
+
+def test_ssh_stream_names_what_carries_the_snapshot_and_nothing_else():
+    for stream in ("auto", "openssh", "paramiko"):
+        cfg, errors = parse_text(GOOD + f'[ssh]\nstream = "{stream}"\n')
+        assert errors == [] and cfg.ssh.stream == stream, (stream, errors)
+    assert parse_text(GOOD)[0].ssh.stream == "auto"
+    _, errors = parse_text(GOOD + '[ssh]\nstream = "scp"\n')
+    assert len(errors) == 1 and "ssh.stream must be one of auto, openssh, paramiko" in errors[0], errors
