@@ -12,7 +12,6 @@ removes the temp file. Nothing is read back afterwards.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Uni
 from ..backup.snapcheck import StreamCheck
 from ..config import Config
 from ..errors import BackupCorrupt, BusyError, OperationFailed, RefusedError
-from ..fs import StagedFile, write_atomic
+from ..fs import StagedFile, enlarge_pipe, write_atomic
 from ..node.protocol import PROTOCOL
 from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
 from ..state.locks import holder_of
@@ -36,8 +35,6 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT = "etcd_snapshot.db"
 RECEIVED = "received.json"
-PIPE_SIZE = 1 << 20  # stdin from sshd: a bigger pipe means fewer, larger reads
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
 READ_SIZE = 1 << 20  # a local copy's reads
 
 
@@ -71,10 +68,7 @@ class IdleStream:
         self.what = what
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        try:
-            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
-        except OSError:
-            pass  # not a pipe, or over /proc/sys/fs/pipe-max-size: the default size works too
+        enlarge_pipe(fd)  # stdin from sshd: fewer, larger reads
 
     def read_into(self, view: memoryview) -> int:
         if not self._poll.poll(int(self.idle * 1000)):

@@ -184,3 +184,28 @@ def test_a_dead_writers_temp_goes_a_live_ones_stays(tmp_path) -> None:  # type: 
     nxt._close()  # its writer "dies": the lock goes with the descriptor
     assert remove_stale_parts(d, "snap.db") == [os.path.basename(nxt.path)]
     assert remove_stale_parts(os.path.join(d, "gone"), "snap.db") == []
+
+
+def test_a_staged_file_starts_its_writeback_as_it_grows_in_consecutive_windows(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from etcd_agent import fs
+
+    assert fs._SYNC_FILE_RANGE is not None, "Linux/glibc has sync_file_range"
+    calls = []
+    real = fs._SYNC_FILE_RANGE
+
+    def record(fd: int, offset: int, n: int, flags: int) -> int:
+        calls.append((offset, n, flags))
+        return real(fd, offset, n, flags)  # the real call, on the real file
+
+    monkeypatch.setattr(fs, "_SYNC_FILE_RANGE", record)
+    d = str(tmp_path)
+    s = fs.StagedFile(d, "snap.db")
+    piece = os.urandom(1 << 20)
+    for _ in range(40):
+        s.write(piece)
+    s.commit()
+    w = fs.WRITEBACK
+    assert calls == [(0, w, fs.SYNC_FILE_RANGE_WRITE), (w, w, fs.SYNC_FILE_RANGE_WRITE)]
+    with open(os.path.join(d, "snap.db"), "rb") as fh:
+        assert fh.read() == piece * 40
