@@ -295,7 +295,7 @@ class SshHost:
         if not self._known_keys():
             raise HostKeyRejected(f"{self._where}: no host key for {self._known_name()} in {self.cfg.known_hosts}; "
                                   "refusing to connect (add the key after checking it out of band)")
-        return LocalSession(self._where, words)
+        return LocalSession(self._where, words, bulk=True)
 
     def openssh_argv(self, command: str) -> Optional[List[str]]:
         """The OpenSSH client's command line running ``command`` (quoted already) on this host,
