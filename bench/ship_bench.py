@@ -187,7 +187,7 @@ class Bench:
         self.cfg: Config = dataclasses.replace(cfg, ssh=dataclasses.replace(cfg.ssh, stream=stream))
         self.owner = new_owner("ship bench")
         # every host over SSH (scp has no local shortcut either)
-        self.nodes = [HostNode(h.ip, SshHost(h.name, h.ip, cfg.ssh), False, [cfg.member(h.name)]) for h in hosts]
+        self.nodes = [HostNode(h.ip, SshHost(h.name, h.ip, self.cfg.ssh), False, [cfg.member(h.name)]) for h in hosts]
         open_sessions(cfg, self.nodes, self.owner, lambda s: None)
         self.ops = 0
 
