@@ -8,7 +8,6 @@ as a backup dir once lost its sticky bit to a "tightening" chmod.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
@@ -16,7 +15,7 @@ import os
 import secrets
 import stat
 import tempfile
-from typing import BinaryIO, Callable, Iterator, List, Optional, Union
+from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Union
 
 from .errors import RefusedError
 
@@ -30,6 +29,8 @@ SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages out; wait for
 
 
 def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    import ctypes  # here, not at the top: every agent process imports this module, few write big files
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -39,7 +40,18 @@ def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
     return fn
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_UNRESOLVED: Any = object()
+_SYNC_FILE_RANGE: Any = _UNRESOLVED  # libc's, looked up at the first writeback (None: there is none)
+
+
+def start_writeback(fd: int, offset: int, n: int) -> None:
+    """Ask the kernel to start writing ``n`` bytes of ``fd`` from ``offset`` out now. The pages
+    stay in the page cache (a restore reads them next); only a hint: commit's fsync still counts."""
+    global _SYNC_FILE_RANGE
+    if _SYNC_FILE_RANGE is _UNRESOLVED:
+        _SYNC_FILE_RANGE = _sync_file_range()
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, n, SYNC_FILE_RANGE_WRITE)
 
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; the name is in fcntl from Python 3.10
@@ -52,13 +64,6 @@ def enlarge_pipe(fd: int, size: int = PIPE_SIZE) -> None:
         fcntl.fcntl(fd, F_SETPIPE_SZ, size)
     except OSError:
         pass  # not a pipe, or over /proc/sys/fs/pipe-max-size: the default size works too
-
-
-def start_writeback(fd: int, offset: int, n: int) -> None:
-    """Ask the kernel to start writing ``n`` bytes of ``fd`` from ``offset`` out now. The pages
-    stay in the page cache (a restore reads them next); only a hint: commit's fsync still counts."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, n, SYNC_FILE_RANGE_WRITE)
 
 
 def write_atomic(path: str, data: bytes, *, mode: int = 0o600) -> None:
@@ -92,10 +97,10 @@ def fsync_dir(directory: str) -> None:
 class StagedFile:
     """A large file written beside its final name, as ``.<name>.<random>.part`` (0600), flocked for
     as long as its writer lives, its writeback started as it grows (``WRITEBACK``); ``commit()``
-    fsyncs it, renames it over the final name and fsyncs the dir; ``discard()`` removes it. Creating one first removes the temp files of writers that
-    died without cleaning up (SIGKILL, power loss: nothing holds their lock any more). The dir's
-    own flock makes that sweep and the new file's creation one step, so a live writer's file is
-    never taken for a dead one's."""
+    fsyncs it, renames it over the final name and fsyncs the dir; ``discard()`` removes it.
+    Creating one first removes the temp files of writers that died without cleaning up (SIGKILL,
+    power loss: nothing holds their lock any more). The dir's own flock makes that sweep and the
+    new file's creation one step, so a live writer's file is never taken for a dead one's."""
 
     def __init__(self, directory: str, name: str) -> None:
         self.directory = directory

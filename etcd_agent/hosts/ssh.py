@@ -135,12 +135,15 @@ class SshHost:
         entry = keys.lookup(self._known_name())
         return dict(entry) if entry else {}
 
+    def _identity_paths(self) -> List[str]:
+        """``identity_file``, or those of ``DEFAULT_KEYS`` that exist (both transports use these)."""
+        if self.cfg.identity_file:
+            return [self.cfg.identity_file]
+        return [os.path.expanduser(p) for p in DEFAULT_KEYS if os.path.exists(os.path.expanduser(p))]
+
     def _client_keys(self) -> List[paramiko.PKey]:
-        paths = [self.cfg.identity_file] if self.cfg.identity_file else [
-            os.path.expanduser(p) for p in DEFAULT_KEYS if os.path.exists(os.path.expanduser(p))
-        ]
         keys = []
-        for path in paths:
+        for path in self._identity_paths():
             try:
                 keys.append(paramiko.PKey.from_path(path))
             except (OSError, paramiko.SSHException, ValueError) as exc:
@@ -308,8 +311,7 @@ class SshHost:
                 raise HostUnreachable(f"{self._where}: ssh.stream is \"openssh\" but no ssh client is installed "
                                       "(install openssh-clients, or set ssh.stream = \"auto\")")
             return None
-        keys = [c.identity_file] if c.identity_file else [
-            os.path.expanduser(p) for p in DEFAULT_KEYS if os.path.exists(os.path.expanduser(p))]
+        keys = self._identity_paths()
         paths = [c.known_hosts, *keys]
         if not keys or not all(OPENSSH_SAFE_PATH.match(p) for p in paths):
             if c.stream == "openssh":
