@@ -100,9 +100,16 @@ class StagedFile:
     fsyncs it, renames it over the final name and fsyncs the dir; ``discard()`` removes it.
     Creating one first removes the temp files of writers that died without cleaning up (SIGKILL,
     power loss: nothing holds their lock any more). The dir's own flock makes that sweep and the
-    new file's creation one step, so a live writer's file is never taken for a dead one's."""
+    new file's creation one step, so a live writer's file is never taken for a dead one's.
 
-    def __init__(self, directory: str, name: str) -> None:
+    ``durable=False``: the data is neither written back early nor fsynced; the rename and the dir
+    are. For a file that is read soon and then deleted, whose reader trusts it only within the
+    kernel boot that wrote it (``boot_id``) and checks it again after a restart: the restore's
+    staged snapshot. Its pages are then often dropped unwritten, and the disk, which the
+    restore's own ``snapshot restore`` needs, is spared a gigabyte per member."""
+
+    def __init__(self, directory: str, name: str, *, durable: bool = True) -> None:
+        self.durable = durable
         self.directory = directory
         self.final = os.path.join(directory, name)
         with _dir_locked(directory):
@@ -118,13 +125,15 @@ class StagedFile:
         while view:
             view = view[os.write(self._fd, view):]
         self.size += len(data)
-        if self.size - self._written_back >= WRITEBACK:
+        if self.durable and self.size - self._written_back >= WRITEBACK:
             start_writeback(self._fd, self._written_back, self.size - self._written_back)
             self._written_back = self.size
 
     def commit(self) -> None:
-        """fsync, rename over the final name (still locked: no sweep can take it), fsync the dir."""
-        os.fsync(self._fd)
+        """fsync (when durable), rename over the final name (still locked: no sweep can take it),
+        fsync the dir."""
+        if self.durable:
+            os.fsync(self._fd)
         os.rename(self.path, self.final)
         self._close()
         fsync_dir(self.directory)
@@ -142,6 +151,21 @@ class StagedFile:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> Optional[str]:
+    """This kernel boot's id (a new one after every restart; containers share their host's), or
+    None where the kernel does not say. Data that was never fsynced is what was written only
+    while this id stays the same."""
+    try:
+        with open(BOOT_ID, "rb") as fh:
+            raw = fh.read(64).strip().decode("ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return raw if len(raw) == 36 and all(c in "0123456789abcdef-" for c in raw) else None
 
 
 def remove_stale_parts(directory: str, name: str) -> List[str]:

@@ -36,7 +36,7 @@ from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
 from . import plan as P
 from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
-from .receive import RECEIVED, SNAPSHOT, Landed, land_file
+from .receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
 from .setaside import cleanup_set_aside, free_name
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,14 @@ class NodeRestore:
             raise OperationFailed(f"{self.member.name}: no complete snapshot was shipped to {path}") from None
         if (rec.size, rec.ino, rec.mtime_ns) != (st.st_size, st.st_ino, st.st_mtime_ns):
             raise OperationFailed(f"{self.member.name}: {path} changed since it was received")
-        return rec
+        try:
+            return still_sound(self.work_dir, rec, f"{self.member.name}: {path}")
+        except (OSError, AgentError) as exc:
+            self._drop_payload()
+            why = exc.message if isinstance(exc, AgentError) else (exc.strerror or str(exc))
+            raise OperationFailed(f"{self.member.name}: the snapshot received before this host restarted is not "
+                                  f"what landed ({why}); removed. Roll this restore back (`etcd-agent restore "
+                                  "rollback --yes`) and restore again") from None
 
     def restore(self) -> R.StepReply:
         """``snapshot restore`` into ``<data dir>.restoring`` while etcd still serves from the data
@@ -319,6 +326,10 @@ class NodeRestore:
             pend = j.pending.get("restore")
             if pend and pend.argv is not None and os.path.isdir(tmp):
                 return R.RestoreReply(argv=pend.argv, output=tmp)  # finished before a crash
+            if pend and pend.argv is not None:
+                raise OperationFailed(f"{self.member.name}: {tmp}, restored before the agent was cut off, is gone, and "
+                                      "the snapshot it came from was removed once restored; roll this restore back "
+                                      "(`etcd-agent restore rollback --yes`) and restore again")
             landed = self._received()  # still the bytes that were checked on arrival (size, inode, mtime)
             snap = os.path.join(self.work_dir, SNAPSHOT)
             if os.path.lexists(tmp):
@@ -341,6 +352,8 @@ class NodeRestore:
                 raise OperationFailed(f"{self.member.name}: snapshot restore failed (exit {res.returncode}): {' / '.join(tail)}")
             os.chmod(tmp, 0o700)
             self._pending(j, "restore", J.Pending(output=tmp, argv=tuple(argv)))
+            # it has served: deleted now, its pages (never fsynced) mostly go unwritten
+            self._drop_payload()
             return R.RestoreReply(argv=tuple(argv), output=tmp)
         return self._step("restore", do)
 

@@ -7,11 +7,18 @@ holds this host's lock: a second orchestrator cannot ship over the first one's f
 the ``Ready`` line (lock, journal, codec, a temp file beside the target, room on its disk); then
 the stream is decoded in bounded slices, hashed and checked as it is written (one sha256 pass,
 etcd's own trailer, the bbolt meta pages), and committed only once the sender's end record
-matches: fsync, rename, fsync of the dir, then ``received.json`` says what arrived. Anything else
-removes the temp file. Nothing is read back afterwards.
+matches: rename, fsync of the dir, then ``received.json`` says what arrived. Anything else
+removes the temp file. Nothing is read back afterwards - within the same kernel boot.
+
+The snapshot itself is not fsynced (``StagedFile(durable=False)``): it is read once by ``snapshot
+restore`` moments later and deleted right after, so its gigabyte usually never reaches the disk,
+which that restore needs. ``received.json`` records the boot it landed in; after a restart (a
+resumed restore on a host that rebooted) the file is read and checked again in full before
+anything uses it (``still_sound``), and a damaged one is removed with a clear error.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Uni
 from ..backup.snapcheck import StreamCheck
 from ..config import Config
 from ..errors import BackupCorrupt, BusyError, OperationFailed, RefusedError
-from ..fs import StagedFile, enlarge_pipe, write_atomic
+from ..fs import StagedFile, boot_id, enlarge_pipe, write_atomic
 from ..node.protocol import PROTOCOL
 from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
 from ..state.locks import holder_of
@@ -52,6 +59,9 @@ class Landed(Document):
     codec: Optional[str] = None
     wire: Optional[int] = None
     trailer_checked: bool = False  # etcd's sha256 trailer matched the data as it landed
+    # the kernel boot in which these bytes were last checked (they were not fsynced); None: they
+    # were synced before the record was written (an older agent's)
+    boot_id: Optional[str] = None
 
 
 class Silent(StreamError):
@@ -183,7 +193,8 @@ def _landing(work_dir: str, size: int, what: str,
     for old in (final, os.path.join(work_dir, RECEIVED)):  # of an attempt this journal never recorded
         if os.path.lexists(old):
             os.unlink(old)
-    staged = StagedFile(work_dir, SNAPSHOT)
+    boot = boot_id()  # where the kernel does not say, the snapshot is fsynced as anything else
+    staged = StagedFile(work_dir, SNAPSHOT, durable=boot is None)
     check = StreamCheck(declared=size, what=what)
     try:
         how, wire = land(staged, check)
@@ -199,8 +210,38 @@ def _landing(work_dir: str, size: int, what: str,
         log.info("%s: removed %d temp file(s) of a receiver that died", what, len(staged.removed))
     st2 = os.stat(final)
     rec = Landed(check.sha256, st2.st_size, st2.st_ino, st2.st_mtime_ns, facts.high_water, facts.page_size, how, wire,
-                 facts.trailer_checked)
+                 facts.trailer_checked, boot)
+    _record(work_dir, rec)
+    return rec
+
+
+def _record(work_dir: str, rec: Landed) -> None:
     write_atomic(os.path.join(work_dir, RECEIVED), (json.dumps(rec.to_json()) + "\n").encode(), mode=0o600)
+
+
+def still_sound(work_dir: str, rec: Landed, what: str) -> Landed:
+    """``rec``, once the snapshot it describes can be trusted in this boot. Landed in this boot
+    (or synced): as it is, nothing read. Landed before a restart, never fsynced: the crash may
+    have left zeros or stale blocks under the right size, so all of it is read and checked again
+    (size, bbolt meta, etcd's trailer, the sha256 recorded at landing); then recorded as checked
+    in this boot. BackupCorrupt when it is not what landed."""
+    now = boot_id()
+    if rec.boot_id is None or rec.boot_id == now:
+        return rec
+    path = os.path.join(work_dir, SNAPSHOT)
+    check = StreamCheck(declared=rec.size, what=what)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for chunk in _file_chunks(fd, 0, rec.size):
+            check.update(chunk)
+    finally:
+        os.close(fd)
+    check.finish()
+    if check.sha256 != rec.sha256:
+        raise BackupCorrupt(f"{what}: sha256 {check.sha256[:16]}... now, {rec.sha256[:16]}... when it landed")
+    rec = dataclasses.replace(rec, boot_id=now)
+    _record(work_dir, rec)
+    log.info("%s: landed before this host restarted; read and checked again in full", what)
     return rec
 
 

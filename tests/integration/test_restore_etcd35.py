@@ -24,8 +24,10 @@ import pytest
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.cluster.health import wait_converged
+from etcd_agent.errors import OperationFailed
 from etcd_agent.hosts.local import LocalHost
-from etcd_agent.node.replies import HaltReply, RollbackReply
+from etcd_agent.node.replies import HaltReply, RestoreReply, RollbackReply
+from etcd_agent.restore import journal as J
 from etcd_agent.restore.node import NodeRestore
 from etcd_agent.restore.plan import BUMP_REVISION
 from etcd_agent.restore.precheck import can_bump
@@ -325,3 +327,42 @@ def test_a_resumed_start_starts_again_a_restored_member_whose_etcd_went(cluster_
     assert third.skipped == "already done", third
     with capsys.disabled():
         print(f"\nFIGURE resumed-start: {member} {again.note()}; all {len(revs)} healthy at {set(revs.values())}")
+
+
+def test_the_staged_snapshot_goes_once_restored_and_a_lost_restore_is_named(cluster_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A member's snapshot is staged unsynced (its pages mostly never reach the disk) and removed
+    as soon as etcdutl has restored it, while etcd still serves. A resumed run that then finds the
+    restored dir gone names the way out instead of restoring from a snapshot that is no more."""
+    c = cluster_factory(3, extra=EXTRA, version=DEFAULT)
+    c.start_static()
+    put_range(c, "/k/", 100)
+    snap = str(tmp_path / "snap.db")
+    subprocess.run([c.cfg.etcd.etcdctl, f"--endpoints={c.cfg.members[0].client_url}", "snapshot", "save", snap],
+                   env=dict(os.environ, ETCDCTL_API="3"), capture_output=True, timeout=60, check=True)
+    member = c.cfg.members[1].name
+    node = NodeRestore(c.cfg, member, "op-staged")
+    node.begin(token="t", initial_cluster=f"{member}={c.cfg.members[1].peer_url}", sha256=None,
+               size=os.path.getsize(snap), backup="b.tar", bump=None, fence_owner=False, new_cluster=False)
+    got = node.receive(None, copy_from=(snap, 0))
+    assert got.sha256 is not None and sorted(os.listdir(node.work_dir)) == ["etcd_snapshot.db", "journal.json",
+                                                                           "received.json"]
+    restored = node.restore()
+    tmp = f"{node.data_dir}.restoring"
+    assert os.path.isdir(os.path.join(tmp, "member", "snap")), restored
+    assert os.listdir(node.work_dir) == ["journal.json"], "the snapshot stays once restored"
+    assert node.backend.is_active(), "the restore beside the data stopped etcd"
+    assert node.restore().skipped == "already done"
+    j = node.journal()
+    assert j is not None
+    done = j.steps.pop("restore")  # a run cut off after etcdutl, before its step was journaled...
+    assert isinstance(done, RestoreReply)
+    j.pending["restore"] = J.Pending(output=tmp, argv=done.argv)
+    J.save(node.journal_path, j)
+    shutil.rmtree(tmp)  # ... and its output gone since
+    with pytest.raises(OperationFailed) as err:
+        node.restore()
+    assert "is gone" in str(err.value) and "restore rollback --yes" in str(err.value), err.value
+    rb = node.rollback()
+    assert isinstance(rb, RollbackReply) and rb.running, rb
+    with c.client() as cl:
+        assert cl.count_prefix("/k/") == 100

@@ -5,7 +5,7 @@ import contextlib
 import os
 import signal
 import stat
-from typing import Iterator
+from typing import Iterator, List
 
 import pytest
 
@@ -209,3 +209,54 @@ def test_a_staged_file_starts_its_writeback_as_it_grows_in_consecutive_windows(
     assert calls == [(0, w, fs.SYNC_FILE_RANGE_WRITE), (w, w, fs.SYNC_FILE_RANGE_WRITE)]
     with open(os.path.join(d, "snap.db"), "rb") as fh:
         assert fh.read() == piece * 40
+
+
+def test_a_staged_file_that_need_not_be_durable_is_neither_written_back_nor_fsynced(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore's staged snapshot: read once within this boot, then deleted. Its pages are left
+    to the kernel (often dropped unwritten); the rename still happens and the file is whole."""
+    from etcd_agent import fs
+
+    synced: List[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    def no_writeback(fd: int, offset: int, n: int, flags: int) -> int:
+        raise AssertionError("writeback started for a file that need not be durable")
+
+    monkeypatch.setattr(fs, "_SYNC_FILE_RANGE", no_writeback)
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    d = str(tmp_path)
+    s = fs.StagedFile(d, "snap.db", durable=False)
+    piece = os.urandom(1 << 20)
+    for _ in range(40):
+        s.write(piece)
+    s.commit()
+    assert synced == ["dir"], "only the dir holding the new name is synced"
+    with open(os.path.join(d, "snap.db"), "rb") as fh:
+        assert fh.read() == piece * 40
+    synced.clear()
+    durable = fs.StagedFile(d, "other.db")
+    durable.write(b"x")
+    monkeypatch.setattr(fs, "_SYNC_FILE_RANGE", None)
+    durable.commit()
+    assert synced == ["file", "dir"]
+
+
+def test_the_boot_id_is_this_kernels_and_nothing_else(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from etcd_agent import fs
+
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        assert fs.boot_id() == fh.read().strip()
+    fake = os.path.join(str(tmp_path), "boot_id")
+    for text, want in ((b"not-a-uuid\n", None), (b"\xff" * 36, None), (b"", None),
+                       (b"0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0\n", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")):
+        with open(fake, "wb") as fh:
+            fh.write(text)
+        monkeypatch.setattr(fs, "BOOT_ID", fake)
+        assert fs.boot_id() == want
+    monkeypatch.setattr(fs, "BOOT_ID", os.path.join(str(tmp_path), "absent"))
+    assert fs.boot_id() is None
