@@ -16,13 +16,14 @@ import pwd
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 from .. import __version__
 from ..config import Config, Member
 from ..errors import AgentError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
 from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
+from ..hosts.base import Result
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
 from ..member.dblock import db_locked, db_path
@@ -43,6 +44,28 @@ log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
 MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
+# This master's own members copy and restore their snapshot at this much lower CPU priority: they
+# have time to spare (the others' ship and restore take longer), and the ship they run beside is
+# what the other masters wait for. On the namespace bench: 12.3-12.5 s for a 1.29 GB restore
+# instead of 13.9-14.6 s.
+YIELD_NICE = 10
+
+T = TypeVar("T")
+
+
+def yielding(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, ``YIELD_NICE`` lower in CPU priority. On Linux the nice
+    value is the thread's, and the processes it starts (etcdutl) inherit it; it ends with the
+    thread, so nothing else of the session runs at it."""
+    def lowered() -> T:
+        try:
+            os.nice(YIELD_NICE)
+        except OSError as exc:  # a sandbox that forbids it: the same work, at the usual priority
+            log.debug("cannot lower this thread's priority: %s", exc)
+        return fn()
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="yielding") as ex:
+        return ex.submit(lowered).result()
 HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
 HALT_POLL = 0.01
 
@@ -284,7 +307,8 @@ class NodeRestore:
         hash with what it ships to the others."""
         def do(j: J.Journal) -> R.StepReply:
             if copy_from is not None:
-                land_file(self.cfg, self.member.name, j.op, copy_from[0], copy_from[1], j.size)
+                path, offset = copy_from
+                yielding(lambda: land_file(self.cfg, self.member.name, j.op, path, offset, j.size))
             rec = self._received()
             if sender_sha256 is not None and rec.sha256 != sender_sha256:
                 self._drop_payload()
@@ -344,7 +368,11 @@ class NodeRestore:
                 # the receiver checked etcd's trailer as these bytes landed: not read back again
                 skip_hash_check=landed.trailer_checked,
             )
-            res = self.host.run(argv, timeout=1800, check=False, env=ETCDCTL_ENV)
+            def run() -> Result:
+                return self.host.run(argv, timeout=1800, check=False, env=ETCDCTL_ENV)
+
+            # copied from a file here: this master's own member, beside the ship (see YIELD_NICE)
+            res = yielding(run) if landed.codec == "file" else run()
             if not res.ok:
                 if os.path.lexists(tmp):
                     shutil.rmtree(tmp)

@@ -239,8 +239,9 @@ def still_sound(work_dir: str, rec: Landed, what: str) -> Landed:
     check.finish()
     if check.sha256 != rec.sha256:
         raise BackupCorrupt(f"{what}: sha256 {check.sha256[:16]}... now, {rec.sha256[:16]}... when it landed")
-    rec = dataclasses.replace(rec, boot_id=now)
-    _record(work_dir, rec)
+    if now is not None:  # (a kernel that no longer says: checked again at every use, never taken for synced)
+        rec = dataclasses.replace(rec, boot_id=now)
+        _record(work_dir, rec)
     log.info("%s: landed before this host restarted; read and checked again in full", what)
     return rec
 
