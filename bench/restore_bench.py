@@ -137,20 +137,24 @@ def by_hand_loopback(c: LoopbackCluster, snap: str) -> Run:
 
 
 def interleave(ways: Dict[str, Callable[[], Run]], rounds: int, between: Callable[[], None],
-               check: Callable[[], None]) -> Dict[str, List[Run]]:
+               check: Callable[[], None], warmup: int = 0) -> Dict[str, List[Run]]:
     """``rounds`` rounds of every way, the order rotated each round; ``between`` runs before each
-    restore (untimed), ``check`` after it."""
+    restore (untimed), ``check`` after it. ``warmup`` rounds of every way come first, printed and
+    not counted: on the namespace bed the first restores after the fill ran up to twice as long,
+    whichever way ran them, and the rotation puts the first way first."""
     names = list(ways)
     out: Dict[str, List[Run]] = {n: [] for n in names}
-    for r in range(rounds):
+    for r in range(-warmup, rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             between()
-            out[n].append(ways[n]())
+            run = ways[n]()
             check()
-            run = out[n][-1]
+            if r >= 0:
+                out[n].append(run)
             top = sorted(run.phases.items(), key=lambda kv: -kv[1])[:4]
-            print(f"  round {r + 1} {n}: {run.wall:.2f}s ({', '.join(f'{k} {v:.2f}' for k, v in top)})", flush=True)
+            label = f"round {r + 1}" if r >= 0 else "warm-up (not counted)"
+            print(f"  {label} {n}: {run.wall:.2f}s ({', '.join(f'{k} {v:.2f}' for k, v in top)})", flush=True)
     return out
 
 
@@ -210,6 +214,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--value-bytes", type=int, default=64, help="netns tier: size of every value")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="netns tier: untimed rounds of every way first")
     ap.add_argument("--dir", default="/var/tmp")
     a = ap.parse_args()
     byte_compile()
@@ -220,7 +225,7 @@ def main() -> None:
     if a.tier in ("netns", "both"):
         from bench.restore_netns import netns
 
-        netns(a.keys, a.rounds, a.dir, a.value_bytes)
+        netns(a.keys, a.rounds, a.dir, a.value_bytes, warmup=a.warmup)
 
 
 if __name__ == "__main__":

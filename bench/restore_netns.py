@@ -308,7 +308,7 @@ class NetnsBench:
                 json.dump(rec, fh)
 
 
-def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64) -> None:
+def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64, warmup: int = 0) -> None:
     bedlock.acquire(say=lambda s: print(s, flush=True))
     made_etc = not os.path.exists(ETC_DIR)
     if made_etc:
@@ -348,7 +348,7 @@ def netns(keys: int, rounds: int, directory: str, value_bytes: int = 64) -> None
             # (on one shared disk their writeback doubled a round's copy and ship times)
             os.sync()
 
-        runs = interleave(ways, rounds, between=between, check=check)
+        runs = interleave(ways, rounds, between=between, check=check, warmup=warmup)
         os.sync()
         restore_s, start_s = one_node(snap, work)
         os.sync()
