@@ -210,8 +210,11 @@ class ZstdFrames:
             self._close_frame()
 
     def tail(self, data: bytes) -> None:
-        """The rest of the tar stream, one more frame (not part of the snapshot)."""
+        """The rest of the tar stream, one more frame (not part of the snapshot). The compressor is
+        done then: dropped, so its worker's buffers are freed before ``read_at`` decompresses
+        frames (the backup's peak memory is the larger of the two phases, not their sum)."""
         self.out.write(self._cctx.compress(data))
+        self._cctx = self._obj = None
 
     def read_at(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes of the snapshot from ``offset``, decompressed frame by frame."""
