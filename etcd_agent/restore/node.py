@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CONF_ORIG = "conf.orig"
 MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
+HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
+HALT_POLL = 0.01
 # This master's own members copy and restore their snapshot at this much lower CPU priority: they
 # have time to spare (the others' ship and restore take longer), and the ship they run beside is
 # what the other masters wait for. On the namespace bench: 12.3-12.5 s for a 1.29 GB restore
@@ -66,8 +68,6 @@ def yielding(fn: Callable[[], T]) -> T:
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="yielding") as ex:
         return ex.submit(lowered).result()
-HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
-HALT_POLL = 0.01
 
 
 class NodeRestore:
