@@ -28,10 +28,12 @@ from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .drillrecord import DrillRecord, load_records
 from .drillrecord import lookup as drill_of
 from .identity import Evidence, judge, layout_problems, shares_members
+from .manifest import ORIGINS, SNAPSHOT
 from .reader import Peek, peek_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
+    from ..delta.segchain import BaseBackup
     from ..etcd.snapdb import SnapshotIdentity
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,17 @@ class Entry:
     notes: Tuple[str, ...] = field(default=())
     encrypted: bool = False  # the snapshot member is age-encrypted (etcd_snapshot.db.age)
     drill: Optional[DrillRecord] = None  # the last restore drill of exactly these bytes
+    # the snapshot db's sha256: as the agent found it checking these bytes, else a signed
+    # manifest's; None when neither is known (a delta chain names it: ``delta.segchain.continues``)
+    snapshot_sha256: Optional[str] = None
+    origin: str = "operator"  # who took it: "operator" (cron, by hand) | "daemon" (continuous backup)
+
+    @property
+    def base(self) -> "BaseBackup":
+        """What a delta chain continuing this backup must name (``delta.segchain``)."""
+        from ..delta.segchain import BaseBackup
+
+        return BaseBackup(self.snapshot_sha256 or "", int(self.time.timestamp() * 1000))
 
     @property
     def complete(self) -> bool:
@@ -90,6 +103,7 @@ class Entry:
             "quarantined": self.problem is not None,
             "encrypted": self.encrypted,
             "encryption": m.get("encryption"),
+            "origin": self.origin,
             "notes": list(self.notes),
             "drill": None if self.drill is None else {**self.drill.to_json(), "summary": self.drill.summary()},
         }
@@ -195,8 +209,16 @@ def _described(base: Entry, peek: Peek, cached: Optional[C.Check]) -> Entry:
     elif ident is None:
         notes.append(f"{peek.compression}-compressed: listing does not read its snapshot (verify does)")
     manifest = peek.manifest.to_json() if peek.manifest is not None else None
+    signed = peek.manifest if peek.manifest is not None and peek.signature == "valid" else None
+    sha = cached.sha256 if cached is not None and cached.sha256 else None
+    if sha is None and signed is not None and SNAPSHOT in signed.files:
+        sha = signed.files[SNAPSHOT].sha256 or None
+    # who took it, as only a signed manifest can say: an unsigned claim of "daemon" would let a
+    # forged file send an operator's backup into the daemon's slots, so it counts as an operator's
+    origin = signed.origin if signed is not None and signed.origin in ORIGINS else "operator"
     return replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
-                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted)
+                   signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted,
+                   snapshot_sha256=sha, origin=origin)
 
 
 def _whose(info: Entry, ident: "SnapshotIdentity", cfg: "Config", evidence: Optional[Evidence]) -> Entry:

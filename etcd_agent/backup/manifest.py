@@ -32,6 +32,9 @@ ENCRYPTED_FORMAT_VERSION = 3  # an encrypted one's; also the highest this agent 
 CONF = "etcd.conf"
 UNIT = "etcd.service"
 SNAPSHOT = "etcd_snapshot.db"
+# who took a backup (``snapshot.taken_by``): the operator's (cron, a timer, by hand, before an
+# upgrade) or the daemon's own, taken to start a delta chain. Retention counts them apart.
+ORIGINS = ("operator", "daemon")
 # the encrypted snapshot: a standard age file, so `age -d -i KEY -o etcd_snapshot.db etcd_snapshot.db.age`
 SNAPSHOT_AGE = SNAPSHOT + ".age"
 MANIFEST = "manifest.json"
@@ -114,6 +117,13 @@ class Manifest:
     verified: bool = False
     signature: Optional[Signature] = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def origin(self) -> str:
+        """Who took it (``ORIGINS``); inside ``snapshot`` so that agents that predate it still read
+        the manifest (their schema is strict at the top level). Absent: an operator's."""
+        v = self.snapshot.get("taken_by")
+        return v if isinstance(v, str) and v in ORIGINS else "operator"
 
     @property
     def snapshot_member(self) -> str:

@@ -1,11 +1,14 @@
 """The delta chains in a backup dir: what each holds, which full backup it continues, and pruning.
 
-A chain is the segments that continue one full backup: their headers name its revision
-(``base_revision``). A full backup and its chain go together: retention decides about full
-backups (``backup.retention``), and a chain is kept exactly when a full backup at its base
-revision is kept (or when the daemon's watch is writing it right now); a chain whose full
-backup is gone (deleted by hand, pruned before chains existed) is reported and pruned with that
-reason. Files named like segments whose header cannot be read are kept while a kept full backup
+A chain is the segments of one chain id that continue one full backup: their headers name its
+revision (``base_revision``) and its snapshot's sha256 (``base_sha256``; chains written before
+that are matched by revision and time, ``segchain.continues``). Two chains can share a base
+revision (an etcd 3.4 restore keeps the revision: the cluster before it and after it), so a
+chain is found by its full backup (``Scan.for_full``), never by the revision alone. A full
+backup and its chain go together: retention decides about full backups (``backup.retention``),
+and a chain is kept exactly when a full backup it continues is kept (or when the daemon's watch
+is writing at its base right now); a chain whose full backup is gone (deleted by hand, pruned
+before chains existed) is reported and pruned with that reason. Files named like segments whose header cannot be read are kept while a kept full backup
 could need them (their revisions reach past the oldest kept one), then pruned.
 
 Listing reads only headers and footers (``read_summary``); a restore verifies every byte.
@@ -20,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segchain import ChainStop, check_chain
-from .segments import list_segments, ms_to_datetime, parse_name
+from .segchain import BaseBackup, ChainStop, check_chain, continues
+from .segments import SegmentHeader, list_segments, ms_to_datetime, parse_name
 from .segreader import read_summary
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ WATCHER_LOCK = ".delta-watcher.lock"
 
 @dataclass(frozen=True)
 class ChainSummary:
-    """One chain (all segments based on one full backup revision), from headers and footers."""
+    """One chain (the segments of one chain id after one full backup), from headers and footers."""
 
     base_revision: int
     paths: Tuple[str, ...]  # every segment file of this base, in revision order
@@ -44,8 +47,18 @@ class ChainSummary:
     end_time_ms: Optional[int]
     events: int  # in the usable segments: what a restore to their end replays
     revisions: int
-    bytes: int  # every file of this base
+    bytes: int  # every file of this chain
     stop: Optional[ChainStop] = None
+    chain_id: str = ""
+    first: Optional[SegmentHeader] = None  # the header of its first segment (None: not found)
+
+    @property
+    def base_sha256(self) -> str:
+        return self.first.base_sha256 if self.first is not None else ""
+
+    def continues(self, base: Optional[BaseBackup]) -> bool:
+        """Does this chain continue the full backup ``base`` (at its base revision)?"""
+        return self.first is not None and continues(self.first, base)
 
     @property
     def replay_seconds(self) -> float:
@@ -68,6 +81,8 @@ class ChainSummary:
     def to_json(self) -> Dict[str, Any]:
         return {
             "base_revision": self.base_revision,
+            "chain_id": self.chain_id,
+            "base_sha256": self.base_sha256 or None,
             "segments": len(self.paths),
             "usable_segments": self.usable,
             "end_revision": self.end_revision,
@@ -83,11 +98,13 @@ class ChainSummary:
 
 @dataclass(frozen=True)
 class Scan:
-    chains: Tuple[ChainSummary, ...]  # by base revision
+    chains: Tuple[ChainSummary, ...]  # by base revision, then by when they started
     unreadable: Tuple[Tuple[str, str], ...] = field(default=())  # (path, problem): no header to go by
 
-    def chain(self, base_revision: int) -> Optional[ChainSummary]:
-        return next((c for c in self.chains if c.base_revision == base_revision), None)
+    def for_full(self, revision: int, base: Optional[BaseBackup]) -> Optional[ChainSummary]:
+        """The chain continuing the full backup ``base`` at ``revision`` (the one a watcher
+        resumes and a restore replays), or None."""
+        return next((c for c in self.chains if c.base_revision == revision and c.continues(base)), None)
 
 
 def _size(n: float) -> str:
@@ -104,7 +121,8 @@ def scan(directory: str) -> Scan:
         paths = list_segments(directory)
     except FileNotFoundError:
         return Scan(())
-    by_base: Dict[int, List[str]] = {}
+    by_chain: Dict[Tuple[int, str], List[str]] = {}
+    firsts: Dict[Tuple[int, str], SegmentHeader] = {}
     unreadable: List[Tuple[str, str]] = []
     for p in paths:
         try:
@@ -112,9 +130,14 @@ def scan(directory: str) -> Scan:
         except SegmentCorrupt as exc:
             unreadable.append((p, exc.problem))
             continue
-        by_base.setdefault(header.base_revision, []).append(p)
+        k = (header.base_revision, header.chain_id)
+        by_chain.setdefault(k, []).append(p)
+        if header.seq == 0:
+            firsts.setdefault(k, header)
     chains = []
-    for base, ps in sorted(by_base.items()):
+    order = sorted(by_chain, key=lambda k: (k[0], firsts[k].start_time_ms if k in firsts else 0, k[1]))
+    for k in order:
+        base, ps = k[0], by_chain[k]
         check = check_chain(ps, base, verify=False)
         segs = check.segments
         size = 0
@@ -127,7 +150,7 @@ def scan(directory: str) -> Scan:
             base_revision=base, paths=tuple(ps), usable=len(segs), end_revision=check.end_revision,
             start_time_ms=segs[0].header.start_time_ms if segs else None, end_time_ms=check.end_time_ms,
             events=sum(s.footer.events for s in segs), revisions=sum(s.footer.txns for s in segs), bytes=size,
-            stop=check.stop,
+            stop=check.stop, chain_id=k[1], first=firsts.get(k),
         ))
     return Scan(tuple(chains), tuple(unreadable))
 
@@ -168,6 +191,7 @@ class FullRef:
     keep: bool
     good: bool = True  # False: quarantined (never deleted: its chain stays with it)
     reason: str = ""
+    base: Optional[BaseBackup] = None  # its snapshot's sha256 and time (None: matched by revision)
 
 
 @dataclass(frozen=True)
@@ -186,7 +210,7 @@ def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] =
     """One decision per chain (and one for the unreadable files that may go), each with its reason."""
     out: List[ChainDecision] = []
     for c in scan_.chains:
-        same = [f for f in fulls if f.revision == c.base_revision]
+        same = [f for f in fulls if f.revision == c.base_revision and (c.first is None or c.continues(f.base))]
         kept = [f for f in same if f.keep]
         if kept:
             out.append(ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths))
@@ -199,8 +223,8 @@ def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] =
         else:
             out.append(ChainDecision(
                 c.base_revision, False,
-                f"orphaned: no full backup at revision {c.base_revision} here (deleted by hand, or never "
-                "finished); without it the segments restore nothing", c.paths))
+                f"orphaned: no full backup here that it continues (revision {c.base_revision}: deleted by hand, "
+                "or never finished); without it the segments restore nothing", c.paths))
     if scan_.unreadable:
         kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
         oldest = min(kept_revs) if kept_revs else None

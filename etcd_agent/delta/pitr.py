@@ -94,7 +94,9 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
         raise UsageError(f"target {target.describe()} is in the future (now {_when(now_ms)})")
     paths = list_segments(cfg.backup.dir)
     base = find_base(paths, entry.revision)
-    check = check_chain(paths, base)
+    # the chain of exactly this backup: another backup at the same revision (the cluster before an
+    # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
+    check = check_chain(paths, base, base=entry.base if base == entry.revision else None)
     try:
         plan = plan_replay(check, target)
     except ReplayError as exc:
@@ -190,7 +192,9 @@ def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
     for stale in (out, side):
         if os.path.exists(stale):
             os.unlink(stale)
-    res = replay(p.entry.path, list_segments(cfg.backup.dir), p.target, output=out, options=scratch_options(cfg))
+    # only the chain chosen and checked above: the dir may hold another chain at the same base
+    res = replay(p.entry.path, [s.path for s in p.check.segments] + list(p.check.lost), p.target, output=out,
+                 options=scratch_options(cfg))
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 

@@ -8,6 +8,7 @@ daemon reports it (metrics, logs); ``WatchOptions`` how it closes segments and w
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any, Dict, Optional
 
 from .errors import ChainBroken, SegmentCorrupt
 from .rpc import StreamEnded
-from .segchain import check_chain
+from .segchain import BaseBackup, check_chain
 from .segments import SegmentHeader, SegmentInfo, list_segments
 from .segreader import read_segment
 
@@ -33,31 +34,29 @@ class ChainPosition:
     prev_sha256: str
     start_time_ms: int
     cluster_id: int = 0
+    base_sha256: str = ""  # the full backup's snapshot this chain continues ("" unknown)
 
     @classmethod
-    def new(cls, base_revision: int, now_ms: int) -> "ChainPosition":
-        return cls(secrets.token_hex(16), 0, base_revision, base_revision + 1, "", now_ms)
+    def new(cls, base_revision: int, now_ms: int, base_sha256: str = "") -> "ChainPosition":
+        return cls(secrets.token_hex(16), 0, base_revision, base_revision + 1, "", now_ms, base_sha256=base_sha256)
 
     @classmethod
     def after(cls, info: SegmentInfo) -> "ChainPosition":
         h = info.header
         return cls(
             h.chain_id, h.seq + 1, h.base_revision, info.end_revision + 1, info.sha256,
-            info.footer.end_time_ms, h.cluster_id,
+            info.footer.end_time_ms, h.cluster_id, h.base_sha256,
         )
 
     def with_cluster(self, cluster_id: int) -> "ChainPosition":
-        return ChainPosition(
-            self.chain_id, self.seq, self.base_revision, self.next_revision, self.prev_sha256,
-            self.start_time_ms, cluster_id,
-        )
+        return dataclasses.replace(self, cluster_id=cluster_id)
 
     def header(self, endpoint: str) -> SegmentHeader:
         """The header of the segment that starts here, written by a watch of ``endpoint``."""
         return SegmentHeader(
             chain_id=self.chain_id, seq=self.seq, base_revision=self.base_revision, start_revision=self.next_revision,
             prev_sha256=self.prev_sha256, start_time_ms=self.start_time_ms, cluster_id=self.cluster_id,
-            endpoint=endpoint,
+            endpoint=endpoint, base_sha256=self.base_sha256,
         )
 
 
@@ -129,14 +128,17 @@ class WatchOptions:
     lease_refresh_limit: int = 10000
 
 
-def find_resume_point(out_dir: str, base_revision: int) -> Optional[ChainPosition]:
-    """The end of the chain of ``base_revision`` already in ``out_dir`` (None: no chain yet).
+def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBackup] = None) -> Optional[ChainPosition]:
+    """The end of the chain continuing the full backup ``base`` (at ``base_revision``) already in
+    ``out_dir`` (None: no chain yet). Only a chain that continues exactly that backup is resumed
+    (``segchain.continues``): never one of another backup at the same revision, such as the
+    chain of the cluster as it was before a restore.
 
     Links are followed by headers and footers only (cheap); the last segment is then read in
     full, and if it is damaged the one before it is tried: a resumed chain only ever continues
     from a segment that verifies. (``check_chain`` before a restore verifies every link.)
     """
-    check = check_chain(list_segments(out_dir), base_revision, verify=False)
+    check = check_chain(list_segments(out_dir), base_revision, verify=False, base=base)
     if check.stop is not None:
         log.warning("delta chain of revision %d in %s: %s", base_revision, out_dir, check.stop.reason)
     for info in reversed(check.segments):
@@ -152,10 +154,10 @@ def member_break(pos: ChainPosition, cluster_id: int, revision: int, last: int) 
     was captured, cannot continue the chain at ``pos`` (None: it can)."""
     if pos.cluster_id and cluster_id and cluster_id != pos.cluster_id:
         return ChainBroken(last + 1, f"the member now belongs to cluster {cluster_id:x}, not {pos.cluster_id:x} "
-                                     "(restored from a backup, or another cluster)")
+                                     "(restored from a backup, or another cluster)", restored=True)
     if revision < last:
         return ChainBroken(last + 1, f"the member is at revision {revision}, behind the chain's {last} "
-                                     "(etcd was restored or the member's data replaced)")
+                                     "(etcd was restored or the member's data replaced)", restored=True)
     return None
 
 

@@ -12,8 +12,32 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segments import MAX_SEGMENT, SegmentInfo, ms_to_datetime, parse_name
+from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, ms_to_datetime, parse_name
 from .segreader import read_header, read_segment, read_summary
+
+
+@dataclass(frozen=True)
+class BaseBackup:
+    """The full backup a chain must continue, beyond its revision: its snapshot db's sha256
+    ("" unknown) and when it was taken (Unix ms, 0 unknown)."""
+
+    sha256: str = ""
+    time_ms: int = 0
+
+
+def continues(h: SegmentHeader, base: Optional[BaseBackup]) -> bool:
+    """Can the chain whose first segment has header ``h`` continue the full backup ``base``?
+
+    Two full backups can share a revision: etcd 3.4 restores keep the snapshot's revision, so the
+    backup taken after a restore has the revision of the one restored from, and a chain of the
+    cluster as it was before the restore must never be taken for the new one's. A chain names
+    its backup's snapshot sha256; one written before chains did (or a backup whose hash is not
+    known) is judged by time: a chain only continues a backup taken before it started."""
+    if base is None:
+        return True
+    if h.base_sha256 and base.sha256:
+        return h.base_sha256 == base.sha256
+    return not base.time_ms or h.start_time_ms >= base.time_ms
 
 
 @dataclass(frozen=True)
@@ -76,13 +100,15 @@ def check_chain(
     *,
     verify: bool = True,
     max_bytes: int = MAX_SEGMENT,
+    base: Optional[BaseBackup] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
     Returns the good prefix and, if the chain does not run cleanly to its last segment, where
     and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
-    Segments of other chains among ``paths`` are ignored. ``verify=False`` reads only headers
-    and footers (cheap, for finding where a watcher resumes) and cannot see damage inside.
+    Segments of other chains among ``paths`` are ignored, and so is a chain that cannot continue
+    the full backup ``base`` (``continues``). ``verify=False`` reads only headers and footers
+    (cheap, for finding where a watcher resumes) and cannot see damage inside.
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -108,6 +134,8 @@ def check_chain(
             h = info.header
             if h.base_revision != start_revision:
                 continue  # another chain's segment that happens to start here
+            if prev is None and h.seq == 0 and not continues(h, base):
+                continue  # the chain of another full backup at the same revision
             if prev is None:
                 ok = h.seq == 0 and h.prev_sha256 == ""
                 why = "is not the first segment of a chain"
@@ -134,7 +162,8 @@ def check_chain(
         last_rev = prev.end_revision if prev else start_revision
         last_time = prev.footer.end_time_ms if prev else None
         later = sorted(
-            (s, p) for s, lst in by_start.items() if s > expect for p in lst if _same_chain(p, start_revision, prev)
+            (s, p) for s, lst in by_start.items() if s > expect for p in lst
+            if _same_chain(p, start_revision, prev, base)
         )
         if problems:
             kind, p, why = problems[0]
@@ -163,16 +192,19 @@ def _load_info(path: str, verify: bool, max_bytes: int) -> SegmentInfo:
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
 
 
-def _same_chain(path: str, base: int, prev: Optional[SegmentInfo]) -> bool:
+def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup]) -> bool:
     """Could this later file belong to the chain being followed? Unreadable files count as yes:
     a damaged segment must be reported as lost, never skipped silently."""
     try:
         h = read_header(path)
     except SegmentCorrupt:
         return True
-    if h.base_revision != base:
+    if h.base_revision != base_revision:
         return False
-    return prev is None or h.chain_id == prev.header.chain_id
+    if prev is None:  # nothing followed yet: a later file of another backup's chain is not ours
+        return not (h.seq == 0 and not continues(h, base)) and (not h.base_sha256 or not base or not base.sha256
+                                                                  or h.base_sha256 == base.sha256)
+    return h.chain_id == prev.header.chain_id
 
 
 def tail_sha256(path: str) -> str:

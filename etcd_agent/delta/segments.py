@@ -132,9 +132,13 @@ class SegmentHeader:
     cluster_id: int = 0
     member_id: int = 0
     endpoint: str = ""
+    # sha256 of the full backup's snapshot db this chain continues ("": written before chains
+    # named it). Two full backups can share a revision (etcd 3.4 restores do not bump it): the
+    # revision alone cannot tell which one a chain continues.
+    base_sha256: str = ""
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        d: Dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "chain_id": self.chain_id,
@@ -147,6 +151,9 @@ class SegmentHeader:
             "member_id": f"{self.member_id:x}",
             "endpoint": self.endpoint,
         }
+        if self.base_sha256:  # absent rather than empty: older readers see the header they know
+            d["base_sha256"] = self.base_sha256
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> "SegmentHeader":
@@ -165,11 +172,14 @@ class SegmentHeader:
             cluster_id=int(_req(d, "cluster_id", str) or "0", 16),
             member_id=int(_req(d, "member_id", str) or "0", 16),
             endpoint=_req(d, "endpoint", str),
+            base_sha256=_req(d, "base_sha256", str) if "base_sha256" in d else "",
         )
         if not re.fullmatch(r"[0-9a-f]{32}", h.chain_id):
             raise ValueError("chain_id is not 32 hex digits")
         if h.prev_sha256 and not re.fullmatch(r"[0-9a-f]{64}", h.prev_sha256):
             raise ValueError("prev_sha256 is not a sha256")
+        if h.base_sha256 and not re.fullmatch(r"[0-9a-f]{64}", h.base_sha256):
+            raise ValueError("base_sha256 is not a sha256")
         if h.seq < 0 or h.base_revision < 0 or h.start_revision < h.base_revision + 1:
             raise ValueError("seq/base_revision/start_revision out of range")
         if (h.seq == 0) != (h.prev_sha256 == "") or (h.seq == 0 and h.start_revision != h.base_revision + 1):

@@ -48,6 +48,7 @@ from .errors import ChainBroken, DeltaError
 from .leasewatch import LeaseTracker
 from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
+from .segchain import BaseBackup
 from .segments import PUT, SegmentInfo, Txn
 from .segwriter import SegmentWriter, remove_stale_temps
 from .watchevents import Fragments, by_revision, decode
@@ -76,13 +77,17 @@ class DeltaWatcher:
         tls: "Optional[TlsSection]" = None,
         options: Optional[WatchOptions] = None,
         on_segment: Optional[Callable[[SegmentInfo], None]] = None,
+        base: Optional[BaseBackup] = None,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         monotonic: Callable[[], float] = time.monotonic,
         **overrides: Any,
     ) -> None:
-        """``overrides``: WatchOptions fields (``close_seconds=0.5`` ...) over ``options``."""
+        """``overrides``: WatchOptions fields (``close_seconds=0.5`` ...) over ``options``.
+        ``base``: which full backup at ``start_revision`` the chain continues (its snapshot's
+        sha256, written into every segment; only a chain of exactly that backup is resumed)."""
         self.endpoint = endpoint
         self.base_revision = start_revision
+        self.base = base
         self.out_dir = out_dir
         self.tls = tls
         self.opt = dataclasses.replace(options or WatchOptions(), **overrides)
@@ -90,7 +95,7 @@ class DeltaWatcher:
         self._wall_ms = wall_ms
         self._mono = monotonic
 
-        self.pos = ChainPosition.new(start_revision, wall_ms())
+        self.pos = ChainPosition.new(start_revision, wall_ms(), base.sha256 if base else "")
         self._writer: Optional[SegmentWriter] = None
         self._mu = threading.RLock()  # the stream reader's handling vs. the timers and the finish
         self._created = False
@@ -181,14 +186,14 @@ class DeltaWatcher:
                              holder=Holder(base_revision=self.base_revision, endpoint=self.endpoint)).acquire()
         try:
             remove_stale_temps(self.out_dir)
-            resumed = find_resume_point(self.out_dir, self.base_revision)
+            resumed = find_resume_point(self.out_dir, self.base_revision, self.base)
             if resumed is not None:
                 self.pos = resumed
                 self._last_event_ms = resumed.start_time_ms
                 log.info("resuming delta chain %s at revision %d (segment %d)", resumed.chain_id[:8],
                          resumed.next_revision, resumed.seq)
             else:
-                self.pos = ChainPosition.new(self.base_revision, self._wall_ms())
+                self.pos = ChainPosition.new(self.base_revision, self._wall_ms(), self.base.sha256 if self.base else "")
                 log.info("new delta chain %s from revision %d", self.pos.chain_id[:8], self.pos.next_revision)
             self._period_start = self._mono()
             self._loop(stop)

@@ -23,14 +23,14 @@ def delete(rev, key):
     return Event(DELETE, key, b"", rev, 0, 0, 0)
 
 
-def write_chain(directory, base, sizes, chain_id="ab" * 16, t0=T0):
+def write_chain(directory, base, sizes, chain_id="ab" * 16, t0=T0, base_sha256=""):
     """A chain of segments after ``base``: sizes[i] revisions in segment i (0: idle segment)."""
     infos = []
     rev = base + 1
     prev = ""
     t = t0
     for seq, n in enumerate(sizes):
-        h = SegmentHeader(chain_id, seq, base, rev, prev, t)
+        h = SegmentHeader(chain_id, seq, base, rev, prev, t, base_sha256=base_sha256)
         w = SegmentWriter(directory, h)
         for _ in range(n):
             t += 10
@@ -236,3 +236,62 @@ def test_size_limit(tmp_path):
         read_segment(infos[0].path, max_bytes=100)
     with pytest.raises(SegmentCorrupt, match="cannot open"):
         read_segment(str(tmp_path / "missing.seg"))
+
+
+SHA_BEFORE, SHA_AFTER = "a" * 64, "b" * 64
+
+
+def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path):
+    """etcd 3.4 restores keep the snapshot's revision: the backup taken after a restore has the
+    revision of the one restored from. Its chain is its own, never the chain of before."""
+    from etcd_agent.delta import chains
+    from etcd_agent.delta.position import find_resume_point
+    from etcd_agent.delta.segchain import BaseBackup
+
+    d = str(tmp_path)
+    before = write_chain(d, 29, [5, 3], chain_id="11" * 16, t0=T0, base_sha256=SHA_BEFORE)
+    after = write_chain(d, 29, [2], chain_id="22" * 16, t0=T0 + 60_000, base_sha256=SHA_AFTER)
+    paths = list_segments(d)
+    new = BaseBackup(SHA_AFTER, T0 + 59_000)
+    old = BaseBackup(SHA_BEFORE, T0 - 1000)
+    got = check_chain(paths, 29, base=new)
+    assert [i.path for i in got.segments] == [after[0].path] and got.stop is None
+    got = check_chain(paths, 29, base=old)
+    assert [i.path for i in got.segments] == [b.path for b in before] and got.stop is None
+    # a watcher continuing the backup of after the restore never resumes the chain of before
+    pos = find_resume_point(d, 29, new)
+    assert pos is not None and pos.chain_id == "22" * 16 and pos.next_revision == 32 and pos.base_sha256 == SHA_AFTER
+    assert find_resume_point(d, 29, BaseBackup("c" * 64, T0 + 120_000)) is None
+    scan = chains.scan(d)
+    assert len(scan.chains) == 2
+    assert scan.for_full(29, new).chain_id == "22" * 16
+    assert scan.for_full(29, old).chain_id == "11" * 16
+    # the prune plan keeps each chain with its own backup only
+    plan = chains.plan_prune(scan, [chains.FullRef("after.tar", 29, True, base=new),
+                                    chains.FullRef("before.tar", 29, False, reason="pruned", base=old)])
+    by = {tuple(sorted(x.paths)): x for x in plan}
+    assert by[tuple(sorted(b.path for b in before))].keep is False
+    assert by[(after[0].path,)].keep is True
+
+
+def test_a_chain_without_a_base_hash_continues_only_a_backup_taken_before_it(tmp_path):
+    """Chains written before headers named their backup: judged by time."""
+    from etcd_agent.delta.position import find_resume_point
+    from etcd_agent.delta.segchain import BaseBackup
+
+    d = str(tmp_path)
+    write_chain(d, 29, [4], chain_id="33" * 16, t0=T0)
+    assert find_resume_point(d, 29, BaseBackup(SHA_BEFORE, T0 - 5000)) is not None  # the backup it was started from
+    assert find_resume_point(d, 29, BaseBackup(SHA_AFTER, T0 + 5000)) is None  # one taken after it started
+    assert find_resume_point(d, 29, None) is not None  # no backup named: by revision, as before
+
+
+def test_base_sha256_in_the_header_is_checked(tmp_path):
+    from etcd_agent.delta.segments import SegmentHeader as H
+
+    h = H("cd" * 16, 0, 10, 11, "", T0, base_sha256=SHA_AFTER)
+    assert H.from_json(h.to_json()).base_sha256 == SHA_AFTER
+    assert "base_sha256" not in H("cd" * 16, 0, 10, 11, "", T0).to_json()  # older readers see what they know
+    bad = dict(h.to_json(), base_sha256="../../etc")
+    with pytest.raises(ValueError, match="base_sha256"):
+        H.from_json(bad)
