@@ -33,11 +33,15 @@ class ChainBroken(DeltaError):
         *,
         compact_revision: Optional[int] = None,
         details: Optional[Sequence[str]] = None,
+        restored: bool = False,
     ) -> None:
         super().__init__(f"chain broken at rev {at_revision} because {reason}", details=details)
         self.at_revision = at_revision
         self.reason = reason
         self.compact_revision = compact_revision
+        # the member's data was replaced (another cluster id, or behind the chain): a restore,
+        # by the agent or by hand - a boundary in the backups' history (``backup.boundaries``)
+        self.restored = restored
 
 
 class ScratchError(OperationFailed):

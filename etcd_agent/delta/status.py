@@ -56,6 +56,8 @@ class DeltaStatus:
     uploads_pending: int = 0
     upload_failures: int = 0
     at: float = 0.0  # when this status was made (Unix s)
+    breaks_in_row: int = 0  # chains that broke soon after their full backup, in a row
+    backoff_seconds: float = 0.0  # until the next full backup for a break may be taken (0: none pending)
 
     def safe_until(self) -> Optional[float]:
         """Every change committed before this time is in a closed segment (or the full backup)."""
@@ -110,6 +112,9 @@ GAUGES = {
     "chain_bytes": "Bytes of the current chain's segments.",
     "chain_segments": "Segments in the current chain.",
     "upload_pending": "Closed segments waiting for their off-host copy.",
+    "breaks_in_row": "Chains that broke again soon after the full backup that started them, in a row.",
+    "break_backoff_seconds": "Seconds until the daemon takes the full backup for a repeated break (0: not backing "
+                             "off).",
     "status_timestamp_seconds": "Unix time this status was computed.",
 }
 COUNTERS = {
@@ -138,6 +143,8 @@ def metric_values(s: DeltaStatus) -> Dict[str, Optional[float]]:
         "chain_bytes": float(s.chain_bytes),
         "chain_segments": float(s.chain_segments),
         "upload_pending": float(s.uploads_pending),
+        "breaks_in_row": float(s.breaks_in_row),
+        "break_backoff_seconds": float(s.backoff_seconds),
         "status_timestamp_seconds": s.at,
     }
 

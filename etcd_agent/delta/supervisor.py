@@ -30,6 +30,7 @@ from etcd_agent.errors import AgentError, BusyError
 from . import chains, status
 from .errors import ChainBroken
 from .position import WatcherStatus, WatchOptions
+from .segchain import BaseBackup
 from .segments import SegmentInfo
 from .watcher import DeltaWatcher
 
@@ -43,6 +44,19 @@ TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
 RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
+# a chain that breaks again soon after the full backup that started it: the next full backup
+# waits BREAK_BACKOFF[0] s after the previous one, doubling with every repeat up to
+# BREAK_BACKOFF[1]; a chain that ran STABLE_AFTER s resets the count
+BREAK_BACKOFF = (30.0, 3600.0)
+STABLE_AFTER = 600.0
+
+
+def break_backoff(in_row: int) -> float:
+    """Seconds between the previous chain's full backup and the next one, after ``in_row``
+    breaks in a row (the first one is answered at once)."""
+    if in_row <= 1:
+        return 0.0
+    return min(BREAK_BACKOFF[0] * float(2 ** (in_row - 2)), BREAK_BACKOFF[1])
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Full:
     path: str
     revision: int
     time: float
+    base: BaseBackup = BaseBackup()  # what its chain names: its snapshot's sha256, its time
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,8 @@ class Facts:
     broken: str  # why the last watch could not go on ("" none), no full backup taken since
     over_bounds: str  # which bound the current chain passed ("" none)
     retry_wait: bool  # a recent attempt failed: wait before the next
+    breaks_in_row: int = 0  # chains that broke soon after they started, in a row
+    backoff_left: float = 0.0  # seconds until the full backup for the break may be taken
 
 
 def decide(f: Facts) -> Tuple[str, str]:
@@ -76,6 +93,9 @@ def decide(f: Facts) -> Tuple[str, str]:
             "none", "a restore is in progress")
     if f.retry_wait:
         return "wait", "the last attempt failed; trying again shortly"
+    if f.broken and f.backoff_left > 0:
+        return "wait", (f"{f.broken} {f.breaks_in_row} times in a row, each soon after its full backup: the next "
+                        f"full backup in {f.backoff_left:.0f}s (backing off, not looping)")
     if f.broken:
         return "backup", f"{f.broken}: a full backup now, then a new chain from it"
     if f.newest is None:
@@ -119,6 +139,10 @@ class DeltaSupervisor:
         self._textfile_at = 0.0
         self._said_encrypted = False
         self._uploader: "Optional[Uploader]" = None  # only when [backup.remote] is enabled
+        self._breaks_in_row = 0
+        self._chain_started = 0.0  # monotonic: when the running chain's watcher started
+        self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
+        self._said_backoff = False
 
     # ------------------------------------------------------------ thread
 
@@ -167,6 +191,7 @@ class DeltaSupervisor:
             enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
+            breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
         )
         action, why = decide(facts)
         if action == "stop":
@@ -174,6 +199,11 @@ class DeltaSupervisor:
             self._state, self._detail = ("disabled" if not enabled else "paused"), why
         elif action == "none" and self.watcher is None:
             self._state, self._detail = ("disabled" if not enabled else "paused" if restoring else self._state), why
+        elif action == "wait" and facts.backoff_left > 0 and not facts.retry_wait:
+            self._state, self._detail = "backoff", why
+            if not self._said_backoff:
+                log.warning("delta: %s", why)
+                self._said_backoff = True
         elif action == "backup":
             self._full_backup(cfg, me, why)
         elif action == "rebase":
@@ -208,7 +238,21 @@ class DeltaSupervisor:
             log.warning("delta watch on %s ended: %s; starting it again in %.0fs", w.endpoint, exc.message, RETRY_AFTER)
             self._retry_at = time.monotonic() + RETRY_AFTER
 
+    def _backoff_left(self) -> float:
+        if not self._broken:
+            return 0.0
+        return max(0.0, self._last_chain_backup + break_backoff(self._breaks_in_row) - time.monotonic())
+
+    def _count_break(self) -> None:
+        """One more break in a row, unless the chain had run long enough to count as sound."""
+        ran = time.monotonic() - self._chain_started
+        self._breaks_in_row = 1 if ran >= STABLE_AFTER else self._breaks_in_row + 1
+        self._said_backoff = False
+
     def _on_break(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken) -> None:
+        self._count_break()
+        if exc.restored:
+            self._record_boundary(cfg, w, exc)
         full = self._full.name if self._full else f"revision {w.base_revision}"
         if w.pos.seq == 0 and w.segments_written == 0 and exc.at_revision == w.base_revision + 1:
             # nothing was ever captured after this full backup: no chain broke, the backup is
@@ -228,6 +272,24 @@ class DeltaSupervisor:
             log.warning("could not record the chain break in %s: %s", cfg.backup.dir, err)
         log.error("delta: CHAIN BROKEN (continuing %s): %s; taking a full backup and starting a new chain "
                   "(break #%d)", full, exc.message, self._breaks_total)
+
+    def _record_boundary(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken) -> None:
+        """The member's data was replaced under the chain. A restore of the agent's records itself
+        as it finishes; one it did not record (by hand: etcdutl, no journal) is recorded here, so
+        the backups from before it are kept and listed as such (``backup.boundaries``)."""
+        from etcd_agent.backup import boundaries
+
+        began = (w.pos.start_time_ms / 1000.0) if w.pos.seq == 0 else (self._full.time if self._full else 0.0)
+        try:
+            if boundaries.recorded_since(cfg.backup.dir, began) is not None:
+                return  # the agent's own restore (its record is newer than this chain)
+            now = time.time()
+            b = boundaries.Boundary(op=f"detected-{int(now * 1000)}", time=now, kind="detected", reason=exc.reason)
+            boundaries.record(cfg.backup.dir, b)
+            log.warning("delta: the member's data was replaced without a restore of the agent's (%s): recorded as a "
+                        "restore by hand; the backups from before it are kept as its rollback points", exc.reason)
+        except OSError as err:
+            log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err)
 
     def _find_newest(self, cfg: Config) -> None:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
@@ -253,7 +315,7 @@ class DeltaSupervisor:
             self._newest = None
             self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
         else:
-            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp())
+            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.base)
             self._unusable = ""
 
     def _over_bounds(self, cfg: Config) -> str:
@@ -278,7 +340,7 @@ class DeltaSupervisor:
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
-            res = take_backup(cfg, member=me.name)
+            res = take_backup(cfg, member=me.name, origin="daemon")
         except BusyError as exc:  # cron's backup (or a restore) holds the lock: its result will do
             log.info("delta: full backup deferred: %s", exc.message)
             self._retry_at = time.monotonic() + RETRY_AFTER / 2
@@ -292,6 +354,8 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + wait
             return
         self._backup_failures = 0
+        if self._broken:
+            self._last_chain_backup = time.monotonic()
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
@@ -303,7 +367,7 @@ class DeltaSupervisor:
         d = cfg.backup.delta
         opts = WatchOptions(close_seconds=d.close_seconds, close_bytes=d.close_bytes, idle_seconds=d.idle_seconds,
                             max_outage=d.max_outage)
-        existing = chains.scan(cfg.backup.dir).chain(full.revision)
+        existing = chains.scan(cfg.backup.dir).for_full(full.revision, full.base)
         with self._mu:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
         if cfg.backup.remote.enabled and self._uploader is None:
@@ -314,8 +378,9 @@ class DeltaSupervisor:
         if self._uploader is not None:
             self._uploader.sync(full.revision)
         w = DeltaWatcher(me.client_url, full.revision, cfg.backup.dir, tls=cfg.tls if cfg.tls.client_enabled else None,
-                         options=opts, on_segment=self._on_segment)
+                         options=opts, on_segment=self._on_segment, base=full.base)
         self.watcher, self._full = w, full
+        self._chain_started = time.monotonic()
         self._state, self._detail = "starting", f"continuing {full.name}"
         w.start()
 
@@ -368,7 +433,8 @@ class DeltaSupervisor:
             enabled=cfg.backup.delta.enabled, state=ws.state if ws else self._state, detail=self._detail,
             full_backup=base.name if base else None, full_backup_time=base.time if base else None,
             base_revision=base.revision if base else None, breaks_total=self._breaks_total or 0,
-            full_backups=dict(self._full_backups), at=time.time(),
+            full_backups=dict(self._full_backups), at=time.time(), breaks_in_row=self._breaks_in_row,
+            backoff_seconds=self._backoff_left(),
         )
         if ws is not None:
             st = replace(st, captured_revision=ws.captured_revision, durable_revision=ws.durable_revision,
@@ -380,7 +446,8 @@ class DeltaSupervisor:
             # one-host cluster): what is on disk, so the RPO grows from the chain's real end
             active = chains.active_base(cfg.backup.dir)
             wanted = active if active is not None else (newest.revision if newest else None)
-            c = chains.scan(cfg.backup.dir).chain(wanted) if wanted is not None else None
+            c = chains.scan(cfg.backup.dir).for_full(wanted, newest.base if newest and newest.revision == wanted
+                                                      else None) if wanted is not None else None
             if c is not None and c.usable:
                 st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
                              durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,

@@ -187,3 +187,26 @@ def test_restore_target_flags() -> None:
             target(*bad)
     with pytest.raises(UsageError, match="not allowed with"):  # one target at a time
         target("--to", "newest", "--to-revision", "3")
+
+
+def test_a_break_that_repeats_backs_off_instead_of_looping() -> None:
+    from etcd_agent.delta.supervisor import BREAK_BACKOFF, break_backoff
+
+    assert break_backoff(1) == 0.0 and break_backoff(2) == BREAK_BACKOFF[0]
+    assert break_backoff(3) == 2 * BREAK_BACKOFF[0] and break_backoff(50) == BREAK_BACKOFF[1]
+    got, why = decide(facts(broken="the chain broke", watching_base=None, breaks_in_row=3, backoff_left=42.0))
+    assert got == "wait" and "3 times in a row" in why and "42s" in why and "backing off" in why
+    got, _ = decide(facts(broken="the chain broke", watching_base=None, breaks_in_row=3, backoff_left=0.0))
+    assert got == "backup"
+    # ten minutes of a chain that breaks at once after every full backup (the loop after a
+    # restore, were it ever to come back): a handful of full backups, not one every 2 s
+    t, last, in_row, taken = 0.0, -1e9, 0, 0
+    while t < 600:
+        in_row += 1
+        wait = max(0.0, last + break_backoff(in_row) - t)
+        t += wait
+        if t >= 600:
+            break
+        taken, last = taken + 1, t
+        t += 2.0  # the backup, the new chain, its break
+    assert taken <= 5, taken
