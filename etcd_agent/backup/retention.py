@@ -1,13 +1,19 @@
 """Retention policy: which backups to keep and why. Pure: no I/O, no clock.
 
-Rules, each applied independently to the whole list (a backup is kept when any rule keeps it):
+Rules, each applied independently (a backup is kept when any rule keeps it):
 
 - the last ``keep_last`` backups;
 - the newest backup of each of the ``keep_hourly`` newest hours that hold a backup;
 - the newest backup of each of the ``keep_daily`` newest days that hold a backup;
 - the newest backup *verified by content* (its bytes checked, see ``checks``), whatever the rules
   above say (a restore must always have one);
-- the backups named in ``protect`` (the one just written), whatever the rules say.
+- the backups named in ``protect`` (the one just written), whatever the rules say;
+- the backups ``holds`` names (a restore's own and the last one before it: ``boundaries``),
+  whatever the rules say, each with its reason.
+
+The three counting rules run over the operator's backups (cron, timers, by hand) and over the
+daemon's own (full backups it takes to start a delta chain) apart: however many full backups the
+daemon takes, they never take a slot of the operator's history.
 
 Quarantined files (corrupt, foreign, dated in the future: ``catalog``) are not given to the policy
 at all: they take no slot and are never deleted.
@@ -29,6 +35,7 @@ class BackupRef:
     name: str
     time: datetime
     verified: bool
+    origin: str = "operator"  # operator | daemon (``manifest.ORIGINS``)
 
 
 @dataclass(frozen=True)
@@ -53,23 +60,25 @@ def _day(t: datetime) -> str:
 def plan(
     backups: Sequence[BackupRef], *, keep_last: int, keep_hourly: int, keep_daily: int,
     protect: Sequence[str] = (),
+    holds: Sequence[Tuple[str, str]] = (),
 ) -> List[Decision]:
-    """One decision per backup, newest first, each with the reasons behind it."""
+    """One decision per backup, newest first, each with the reasons behind it. ``holds``:
+    (name, reason) pairs kept whatever the rules say."""
     if keep_last < 1:
         raise ValueError("keep_last must be >= 1")
     ordered = sorted(backups, key=lambda b: (b.time, b.name), reverse=True)
     keep: Dict[str, List[str]] = {b.name: [] for b in ordered}
     drop: Dict[str, List[str]] = {b.name: [] for b in ordered}
 
-    for i, b in enumerate(ordered):
-        if i < keep_last:
-            keep[b.name].append(f"one of the last {keep_last} (#{i + 1})")
-    if len(ordered) > keep_last:
-        for b in ordered[keep_last:]:
-            drop[b.name].append(f"not among the last {keep_last}")
-
-    _buckets(ordered, keep_hourly, _hour, "hour", "hourly", keep, drop)
-    _buckets(ordered, keep_daily, _day, "day", "daily", keep, drop)
+    for origin, whose in (("operator", ""), ("daemon", "the daemon's chain backups: ")):
+        pool = [b for b in ordered if (b.origin == "daemon") == (origin == "daemon")]
+        for i, b in enumerate(pool):
+            if i < keep_last:
+                keep[b.name].append(f"{whose}one of the last {keep_last} (#{i + 1})")
+            else:
+                drop[b.name].append(f"{whose}not among the last {keep_last}")
+        _buckets(pool, keep_hourly, _hour, "hour", "hourly", keep, drop, whose)
+        _buckets(pool, keep_daily, _day, "day", "daily", keep, drop, whose)
 
     newest_verified = next((b for b in ordered if b.verified), None)
     if newest_verified is not None:
@@ -77,6 +86,9 @@ def plan(
     for name in protect:
         if name in keep:
             keep[name].append("the backup just written (never deleted)")
+    for name, why in holds:
+        if name in keep and why not in keep[name]:
+            keep[name].append(why)
 
     out = []
     for b in ordered:
@@ -95,6 +107,7 @@ def _buckets(
     label: str,
     keep: Dict[str, List[str]],
     drop: Dict[str, List[str]],
+    whose: str = "",
 ) -> None:
     """Keep the newest backup of each of the ``slots`` newest buckets that hold one."""
     if slots == 0:  # rule switched off: it neither keeps nor explains anything
@@ -103,9 +116,9 @@ def _buckets(
     for b in ordered:  # newest first: the first one met in a bucket is its newest
         k = key(b.time)
         if k in seen:
-            drop[b.name].append(f"{unit} {k} already kept by {seen[k]}")
+            drop[b.name].append(f"{whose}{unit} {k} already kept by {seen[k]}")
         elif len(seen) < slots:
             seen[k] = b.name
-            keep[b.name].append(f"newest of {unit} {k} ({label} {len(seen)}/{slots})")
+            keep[b.name].append(f"{whose}newest of {unit} {k} ({label} {len(seen)}/{slots})")
         else:
-            drop[b.name].append(f"{unit} {k} is older than the {slots} {label} buckets kept")
+            drop[b.name].append(f"{whose}{unit} {k} is older than the {slots} {label} buckets kept")

@@ -22,7 +22,7 @@ from ..etcd.snapdb import SnapshotIdentity
 from ..fs import ensure_private_dir
 from ..locality import local_member
 from ..state.locks import OperationLock, lock_path_for
-from . import archive, catalog, checks, keys, retention
+from . import archive, boundaries, catalog, checks, keys, retention
 from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .manifest import FileEntry, Manifest, ManifestMember
 from .snapcheck import SnapshotFacts
@@ -92,14 +92,17 @@ def take_backup(
     prune: bool = True,
     clock: WallClock = SYSTEM_WALL_CLOCK,
     hold_lock: bool = True,
+    origin: str = "operator",
 ) -> BackupResult:
     """Take one backup of ``member``'s etcd (default: a local member) into ``cfg.backup.dir``.
 
     ``clock`` names the archive and ages the others (retention): a test passes a fake one.
-    ``hold_lock=False``: the caller already holds this host's operation lock (a node session)."""
+    ``hold_lock=False``: the caller already holds this host's operation lock (a node session).
+    ``origin``: who takes it (``manifest.ORIGINS``): the daemon's chain backups are kept in slots
+    of their own, so that they never push the operator's history out."""
     start = time.monotonic()
     try:
-        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock)
+        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin)
     except BusyError:
         raise  # another run is working: not a failed backup
     except AgentError:
@@ -154,6 +157,7 @@ def _take(
     cfg: Config, member_name: Optional[str], check_space: bool, full_verify: bool, prune: bool, start: float,
     clock: WallClock,
     hold_lock: bool = True,
+    origin: str = "operator",
 ) -> BackupResult:
     from ..etcd.client import EtcdClient
     from ..etcd.tools import snapshot_status
@@ -227,7 +231,7 @@ def _take(
                     missing=missing,
                     rendered=rendered,
                     snapshot={"page_size": facts.page_size, "pages": facts.high_water, "txid": facts.txid,
-                              "checks": checks, "status": None},
+                              "checks": checks, "status": None, "taken_by": origin},
                     verified=True,
                 )
                 return man  # the writer adds what it encrypted, then signs
@@ -353,20 +357,24 @@ def prune_backups(
     directory = cfg.backup.dir
     entries = catalog.list_backups(directory, utc=cfg.backup.utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
     goods = catalog.good(entries)
+    held = boundaries.holds(boundaries.read(directory),
+                            [boundaries.BackupAt(e.name, e.time.timestamp(), e.snapshot_sha256) for e in goods],
+                            os.path.lexists)
     decisions = retention.plan(
-        [retention.BackupRef(e.name, e.time, e.verified) for e in goods],
+        [retention.BackupRef(e.name, e.time, e.verified, e.origin) for e in goods],
         keep_last=cfg.backup.keep_last,
         keep_hourly=cfg.backup.keep_hourly,
         keep_daily=cfg.backup.keep_daily,
         protect=protect,
+        holds=[(h.name, h.reason) for h in held],
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
     from ..delta import chains  # a full backup and the delta chain that continues it go together
 
-    fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason) for d in decisions
+    fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
              for by_rev in goods if by_rev.name == d.name]
-    fulls += [chains.FullRef(e.name, e.revision, True, good=False) for e in entries if not e.complete]
+    fulls += [chains.FullRef(e.name, e.revision, True, good=False, base=e.base) for e in entries if not e.complete]
     chain_plan = chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
     chain_decisions = [retention.Decision(c.label, c.keep, (c.reason,)) for c in chain_plan]
     if dry_run:

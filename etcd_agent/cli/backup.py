@@ -89,10 +89,12 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     cfg = ctx.config()
     if args.remote:
         return _list_remote(cfg)
+    from ..backup import boundaries
     from ..delta import chains
 
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
     found = chains.scan(cfg.backup.dir)
+    restores = boundaries.read(cfg.backup.dir)
     active = chains.active_base(cfg.backup.dir)
     rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
     docs = []
@@ -105,20 +107,27 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
             state = f"no: {e.check}"
         rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
                     f"{e.kind:<8} {e.signature:<11} {state}")
+        if e.origin == "daemon":
+            rows.append(f"{'':<36}   taken by the daemon to start a delta chain (retention counts these apart)")
         rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
+        boundary = boundaries.before(restores, e.time.timestamp())
+        if boundary is not None:
+            rows.append(f"{'':<36}   BEFORE {boundary.describe()}: the cluster as it was then (a rollback point; "
+                        "`restore --from` it with --new-cluster)")
         if e.drill is not None:
             rows.append(f"{'':<36}   {e.drill.summary()}")
         doc = e.to_json()
-        chain = found.chain(e.revision) if e.revision is not None else None
+        doc["before_restore"] = boundary.to_json() if boundary is not None else None
+        chain = found.for_full(e.revision, e.base) if e.revision is not None else None
         if e.complete:
             live = " (being written now)" if chain is not None and chain.base_revision == active else ""
             rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
         doc["chain"] = chain.to_json() if chain else None
         docs.append(doc)
-    revisions = {e.revision for e in entries if e.revision is not None}
-    orphans = [c for c in found.chains if c.base_revision not in revisions]
+    orphans = [c for c in found.chains if not any(e.revision == c.base_revision and c.continues(e.base)
+                                                  for e in entries)]
     for c in orphans:
-        rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup at that revision here "
+        rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup here that it continues "
                     f"(pruned at the next backup or prune): {c.describe()}")
     for path, why in found.unreadable:
         rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
@@ -130,6 +139,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         rows += skipped
     data = {"dir": cfg.backup.dir, "backups": docs, "latest": best.name if best else None, "notes": skipped,
             "orphan_chains": [c.to_json() for c in orphans],
+            "restores": [b.to_json() for b in restores],
             "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable],
             "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}
     return Output(data, "\n".join(rows))

@@ -485,9 +485,25 @@ class NodeRestore:
         if member_id and cluster_id:
             bootstrap.remember(self.cfg, self.member.name, int(cluster_id, 16), int(member_id, 16), token=j.token)
         lineage.record(self.cfg, ancestors, j.op)
+        self._record_boundary(j, cluster_id)
         self._drop_payload()
         markers.clear_restore(self.cfg, self.member.name, self.op)
         return res
+
+    def _record_boundary(self, j: J.Journal, cluster_id: Optional[str]) -> None:
+        """The restore as a boundary of this host's backup history (``backup.boundaries``). A
+        failure to record it fails nothing: the restore is done."""
+        from ..backup import boundaries
+
+        aside = j.record(R.AsideReply)
+        b = boundaries.Boundary(op=j.op, time=j.created, from_backup=os.path.basename(j.backup) or None,
+                                from_sha256=j.sha256, set_aside=tuple(p for p in [aside.moved if aside else None] if p),
+                                cluster_id=cluster_id)
+        try:
+            ensure_private_dir(self.cfg.backup.dir)
+            boundaries.record(self.cfg.backup.dir, b)
+        except (OSError, AgentError) as exc:
+            log.warning("%s: could not record the restore in %s: %s", self.member.name, self.cfg.backup.dir, exc)
 
     # ------------------------------------------------------------ rollback
 

@@ -76,3 +76,27 @@ def test_the_backup_just_written_is_never_deleted() -> None:
     ds = {d.name: d for d in plan(refs([0, 1, 2]), keep_last=1, keep_hourly=0, keep_daily=0, protect=("b2",))}
     assert ds["b2"].keep and "the backup just written (never deleted)" in ds["b2"].reasons
     assert not ds["b1"].keep
+
+
+def test_the_daemons_chain_backups_never_take_an_operators_slot() -> None:
+    """After a restore the daemon took a full backup every 2 s and each one's prune pushed the
+    operator's history out (keep_last 7). The daemon's backups now count among themselves."""
+    operators = [BackupRef(f"hourly{i}", T0 - timedelta(hours=i + 1), verified=True) for i in range(20)]
+    storm = [BackupRef(f"chain{i}", T0 + timedelta(seconds=2 * i), verified=True, origin="daemon")
+             for i in range(40)]
+    ds = {d.name: d for d in plan(operators + storm, keep_last=7, keep_hourly=24, keep_daily=7)}
+    assert all(ds[f"hourly{i}"].keep for i in range(20)), [ds[f"hourly{i}"].reason for i in range(20)]
+    assert "one of the last 7 (#1)" in ds["hourly0"].reasons
+    kept_chain = [n for n in ds if n.startswith("chain") and ds[n].keep]
+    assert sorted(kept_chain) == sorted(f"chain{i}" for i in range(33, 40)), kept_chain
+    assert ds["chain39"].reasons[0] == "the daemon's chain backups: one of the last 7 (#1)"
+    assert ds["chain0"].reason.startswith("the daemon's chain backups: not among the last 7")
+
+
+def test_holds_keep_a_backup_whatever_the_rules_say() -> None:
+    rs = refs([0, 1, 2, 3, 4])
+    ds = {d.name: d for d in plan(rs, keep_last=1, keep_hourly=0, keep_daily=0,
+                                  holds=[("b4", "the backup restore r1 came from"),
+                                         ("b4", "the backup restore r1 came from")])}
+    assert ds["b4"].keep and ds["b4"].reasons == ("the backup restore r1 came from",)
+    assert not ds["b3"].keep
