@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 PITR_DIR = ".pitr"
 FUTURE_MARGIN_MS = 2000
+# a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
+SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
 
 
 def _when(ms: Optional[int]) -> str:
@@ -96,7 +98,8 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     base = find_base(paths, entry.revision)
     # the chain of exactly this backup: another backup at the same revision (the cluster before an
     # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
-    check = check_chain(paths, base, base=entry.base if base == entry.revision else None)
+    check = check_chain(paths, base, base=entry.base if base == entry.revision else None,
+                        not_after_ms=now_ms + SEGMENT_CLOCK_MARGIN_MS)
     try:
         plan = plan_replay(check, target)
     except ReplayError as exc:

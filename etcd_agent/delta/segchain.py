@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, ms_to_datetime, parse_name
+from .segments import MAX_SEGMENT, NAME_RE, SegmentHeader, SegmentInfo, ms_to_datetime, parse_name
 from .segreader import read_header, read_segment, read_summary
 
 
@@ -44,7 +45,7 @@ def continues(h: SegmentHeader, base: Optional[BaseBackup]) -> bool:
 class ChainStop:
     """Where and why a chain stops being usable; nothing at or after ``at_revision`` is trusted."""
 
-    kind: str  # "gap" | "corrupt" | "mismatch"
+    kind: str  # "gap" | "corrupt" | "mismatch" | "future"
     reason: str
     at_revision: int
     path: Optional[str]
@@ -101,6 +102,7 @@ def check_chain(
     verify: bool = True,
     max_bytes: int = MAX_SEGMENT,
     base: Optional[BaseBackup] = None,
+    not_after_ms: Optional[int] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -108,7 +110,10 @@ def check_chain(
     and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
     Segments of other chains among ``paths`` are ignored, and so is a chain that cannot continue
     the full backup ``base`` (``continues``). ``verify=False`` reads only headers and footers
-    (cheap, for finding where a watcher resumes) and cannot see damage inside.
+    (cheap, for finding where a watcher resumes) and cannot see damage inside. With
+    ``not_after_ms`` (a restore: now plus a margin) a segment dated after it - by its name, its
+    footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
+    target could otherwise be met by a revision that happened later.
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -134,6 +139,10 @@ def check_chain(
             h = info.header
             if h.base_revision != start_revision:
                 continue  # another chain's segment that happens to start here
+            ahead = _dated_after(p, info, not_after_ms)
+            if ahead:
+                problems.append(("future", p, ahead))
+                continue
             if prev is None and h.seq == 0 and not continues(h, base):
                 continue  # the chain of another full backup at the same revision
             if prev is None:
@@ -183,6 +192,28 @@ def check_chain(
                 tuple(p for _s, p in later),
             )
         return ChainCheck(start_revision, tuple(good), None)
+
+
+def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> str:
+    """Why ``path`` is dated after ``not_after_ms`` ("" when it is not, or nothing to compare)."""
+    if not_after_ms is None:
+        return ""
+    limit = ms_to_datetime(not_after_ms).isoformat(timespec="seconds")
+    stamp = NAME_RE.match(os.path.basename(path))
+    if stamp is not None:
+        named = datetime.strptime(stamp.group(3).rstrip("Z").split(".")[0], "%Y%m%dT%H%M%S").replace(
+            tzinfo=timezone.utc)
+        if named.timestamp() * 1000 > not_after_ms:
+            return f"dated in the future by its name ({named.isoformat()}, after {limit})"
+    if info.footer.end_time_ms > not_after_ms:
+        return f"dated in the future by its own end time ({ms_to_datetime(info.footer.end_time_ms).isoformat()})"
+    try:
+        mtime_ms = os.stat(path).st_mtime * 1000
+    except OSError:
+        return ""
+    if mtime_ms > not_after_ms:
+        return f"modified in the future (mtime {ms_to_datetime(int(mtime_ms)).isoformat(timespec='seconds')}, after {limit})"
+    return ""
 
 
 def _load_info(path: str, verify: bool, max_bytes: int) -> SegmentInfo:
