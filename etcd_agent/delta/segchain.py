@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from datetime import datetime, timezone
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt

@@ -5,13 +5,14 @@ member. A writer logs every acknowledged write; every etcd is killed and every d
 `restore --from latest --to newest --yes` on ez1 replays ez1's chain and restores all three."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List
 
 import pytest
 
@@ -33,16 +34,20 @@ ETC_DIR = "/etc/etcd-agent"
 AGENT_TOML = f"{ETC_DIR}/agent.toml"
 
 
-def agent_toml(work: str, hosts: List[NsHost], me: NsHost, net: NetnsBed) -> str:
+def agent_toml(work: str, hosts: List[NsHost], me: NsHost, net: NetnsBed, *, cluster: str = "ez",
+               release: str = E35, close_seconds: float = 5.0) -> str:
+    """``release``: an /opt/etcd/<version> dir (etcdutl set when it has one)."""
+    utl = f"{release}/etcdutl"
     lines = [
-        "[cluster]", 'name = "ez"', 'token = "ez-token"', 'bootstrap = "static"',
+        "[cluster]", f'name = "{cluster}"', f'token = "{cluster}-token"', 'bootstrap = "static"',
         "[local]", f'name = "{me.name}"',
-        "[etcd]", f'binary = "{E35}/etcd"', f'etcdctl = "{E35}/etcdctl"', f'etcdutl = "{E35}/etcdutl"',
+        "[etcd]", f'binary = "{release}/etcd"', f'etcdctl = "{release}/etcdctl"',
+        *([f'etcdutl = "{utl}"'] if os.path.exists(utl) else []),
         'service_manager = "process"', 'user = "root"', 'group = "root"',
         f'data_dir = "{work}/data/{{name}}.etcd"', f'conf_file = "{work}/conf/{{name}}.conf"',
         f'unit_file = "{work}/conf/etcd.service"', f'run_dir = "{work}/run"', "start_timeout = 30.0",
         "[backup]", f'dir = "{work}/{me.name}/backups"',  # per host: each daemon's own chain
-        "[backup.delta]", "close_seconds = 5.0",
+        "[backup.delta]", f"close_seconds = {close_seconds}",
         "[daemon]", f'state_dir = "{work}/{me.name}/state"', "interval = 1.0", "lock_ttl = 10",
         "[ssh]", 'user = "root"', f'identity_file = "{net.client_key}"', f'known_hosts = "{net.known_hosts}"',
         "connect_timeout = 3.0", "command_timeout = 60.0", f'agent_path = "{AGENT}"',
@@ -95,15 +100,18 @@ def healthy(cfg: Config) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+@contextlib.contextmanager
+def daemon_bed(tmp_path_factory: pytest.TempPathFactory, prefix: str, subnet: str,
+               toml: Callable[[str, List[NsHost], NsHost, NetnsBed], str]) -> Iterator[Bed]:
+    """Three namespace hosts with sshd, each its own agent.toml (``toml``), backup and state dirs
+    and `etcd-agent run` daemon, until the cluster they start is healthy."""
     if os.geteuid() != 0:
         pytest.skip("multihost tests need root (network namespaces, sshd)")
     made_etc = not os.path.exists(ETC_DIR)
     if made_etc:
         os.makedirs(ETC_DIR, mode=0o755)
-    net = NetnsBed(3, prefix=PREFIX, subnet=SUBNET)
-    work = str(tmp_path_factory.mktemp("ez"))
+    net = NetnsBed(3, prefix=prefix, subnet=subnet)
+    work = str(tmp_path_factory.mktemp(prefix))
     b = Bed(net, work)
     try:
         net.up()
@@ -115,11 +123,12 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         for h in net.hosts:
             path = os.path.join(h.etc_dir, "etcd-agent", "agent.toml")
             with open(path, "w") as fh:
-                fh.write(agent_toml(work, net.hosts, h, net))
+                fh.write(toml(work, net.hosts, h, net))
             b.cfgs[h.name] = load(path)
         for h in net.hosts:
             b.start_daemon(h)
-        poll(lambda: healthy(b.cfg()), timeout=120, what="the daemons' cluster healthy", interval=0.5)
+        first = net.hosts[0].name
+        poll(lambda: healthy(b.cfg(first)), timeout=120, what="the daemons' cluster healthy", interval=0.5)
         yield b
     finally:
         b.stop_daemons()
@@ -129,6 +138,12 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
                 os.rmdir(ETC_DIR)
             except OSError:
                 pass
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    with daemon_bed(tmp_path_factory, PREFIX, SUBNET, agent_toml) as b:
+        yield b
 
 
 def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
