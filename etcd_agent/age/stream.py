@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, cast
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from ..errors import CiphertextCorrupt, IdentityRefused
+from ..errors import AgentError, CiphertextCorrupt, IdentityRefused
 from .header import (
     CHUNK,
     ENC_CHUNK,
@@ -194,6 +194,7 @@ class Decryptor:
         self._aead: Optional[ChaCha20Poly1305] = None
         self._counter = 0
         self._done = False
+        self._failure: Optional[AgentError] = None  # raised again by every later call (see update)
         self._facts: Optional[DecryptFacts] = None
         self._plain = 0
         self._cipher = 0
@@ -230,22 +231,42 @@ class Decryptor:
         return True
 
     def update(self, data: Buffer) -> List[bytes]:
-        """The plaintext of every chunk ``data`` completes (each authenticated), one bytes per chunk."""
+        """The plaintext of every chunk ``data`` completes (each authenticated), one bytes per chunk.
+
+        A chunk that authenticated is released even when the bytes after it in the same ``data``
+        are bad: the error is then raised by the next call (``update`` or ``finish``). What a
+        caller saw is exactly what authenticated, however the stream was sliced (the age testkit
+        checks that prefix). Once an error is raised, every later call raises it again."""
         if self._facts is not None:
             raise ValueError("Decryptor.update() after finish()")
+        self._raise_failure()
+        out: List[bytes] = []
+        try:
+            self._update(data, out)
+        except (CiphertextCorrupt, IdentityRefused) as exc:
+            self._failure = exc
+            if not out:
+                raise
+        self._plain += sum(len(p) for p in out)
+        return out
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _update(self, data: Buffer, out: List[bytes]) -> None:
         if self._aead is None:
             self._buf += data
             if self.header is None and not self._open_header():
-                return []
+                return
             if len(self._buf) < NONCE_SIZE:
-                return []
+                return
             assert self._file_key is not None
             self._aead = ChaCha20Poly1305(hkdf(self._file_key, bytes(self._buf[:NONCE_SIZE]), b"payload"))
             self._file_key = None
             self._cipher += NONCE_SIZE
             data = bytes(self._buf[NONCE_SIZE:])
             self._buf = bytearray()
-        out: List[bytes] = []
         with memoryview(data) as mv:
             n = mv.nbytes
             pos = 0
@@ -262,8 +283,6 @@ class Decryptor:
                 if self._done:
                     raise CiphertextCorrupt(f"{self._what}: data follows the final chunk (bytes appended?)")
                 self._buf += mv[pos:]
-        self._plain += sum(len(p) for p in out)
-        return out
 
     def _open(self, chunk: Buffer, tail: bool = False) -> bytes:
         """One chunk: a whole one is tried as non-final, then as final (a final chunk may be full);
@@ -294,6 +313,7 @@ class Decryptor:
         """The final chunk's plaintext, once it authenticates; CiphertextCorrupt if cut short."""
         if self._facts is not None:
             raise ValueError("Decryptor.finish() called twice")
+        self._raise_failure()
         what = self._what
         if self.header is None:
             if not self._buf:

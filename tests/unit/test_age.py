@@ -280,6 +280,19 @@ def test_trailing_data(key: Tuple[str, str]) -> None:
             decrypt(keyfile, ct + bytes(ENC_CHUNK))
 
 
+def test_what_authenticated_is_released_and_the_error_stays(key: Tuple[str, str]) -> None:
+    """Two good chunks and garbage in one update(): the two come out, the error comes with the next
+    call, and every call after that raises it again (a failed stream never resumes)."""
+    keyfile, recipient = key
+    data = data_of(2 * CHUNK)
+    ct = encrypt([recipient], data)
+    dec = A.Decryptor(A.load_identities(keyfile))
+    assert b"".join(dec.update(ct + b"garbage")) == data
+    for call in (lambda: dec.update(b""), dec.finish, dec.finish):
+        with pytest.raises(CiphertextCorrupt, match="follows the final chunk"):
+            call()
+
+
 def test_truncated_header_and_nonce(key: Tuple[str, str]) -> None:
     keyfile, recipient = key
     ct = _three_chunks(recipient)
