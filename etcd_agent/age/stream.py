@@ -168,6 +168,23 @@ def _chunk_reader(aead: ChaCha20Poly1305, read_ct: ReadAt, payload_at: int, plai
 
 # ---------------------------------------------------------------- decryption
 
+# Stanza types of other age recipients, named when a file holds nothing else: a refusal that says
+# why beats "the wrong key?" (backups are only ever written to X25519 recipients).
+_OTHER_RECIPIENTS = {
+    "scrypt": "a passphrase (scrypt)",
+    "mlkem768x25519": "post-quantum (ML-KEM-768 + X25519) recipients",
+    "ssh-ed25519": "SSH keys",
+    "ssh-rsa": "SSH keys",
+}
+
+
+def _unsupported_only(types: Sequence[str]) -> str:
+    """What the file is encrypted to, when no stanza is X25519 and one is of a known other kind."""
+    if "X25519" in types:
+        return ""
+    named = sorted({_OTHER_RECIPIENTS[t] for t in types if t in _OTHER_RECIPIENTS})
+    return " and ".join(named)
+
 
 @dataclass(frozen=True)
 class DecryptFacts:
@@ -215,6 +232,10 @@ class Decryptor:
             if file_key is not None:
                 break
         if file_key is None:
+            unsupported = _unsupported_only(header.types)
+            if unsupported:
+                raise IdentityRefused(f"{self._what}: it is encrypted to {unsupported} only, which the agent does not "
+                                      "decrypt (it takes X25519 identities, AGE-SECRET-KEY-1...): nothing was decrypted")
             n = len(self._ids.keys)
             raise IdentityRefused(
                 f"{self._what}: none of the {n} key{'' if n == 1 else 's'} in identity file {self._ids.path} "
