@@ -174,25 +174,33 @@ def test_plaintext_reader_reads_inside_a_container(key: Tuple[str, str], tmp_pat
 # ---------------------------------------------------------------- interop with the age CLI
 
 
+# Interop with the distribution's age, both ways: empty, one byte, either side of one chunk,
+# exactly one, two and three chunks (a full final chunk: the case a reader must not mistake for
+# "more follows"), a short chunk after full ones, and ~1 MB.
+INTEROP_SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 3, 3 * CHUNK, 1_000_003]
+
+
 @needs_cli
-@pytest.mark.parametrize("size", [0, 1, CHUNK, 2 * CHUNK + 3, 1_000_003])
+@pytest.mark.parametrize("size", INTEROP_SIZES)
 def test_age_cli_decrypts_ours(cli_key: Tuple[str, str], tmp_path: Path, size: int) -> None:
     keyfile, recipient = cli_key
     data = data_of(size)
     path = tmp_path / "ours.age"
-    path.write_bytes(encrypt([recipient, A.generate_identity()[1]], data))
-    out = subprocess.run([str(AGE), "-d", "-i", keyfile, str(path)], check=True, capture_output=True).stdout
-    assert hashlib.sha256(out).digest() == hashlib.sha256(data).digest()
+    for feed in (1 << 20, CHUNK, 32 * 1024):  # the Encryptor holds back a full chunk until more follows
+        path.write_bytes(encrypt([recipient, A.generate_identity()[1]], data, feed))
+        out = subprocess.run([str(AGE), "-d", "-i", keyfile, str(path)], check=True, capture_output=True).stdout
+        assert hashlib.sha256(out).digest() == hashlib.sha256(data).digest()
 
 
 @needs_cli
-@pytest.mark.parametrize("size", [0, 1, CHUNK, 2 * CHUNK + 3, 1_000_003])
+@pytest.mark.parametrize("size", INTEROP_SIZES)
 def test_we_decrypt_age_cli(cli_key: Tuple[str, str], size: int) -> None:
     keyfile, recipient = cli_key
     data = data_of(size)
     ct = subprocess.run([str(AGE), "-r", A.generate_identity()[1], "-r", recipient], input=data, check=True,
                         capture_output=True).stdout
-    assert hashlib.sha256(decrypt(keyfile, ct)).digest() == hashlib.sha256(data).digest()
+    for feed in (1 << 20, ENC_CHUNK, 7777):  # whole, in step with the chunks, and across them
+        assert hashlib.sha256(decrypt(keyfile, ct, feed)).digest() == hashlib.sha256(data).digest()
     facts = structure(ct)
     assert facts.plaintext_size == size and facts.x25519_stanzas == 2
     assert facts.sha256 == hashlib.sha256(ct).hexdigest()
