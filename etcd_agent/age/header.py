@@ -145,7 +145,7 @@ def parse_header(data: bytes) -> Header:
 def _header_lines(data: bytes) -> Tuple[bytes, List[bytes]]:
     """The header's bytes and its lines (without the LFs), the version line checked."""
     bad = CiphertextCorrupt
-    if data.startswith(ARMOR_BEGIN):
+    if data[:MAX_LINE].lstrip(b" \t\r\n").startswith(ARMOR_BEGIN):  # age -d allows whitespace around armor
         raise bad("an ASCII-armored age file; the agent reads binary age files only (age -d reads both)")
     end = header_end(data)
     if end < 0:

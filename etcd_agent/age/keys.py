@@ -216,6 +216,9 @@ def parse_identity(text: str, where: str = "identity") -> X25519Identity:
     s = text.strip()
     if s.lower().startswith("age1"):
         raise IdentityRefused(f"{where} is a public key (a recipient), not a secret key (AGE-SECRET-KEY-1...)")
+    if s.upper().startswith("AGE-SECRET-KEY-PQ-"):
+        raise IdentityRefused(f"{where} is a post-quantum (ML-KEM-768 + X25519) identity; only X25519 identities "
+                              "(AGE-SECRET-KEY-1...) are supported")
     if s.upper().startswith("AGE-PLUGIN-"):
         raise IdentityRefused(f"{where} is a plugin identity; only X25519 identities (AGE-SECRET-KEY-1...) are supported")
     if not s.upper().startswith("AGE-SECRET-KEY-1"):

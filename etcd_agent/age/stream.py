@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, cast
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from ..errors import CiphertextCorrupt, IdentityRefused
+from ..errors import AgentError, CiphertextCorrupt, IdentityRefused
 from .header import (
     CHUNK,
     ENC_CHUNK,
@@ -168,6 +168,23 @@ def _chunk_reader(aead: ChaCha20Poly1305, read_ct: ReadAt, payload_at: int, plai
 
 # ---------------------------------------------------------------- decryption
 
+# Stanza types of other age recipients, named when a file holds nothing else: a refusal that says
+# why beats "the wrong key?" (backups are only ever written to X25519 recipients).
+_OTHER_RECIPIENTS = {
+    "scrypt": "a passphrase (scrypt)",
+    "mlkem768x25519": "post-quantum (ML-KEM-768 + X25519) recipients",
+    "ssh-ed25519": "SSH keys",
+    "ssh-rsa": "SSH keys",
+}
+
+
+def _unsupported_only(types: Sequence[str]) -> str:
+    """What the file is encrypted to, when no stanza is X25519 and one is of a known other kind."""
+    if "X25519" in types:
+        return ""
+    named = sorted({_OTHER_RECIPIENTS[t] for t in types if t in _OTHER_RECIPIENTS})
+    return " and ".join(named)
+
 
 @dataclass(frozen=True)
 class DecryptFacts:
@@ -194,6 +211,7 @@ class Decryptor:
         self._aead: Optional[ChaCha20Poly1305] = None
         self._counter = 0
         self._done = False
+        self._failure: Optional[AgentError] = None  # raised again by every later call (see update)
         self._facts: Optional[DecryptFacts] = None
         self._plain = 0
         self._cipher = 0
@@ -214,6 +232,10 @@ class Decryptor:
             if file_key is not None:
                 break
         if file_key is None:
+            unsupported = _unsupported_only(header.types)
+            if unsupported:
+                raise IdentityRefused(f"{self._what}: it is encrypted to {unsupported} only, which the agent does not "
+                                      "decrypt (it takes X25519 identities, AGE-SECRET-KEY-1...): nothing was decrypted")
             n = len(self._ids.keys)
             raise IdentityRefused(
                 f"{self._what}: none of the {n} key{'' if n == 1 else 's'} in identity file {self._ids.path} "
@@ -230,22 +252,42 @@ class Decryptor:
         return True
 
     def update(self, data: Buffer) -> List[bytes]:
-        """The plaintext of every chunk ``data`` completes (each authenticated), one bytes per chunk."""
+        """The plaintext of every chunk ``data`` completes (each authenticated), one bytes per chunk.
+
+        A chunk that authenticated is released even when the bytes after it in the same ``data``
+        are bad: the error is then raised by the next call (``update`` or ``finish``). What a
+        caller saw is exactly what authenticated, however the stream was sliced (the age testkit
+        checks that prefix). Once an error is raised, every later call raises it again."""
         if self._facts is not None:
             raise ValueError("Decryptor.update() after finish()")
+        self._raise_failure()
+        out: List[bytes] = []
+        try:
+            self._update(data, out)
+        except (CiphertextCorrupt, IdentityRefused) as exc:
+            self._failure = exc
+            if not out:
+                raise
+        self._plain += sum(len(p) for p in out)
+        return out
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _update(self, data: Buffer, out: List[bytes]) -> None:
         if self._aead is None:
             self._buf += data
             if self.header is None and not self._open_header():
-                return []
+                return
             if len(self._buf) < NONCE_SIZE:
-                return []
+                return
             assert self._file_key is not None
             self._aead = ChaCha20Poly1305(hkdf(self._file_key, bytes(self._buf[:NONCE_SIZE]), b"payload"))
             self._file_key = None
             self._cipher += NONCE_SIZE
             data = bytes(self._buf[NONCE_SIZE:])
             self._buf = bytearray()
-        out: List[bytes] = []
         with memoryview(data) as mv:
             n = mv.nbytes
             pos = 0
@@ -262,8 +304,6 @@ class Decryptor:
                 if self._done:
                     raise CiphertextCorrupt(f"{self._what}: data follows the final chunk (bytes appended?)")
                 self._buf += mv[pos:]
-        self._plain += sum(len(p) for p in out)
-        return out
 
     def _open(self, chunk: Buffer, tail: bool = False) -> bytes:
         """One chunk: a whole one is tried as non-final, then as final (a final chunk may be full);
@@ -294,6 +334,7 @@ class Decryptor:
         """The final chunk's plaintext, once it authenticates; CiphertextCorrupt if cut short."""
         if self._facts is not None:
             raise ValueError("Decryptor.finish() called twice")
+        self._raise_failure()
         what = self._what
         if self.header is None:
             if not self._buf:

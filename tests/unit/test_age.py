@@ -174,25 +174,33 @@ def test_plaintext_reader_reads_inside_a_container(key: Tuple[str, str], tmp_pat
 # ---------------------------------------------------------------- interop with the age CLI
 
 
+# Interop with the distribution's age, both ways: empty, one byte, either side of one chunk,
+# exactly one, two and three chunks (a full final chunk: the case a reader must not mistake for
+# "more follows"), a short chunk after full ones, and ~1 MB.
+INTEROP_SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 3, 3 * CHUNK, 1_000_003]
+
+
 @needs_cli
-@pytest.mark.parametrize("size", [0, 1, CHUNK, 2 * CHUNK + 3, 1_000_003])
+@pytest.mark.parametrize("size", INTEROP_SIZES)
 def test_age_cli_decrypts_ours(cli_key: Tuple[str, str], tmp_path: Path, size: int) -> None:
     keyfile, recipient = cli_key
     data = data_of(size)
     path = tmp_path / "ours.age"
-    path.write_bytes(encrypt([recipient, A.generate_identity()[1]], data))
-    out = subprocess.run([str(AGE), "-d", "-i", keyfile, str(path)], check=True, capture_output=True).stdout
-    assert hashlib.sha256(out).digest() == hashlib.sha256(data).digest()
+    for feed in (1 << 20, CHUNK, 32 * 1024):  # the Encryptor holds back a full chunk until more follows
+        path.write_bytes(encrypt([recipient, A.generate_identity()[1]], data, feed))
+        out = subprocess.run([str(AGE), "-d", "-i", keyfile, str(path)], check=True, capture_output=True).stdout
+        assert hashlib.sha256(out).digest() == hashlib.sha256(data).digest()
 
 
 @needs_cli
-@pytest.mark.parametrize("size", [0, 1, CHUNK, 2 * CHUNK + 3, 1_000_003])
+@pytest.mark.parametrize("size", INTEROP_SIZES)
 def test_we_decrypt_age_cli(cli_key: Tuple[str, str], size: int) -> None:
     keyfile, recipient = cli_key
     data = data_of(size)
     ct = subprocess.run([str(AGE), "-r", A.generate_identity()[1], "-r", recipient], input=data, check=True,
                         capture_output=True).stdout
-    assert hashlib.sha256(decrypt(keyfile, ct)).digest() == hashlib.sha256(data).digest()
+    for feed in (1 << 20, ENC_CHUNK, 7777):  # whole, in step with the chunks, and across them
+        assert hashlib.sha256(decrypt(keyfile, ct, feed)).digest() == hashlib.sha256(data).digest()
     facts = structure(ct)
     assert facts.plaintext_size == size and facts.x25519_stanzas == 2
     assert facts.sha256 == hashlib.sha256(ct).hexdigest()
@@ -278,6 +286,19 @@ def test_trailing_data(key: Tuple[str, str]) -> None:
             decrypt(keyfile, ct + b"x")
         with pytest.raises(CiphertextCorrupt, match="follows the final chunk|fails authentication"):
             decrypt(keyfile, ct + bytes(ENC_CHUNK))
+
+
+def test_what_authenticated_is_released_and_the_error_stays(key: Tuple[str, str]) -> None:
+    """Two good chunks and garbage in one update(): the two come out, the error comes with the next
+    call, and every call after that raises it again (a failed stream never resumes)."""
+    keyfile, recipient = key
+    data = data_of(2 * CHUNK)
+    ct = encrypt([recipient], data)
+    dec = A.Decryptor(A.load_identities(keyfile))
+    assert b"".join(dec.update(ct + b"garbage")) == data
+    for call in (lambda: dec.update(b""), dec.finish, dec.finish):
+        with pytest.raises(CiphertextCorrupt, match="follows the final chunk"):
+            call()
 
 
 def test_truncated_header_and_nonce(key: Tuple[str, str]) -> None:
