@@ -30,6 +30,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 
 from . import proto
 from .errors import ReplayError
@@ -292,7 +293,7 @@ def _apply_lease_rule(
     """Drop the keys of leases expired at ``at_ms``; move keys of snapshot leases whose TTL is
     longer than what they had left to a lease with the remaining TTL. Returns fix-up revisions."""
     fates = lease_fates(sorted(present), records, at_ms, min_ttl=min_ttl)
-    ops: List[bytes] = []
+    ops: List[RequestOp] = []
     dropped = reattached = 0
     revoke: List[int] = []
     for lid, fate in fates.items():

@@ -1,7 +1,10 @@
 """The gRPC transport of the delta feature: one endpoint, raw bytes in and out, our errors up.
 
 The only module here that imports grpc (when this moves into the package its calls join
-``etcd/client.py``, the agent's one grpc importer). Messages are encoded/decoded by ``proto``.
+``etcd/client.py``, the agent's one grpc importer). Requests are generated messages
+(``etcd_agent.etcd.pb``, built by ``proto``) serialized by their class; responses stay bytes
+through gRPC and are decoded by ``proto``, bounded by ``max_message`` (a deserializer that raised
+inside gRPC would come back as an INTERNAL status, its reason lost).
 
 - ``EtcdRpc``: unary KV/Lease calls on one endpoint (Range, Txn, LeaseGrant/Revoke/TimeToLive/Leases)
 - ``WatchStream``: the bidirectional Watch stream, read by a thread of its own that hands each
@@ -19,8 +22,12 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
+from google.protobuf.message import Message
+
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import map_grpc_error, parse_endpoint
+from etcd_agent.etcd.pb import rpc_pb2
+from etcd_agent.etcd.wire import serialize
 
 from . import proto
 
@@ -82,6 +89,7 @@ class EtcdRpc:
 
         self.endpoint = endpoint
         self.timeout = timeout
+        self.max_message = max_message
         host, port, secure = parse_endpoint(endpoint)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         opts: List[Tuple[str, int]] = channel_options(max_message)
@@ -98,21 +106,21 @@ class EtcdRpc:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stubs: Dict[str, Any] = {}
 
-    def _unary(self, method: str, request: bytes, timeout: Optional[float] = None) -> bytes:
+    def _unary(self, method: str, request: Message, timeout: Optional[float] = None) -> bytes:
         import grpc
 
         fn = self._stubs.get(method)
         if fn is None:
-            fn = self._channel.unary_unary(method, request_serializer=_ident, response_deserializer=_ident)
+            fn = self._channel.unary_unary(method, request_serializer=serialize, response_deserializer=_ident)
             self._stubs[method] = fn
         try:
             return cast(bytes, fn(request, timeout=timeout or self.timeout))
         except grpc.RpcError as exc:
             raise map_grpc_error(exc, f"{method.rsplit('/', 1)[-1]} on {self.endpoint}") from None
 
-    def _decode(self, what: str, fn: Callable[[bytes], T], raw: bytes) -> T:
+    def _decode(self, what: str, fn: Callable[[bytes, int], T], raw: bytes) -> T:
         try:
-            return fn(raw)
+            return fn(raw, self.max_message)
         except ValueError as exc:
             raise EtcdError(f"{what} on {self.endpoint}: malformed response ({exc})") from None
 
@@ -127,42 +135,40 @@ class EtcdRpc:
         Serializable: the member's own view, answered even without a leader."""
         return self.range(b"\0", b"\0", count_only=True, serializable=serializable).header
 
-    def txn(self, ops: Sequence[bytes], timeout: Optional[float] = None) -> proto.Header:
+    def txn(self, ops: Sequence[rpc_pb2.RequestOp], timeout: Optional[float] = None) -> proto.Header:
         """One transaction of the given ops (no compares); its header carries the new revision."""
         raw = self._unary("/etcdserverpb.KV/Txn", proto.encode_txn(ops), timeout)
-        return self._decode("Txn", proto.header_of, raw)
+        return self._decode("Txn", proto.decode_txn_header, raw)
 
     def compact(self, revision: int, *, physical: bool = False, timeout: Optional[float] = None) -> None:
-        req = proto.fint(1, revision) + proto.fbool(2, physical)
-        self._unary("/etcdserverpb.KV/Compact", req, timeout)
+        self._unary("/etcdserverpb.KV/Compact", rpc_pb2.CompactionRequest(revision=revision, physical=physical), timeout)
 
     # ------------------------------------------------------------ leases
 
     def lease_grant(self, ttl: int, lease_id: int = 0) -> Tuple[int, int]:
-        raw = self._unary("/etcdserverpb.Lease/LeaseGrant", proto.encode_lease_grant(ttl, lease_id))
+        raw = self._unary("/etcdserverpb.Lease/LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=ttl, ID=lease_id))
         lid, granted, err = self._decode("LeaseGrant", proto.decode_lease_grant, raw)
         if err:
             raise EtcdError(f"LeaseGrant on {self.endpoint}: {err}")
         return lid, granted
 
     def lease_revoke(self, lease_id: int) -> None:
-        self._unary("/etcdserverpb.Lease/LeaseRevoke", proto.fint(1, lease_id))
+        self._unary("/etcdserverpb.Lease/LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease_id))
 
     def lease_ttl(self, lease_id: int, *, keys: bool = False) -> proto.LeaseTTL:
         """LeaseTimeToLive; ``ttl == -1`` when the lease is gone (expired or revoked)."""
-        req = proto.fint(1, lease_id) + proto.fbool(2, keys)
-        raw = self._unary("/etcdserverpb.Lease/LeaseTimeToLive", req)
+        raw = self._unary("/etcdserverpb.Lease/LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id, keys=keys))
         return self._decode("LeaseTimeToLive", proto.decode_lease_ttl, raw)
 
     def lease_list(self) -> List[int]:
-        raw = self._unary("/etcdserverpb.Lease/LeaseLeases", b"")
+        raw = self._unary("/etcdserverpb.Lease/LeaseLeases", rpc_pb2.LeaseLeasesRequest())
         return self._decode("LeaseLeases", proto.decode_lease_leases, raw)
 
     # ------------------------------------------------------------ streams
 
     def watch(
         self,
-        create_request: bytes,
+        create_request: rpc_pb2.WatchRequest,
         *,
         queue_size: int = 4096,
         handler: Optional[Callable[[bytes], None]] = None,
@@ -170,7 +176,7 @@ class EtcdRpc:
         return WatchStream(self._channel, self.endpoint, create_request, queue_size=queue_size, handler=handler)
 
     def keepalive(self) -> "KeepAliveStream":
-        return KeepAliveStream(self._channel, self.endpoint)
+        return KeepAliveStream(self._channel, self.endpoint, self.max_message)
 
     def close(self) -> None:
         self._channel.close()
@@ -206,18 +212,18 @@ class _Requests:
     def __init__(self) -> None:
         self._q: "queue.Queue[object]" = queue.Queue()
 
-    def send(self, data: bytes) -> None:
-        self._q.put(data)
+    def send(self, request: Message) -> None:
+        self._q.put(request)
 
     def end(self) -> None:
         self._q.put(_END)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[Message]:
         while True:
             item = self._q.get()
             if item is _END:
                 return
-            assert isinstance(item, bytes)
+            assert isinstance(item, Message)
             yield item
 
 
@@ -239,14 +245,14 @@ class WatchStream:
         self,
         channel: Any,
         endpoint: str,
-        create_request: bytes,
+        create_request: rpc_pb2.WatchRequest,
         *,
         queue_size: int,
         handler: Optional[Callable[[bytes], None]] = None,
     ) -> None:
         self.endpoint = endpoint
         self._handler = handler
-        fn = channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=_ident, response_deserializer=_ident)
+        fn = channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=serialize, response_deserializer=_ident)
         self._call = fn(create_request, metadata=_METADATA)
         # bounded: if the consumer falls behind, gRPC flow control pushes back on etcd, whose
         # watcher then becomes "unsynced" and catches up from history - nothing is dropped
@@ -313,11 +319,12 @@ class WatchStream:
 class KeepAliveStream:
     """LeaseKeepAlive for leases the caller names; responses are drained by a reader thread."""
 
-    def __init__(self, channel: Any, endpoint: str) -> None:
+    def __init__(self, channel: Any, endpoint: str, max_message: int) -> None:
         self.endpoint = endpoint
+        self._max_message = max_message
         self._requests = _Requests()
         fn = channel.stream_stream(
-            "/etcdserverpb.Lease/LeaseKeepAlive", request_serializer=_ident, response_deserializer=_ident
+            "/etcdserverpb.Lease/LeaseKeepAlive", request_serializer=serialize, response_deserializer=_ident
         )
         self._call = fn(iter(self._requests), metadata=_METADATA)
         self._closed = threading.Event()
@@ -331,7 +338,7 @@ class KeepAliveStream:
 
         try:
             for raw in self._call:
-                lid, ttl = proto.decode_keepalive(raw)
+                lid, ttl = proto.decode_keepalive(raw, self._max_message)
                 if ttl <= 0:
                     self.expired.append(lid)
         except grpc.RpcError as exc:
@@ -342,7 +349,7 @@ class KeepAliveStream:
 
     def renew(self, lease_ids: Sequence[int]) -> None:
         for lid in lease_ids:
-            self._requests.send(proto.fint(1, lid))
+            self._requests.send(rpc_pb2.LeaseKeepAliveRequest(ID=lid))
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed.set()

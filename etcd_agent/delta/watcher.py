@@ -311,7 +311,7 @@ class DeltaWatcher:
     def _on_response(self, raw: bytes, rpc: EtcdRpc) -> None:
         """One WatchResponse, on the stream's reader thread. Raising ends the stream (a
         reconnect or, for ChainBroken, the end of the run)."""
-        msg = decode(raw)
+        msg = decode(raw, self.opt.max_message)
         with self._mu:
             if self._finished:
                 return

@@ -16,9 +16,10 @@ from .segments import Event, Txn
 MAX_FRAGMENTED = 512 * 1024 * 1024  # one response reassembled from fragments, at most
 
 
-def decode(raw: bytes) -> proto.WatchMessage:
+def decode(raw: bytes, limit: int) -> proto.WatchMessage:
+    """One WatchResponse of at most ``limit`` bytes (the stream's max receive size)."""
     try:
-        return proto.decode_watch_response(raw)
+        return proto.decode_watch_response(raw, limit)
     except ValueError as exc:
         raise StreamEnded(f"malformed watch response ({exc})") from None
 

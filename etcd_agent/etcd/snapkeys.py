@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 from ..errors import SnapshotFormatError
+from . import wire
 from .bbolt import BUCKET_LEAF_FLAG, MAX_COUNT_PAGES, MAX_KEY, ReadAt, _Bucket, _Page, _Reader
+from .pb import kv_pb2
 from .snapdb import KEY_BUCKET, MAX_ROOT_BUCKETS
 from .snapvalues import MAX_REVISION
-from .wire import iter_fields, signed
 
 MAX_VALUE = 256 * 1024 * 1024  # one KeyValue; etcd's --max-request-bytes is 1.5 MiB by default
 WHOLE_PAGE = 1024 * 1024  # a leaf page up to this size is read in one go, bigger ones piecemeal
@@ -109,24 +110,13 @@ class Keyspace:
 
 
 def decode_kv(buf: bytes) -> Tuple[bytes, int, int, int, bytes, int]:
-    """(key, create_revision, mod_revision, version, value, lease) of one stored
-    mvccpb.KeyValue{key=1, create_revision=2, mod_revision=3, version=4, value=5, lease=6}."""
-    key = value = b""
-    ints = {2: 0, 3: 0, 4: 0, 6: 0}
+    """(key, create_revision, mod_revision, version, value, lease) of one stored mvccpb.KeyValue
+    (the caller has bounded ``buf`` by ``MAX_VALUE`` already; the bound here is the same)."""
     try:
-        for num, wt, val in iter_fields(buf):
-            if wt == 2 and num in (1, 5):
-                assert isinstance(val, bytes)
-                if num == 1:
-                    key = val
-                else:
-                    value = val
-            elif wt == 0 and num in ints:
-                assert isinstance(val, int)
-                ints[num] = signed(val)
+        m = wire.parse(kv_pb2.KeyValue, buf, MAX_VALUE)
     except ValueError as exc:
         raise SnapshotFormatError(f"KeyValue: {exc}") from None
-    return key, ints[2], ints[3], ints[4], value, ints[6]
+    return m.key, m.create_revision, m.mod_revision, m.version, m.value, m.lease
 
 
 def _revision_key(raw: bytes) -> Tuple[int, int, bool]:

@@ -22,7 +22,7 @@ import time
 import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from etcd_agent.etcd.wire import encode_field
+from etcd_agent.etcd.pb import rpc_pb2
 
 # ---------------------------------------------------------------- protobuf wire format
 
@@ -386,8 +386,9 @@ class KubeObjects:
 
 
 def txn_of(puts: Sequence[Tuple[bytes, bytes]]) -> bytes:
-    """TxnRequest{success: [RequestOp{request_put: PutRequest{key, value}}]}."""
-    return b"".join(encode_field(2, encode_field(2, encode_field(1, k) + encode_field(2, v))) for k, v in puts)
+    """A TxnRequest of these puts (no compares: the success branch runs)."""
+    ops = [rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=k, value=v)) for k, v in puts]
+    return rpc_pb2.TxnRequest(success=ops).SerializeToString()
 
 
 def _fill_worker(endpoint: str, seed: int, stop: Any, written: Any, batch_bytes: int, batch_ops: int) -> None:

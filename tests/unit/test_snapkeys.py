@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from etcd_agent.delta.proto import fbytes, fint
 from etcd_agent.etcd import snapdb, snapkeys
+from etcd_agent.etcd.pb import kv_pb2
 from etcd_agent.etcd.snapdb import SnapshotFormatError
 from etcd_agent.etcd.snapkeys import KeyspaceDigest, record_of
 from tests.unit.test_snapdb import Bolt
@@ -20,8 +20,8 @@ def rev(m: int, s: int = 0, tomb: bool = False) -> bytes:
 
 
 def kv(key: bytes, create: int, mod: int, version: int, value: bytes = b"", lease: int = 0) -> bytes:
-    return fbytes(1, key) + fint(2, create) + fint(3, mod) + fint(4, version) + (fbytes(5, value) if value else b"") \
-        + fint(6, lease)
+    return kv_pb2.KeyValue(key=key, create_revision=create, mod_revision=mod, version=version, value=value,
+                           lease=lease).SerializeToString()
 
 
 def test_real_snapshot_matches_its_identity() -> None:
@@ -86,7 +86,7 @@ def test_a_different_write_changes_the_digest() -> None:
     ([(0, rev(3), kv(b"a", 3, 3, 1)), (0, rev(2), kv(b"b", 2, 2, 1))], "after"),
     ([(0, rev(2), kv(b"", 2, 2, 1)), (0, rev(3), kv(b"b", 3, 3, 1))], "holds no key"),
     ([(0, b"not-a-revision-key", kv(b"a", 2, 2, 1)), (0, rev(3), kv(b"b", 3, 3, 1))], "not a revision"),
-    ([(0, rev(2), b"\x0a\xff\xff\xff\x0f"), (0, rev(3), kv(b"b", 3, 3, 1))], "truncated"),
+    ([(0, rev(2), b"\x0a\xff\xff\xff\x0f"), (0, rev(3), kv(b"b", 3, 3, 1))], "not a KeyValue"),
 ])
 def test_corrupt_entries_are_refused(items, match) -> None:
     read_at, size, _ = _db(items)
