@@ -103,8 +103,15 @@ def chain_of_newest(bed: Bed, h: str) -> Tuple[str, chains.ChainSummary]:
 
 
 def backup(bed: Bed, h: NsHost) -> Tuple[str, int]:
-    """`etcd-agent backup` on ``h``, as cron runs it: (file name, revision)."""
-    res = bed.agent(h, "--json", "backup")
+    """`etcd-agent backup` on ``h``, as cron runs it: (file name, revision). Busy (exit 4: the
+    daemon's own backup or prune holds the dir's lock for a moment) is tried again, as the next
+    cron run would."""
+    deadline = time.monotonic() + 60
+    while True:
+        res = bed.agent(h, "--json", "backup")
+        if res.returncode != 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     return os.path.basename(doc["path"]), int(doc["revision"])
