@@ -174,7 +174,8 @@ def test_after_a_restore_one_full_backup_one_chain_and_every_older_backup_kept(b
     assert res.returncode == 0, res.stdout + res.stderr
     got = settle_and_count(bed, offsets, before, "after-agent-restore")
     for h in bed.net.hosts:
-        newest, c = still_there_and_one_chain(bed, h.name, hourly[h.name], got[h.name])
+        cron = hourly[h.name] + [first[h.name][0], second[h.name][0]]
+        newest, c = still_there_and_one_chain(bed, h.name, cron, got[h.name])
         assert c.continues(catalog.entry_for(os.path.join(bed.cfg(h.name).backup.dir, newest)).base)
         # the restore is a boundary every host's catalogue records, held back from retention
         recorded = boundaries.read(bed.cfg(h.name).backup.dir)
