@@ -42,7 +42,7 @@ pytestmark = pytest.mark.multihost
 
 PREFIX, SUBNET = "es", "10.213.15"
 E34 = "/opt/etcd/3.4.23"
-WATCH = float(os.environ.get("STORM_WATCH_SECONDS", "90"))  # the daemons alone after each restore
+WATCH = float(os.environ.get("STORM_WATCH_SECONDS", "45"))  # the daemons alone after each restore
 HOURLY = 20
 
 
