@@ -377,7 +377,7 @@ class DeltaWatcher:
         the check's time; close the segment there if a close is due."""
         if self._check is None:
             return
-        want, t_ms, _at = self._check
+        want, t_ms, at = self._check
         last = self._last_revision()
         if last < want:
             return
@@ -386,7 +386,11 @@ class DeltaWatcher:
         self._covered_rev = last
         if self._closing:
             self._closing = False
-            self._close_segment(rpc, t_ms, confirmed=True)
+            # the next period counts from this check, not from the end of the close: closing
+            # (delivery of H, the lease refresh, the fsync) takes time, and counted from its end
+            # the segments' end times drifted apart by close_seconds plus that, which is what a
+            # disaster then lost (a write 5.04 s old lost at close_seconds = 5)
+            self._close_segment(rpc, t_ms, confirmed=True, period_from=at)
 
     def _timers(self, rpc: EtcdRpc) -> None:
         """(Caller thread) start a coverage check when a close or a heartbeat is due; give up
@@ -427,8 +431,8 @@ class DeltaWatcher:
                 self._last_advance = max(self._last_advance, self._last_check)
             self._confirm(rpc)
 
-    def _restart_period(self) -> None:
-        self._period_start = self._mono()
+    def _restart_period(self, start: Optional[float] = None) -> None:
+        self._period_start = self._mono() if start is None else start
 
     # ------------------------------------------------------------ segments
 
@@ -437,7 +441,8 @@ class DeltaWatcher:
             self._writer = SegmentWriter(self.out_dir, self.pos.header(self.endpoint))
         return self._writer
 
-    def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool) -> None:
+    def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool,
+                       period_from: Optional[float] = None) -> None:
         if rpc is not None:
             self._leases.refresh(rpc)
         writer = self._ensure_writer()
@@ -447,7 +452,7 @@ class DeltaWatcher:
         self.pos = ChainPosition.after(info)
         self.segments_written += 1
         self.last_segment = info
-        self._restart_period()
+        self._restart_period(period_from)
         log.debug("closed %s (%d events)", os.path.basename(info.path), info.footer.events)
         if self.on_segment is not None:
             self.on_segment(info)
