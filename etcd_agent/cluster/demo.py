@@ -56,6 +56,31 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         "",
         "[backup]",
         f'dir = "{d}/backups"',
+        f'metrics_file = "{d}/metrics/etcd_agent_backup.prom"',
+        "",
+        # A demo is a guest on the machine: every path the agent writes is set here, under its own
+        # dir, never left to a default. The defaults are a master's machine-wide places
+        # (/var/lib/etcd-agent, /var/lib/etcd-agent-drill, /etc/kubernetes ...): a demo writing
+        # there would hand its state (bootstrap records, restore lineage, tokens) to every other
+        # demo on the machine, which then reports conf-drift against a restore it never saw.
+        "[backup.delta]",
+        f'metrics_file = "{d}/metrics/etcd_agent_delta.prom"',
+        "",
+        "[daemon]",
+        f'state_dir = "{d}/state"',
+        "",
+        "[drill]",
+        f'dir = "{d}/drill"',
+        f'metrics_file = "{d}/metrics/etcd_agent_drill.prom"',
+        "",
+        "[ssh]",
+        # one host, no SSH; set anyway so nothing of the demo's even reads the machine's agent config
+        f'known_hosts = "{d}/conf/known_hosts"',
+        "",
+        "[kubernetes]",
+        'fence = "none"',  # no apiservers here; the paths below only keep a fence's files in the demo's dir
+        f'manifest = "{d}/conf/kube-apiserver.yaml"',
+        f'manifest_aside_dir = "{d}/conf/manifests-aside"',
         "",
     ]
     for i in range(members):
@@ -112,7 +137,7 @@ class Demo:
                         f"port {port} on 127.0.0.1 is in use (another etcd or demo?); stop it first"
                     )
         makedirs(self.dir, 0o700)
-        for sub in ("data", "conf", "run", "backups"):
+        for sub in ("data", "conf", "run", "backups", "state", "metrics"):
             makedirs(os.path.join(self.dir, sub), 0o700)
         text = demo_config_text(self.dir, self.n, self.etcd_binary, self.etcdctl)
         resumed = False
