@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from etcd_agent.cluster.demo import port_free, ports
+from etcd_agent.waiting import poll
 
 # the demo binds its fixed ports: one test at a time holds them (conftest.demo_ports)
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("demo_ports")]
@@ -66,6 +67,10 @@ def test_demo_three_members_then_ctrl_c(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "http://127.0.0.1:32379" in res.stdout
+        # it runs the daemon's continuous backup: a full backup, then segments beside it
+        poll(lambda: any(n.endswith(".tar") for n in os.listdir(f"{d}/backups")) and
+             any(n.endswith(".seg") for n in os.listdir(f"{d}/backups")), timeout=60,
+             what="the demo's first full backup and delta segment")
         # the supervisor restarts a crashed member, like Restart=on-failure
         victim = [p for p in etcds_under(d) if psutil.Process(p).environ()["ETCD_NAME"] == "s2"][0]
         os.kill(victim, signal.SIGKILL)
