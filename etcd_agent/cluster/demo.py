@@ -71,15 +71,15 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         f'unit_file = "{d}/conf/etcd.service"',
         f'run_dir = "{d}/run"',
         "",
-        "[backup]",
-        f'dir = "{d}/backups"',
-        f'metrics_file = "{d}/metrics/etcd_agent_backup.prom"',
-        "",
         # A demo is a guest on the machine: every path the agent writes is set here, under its own
         # dir, never left to a default. The defaults are a master's machine-wide places
         # (/var/lib/etcd-agent, /var/lib/etcd-agent-drill, /etc/kubernetes ...): a demo writing
         # there would hand its state (bootstrap records, restore lineage, tokens) to every other
         # demo on the machine, which then reports conf-drift against a restore it never saw.
+        "[backup]",
+        f'dir = "{d}/backups"',
+        f'metrics_file = "{d}/metrics/etcd_agent_backup.prom"',
+        "",
         "[backup.delta]",
         "enabled = true",
         f"close_seconds = {DELTA_CLOSE_SECONDS:g}",
