@@ -20,9 +20,13 @@ deps-demo:
 deps-test:
 	packaging/install-deps.sh test
 
-# A local 3-member cluster on 127.0.0.1 (ports 2379/22379/32379) until Ctrl-C.
+# A local 3-member cluster on 127.0.0.1 (ports 2379/22379/32379) until Ctrl-C, on the test suite's
+# default release (packaging/etcd-test-releases), which deps-demo lays out under /opt/etcd: a 3.5
+# with etcdutl beside it, which the rehearsal's point-in-time restore replays with.
+DEMO_RELEASE ?= $(shell awk '$$3 == "default" {print $$1}' packaging/etcd-test-releases)
+DEMO_ETCD ?= /opt/etcd/$(DEMO_RELEASE)
 demo: deps-demo venv
-	$(VENV)/bin/etcd-agent demo
+	$(VENV)/bin/etcd-agent demo --etcd $(DEMO_ETCD)/etcd --etcdctl $(DEMO_ETCD)/etcdctl
 
 # Every tier: the type check and lint, then unit, component (orchestration against scripted
 # hosts), integration (real etcd), multihost (namespaces

@@ -2,7 +2,8 @@
 # install-deps.sh demo|test : install the Debian packages the demo or the test suite needs, only
 # those missing. Root (or sudo) is needed to install; nothing is installed that is already there.
 # `test` also lays out the etcd releases the suite runs on under /opt/etcd (etcd-releases.sh:
-# Debian's 3.4 linked, 3.5 releases fetched from newer Debian suites; fast when present).
+# Debian's 3.4 linked, 3.5 releases fetched from newer Debian suites; fast when present); `demo`
+# lays out only the default one of them, which `make demo` runs.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 what=${1:-test}
@@ -33,6 +34,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
     as_root systemctl disable --now etcd || true
   fi
+fi
+if [ "$what" = demo ]; then
+  # the demo runs the suite's default release (a 3.5, with etcdutl: the rehearsal's point-in-time
+  # restore replays with it; bookworm's 3.4 has none), laid out the same way, and only that one
+  list=$(mktemp "${TMPDIR:-/tmp}/etcd-demo-release.XXXXXX")
+  trap 'rm -f "$list"' EXIT
+  awk '$3 == "default"' "$here/etcd-test-releases" >"$list"
+  ETCD_RELEASES_LIST=$list "$here/etcd-releases.sh" --check /opt/etcd >/dev/null 2>&1 ||
+    as_root env ETCD_RELEASES_LIST="$list" "$here/etcd-releases.sh" /opt/etcd
 fi
 if [ "$what" = test ]; then
   # the releases every tier runs on (packaging/etcd-test-releases); a missing one is an install

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import Interrupted
 from .main import Context, Output
@@ -17,6 +18,9 @@ def register(sub: Any) -> None:
     p.add_argument("--dir", default="etcd-agent-demo", help="where config, data and backups go (default ./etcd-agent-demo)")
     p.add_argument("--etcd", default=shutil.which("etcd") or "/usr/bin/etcd", help="etcd binary")
     p.add_argument("--etcdctl", default=shutil.which("etcdctl") or "/usr/bin/etcdctl", help="etcdctl binary")
+    p.add_argument("--etcdutl", default=None,
+                   help="etcdutl binary (etcd >= 3.5; point-in-time restores replay with it); default: the one "
+                        "beside --etcd, else on PATH, else none")
     p.add_argument("--exit-when-healthy", action="store_true", help="stop the cluster once healthy (smoke test)")
     p.set_defaults(func=cmd_demo)
 
@@ -26,11 +30,18 @@ def _say(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _etcdutl_for(etcd: str) -> Optional[str]:
+    """The etcdutl of the same release as ``etcd`` (a versions_dir layout keeps them side by side),
+    else the one on PATH; None where there is none (etcd 3.4 has none)."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(etcd)), "etcdutl")
+    return beside if os.access(beside, os.X_OK) else shutil.which("etcdutl")
+
+
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
     from ..cluster.demo import Demo, install_signal_handlers
     from ..cluster.status import cluster_status, format_table
 
-    demo = Demo(args.dir, args.members, args.etcd, args.etcdctl)
+    demo = Demo(args.dir, args.members, args.etcd, args.etcdctl, args.etcdutl or _etcdutl_for(args.etcd))
     install_signal_handlers(demo)
     resumed = demo.prepare()
     assert demo.cfg is not None
@@ -48,6 +59,7 @@ def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
             )
             sys.stdout.flush()
         if not args.exit_when_healthy:
+            demo.start_continuous_backup()
             demo.supervise(_say)
     except (KeyboardInterrupt, Interrupted):
         _say("stopping every member")

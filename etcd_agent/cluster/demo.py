@@ -2,6 +2,9 @@
 code path (seed, then member add + start with state=existing), supervised until Ctrl-C.
 
 It writes ``DIR/agent.toml`` so every other command works against it with ``-c DIR/agent.toml``.
+While it supervises, it runs the daemon's continuous backup (``delta.supervisor``): one watch for
+the one-host cluster, delta segments beside the full backups in ``DIR/backups``, so a rehearsal
+can restore to a point in time.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from ..config import Config, load, with_local
 from ..errors import Interrupted, RefusedError, UsageError
@@ -19,6 +22,9 @@ from ..etcd.client import EtcdClient
 from ..fs import makedirs
 from ..member.local import LocalMember
 from ..member.process import ProcessBackend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..delta.supervisor import DeltaSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +38,18 @@ def ports(i: int) -> Tuple[int, int]:
     return 2379 + base, 2380 + base
 
 
-def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: str) -> str:
+# Segments close this often while writes come in: a rehearsal's write is in a closed segment (and
+# restorable to the second) a moment later, where a master's 5 s default would keep it waiting.
+DELTA_CLOSE_SECONDS = 1.0
+DELTA_IDLE_SECONDS = 5.0  # with no writes, the chain's covered time still moves every 5 s
+
+
+def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: str,
+                     etcdutl: Optional[str] = None) -> str:
     d = os.path.abspath(directory)
+    # etcdutl (etcd >= 3.5) is what a point-in-time restore replays with; without it the
+    # continuous backup still runs, and `restore --to-time` says what is missing
+    utl = [f'etcdutl = "{etcdutl}"'] if etcdutl else []
     out = [
         "# One-host demo cluster written by `etcd-agent demo`. Use it with: etcd-agent -c THIS_FILE ...",
         "[cluster]",
@@ -44,6 +60,7 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         "[etcd]",
         f'binary = "{etcd_binary}"',
         f'etcdctl = "{etcdctl}"',
+        *utl,
         'service_manager = "process"',
         # the demo's dirs live wherever the operator cloned the repo (perhaps under a 0700 home):
         # its etcd runs as the user running the demo, not as the etcd user a master would use
@@ -54,8 +71,36 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         f'unit_file = "{d}/conf/etcd.service"',
         f'run_dir = "{d}/run"',
         "",
+        # A demo is a guest on the machine: every path the agent writes is set here, under its own
+        # dir, never left to a default. The defaults are a master's machine-wide places
+        # (/var/lib/etcd-agent, /var/lib/etcd-agent-drill, /etc/kubernetes ...): a demo writing
+        # there would hand its state (bootstrap records, restore lineage, tokens) to every other
+        # demo on the machine, which then reports conf-drift against a restore it never saw.
         "[backup]",
         f'dir = "{d}/backups"',
+        f'metrics_file = "{d}/metrics/etcd_agent_backup.prom"',
+        "",
+        "[backup.delta]",
+        "enabled = true",
+        f"close_seconds = {DELTA_CLOSE_SECONDS:g}",
+        f"idle_seconds = {DELTA_IDLE_SECONDS:g}",
+        f'metrics_file = "{d}/metrics/etcd_agent_delta.prom"',
+        "",
+        "[daemon]",
+        f'state_dir = "{d}/state"',
+        "",
+        "[drill]",
+        f'dir = "{d}/drill"',
+        f'metrics_file = "{d}/metrics/etcd_agent_drill.prom"',
+        "",
+        "[ssh]",
+        # one host, no SSH; set anyway so nothing of the demo's even reads the machine's agent config
+        f'known_hosts = "{d}/conf/known_hosts"',
+        "",
+        "[kubernetes]",
+        'fence = "none"',  # no apiservers here; the paths below only keep a fence's files in the demo's dir
+        f'manifest = "{d}/conf/kube-apiserver.yaml"',
+        f'manifest_aside_dir = "{d}/conf/manifests-aside"',
         "",
     ]
     for i in range(members):
@@ -91,7 +136,8 @@ def port_free(port: int) -> bool:
 class Demo:
     """Owns the demo members' etcd processes from start to clean stop."""
 
-    def __init__(self, directory: str, members: int, etcd_binary: str, etcdctl: str) -> None:
+    def __init__(self, directory: str, members: int, etcd_binary: str, etcdctl: str,
+                 etcdutl: Optional[str] = None) -> None:
         if not 1 <= members <= MAX_MEMBERS:
             raise UsageError(f"--members must be 1..{MAX_MEMBERS} (ports 2379, 22379, ... 62379)")
         self.dir = os.path.abspath(directory)
@@ -99,8 +145,10 @@ class Demo:
         self.config_path = os.path.join(self.dir, "agent.toml")
         self.etcd_binary = etcd_binary
         self.etcdctl = etcdctl
+        self.etcdutl = etcdutl
         self.cfg: Optional[Config] = None
         self.locals: List[LocalMember] = []
+        self.delta: "Optional[DeltaSupervisor]" = None
         self._stop = threading.Event()
 
     def prepare(self) -> bool:
@@ -112,9 +160,9 @@ class Demo:
                         f"port {port} on 127.0.0.1 is in use (another etcd or demo?); stop it first"
                     )
         makedirs(self.dir, 0o700)
-        for sub in ("data", "conf", "run", "backups"):
+        for sub in ("data", "conf", "run", "backups", "state", "metrics"):
             makedirs(os.path.join(self.dir, sub), 0o700)
-        text = demo_config_text(self.dir, self.n, self.etcd_binary, self.etcdctl)
+        text = demo_config_text(self.dir, self.n, self.etcd_binary, self.etcdctl, self.etcdutl)
         resumed = False
         if os.path.exists(self.config_path):
             old = load(self.config_path)
@@ -164,6 +212,20 @@ class Demo:
                 client.endpoints = [m.member.client_url for m in self.locals if m.backend.is_active()]
         return time.monotonic() - t0
 
+    def start_continuous_backup(self) -> None:
+        """The daemon's continuous backup, as ``etcd-agent run`` runs it on a master: one
+        supervisor, watching the seed member (every member here shares ``DIR/backups``: one
+        watch covers the cluster, as the watcher's lock would make it on a one-host cluster of
+        daemons). It takes the first full backup itself, keeps its hands off while a restore is
+        journaled for the member, and starts a new chain for the restored cluster afterwards."""
+        from ..delta.supervisor import DeltaSupervisor
+
+        assert self.cfg is not None
+        watched = with_local(self.cfg, self.cfg.members[0].name)
+        me = watched.member(self.cfg.members[0].name)
+        self.delta = DeltaSupervisor(lambda: (watched, me))
+        self.delta.start()
+
     def _check_stop(self) -> None:
         if self._stop.is_set():
             raise Interrupted("interrupted while bootstrapping")
@@ -208,6 +270,11 @@ class Demo:
         return self._stop.is_set()
 
     def stop_all(self) -> None:
+        if self.delta is not None:  # first: its watch would otherwise see the members go as an outage
+            try:
+                self.delta.stop()
+            except Exception as exc:
+                log.error("stopping the continuous backup failed: %s", exc)
         for lm in reversed(self.locals):
             try:
                 lm.backend.stop()

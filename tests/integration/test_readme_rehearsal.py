@@ -1,5 +1,6 @@
 """The README's quick start, verbatim: `make demo`, then its rehearsal block line by line in a
-second shell. A newcomer's first contact with the product must work as written."""
+second shell - a backup and a restore, then a point-in-time restore from the demo's continuous
+backup. A newcomer's first contact with the product must work as written."""
 from __future__ import annotations
 
 import os
@@ -57,9 +58,14 @@ def test_readme_rehearsal_runs_verbatim_on_make_demo() -> None:
         res = subprocess.run(["bash", "-e", "-x", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
         took = time.monotonic() - t
         assert res.returncode == 0, res.stdout + res.stderr
-        got = res.stdout.strip().splitlines()[-2:]
-        assert got == ["/rehearsal/before", "yes"], res.stdout + res.stderr  # the write after the backup is gone
-        assert "restored from" in res.stdout, res.stdout
+        out = res.stdout.strip().splitlines()
+        # the point-in-time restore: the good write (before T) back, the bad one (after T) gone
+        assert out[-4:] == ["/rehearsal/before", "yes", "/rehearsal/good", "yes"], res.stdout + res.stderr
+        assert "/rehearsal/bad" not in out, res.stdout
+        # the plain restore before it: the write after the backup gone, and never back
+        assert "/rehearsal/after" not in out, res.stdout
+        assert sum(line.startswith("restored from") for line in out) == 2, res.stdout
+        assert any(".pitr/" in line for line in out if line.startswith("restored from")), res.stdout
         during = "".join(lines[before:])
         # the supervisor kept its hands off while the restore stopped the members, as the daemon
         # does. It looks once a second: a restore of the demo's small db can begin and end between
