@@ -29,9 +29,10 @@ from .segreader import read_summary
 
 log = logging.getLogger(__name__)
 
-# measured replay speed of one scratch member (bench/delta_bench.py: ~2000-2300 events/s on two
-# shared cores); a restore's estimate, not a promise
-REPLAY_EVENTS_PER_SECOND = 2000.0
+# measured point-in-time restore cost per event (bench/pitr_bench.py, two shared cores, 1 KiB
+# values: 600,000 events added 16 s to the plain restore, 100,000 added 6 s); a restore's
+# estimate, not a promise
+REPLAY_EVENTS_PER_SECOND = 40000.0
 WATCHER_LOCK = ".delta-watcher.lock"
 
 

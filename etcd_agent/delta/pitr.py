@@ -195,9 +195,10 @@ def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
     for stale in (out, side):
         if os.path.exists(stale):
             os.unlink(stale)
-    # only the chain chosen and checked above: the dir may hold another chain at the same base
+    # the chain as prepare() just chose and verified it (the dir may hold another chain at the same
+    # base): the replay reads those segments again, checked to be the same bytes
     res = replay(p.entry.path, [s.path for s in p.check.segments] + list(p.check.lost), p.target, output=out,
-                 options=scratch_options(cfg))
+                 options=scratch_options(cfg), check=p.check)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 
@@ -233,6 +234,11 @@ def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) 
     lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
                  f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "
                  f"{res.reached_revision} at {when}; {res.stopped_because}")
+    if res.load_revisions:
+        lines.append(f"point in time: the {res.keys_loaded} key(s) they left changed were written in "
+                     f"{len(res.load_revisions)} transaction(s) at new revisions {res.load_revisions[0]}.."
+                     f"{res.load_revisions[-1]}, above any the cluster reached (every key and value as at the "
+                     "target; keys the chain wrote have new mod revisions)")
     lines.append(f"point in time: {lost_after(p, res)}")
     lo = res.leases
     lines.append(f"point in time: leases as at the target: {lo.alive} alive with the TTL they had left (at least "

@@ -121,6 +121,8 @@ class ReplayResult:
     snapshot_keys: int = 0
     seconds: float = 0.0
     replay_seconds: float = 0.0
+    keys_loaded: int = 0  # keys the chain left changed (puts and deletes), written in the load
+    load_revisions: Tuple[int, ...] = ()  # the load's transactions' revisions in the scratch store
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -140,6 +142,8 @@ class ReplayResult:
             "snapshot_keys": self.snapshot_keys,
             "seconds": self.seconds,
             "replay_seconds": self.replay_seconds,
+            "keys_loaded": self.keys_loaded,
+            "load_revisions": list(self.load_revisions),
         }
 
     @classmethod
@@ -162,6 +166,8 @@ class ReplayResult:
             snapshot_keys=int(d.get("snapshot_keys", 0)),
             seconds=float(d.get("seconds", 0.0)),
             replay_seconds=float(d.get("replay_seconds", 0.0)),
+            keys_loaded=int(d.get("keys_loaded", 0)),
+            load_revisions=tuple(int(r) for r in d.get("load_revisions", [])),
         )
 
 

@@ -2,20 +2,31 @@
 
 ``replay(full_snapshot, segment_paths, target, output=...)``:
 
-1. check the chain from the snapshot's revision (every segment read and verified) and decide the
-   stop point (``replay.plan_replay``): the target, or the last good point before a gap, a
-   damaged segment or a broken link - nothing after a gap is ever applied;
-2. restore the snapshot into a throwaway loopback etcd (``scratch``) and replay, one
-   transaction per original revision, so the replayed store has the same revisions (every
-   transaction's new revision is checked against the original; any divergence stops the
-   replay with an error instead of producing a subtly different store);
-3. apply the lease rule (``leases``) at the stop point's time; if keys must go because their
+1. check the chain from the snapshot's revision (every segment read and verified; or take the
+   check the caller just made) and decide the stop point (``replay.plan_replay``): the target,
+   or the last good point before a gap, a damaged segment or a broken link - nothing after a
+   gap is ever applied;
+2. fold every revision up to the stop into the key space it leaves behind (``keyspace``: the
+   last write per key, bounded in memory, spilled to a file in the replay's private dir),
+   reading each segment verified again and checked to be the very bytes the chain check saw;
+3. restore the snapshot into a throwaway loopback etcd (``scratch``) with its revision bumped
+   past the chain's end (and a restore's margin beyond), grant the leases the chain's puts
+   attached keys to, and write the key space's changes in large transactions - not one
+   transaction per original revision: the store is at the target's state, with new revisions;
+4. apply the lease rule (``leases``) at the stop point's time; if keys must go because their
    lease had expired by then, or must move to a lease with their remaining TTL (leases that
    came with the full snapshot cannot be given a new TTL in place), that is one more
-   transaction after the stop revision, reported as ``fixup_revisions``;
-4. ``snapshot save`` the result to ``output`` (0600), check it with ``snapshot status``.
+   transaction, reported as ``fixup_revisions``;
+5. ``snapshot save`` the result to ``output`` (0600), check it with ``snapshot status``.
 
-Leases granted during the replay keep their original ids and get the TTL they had left at the
+What the restored data keeps (see docs/delta-segments.md, "What a replay keeps"): every key and
+value at the target, the lease ids with the rule's TTLs; keys the chain never touched keep their
+create/mod revision and version. A key the chain wrote gets a mod revision of the load (above any
+revision of the original cluster, so no stale compare-and-swap can match it), its create
+revision if the full snapshot held it, else the load's (in the original creation order), and a
+version counted from the snapshot's.
+
+Leases granted for the load keep their original ids and get the TTL they had left at the
 target; a keep-alive stream holds every lease of the scratch store until the snapshot is saved,
 so nothing expires on the scratch member's own clock.
 """
@@ -24,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -32,18 +44,25 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 
-from . import proto
+from . import keyspace, proto
 from .errors import ReplayError
-from .leases import MIN_TTL, LeaseFate, fate_of, lease_fates
+from .leases import MIN_TTL, fate_of, lease_fates
 from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay, reread
 from .rpc import EtcdRpc, KeepAliveStream
 from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
-from .segchain import check_chain
-from .segments import PUT, LeaseRecord, Txn, ms_to_datetime
+from .segchain import ChainCheck, check_chain
+from .segments import LeaseRecord, ms_to_datetime
 
 log = logging.getLogger(__name__)
 
 FIXUP_CHUNK = 10000
+# a load transaction: large enough that round trips do not count (measured: 5000 puts of 1 KiB a
+# transaction, 70,000 puts/s), well inside the scratch member's --max-txn-ops/--max-request-bytes
+LOAD_OPS = 10000
+LOAD_BYTES = 16 * 1024 * 1024
+# how far past the chain's end the loaded revisions start: the margin a restore bumps by
+# (restore.plan.BUMP_REVISION), since the original may have gone on after the chain's end
+LOAD_MARGIN = 1_000_000_000
 
 
 # ---------------------------------------------------------------- lease keeping during replay
@@ -114,6 +133,37 @@ def _snapshot_file(full_snapshot: str, workdir: str) -> str:
     return dest
 
 
+def _snapshot_revision(path: str) -> int:
+    """The snapshot's revision, read from its bbolt pages (what etcd serves once restored; an
+    empty store's snapshot says 0 where the server says 1)."""
+    from etcd_agent.errors import BackupCorrupt
+    from etcd_agent.etcd.snapdb import read_identity
+
+    try:
+        return max(1, read_identity(path).revision)
+    except (BackupCorrupt, OSError, ValueError) as exc:
+        raise ReplayError(f"cannot read the revision of the full backup's snapshot {path}: {exc}") from None
+
+
+def _check_bump(options: ScratchOptions) -> None:
+    """The load needs etcdutl's --bump-revision (3.5.10+); say so before anything starts."""
+    from etcd_agent.restore.precheck import BUMP_MIN_ETCDUTL, can_bump
+
+    try:
+        out = subprocess.run([options.binaries.etcdutl, "version"], capture_output=True, timeout=30,
+                             stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ReplayError(f"cannot run {options.binaries.etcdutl} version: {exc}") from None
+    text = out.stdout.decode(errors="replace")
+    version = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.lower().startswith("etcdutl")), "")
+    if not can_bump(version):
+        need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
+        raise ReplayError(
+            f"a point-in-time replay needs etcdutl {need}+ (--bump-revision) for its throwaway member; "
+            f"{options.binaries.etcdutl} is {version or 'of an unknown version'}"
+        )
+
+
 def replay(
     full_snapshot: str,
     segment_paths: Sequence[str],
@@ -123,47 +173,91 @@ def replay(
     options: Optional[ScratchOptions] = None,
     min_ttl: int = MIN_TTL,
     unknown_lease_ttl: int = 60,
-    compact_every: int = 10000,
+    check: Optional[ChainCheck] = None,
+    memory_bytes: int = keyspace.DEFAULT_MEMORY,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
-    ``output``. A broken chain is reported in the result (``complete`` False, ``lost_after``);
-    other failures raise ReplayError / ScratchError."""
+    ``output``. ``check``: the chain as the caller just checked it (its segments are verified
+    again as they are read, and must be those very bytes). A broken chain is reported in the
+    result (``complete`` False, ``lost_after``); other failures raise ReplayError / ScratchError."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
-    work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)
+    work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
     try:
         snap = _snapshot_file(full_snapshot, work)
-        with scratch_etcd(snap, options, name="replay") as s:
-            rpc = s.rpc
-            restored = rpc.header().revision
-            base = find_base(segment_paths, restored)
+        restored = _snapshot_revision(snap)
+        base = find_base(segment_paths, restored)
+        if check is None or check.base_revision != base:
             check = check_chain(segment_paths, base)
-            plan = plan_replay(check, target)
-            log.info("replaying %d segment(s) onto revision %d, stopping at %d (%s)", len(plan.segments), restored,
-                     plan.stop_revision, plan.because)
-            return _run(s, plan, restored, output, t0, min_ttl, unknown_lease_ttl, compact_every)
+        plan = plan_replay(check, target)
+        log.info("replaying %d segment(s) onto revision %d, stopping at %d (%s)", len(plan.segments), restored,
+                 plan.stop_revision, plan.because)
+        if restored < plan.base_revision:
+            raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
+        with keyspace.KeySpace(work, memory_bytes=memory_bytes) as ks:
+            t_fold = time.monotonic()
+            segs = _fold(plan, restored, ks)
+            fold_seconds = time.monotonic() - t_fold
+            bump = 0
+            if ks.events:
+                _check_bump(options)
+                # the loaded keys get revisions above anything the original cluster may have
+                # reached (the chain's end, and as far again as a restore's own bump allows for)
+                bump = check.end_revision - restored + LOAD_MARGIN
+            with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
+                return _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
+    """Every revision after the snapshot up to the stop, read from verified segments, folded into
+    ``ks``. Returns the segments used."""
+    used = 0
+    for info in plan.segments:
+        if info.end_revision <= restored:
+            continue
+        seg = reread(info)
+        if info.sha256 and seg.info.sha256 != info.sha256:
+            raise ReplayError(f"{info.path} changed since the chain was checked (sha256 {seg.info.sha256[:12]}, "
+                              f"checked {info.sha256[:12]})")
+        used += 1
+        for txn in seg.txns:
+            if txn.revision <= restored:
+                continue
+            if txn.revision > plan.stop_revision:
+                break
+            ks.apply(txn)
+    want = max(restored, plan.stop_revision)
+    got = ks.last_revision or restored
+    if got != want:
+        raise ReplayError(f"replay ended at revision {got}, expected {want}")
+    return used
 
 
 def _run(
     s: ScratchEtcd,
     plan: Plan,
+    ks: keyspace.KeySpace,
     restored: int,
+    bump: int,
+    segments_applied: int,
     output: str,
     t0: float,
+    fold_seconds: float,
     min_ttl: int,
     unknown_ttl: int,
-    compact_every: int,
 ) -> ReplayResult:
     rpc = s.rpc
-    if restored < plan.base_revision:
-        raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
     at_ms = plan.stop_time_ms if plan.stop_time_ms is not None else int(time.time() * 1000)
+    start_rev = rpc.header().revision
+    if start_rev != restored + bump:
+        raise ReplayError(f"the scratch member starts at revision {start_rev}, expected {restored + bump}")
     keeper = _LeaseKeeper(rpc)
     try:
+        t_load = time.monotonic()
         present: Dict[int, int] = {}  # lease id -> granted TTL in the scratch store
         snapshot_leases: Set[int] = set()
         for lid in rpc.lease_list():
@@ -171,105 +265,97 @@ def _run(
             present[lid] = granted
             snapshot_leases.add(lid)
             keeper.hold(lid, granted)
-        t_replay = time.monotonic()
-        applied_ev = applied_rev = applied_seg = 0
-        fates_cache: Dict[int, LeaseFate] = {}
-        records: Dict[int, List[LeaseRecord]] = {}
+        by_lease: Dict[int, List[LeaseRecord]] = {}
         for rec in plan.records:
-            records.setdefault(rec.lease_id, []).append(rec)
-        last_rev = compacted = restored
-        for info in plan.segments:
-            if info.end_revision <= restored:
+            by_lease.setdefault(rec.lease_id, []).append(rec)
+        for lid in ks.leases:
+            if lid in present:
                 continue
-            seg = reread(info)
-            applied_seg += 1
-            for txn in seg.txns:
-                if txn.revision <= restored:
-                    continue
-                if txn.revision > plan.stop_revision:
-                    break
-                _apply(rpc, txn, present, fates_cache, records, at_ms, min_ttl, unknown_ttl, keeper)
-                applied_ev += len(txn.events)
-                applied_rev += 1
-                last_rev = txn.revision
-                if compact_every and applied_rev % compact_every == 0:
-                    # keeps the scratch db lean; at last_rev - 1, so the newest revision's own
-                    # events (a delete's tombstone) stay and `snapshot status` still names it
-                    if last_rev - 1 > compacted:
-                        rpc.compact(last_rev - 1)
-                        compacted = last_rev - 1
-        if last_rev != max(restored, plan.stop_revision) and plan.stop_revision > restored:
-            raise ReplayError(f"replay ended at revision {last_rev}, expected {plan.stop_revision}")
-        replay_seconds = time.monotonic() - t_replay
+            fate = fate_of(lid, by_lease.get(lid, ()), at_ms, min_ttl=min_ttl)
+            # an expired lease still holds its keys until the rule removes them at the end
+            ttl = fate.ttl if fate.alive and fate.ttl is not None else (unknown_ttl if fate.alive else 60)
+            _grant(rpc, lid, ttl)
+            present[lid] = ttl
+            keeper.hold(lid, ttl)
+        keys, loads = _load(rpc, ks, restored, start_rev)
+        load_seconds = time.monotonic() - t_load
         outcome, fixups = _apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
         final = rpc.header().revision
-        if compact_every and final - 1 > compacted:
+        # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
+        # newest revision's own events (a delete's tombstone) stay and `snapshot status` names it
+        if final - 1 > start_rev:
             rpc.compact(final - 1)
         status = s.snapshot_save(output)
     finally:
         keeper.close()
-    snap_rev = status.revision
-    expected = fixups[-1] if fixups else max(restored, plan.stop_revision)
-    if snap_rev != expected:
-        raise ReplayError(f"the saved snapshot is at revision {snap_rev}, expected {expected}")
-    reached = max(restored, plan.stop_revision)
+    if status.revision != final:
+        raise ReplayError(f"the saved snapshot is at revision {status.revision}, expected {final}")
     return ReplayResult(
         snapshot_path=output,
         base_revision=plan.base_revision,
-        reached_revision=reached,
+        reached_revision=max(restored, plan.stop_revision),
         reached_time=ms_to_datetime(at_ms) if plan.stop_time_ms is not None else None,
-        events_applied=applied_ev,
-        revisions_applied=applied_rev,
-        segments_applied=applied_seg,
+        events_applied=ks.events,
+        revisions_applied=ks.revisions,
+        segments_applied=segments_applied,
         stopped_because=plan.because
         + (f" (the snapshot already held revisions up to {restored})" if restored > plan.base_revision else ""),
         complete=plan.complete,
         lost_after=plan.lost,
         leases=outcome,
         fixup_revisions=tuple(fixups),
-        snapshot_revision=snap_rev,
+        snapshot_revision=status.revision,
         snapshot_keys=status.total_keys,
         seconds=time.monotonic() - t0,
-        replay_seconds=replay_seconds,
+        replay_seconds=fold_seconds + load_seconds,
+        keys_loaded=keys,
+        load_revisions=tuple(loads),
     )
 
 
-def _apply(
-    rpc: EtcdRpc,
-    txn: Txn,
-    present: Dict[int, int],
-    fates: Dict[int, LeaseFate],
-    records: Dict[int, List[LeaseRecord]],
-    at_ms: int,
-    min_ttl: int,
-    unknown_ttl: int,
-    keeper: _LeaseKeeper,
-) -> None:
-    ops = []
-    for ev in txn.events:
-        if ev.kind == PUT:
-            if ev.lease and ev.lease not in present:
-                fate = fates.get(ev.lease)
-                if fate is None:
-                    fate = fate_of(ev.lease, records.get(ev.lease, ()), at_ms, min_ttl=min_ttl)
-                    fates[ev.lease] = fate
-                # an expired lease still holds its keys until the rule removes them at the end
-                ttl = fate.ttl if fate.alive and fate.ttl is not None else (unknown_ttl if fate.alive else 60)
-                _grant(rpc, ev.lease, ttl)
-                present[ev.lease] = ttl
-                keeper.hold(ev.lease, ttl)
-            ops.append(proto.op_put(ev.key, ev.value, ev.lease))
-        else:
-            ops.append(proto.op_delete(ev.key))
-    try:
-        hdr = rpc.txn(ops, timeout=120.0)
-    except EtcdError as exc:
-        raise ReplayError(f"replaying revision {txn.revision} failed: {exc.message}") from None
-    if hdr.revision != txn.revision:
-        raise ReplayError(
-            f"replaying revision {txn.revision} produced revision {hdr.revision}: the scratch store diverged "
-            "from the original (a lease expired on the scratch member?)"
-        )
+def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) -> Tuple[int, List[int]]:
+    """The key space's changes written in large transactions; returns (keys, their revisions).
+
+    Deletes go first, in transactions of their own: a key deleted by the chain, and a key the
+    chain deleted and created again (its create revision is after the snapshot's), whose
+    snapshot incarnation must go so that the put below creates it anew (create revision,
+    version 1) instead of continuing the old one. Deleting a key the snapshot never held is a
+    no-op; a transaction of nothing else writes no revision."""
+    ops: List[bytes] = []
+    size = 0
+    keys = 0
+    revs: List[int] = []
+
+    def flush() -> None:
+        nonlocal size
+        if not ops:
+            return
+        try:
+            rev = rpc.txn(ops, timeout=300.0).revision
+        except EtcdError as exc:
+            raise ReplayError(f"loading the replayed key space failed: {exc.message}") from None
+        if rev > (revs[-1] if revs else start_rev):  # else it wrote nothing (deletes of absent keys)
+            revs.append(rev)
+        ops.clear()
+        size = 0
+
+    def add(op: bytes) -> None:
+        nonlocal size
+        if ops and (len(ops) >= LOAD_OPS or size + len(op) > LOAD_BYTES):
+            flush()
+        ops.append(op)
+        size += len(op)
+
+    for ch in ks.changes():
+        if ch.value is None or ch.create_revision > restored:
+            add(proto.op_delete(ch.key))
+    flush()  # a transaction may not touch a key twice: the puts start in a new one
+    for ch in ks.changes():
+        if ch.value is not None:
+            add(proto.op_put(ch.key, ch.value, ch.lease))
+        keys += 1
+    flush()
+    return keys, revs
 
 
 def _grant(rpc: EtcdRpc, lease_id: int, ttl: int) -> None:

@@ -144,7 +144,8 @@ def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:
         raise SegmentCorrupt(path, f"truncated ({size} bytes)")
     body_end = size - DIGEST
     # the digest first: any damage at all is reported as what it is
-    if hashlib.sha256(memoryview(data)[:body_end]).digest() != data[body_end:]:
+    digest = hashlib.sha256(memoryview(data)[:body_end])
+    if digest.digest() != data[body_end:]:
         raise SegmentCorrupt(path, f"sha256 digest mismatch ({size} bytes): damaged or truncated")
     header, pos = _header_of(path, data)
     (footer_at,) = U64.unpack_from(data, body_end - 8)
@@ -167,7 +168,9 @@ def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:
     last_time = txns[-1].time_ms if txns else header.start_time_ms
     if footer.end_time_ms < last_time or footer.end_time_ms < header.start_time_ms:
         raise SegmentCorrupt(path, "footer end time before the segment's last event")
-    whole = hashlib.sha256(data).hexdigest()
+    # the whole file's sha256 (what the next segment names) continues the body's: one pass, not two
+    digest.update(memoryview(data)[body_end:])
+    whole = digest.hexdigest()
     info = SegmentInfo(path, size, whole, header, footer, tuple(leases))
     return Segment(info, tuple(txns))
 

@@ -80,3 +80,33 @@ class Writer:
             self.step()
             time.sleep(pause)
         return self.ops
+
+
+def assert_replayed(got: Dict[bytes, KV], want: Dict[bytes, KV], base: int, reached: int,
+                    moved: Tuple[bytes, ...] = ()) -> None:
+    """``got`` (a replayed store) holds exactly ``want`` (the live store at ``reached``), with
+    what a replay keeps: every key and value, each key's lease id (but ``moved``: reattached by
+    the lease rule, created as before); a key untouched since the full backup (``base``) as it was in every field;
+    a key the chain wrote with a mod revision above anything the original reached, its create
+    revision if it lived since before ``base``, else a new one in the original creation order."""
+    from etcd_agent.delta.replayrun import LOAD_MARGIN
+
+    assert set(got) == set(want), (sorted(set(got) ^ set(want))[:10])
+    assert values(got) == values(want)
+    for k, (value, create, mod, version, lease) in want.items():
+        g = got[k]
+        if k in moved:  # a fix-up put moved it to another lease: a new mod revision, same creation
+            assert g[1] == create and g[4] != lease, (k, g, want[k])
+            continue
+        assert g[4] == lease, (k, g, want[k])
+        if mod <= base:
+            assert g == want[k], (k, g, want[k])
+            continue
+        assert g[2] > reached + LOAD_MARGIN, (k, g, want[k])
+        if create <= base:
+            assert g[1] == create and 1 <= g[3] <= version, (k, g, want[k])
+        else:
+            assert g[1] > reached + LOAD_MARGIN and g[3] == 1, (k, g, want[k])
+    born = sorted((want[k][1], k) for k in want if want[k][1] > base)
+    news = [got[k][1] for _c, k in born]
+    assert news == sorted(news), "keys created in the chain were loaded out of their creation order"

@@ -15,7 +15,7 @@ from etcd_agent.delta.segreader import read_segment
 from etcd_agent.delta.segwriter import SegmentWriter
 from etcd_agent.delta.watcher import DeltaWatcher
 
-from .helpers import Writer, dump, put, values, wait_for, wait_watcher_caught_up
+from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_watcher_caught_up
 
 pytestmark = pytest.mark.integration
 
@@ -72,13 +72,12 @@ def test_replay_newest_equals_live(live, tmp_path):
     assert res.reached_revision == final and res.base_revision == base
     assert res.revisions_applied == final - base
     assert res.leases.keys_reattached == 1  # the full backup's lease, moved to its remaining TTL
+    assert res.keys_loaded and len(res.load_revisions) >= 1
     with restored(res.snapshot_path) as s:
         got = dump(s.rpc)
-        assert values(got) == values(live_kv)
-        for k, v in live_kv.items():
-            if k != b"snap-lease-key":
-                assert got[k] == v, k  # same value, create/mod revision, version and lease id
-        assert s.rpc.header().revision == res.snapshot_revision == final + 1  # + the lease fix-up
+        assert_replayed(got, live_kv, base, final, moved=(b"snap-lease-key",))
+        # the load's transactions, then the lease fix-up
+        assert s.rpc.header().revision == res.snapshot_revision == res.load_revisions[-1] + 1
 
 
 def test_point_in_time(live, tmp_path):
@@ -164,8 +163,9 @@ def test_lease_expired_by_target_without_its_deletes(live, tmp_path):
     t0 = int(time.time() * 1000) - 60_000
     _synthetic_chain(segdir, base, t0)
     res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "n.db"))
-    assert res.reached_revision == base + 3 and res.fixup_revisions == (base + 4,)
-    assert res.leases.keys_dropped == 1 and res.snapshot_revision == base + 4
+    assert res.reached_revision == base + 3 and len(res.load_revisions) == 1
+    assert res.fixup_revisions == (res.load_revisions[0] + 1,)
+    assert res.leases.keys_dropped == 1 and res.snapshot_revision == res.fixup_revisions[0]
     with restored(res.snapshot_path) as s:
         got = dump(s.rpc)
         assert set(got) == {b"k-live", b"plain", b"seed"}
@@ -265,7 +265,7 @@ def test_resume_and_outage(live, tmp_path):
     assert chk.stop is None and len({i.header.chain_id for i in chk.segments}) == 1
     assert [i.header.seq for i in chk.segments] == list(range(len(chk.segments)))
     assert any(i.footer.catchup_until for i in chk.segments)  # the resumed part was caught up
-    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "o.db"), compact_every=7)
+    res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "o.db"))
     assert res.complete and res.reached_revision == r.header().revision
     with restored(res.snapshot_path) as s:
         assert values(dump(s.rpc)) == values(dump(r))
@@ -316,7 +316,7 @@ def test_catch_up_batches_many_revisions(live, tmp_path):
     res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "c.db"))
     assert res.complete and res.revisions_applied == 25
     with restored(res.snapshot_path) as s:
-        assert dump(s.rpc) == dump(r)
+        assert_replayed(dump(s.rpc), dump(r), base, r.header().revision)
 
 
 def test_fragments_of_a_slow_watch_are_reassembled(live, tmp_path):
@@ -349,7 +349,7 @@ def test_fragments_of_a_slow_watch_are_reassembled(live, tmp_path):
     res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "f.db"))
     assert res.complete
     with restored(res.snapshot_path) as s:
-        assert dump(s.rpc) == dump(r)
+        assert_replayed(dump(s.rpc), dump(r), base, r.header().revision)
 
 
 def test_huge_revision_unfragmented(tmp_path):
@@ -373,7 +373,7 @@ def test_huge_revision_unfragmented(tmp_path):
         res = replay(full, list_segments(segdir), Target.newest(), output=str(tmp_path / "h.db"))
         assert res.complete
         with restored(res.snapshot_path) as s:
-            assert dump(s.rpc) == dump(r)
+            assert_replayed(dump(s.rpc), dump(r), base, r.header().revision)
     finally:
         live.stop()
 
@@ -404,7 +404,46 @@ def test_replay_from_a_backup_archive(live, tmp_path):
     r.txn([proto.op_put(b"x", b"1"), proto.op_delete(b"seed")])  # the newest revision is a delete too
     finish(w, live)
     res = replay(written.path, list_segments(segdir), Target.newest(), output=str(tmp_path / "a.db"))
-    assert res.complete and res.reached_revision == base + 1 == res.snapshot_revision
+    assert res.complete and res.reached_revision == base + 1 and res.snapshot_revision == res.load_revisions[-1]
     assert ReplayResult.from_json(res.to_json()) == res
     with restored(res.snapshot_path) as s:
         assert values(dump(s.rpc)) == {b"x": b"1"}
+
+
+def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path):
+    """A writer's puts, deletes, multi-key transactions and leased keys (a long lease, and short
+    ones that expire mid-run) on etcd 3.5.16; the whole keyspace read at three revisions N while
+    it runs; the replay to each N holds exactly that keyspace: every key and value, every lease
+    id, and keys of a lease expired by N's time dropped by the lease rule, nothing else."""
+    r = live.rpc
+    for i in range(40):
+        put(r, b"k%03d" % i, b"before")  # some of these the writer overwrites or deletes
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    writer = Writer(r, seed=11)
+    seen = {}
+    for _ in range(3):
+        writer.run(1.5, min_ops=writer.ops + 300)
+        n = r.header().revision
+        seen[n] = dump(r, revision=n)  # what `etcdctl get "" --prefix --rev=N` prints, and more
+    writer.run(1.0)
+    time.sleep(3.0)  # the last short leases run out: the chain goes on past the last N
+    finish(w, live)
+    paths = list_segments(segdir)
+    for n, want in seen.items():
+        res = replay(full, paths, Target.to_revision(n), output=str(tmp_path / f"to-{n}.db"))
+        assert res.complete and res.reached_revision == n and res.revisions_applied == n - base
+        expired = {f.lease_id for f in res.leases.fates if not f.alive}
+        gone = {k for k, v in want.items() if v[4] in expired}
+        assert res.leases.keys_dropped == len(gone)
+        kept = {k: v for k, v in want.items() if k not in gone}
+        with restored(res.snapshot_path) as s:
+            got = dump(s.rpc)
+            assert_replayed(got, kept, base, n)
+            assert {v[4] for v in got.values() if v[4]} <= set(s.rpc.lease_list())
+            for lid in {v[4] for v in got.values() if v[4]}:
+                assert 5 <= s.rpc.lease_ttl(lid).granted_ttl <= 120
+        print(f"\nFIGURE replay to revision {n}: {len(kept)} keys equal to live ({len(gone)} of expired leases "
+              f"dropped), {res.events_applied} events folded into {res.keys_loaded} key changes")
+    assert writer.ops >= 900

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Benchmark: a point-in-time restore against the plain restore of the same full backup.
+
+A 3-member loopback cluster (etcd 3.5.16, fsync on) gets ``--full-keys`` keys of ``--size``
+bytes; full backup A is taken, one more key written, full backup B taken. A synthetic chain
+(``delta_bench.synthetic_chain``: mostly single puts over 50,000 keys, every 10th revision a
+3-key transaction, every 25th a delete) of ``--events`` events continues A, one of
+``--long-events`` continues B. Then ``--rounds`` interleaved rounds (the order rotated each round,
+so a noisy neighbour hits every way alike) of four real ``etcd-agent --json restore ... --yes``
+runs, each timed from the command to its exit (every member healthy):
+
+- ``plain A``: ``--from A``;  ``pitr A``: ``--from A --to newest`` (the replay of the chain, then
+  the same restore of its result);
+- ``plain B``, ``pitr B`` likewise.
+
+Printed: each way's wall (min/median/max), and each point-in-time restore's ratio to the plain
+restore of the same full backup (median over median, and per round), and each way's phase
+timings (the restore's JSON ``timings``). The goal (issue 24): ``pitr B / plain B`` <= 1.5.
+
+    flock /tmp/etcd-agent-heavy.lock .venv/bin/python bench/pitr_bench.py [--rounds 3]
+        [--events 100000] [--long-events 600000] [--full-keys 10000] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from bench.delta_bench import synthetic_chain  # noqa: E402
+from bench.installed import byte_compile  # noqa: E402
+from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
+from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.delta import proto  # noqa: E402
+from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
+from tests.harness.loopback import LoopbackCluster  # noqa: E402
+from tests.integration.test_restore import AGENT, EXTRA  # noqa: E402
+
+
+def fill(rpc: EtcdRpc, keys: int, size: int) -> None:
+    value = os.urandom(size)
+    for i in range(0, keys, 100):
+        rpc.txn([proto.op_put(b"full/%06d" % j, value) for j in range(i, min(i + 100, keys))])
+
+
+def restore_run(cfg_path: str, backup: str, pitr: bool) -> Run:
+    argv = [AGENT, "-c", cfg_path, "--json", "restore", "--from", backup]
+    if pitr:
+        argv += ["--to", "newest"]
+    return agent_run(argv + ["--yes"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--long-events", type=int, default=600_000)
+    ap.add_argument("--full-keys", type=int, default=10_000)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    byte_compile()
+    work = tempfile.mkdtemp(prefix="pitr-bench-", dir=a.dir)
+    c = LoopbackCluster(os.path.join(work, "c"), 3, extra=EXTRA)
+    report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+                              "full_keys": a.full_keys, "size": a.size, "rounds": a.rounds}
+    try:
+        c.start_static()
+        rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
+        fill(rpc, a.full_keys, a.size)
+        full_a = take_backup(c.cfg, member="m1")
+        rpc.txn([proto.op_put(b"between", b"A and B")])
+        full_b = take_backup(c.cfg, member="m1")
+        rpc.close()
+        assert full_a.revision is not None and full_b.revision is not None
+        t0 = int(time.time() * 1000) - 3_600_000
+        chains: Dict[str, Dict[str, Any]] = {}
+        for name, full, events in (("A", full_a, a.events), ("B", full_b, a.long_events)):
+            t = time.monotonic()
+            last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0)
+            segs = [p for p in os.listdir(c.cfg.backup.dir) if p.startswith("etcd-delta-")]
+            chains[name] = {"backup": os.path.basename(full.path), "bytes": full.size, "revision": full.revision,
+                            "events": events, "last_revision": last}
+            print(f"full backup {name}: {full.size / 1e6:.1f} MB at revision {full.revision}; chain of {events} "
+                  f"events to revision {last} written in {time.monotonic() - t:.0f}s ({len(segs)} segment files "
+                  "in the dir)", flush=True)
+        report["chains"] = chains
+        ways = {
+            "plain A": lambda: restore_run(c.config_path, full_a.path, False),
+            f"pitr A (+{a.events} events)": lambda: restore_run(c.config_path, full_a.path, True),
+            "plain B": lambda: restore_run(c.config_path, full_b.path, False),
+            f"pitr B (+{a.long_events} events)": lambda: restore_run(c.config_path, full_b.path, True),
+        }
+        runs = interleave(ways, a.rounds, between=lambda: None, check=lambda: None)
+        names = list(ways)
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"\n== point-in-time restore vs plain restore, 3 members, full backup of {a.full_keys} keys x "
+              f"{a.size} B ({a.rounds} rounds; load average now {load}, {os.cpu_count()} cpus)")
+        print(f"{'wall s':<34} {'min':>6} {'median':>6} {'max':>6}")
+        out: Dict[str, Any] = {}
+        for n in names:
+            w = [r.wall for r in runs[n]]
+            print(f"{n:<34} {min(w):6.2f} {statistics.median(w):6.2f} {max(w):6.2f}")
+            out[n] = {"walls": w, "phases": [r.phases for r in runs[n]]}
+        for plain, pitr in ((names[0], names[1]), (names[2], names[3])):
+            pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
+            per = [q / p for p, q in zip(pw, qw)]
+            ratio = statistics.median(qw) / statistics.median(pw)
+            print(f"ratio {pitr} / {plain}: {ratio:.2f} (median over median); per round min/median/max "
+                  f"{min(per):.2f} / {statistics.median(per):.2f} / {max(per):.2f}")
+            out[f"ratio {pitr}"] = {"median_over_median": ratio, "per_round": per}
+        report["ways"] = out
+        report["machine"]["loadavg_end"] = os.getloadavg()
+        if a.json:
+            with open(a.json, "w") as fh:
+                fh.write(json.dumps(report, indent=2) + "\n")
+    finally:
+        c.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
