@@ -321,7 +321,7 @@ def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) ->
     snapshot incarnation must go so that the put below creates it anew (create revision,
     version 1) instead of continuing the old one. Deleting a key the snapshot never held is a
     no-op; a transaction of nothing else writes no revision."""
-    ops: List[bytes] = []
+    ops: List[RequestOp] = []
     size = 0
     keys = 0
     revs: List[int] = []
@@ -339,12 +339,13 @@ def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) ->
         ops.clear()
         size = 0
 
-    def add(op: bytes) -> None:
+    def add(op: RequestOp) -> None:
         nonlocal size
-        if ops and (len(ops) >= LOAD_OPS or size + len(op) > LOAD_BYTES):
+        n = op.ByteSize()
+        if ops and (len(ops) >= LOAD_OPS or size + n > LOAD_BYTES):
             flush()
         ops.append(op)
-        size += len(op)
+        size += n
 
     for ch in ks.changes():
         if ch.value is None or ch.create_revision > restored:
