@@ -8,8 +8,9 @@ chain is found by its full backup (``Scan.for_full``), never by the revision alo
 backup and its chain go together: retention decides about full backups (``backup.retention``),
 and a chain is kept exactly when a full backup it continues is kept (or when the daemon's watch
 is writing at its base right now); a chain whose full backup is gone (deleted by hand, pruned
-before chains existed) is reported and pruned with that reason. Files named like segments whose header cannot be read are kept while a kept full backup
-could need them (their revisions reach past the oldest kept one), then pruned.
+before chains existed) is reported and pruned with that reason. Files named like segments whose
+header cannot be read are kept while a kept full backup could need them (their revisions reach
+past the oldest kept one), then pruned.
 
 Listing reads only headers and footers (``read_summary``); a restore verifies every byte.
 """

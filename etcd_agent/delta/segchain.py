@@ -9,11 +9,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segments import MAX_SEGMENT, NAME_RE, SegmentHeader, SegmentInfo, ms_to_datetime, parse_name
+from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_segment, read_summary
 
 
@@ -199,12 +198,9 @@ def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> s
     if not_after_ms is None:
         return ""
     limit = ms_to_datetime(not_after_ms).isoformat(timespec="seconds")
-    stamp = NAME_RE.match(os.path.basename(path))
-    if stamp is not None:
-        named = datetime.strptime(stamp.group(3).rstrip("Z").split(".")[0], "%Y%m%dT%H%M%S").replace(
-            tzinfo=timezone.utc)
-        if named.timestamp() * 1000 > not_after_ms:
-            return f"dated in the future by its name ({named.isoformat()}, after {limit})"
+    named = name_time_ms(os.path.basename(path))
+    if named is not None and named > not_after_ms:
+        return f"dated in the future by its name ({ms_to_datetime(named).isoformat()}, after {limit})"
     if info.footer.end_time_ms > not_after_ms:
         return f"dated in the future by its own end time ({ms_to_datetime(info.footer.end_time_ms).isoformat()})"
     try:
@@ -233,8 +229,9 @@ def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base
     if h.base_revision != base_revision:
         return False
     if prev is None:  # nothing followed yet: a later file of another backup's chain is not ours
-        return not (h.seq == 0 and not continues(h, base)) and (not h.base_sha256 or not base or not base.sha256
-                                                                  or h.base_sha256 == base.sha256)
+        if h.seq == 0:
+            return continues(h, base)
+        return not (base is not None and base.sha256 and h.base_sha256 and h.base_sha256 != base.sha256)
     return h.chain_id == prev.header.chain_id
 
 

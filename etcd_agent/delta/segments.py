@@ -283,6 +283,19 @@ def segment_name(start_revision: int, end_revision: int, end_time_ms: int) -> st
     return f"etcd-delta-{start_revision:016d}-{end_revision:016d}-{stamp}.seg"
 
 
+def name_time_ms(name: str) -> Optional[int]:
+    """The end time a segment file's name states (Unix ms; the twin of ``segment_name``), or None."""
+    m = NAME_RE.match(name)
+    if not m:
+        return None
+    stamp = m.group(3)[:-1]  # without the Z
+    try:
+        when = datetime.strptime(stamp, "%Y%m%dT%H%M%S.%f" if "." in stamp else "%Y%m%dT%H%M%S")
+    except ValueError:  # digits that are no date (month 13): a name, not a time
+        return None
+    return int(when.replace(tzinfo=timezone.utc).timestamp() * 1000)
+
+
 def parse_name(name: str) -> Optional[Tuple[int, int]]:
     """(start revision, end revision) of a segment file name, or None."""
     m = NAME_RE.match(name)

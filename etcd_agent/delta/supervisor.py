@@ -65,7 +65,12 @@ class Full:
     path: str
     revision: int
     time: float
-    base: BaseBackup = BaseBackup()  # what its chain names: its snapshot's sha256, its time
+    sha256: str = ""  # its snapshot db's ("" unknown)
+
+    @property
+    def base(self) -> BaseBackup:
+        """What its chain names: its snapshot's sha256, and its time."""
+        return BaseBackup(self.sha256, int(self.time * 1000))
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,7 @@ class DeltaSupervisor:
             self._newest = None
             self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
         else:
-            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.base)
+            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "")
             self._unusable = ""
 
     def _over_bounds(self, cfg: Config) -> str:
@@ -446,8 +451,8 @@ class DeltaSupervisor:
             # one-host cluster): what is on disk, so the RPO grows from the chain's real end
             active = chains.active_base(cfg.backup.dir)
             wanted = active if active is not None else (newest.revision if newest else None)
-            c = chains.scan(cfg.backup.dir).for_full(wanted, newest.base if newest and newest.revision == wanted
-                                                      else None) if wanted is not None else None
+            of = newest.base if newest is not None and newest.revision == wanted else None
+            c = chains.scan(cfg.backup.dir).for_full(wanted, of) if wanted is not None else None
             if c is not None and c.usable:
                 st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
                              durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
