@@ -82,7 +82,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         from ..restore.source import open_pitr_source
 
         out = Restore(ctx.config(), opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
-            cfg, spec, target, staging, progress=_progress)).run()
+            cfg, spec, target, staging, progress=_progress, identities=identities)).run()
     text = render_plan(out.plan)
     if args.dry_run:
         replayed = " (the point-in-time replay ran in a throwaway etcd on loopback)" if target else ""

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from etcd_agent.errors import RefusedError, UsageError
+from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.state.locks import OperationLock
 
@@ -29,16 +29,19 @@ from .leftovers import remove_left
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay
 from .replayrun import replay
 from .scratch import EtcdBinaries, ScratchOptions
-from .segchain import ChainCheck, check_chain
+from .segchain import ChainCheck, Opener, check_chain
 from .segments import list_segments, ms_to_datetime
+from .segseal import open_sealed
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.age import Identities
     from etcd_agent.backup.catalog import Entry
     from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
 
 PITR_DIR = ".pitr"
+OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PITR_DIR
 FUTURE_MARGIN_MS = 2000
 # a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
 SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
@@ -85,8 +88,14 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
                      f"({oldest})")
 
 
-def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None) -> Prepared:
-    """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach."""
+def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,
+            identities: Optional["Identities"] = None, staging: Optional[str] = None) -> Prepared:
+    """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
+
+    Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
+    caller's private dir under ``pitr_dir``, removed when the restore ends) and checked whole as
+    they are; without an identity an encrypted chain is checked as far as its bytes allow and the
+    restore refused (IdentityRefused, nothing touched)."""
     entry = resolve_full(cfg, spec, target)
     if entry.revision is None:
         raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
@@ -99,7 +108,8 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     # the chain of exactly this backup: another backup at the same revision (the cluster before an
     # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
     check = check_chain(paths, base, base=entry.base if base == entry.revision else None,
-                        not_after_ms=now_ms + SEGMENT_CLOCK_MARGIN_MS)
+                        not_after_ms=now_ms + SEGMENT_CLOCK_MARGIN_MS, opener=_opener(cfg, identities, staging))
+    _refuse_locked(entry.name, check)
     try:
         plan = plan_replay(check, target)
     except ReplayError as exc:
@@ -117,6 +127,29 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
     return prep
+
+
+def _opener(cfg: "Config", identities: Optional["Identities"], staging: Optional[str]) -> Optional[Opener]:
+    if identities is None:
+        return None
+    if staging is None:
+        raise ValueError("decrypting a chain needs a private staging dir")
+    from etcd_agent.backup import keys
+
+    key = keys.local_key(cfg).key  # the seals' HMAC is checked when this host has the manifest key
+    return lambda path: open_sealed(path, identities, staging, key=key)
+
+
+def _refuse_locked(name: str, check: ChainCheck) -> None:
+    """An encrypted chain checked without its key cannot be replayed: say so, and for whom."""
+    locked = [s for s in check.segments if s.sealed is not None and not s.sealed.opened]
+    if not locked:
+        return
+    to = sorted({r for s in locked for r in s.sealed.recipients})  # type: ignore[union-attr]
+    shown = ", ".join(r[:12] + "..." + r[-4:] for r in to)
+    raise IdentityRefused(f"the delta chain of {name} is encrypted ({len(locked)} of its {len(check.segments)} "
+                          f"segment(s), age to {shown}): pass --identity FILE with the secret key of one of them; "
+                          "nothing touched")
 
 
 def stop_sentence(p: Prepared) -> str:
@@ -174,11 +207,20 @@ def lock(cfg: "Config") -> OperationLock:
     d = pitr_dir(cfg)
     makedirs(d, 0o700)
     held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
-    remove_left(d, ("etcd-replay-", "etcd-scratch-"))  # and stops the etcd a killed replay left running
+    # and stops the etcd a killed replay left running; etcd-open-*: the decrypted segments it staged
+    remove_left(d, ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX))
     return held
 
 
-def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
+def open_staging(cfg: "Config") -> str:
+    """A private (0700) dir under ``pitr_dir`` for the decrypted segments of one restore; call it
+    holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=pitr_dir(cfg))
+
+
+def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None) -> Tuple[str, ReplayResult, bool]:
     """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
     (path, result, reused). Call it holding ``lock``."""
     d = pitr_dir(cfg)
@@ -198,7 +240,7 @@ def replay_kept(cfg: "Config", p: Prepared) -> Tuple[str, ReplayResult, bool]:
     # the chain as prepare() just chose and verified it (the dir may hold another chain at the same
     # base): the replay reads those segments again, checked to be the same bytes
     res = replay(p.entry.path, [s.path for s in p.check.segments] + list(p.check.lost), p.target, output=out,
-                 options=scratch_options(cfg), check=p.check)
+                 options=scratch_options(cfg), check=p.check, identities=identities)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 

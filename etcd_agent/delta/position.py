@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from .errors import ChainBroken, SegmentCorrupt
 from .rpc import StreamEnded
-from .segchain import BaseBackup, check_chain
+from .segchain import BaseBackup, check_chain, verified
 from .segments import SegmentHeader, SegmentInfo, list_segments
-from .segreader import read_segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.age import X25519Recipient
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class WatchOptions:
     fragment: bool = False
     queue_size: int = 4096
     lease_refresh_limit: int = 10000
+    # encrypt every segment to these age recipients ([backup] encrypt_to) and sign its seal with
+    # the manifest key (``segseal``); () writes plain segments
+    recipients: Tuple["X25519Recipient", ...] = ()
+    sign_key: Optional[bytes] = field(default=None, repr=False)
 
 
 def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBackup] = None) -> Optional[ChainPosition]:
@@ -143,7 +149,7 @@ def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBacku
         log.warning("delta chain of revision %d in %s: %s", base_revision, out_dir, check.stop.reason)
     for info in reversed(check.segments):
         try:
-            return ChainPosition.after(read_segment(info.path).info)
+            return ChainPosition.after(verified(info.path))
         except SegmentCorrupt as exc:
             log.warning("cannot resume after %s: %s; trying the segment before it", info.path, exc.problem)
     return None

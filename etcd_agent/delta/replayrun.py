@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
@@ -52,6 +52,9 @@ from .rpc import EtcdRpc, KeepAliveStream
 from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
 from .segchain import ChainCheck, check_chain
 from .segments import LeaseRecord, ms_to_datetime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +113,11 @@ class _LeaseKeeper:
 # ---------------------------------------------------------------- replay
 
 
-def _snapshot_file(full_snapshot: str, workdir: str) -> str:
+def _snapshot_file(full_snapshot: str, workdir: str, identities: Optional["Identities"] = None) -> str:
     """The snapshot db itself: a plain file as is; a backup tarball (the agent's or a runbook's)
     read with the one bounded reader, its snapshot staged in ``workdir`` and checked on the way
-    (etcd's trailer, bbolt meta, the manifest's sizes and sha256)."""
+    (etcd's trailer, bbolt meta, the manifest's sizes and sha256); an encrypted one decrypted
+    there with ``identities``."""
     from etcd_agent.backup.reader import open_archive
     from etcd_agent.backup.tarstream import sniff
 
@@ -121,8 +125,7 @@ def _snapshot_file(full_snapshot: str, workdir: str) -> str:
         head = fh.read(512)
     if sniff(head) == "unknown":
         return full_snapshot  # a bare snapshot db
-    # an encrypted full backup needs its identity; replay takes none yet, so it is refused here
-    arc = open_archive(full_snapshot, staging_dir=workdir, extract=True, need_plaintext=True)
+    arc = open_archive(full_snapshot, staging_dir=workdir, extract=True, need_plaintext=True, identities=identities)
     # the staged copy lives in the archive's private stage dir under workdir; move it out of it so
     # the caller owns one file (closing the archive removes the stage)
     dest = os.path.join(workdir, "full.db")
@@ -175,18 +178,20 @@ def replay(
     unknown_lease_ttl: int = 60,
     check: Optional[ChainCheck] = None,
     memory_bytes: int = keyspace.DEFAULT_MEMORY,
+    identities: Optional["Identities"] = None,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
     ``output``. ``check``: the chain as the caller just checked it (its segments are verified
     again as they are read, and must be those very bytes). A broken chain is reported in the
-    result (``complete`` False, ``lost_after``); other failures raise ReplayError / ScratchError."""
+    result (``complete`` False, ``lost_after``); other failures raise ReplayError / ScratchError.
+    ``identities``: decrypt an encrypted full backup (its chain comes opened in ``check``)."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
     try:
-        snap = _snapshot_file(full_snapshot, work)
+        snap = _snapshot_file(full_snapshot, work, identities)
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
@@ -220,9 +225,10 @@ def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
         if info.end_revision <= restored:
             continue
         seg = reread(info)
-        if info.sha256 and seg.info.sha256 != info.sha256:
+        checked = info.content_sha256  # an opened encrypted segment: its plaintext copy's
+        if checked and seg.info.sha256 != checked:
             raise ReplayError(f"{info.path} changed since the chain was checked (sha256 {seg.info.sha256[:12]}, "
-                              f"checked {info.sha256[:12]})")
+                              f"checked {checked[:12]})")
         used += 1
         for txn in seg.txns:
             if txn.revision <= restored:

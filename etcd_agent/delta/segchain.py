@@ -9,11 +9,15 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
-from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, ms_to_datetime, name_time_ms, parse_name
+from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_segment, read_summary
+from .segseal import verify_sealed
+
+# an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)
+Opener = Callable[[str], SegmentInfo]
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ def check_chain(
     max_bytes: int = MAX_SEGMENT,
     base: Optional[BaseBackup] = None,
     not_after_ms: Optional[int] = None,
+    opener: Optional[Opener] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -112,7 +117,9 @@ def check_chain(
     (cheap, for finding where a watcher resumes) and cannot see damage inside. With
     ``not_after_ms`` (a restore: now plus a margin) a segment dated after it - by its name, its
     footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
-    target could otherwise be met by a revision that happened later.
+    target could otherwise be met by a revision that happened later. Encrypted segments
+    (``.seg.age``) are verified without their key (``segseal.verify_sealed``: no lease records,
+    no events), or, with ``opener``, decrypted and verified whole by it.
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -131,7 +138,7 @@ def check_chain(
         chosen: Optional[SegmentInfo] = None
         for p in cands:
             try:
-                info = _load_info(p, verify, max_bytes)
+                info = _load_info(p, verify, max_bytes, opener)
             except SegmentCorrupt as exc:
                 problems.append(("corrupt", p, exc.problem))
                 continue
@@ -163,7 +170,7 @@ def check_chain(
             problems.append(("mismatch", p, why))
         if chosen is not None:
             good.append(chosen)
-            used.add(chosen.path)
+            used.add(chosen.disk_path)
             prev = chosen
             expect = chosen.end_revision + 1
             continue
@@ -212,11 +219,19 @@ def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> s
     return ""
 
 
-def _load_info(path: str, verify: bool, max_bytes: int) -> SegmentInfo:
+def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener] = None) -> SegmentInfo:
+    if verify and is_sealed(path):
+        return opener(path) if opener is not None else verify_sealed(path)
     if verify:
         return read_segment(path, max_bytes=max_bytes).info
     header, footer = read_summary(path)
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
+
+
+def verified(path: str) -> SegmentInfo:
+    """One segment checked as far as it can be here: a plain one whole, an encrypted one without
+    its key (what a watcher resumes after: its sha256, header and footer)."""
+    return _load_info(path, True, MAX_SEGMENT)
 
 
 def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup]) -> bool:

@@ -68,7 +68,8 @@ U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 TRAILER = 8 + DIGEST
 
-NAME_RE = re.compile(r"^etcd-delta-(\d{1,19})-(\d{1,19})-(\d{8}T\d{6}(?:\.\d{3})?Z)\.seg$")
+NAME_RE = re.compile(r"^etcd-delta-(\d{1,19})-(\d{1,19})-(\d{8}T\d{6}(?:\.\d{3})?Z)\.seg(\.age)?$")
+SEALED_EXT = ".age"  # an encrypted segment: <segment name>.age (``segseal``)
 TEMP_PREFIX = ".delta-open-"  # not ".etcd-*.partial": the backup's remove_partials must not touch it
 
 
@@ -227,6 +228,18 @@ class SegmentFooter:
 
 
 @dataclass(frozen=True)
+class SealFacts:
+    """What an encrypted segment (``segseal``) showed: its file, and how far it was opened."""
+
+    path: str  # the .seg.age file on disk
+    recipients: Tuple[str, ...]  # as its seal names them (public keys)
+    plain_size: int
+    plain_sha256: str  # of the v1 segment inside
+    signature: str  # "valid" | "unsigned" | "unknown-key" (the seal's HMAC with the manifest key)
+    opened: bool  # decrypted and checked: SegmentInfo.path is then its plaintext in a private dir
+
+
+@dataclass(frozen=True)
 class SegmentInfo:
     """A checked segment without its events: what a listing, a chain check or a resume needs."""
 
@@ -236,6 +249,19 @@ class SegmentInfo:
     header: SegmentHeader
     footer: SegmentFooter
     lease_records: Tuple[LeaseRecord, ...] = ()
+    # an encrypted segment: ``path``/``sha256``/``size`` are then those of the file on disk when
+    # checked without the key, and ``path`` is the decrypted copy once opened with it
+    sealed: Optional[SealFacts] = None
+
+    @property
+    def disk_path(self) -> str:
+        """The segment's file in the backup dir (for an opened encrypted one, not its plaintext)."""
+        return self.sealed.path if self.sealed is not None else self.path
+
+    @property
+    def content_sha256(self) -> str:
+        """sha256 of the v1 segment file at ``path`` (an opened encrypted one: its plaintext's)."""
+        return self.sealed.plain_sha256 if self.sealed is not None and self.sealed.opened else self.sha256
 
     @property
     def start_revision(self) -> int:
@@ -278,9 +304,14 @@ def datetime_to_ms(when: datetime) -> int:
     return int(round(when.timestamp() * 1000))
 
 
-def segment_name(start_revision: int, end_revision: int, end_time_ms: int) -> str:
+def segment_name(start_revision: int, end_revision: int, end_time_ms: int, *, sealed: bool = False) -> str:
     stamp = ms_to_datetime(end_time_ms).strftime("%Y%m%dT%H%M%S.%f")[:-3] + "Z"
-    return f"etcd-delta-{start_revision:016d}-{end_revision:016d}-{stamp}.seg"
+    return f"etcd-delta-{start_revision:016d}-{end_revision:016d}-{stamp}.seg{SEALED_EXT if sealed else ''}"
+
+
+def is_sealed(path: str) -> bool:
+    """An encrypted segment, by its name (``.seg.age``)."""
+    return path.endswith(".seg" + SEALED_EXT)
 
 
 def name_time_ms(name: str) -> Optional[int]:

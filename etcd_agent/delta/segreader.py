@@ -7,10 +7,11 @@ trusting the content. Any damage is ``SegmentCorrupt``, and nothing else.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from typing import Any, List, Tuple
+
+from etcd_agent import safejson
 
 from .errors import SegmentCorrupt
 from .segments import (
@@ -39,7 +40,9 @@ from .segments import (
     SegmentHeader,
     SegmentInfo,
     Txn,
+    is_sealed,
 )
+from .segseal import read_seal
 
 
 def _read_file(path: str, max_bytes: int) -> bytes:
@@ -67,9 +70,9 @@ def _read_file(path: str, max_bytes: int) -> bytes:
 
 
 def _parse_json(path: str, raw: bytes, what: str) -> Any:
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    try:  # bounded in depth too: json.loads recurses per level (RecursionError, not ValueError)
+        return safejson.loads(raw, max_bytes=MAX_JSON)
+    except ValueError as exc:
         raise SegmentCorrupt(path, f"{what} is not valid JSON ({exc})") from None
 
 
@@ -89,7 +92,10 @@ def _header_of(path: str, data: bytes) -> Tuple[SegmentHeader, int]:
 
 
 def read_header(path: str) -> SegmentHeader:
-    """Only the header (bounded read of the first bytes; no digest check)."""
+    """Only the header (bounded read of the first bytes; no digest check). An encrypted segment's
+    comes from its seal, unchecked (``segseal``)."""
+    if is_sealed(path):
+        return read_seal(path).header
     try:
         with open(path, "rb") as fh:
             data = fh.read(12 + MAX_JSON)
@@ -100,7 +106,11 @@ def read_header(path: str) -> SegmentHeader:
 
 def read_summary(path: str) -> Tuple[SegmentHeader, SegmentFooter]:
     """Header and footer from the two ends of the file, without reading the events (no digest
-    check: for listings and for finding where to resume, never for trusting the content)."""
+    check: for listings and for finding where to resume, never for trusting the content). An
+    encrypted segment's come from its seal."""
+    if is_sealed(path):
+        seal = read_seal(path)
+        return seal.header, seal.footer
     try:
         with open(path, "rb") as fh:
             head = fh.read(12 + MAX_JSON)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, BinaryIO, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.fs import fsync_dir
 
@@ -39,6 +39,11 @@ from .segments import (
     Txn,
     segment_name,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.age import X25519Recipient
+
+    from .segseal import SealingSink
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +77,21 @@ class SegmentWriter:
     The file is 0600 whatever the umask, fsynced before it is linked to its final name (never
     replacing a file), and the directory is fsynced after. ``abort`` (or a crash) leaves at most
     the hidden temp file, which ``remove_stale_temps`` clears on the next start.
+
+    With ``recipients`` the segment is encrypted to them as it is written (``segseal``: no
+    plaintext byte reaches the disk) and sealed when it closes, signed with ``sign_key`` (the
+    manifest key) when there is one; it is then named ``<segment name>.age``.
     """
 
-    def __init__(self, directory: str, header: SegmentHeader, *, buffer_size: int = 1 << 20) -> None:
+    def __init__(self, directory: str, header: SegmentHeader, *, buffer_size: int = 1 << 20,
+                 recipients: Sequence["X25519Recipient"] = (), sign_key: Optional[bytes] = None) -> None:
         self.directory = directory
         self.header = header
         self.tmp = os.path.join(directory, f"{TEMP_PREFIX}{header.chain_id[:12]}-{header.seq:08d}.tmp")
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)
-        self._fh: Optional[BinaryIO] = os.fdopen(fd, "wb", buffering=buffer_size)
+        self._fh: Optional[BinaryIO] = os.fdopen(fd, "w+b", buffering=buffer_size)
+        self._sealer: Optional["SealingSink"] = None
         self._hash = hashlib.sha256()
         self.size = 0
         self.txns = 0
@@ -90,17 +101,31 @@ class SegmentWriter:
         self.last_time_ms = header.start_time_ms
         self.catchup_until = 0
         try:
+            if recipients:
+                from .segseal import SealingSink
+
+                self._sealer = SealingSink(self._fh, recipients, sign_key)
             head = _json_bytes(header.to_json())
             self._write(MAGIC + U32.pack(len(head)) + head)
         except BaseException:
             self.abort()
             raise
 
-    def _write(self, data: bytes) -> None:
+    @property
+    def sealed(self) -> bool:
+        return self._sealer is not None
+
+    def _sink(self, data: bytes) -> None:
         assert self._fh is not None, "segment already closed"
+        if self._sealer is not None:
+            self._sealer.write(data)
+        else:
+            self._fh.write(data)
+
+    def _write(self, data: bytes) -> None:
         self._hash.update(data)
-        self._fh.write(data)
-        self.size += len(data)
+        self._sink(data)
+        self.size += len(data)  # of the plain segment, what close_bytes counts
 
     def add_txn(self, txn: Txn) -> None:
         """Append one revision; revisions must follow each other without a gap."""
@@ -146,22 +171,25 @@ class SegmentWriter:
             digest = self._hash.digest()
             whole = self._hash.copy()
             whole.update(digest)
-            self._fh.write(digest)
+            self._sink(digest)
             self.size += DIGEST
+            size = self.size
+            if self._sealer is not None:
+                self._sealer.seal(self.header, footer, self.size, whole.hexdigest())
+                whole, size = _file_sha256(self._fh)
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
             self._fh = None
-            final = os.path.join(
-                self.directory, segment_name(self.header.start_revision, footer.end_revision, footer.end_time_ms)
-            )
+            final = os.path.join(self.directory, segment_name(
+                self.header.start_revision, footer.end_revision, footer.end_time_ms, sealed=self.sealed))
             os.link(self.tmp, final)  # never replaces an existing segment
             os.unlink(self.tmp)
             fsync_dir(self.directory)
         except OSError as exc:
             self.abort()
             raise DeltaError(f"closing segment {self.tmp} failed: {exc.strerror or exc}") from exc
-        return SegmentInfo(final, self.size, whole.hexdigest(), self.header, footer)
+        return SegmentInfo(final, size, whole.hexdigest(), self.header, footer)
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -174,6 +202,21 @@ class SegmentWriter:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _file_sha256(fh: BinaryIO) -> Tuple[Any, int]:
+    """sha256 and size of the whole file ``fh`` (flushed; from the page cache): what the next
+    encrypted segment names, which only exists once its seal is written in front."""
+    fh.flush()
+    h = hashlib.sha256()
+    fd = fh.fileno()
+    at = 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, at)
+        if not chunk:
+            return h, at
+        h.update(chunk)
+        at += len(chunk)
 
 
 def remove_stale_temps(directory: str) -> List[str]:

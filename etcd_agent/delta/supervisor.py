@@ -31,7 +31,7 @@ from . import chains, status
 from .errors import ChainBroken
 from .position import WatcherStatus, WatchOptions
 from .segchain import BaseBackup
-from .segments import SegmentInfo
+from .segments import SegmentInfo, parse_name
 from .watcher import DeltaWatcher
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,7 +142,6 @@ class DeltaSupervisor:
         self._breaks_total: Optional[int] = None
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
-        self._said_encrypted = False
         self._uploader: "Optional[Uploader]" = None  # only when [backup.remote] is enabled
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
@@ -179,13 +178,8 @@ class DeltaSupervisor:
         from etcd_agent.state import markers
 
         cfg, me = self._source()
-        # delta segments are written in the clear: with [backup] encrypt_to they would put every
-        # Secret on disk unencrypted beside encrypted backups, so continuous backup stays off
-        enabled = cfg.backup.delta.enabled and not cfg.backup.encrypt_to
-        if cfg.backup.delta.enabled and cfg.backup.encrypt_to and not self._said_encrypted:
-            log.warning("delta: continuous backup is off: [backup] encrypt_to is set and delta segments are not "
-                        "encrypted; full backups stay encrypted (set [backup.delta] enabled = false to silence this)")
-            self._said_encrypted = True
+        enabled = cfg.backup.delta.enabled
+        self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
         self._collect_watcher(cfg)
@@ -220,6 +214,19 @@ class DeltaSupervisor:
             self._start_watcher(cfg, me)
         self._write_textfile(cfg)
         return action
+
+    def _follow_encryption(self, cfg: Config) -> None:
+        """A changed ``[backup] encrypt_to`` (a reload): the open segment is closed as it was begun
+        and the chain goes on, its next segments to the new recipients (or in the clear)."""
+        w = self.watcher
+        if w is None or not w.running:
+            return
+        from etcd_agent.backup.service import recipients_of
+
+        if tuple(w.opt.recipients) != tuple(recipients_of(cfg)):
+            log.info("delta: [backup] encrypt_to changed: the watch closes its segment and goes on with the new "
+                     "setting")
+            self._stop_watcher("encrypt_to changed")
 
     def _collect_watcher(self, cfg: Config) -> None:
         """If the watcher thread ended: why (a break is recorded and counted)."""
@@ -300,7 +307,7 @@ class DeltaSupervisor:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
         directory = cfg.backup.dir
         try:
-            names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and not n.endswith(".seg"))
+            names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and parse_name(n) is None)
             key = tuple((n, os.stat(os.path.join(directory, n)).st_mtime_ns) for n in names)
         except FileNotFoundError:
             self._newest, self._unusable = None, ""
@@ -370,8 +377,14 @@ class DeltaSupervisor:
         full = self._newest
         assert full is not None
         d = cfg.backup.delta
+        from etcd_agent.backup import keys
+        from etcd_agent.backup.service import recipients_of
+
+        recipients = tuple(recipients_of(cfg))
+        # encrypted segments' seals are signed with the manifest key this host has (if any)
+        sign_key = keys.local_key(cfg).key if recipients else None
         opts = WatchOptions(close_seconds=d.close_seconds, close_bytes=d.close_bytes, idle_seconds=d.idle_seconds,
-                            max_outage=d.max_outage)
+                            max_outage=d.max_outage, recipients=recipients, sign_key=sign_key)
         existing = chains.scan(cfg.backup.dir).for_full(full.revision, full.base)
         with self._mu:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)

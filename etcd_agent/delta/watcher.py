@@ -438,7 +438,8 @@ class DeltaWatcher:
 
     def _ensure_writer(self) -> SegmentWriter:
         if self._writer is None:
-            self._writer = SegmentWriter(self.out_dir, self.pos.header(self.endpoint))
+            self._writer = SegmentWriter(self.out_dir, self.pos.header(self.endpoint),
+                                         recipients=self.opt.recipients, sign_key=self.opt.sign_key)
         return self._writer
 
     def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool,

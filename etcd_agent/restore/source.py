@@ -149,39 +149,56 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
 
 
 def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
-                     progress: Callable[[str], None] = lambda s: None) -> Source:
+                     progress: Callable[[str], None] = lambda s: None,
+                     identities: Optional["Identities"] = None) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
-    replays too (nothing live is touched) and the result is removed when the restore ends."""
+    replays too (nothing live is touched) and the result is removed when the restore ends.
+    ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
+    dir under the backup dir's ``.pitr``, removed once replayed)."""
+    import shutil
+
     from ..delta import pitr
     from ..delta.replay import Target
 
-    prep = pitr.prepare(cfg, spec, Target.parse(target))
-    if prep.entry.encrypted:
-        # the replay reads the full backup's snapshot itself and takes no identity yet; and the
-        # daemon writes no chain while encrypt_to is set (segments are not encrypted)
-        raise RefusedError(f"{prep.entry.name} is encrypted: a point-in-time restore of an encrypted backup is not "
-                           "supported yet; restore the full backup itself with --identity (without --to-*); "
-                           "nothing touched")
-    held = pitr.lock(cfg)
+    parsed = Target.parse(target)
+    held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
+    staging = pitr.open_staging(cfg) if identities is not None else None
     try:
-        base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False)
+        prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging)
+        base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
         try:
             _chain_matches(prep, base)
             progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to revision "
                      f"{prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is touched)")
-            path, res, reused = pitr.replay_kept(cfg, prep)
+            path, res, reused = pitr.replay_kept(cfg, prep, identities)
         finally:
             base.close()
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging = None
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
+        lines += _encryption_lines(prep)
         src = _replayed(path, res, base, lines)
     except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         held.release()
         raise
     src.lock = held
     return src
+
+
+def _encryption_lines(prep: "Prepared") -> List[str]:
+    sealed = [s.sealed for s in prep.plan.segments if s.sealed is not None]
+    if not sealed:
+        return []
+    signed = {f.signature for f in sealed}
+    return [f"point in time: {len(sealed)} encrypted segment(s) decrypted into a private staging dir (removed "
+            f"once replayed), each authenticated chunk by chunk and checked whole; seals signed: "
+            f"{', '.join(sorted(signed))}"]
 
 
 def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:

@@ -23,18 +23,20 @@ def delete(rev, key):
     return Event(DELETE, key, b"", rev, 0, 0, 0)
 
 
-def write_chain(directory, base, sizes, chain_id="ab" * 16, t0=T0, base_sha256=""):
-    """A chain of segments after ``base``: sizes[i] revisions in segment i (0: idle segment)."""
+def write_chain(directory, base, sizes, chain_id="ab" * 16, t0=T0, base_sha256="", recipients=(), sign_key=None,
+                value_size=None):
+    """A chain of segments after ``base``: sizes[i] revisions in segment i (0: idle segment);
+    with ``recipients`` encrypted (``.seg.age``); ``value_size``: every put's value that long."""
     infos = []
     rev = base + 1
     prev = ""
     t = t0
     for seq, n in enumerate(sizes):
         h = SegmentHeader(chain_id, seq, base, rev, prev, t, base_sha256=base_sha256)
-        w = SegmentWriter(directory, h)
+        w = SegmentWriter(directory, h, recipients=recipients, sign_key=sign_key)
         for _ in range(n):
             t += 10
-            evs = (put(rev, b"k%d" % (rev % 7), b"x" * (rev % 50)),)
+            evs = (put(rev, b"k%d" % (rev % 7), b"x" * (rev % 50 if value_size is None else value_size)),)
             if rev % 5 == 0:
                 evs = evs + (delete(rev, b"gone%d" % rev), put(rev, b"t%d" % rev, lease=0x10))
             w.add_txn(Txn(rev, t, evs))
