@@ -291,7 +291,7 @@ def verify_sealed(path: str, *, key: Optional[bytes] = None) -> SegmentInfo:
         block = os.pread(fd, SEAL_BLOCK, 0)
         seal = _seal_of(path, block, size)
         whole.update(block)
-        check = StructureCheck(sha256=True, what=os.path.basename(path))
+        check = StructureCheck(sha256=True, what="its age file")
         for chunk in _age_bytes(path, fd, size):
             check.update(chunk)
             whole.update(chunk)
@@ -341,7 +341,7 @@ def open_sealed(path: str, identities: "Identities", staging_dir: str, *, key: O
         whole = hashlib.sha256(block)
         age_sha = hashlib.sha256()
         plain_sha = hashlib.sha256()
-        dec = Decryptor(identities, what=name)
+        dec = Decryptor(identities, what=f"{name}, encrypted segment")
         plain = 0
 
         def emit(parts: List[bytes]) -> None:
