@@ -79,7 +79,8 @@ host = "10.0.0.13"
 #                                     # keys: `age-keygen -y KEYFILE` prints one): the snapshot is
 #                                     # encrypted as it streams, the masters never hold the key; restore,
 #                                     # backup verify and import then take --identity KEYFILE. Written
-#                                     # uncompressed (compression must stay "none")
+#                                     # uncompressed (compression must stay "none"); delta segments
+#                                     # are encrypted to them too (.seg.age)
 
 [backup.remote]
 # An off-host copy of every backup in S3-compatible storage (AWS S3, MinIO, Ceph RGW, Aliyun OSS),
@@ -102,9 +103,9 @@ host = "10.0.0.13"
 [backup.delta]
 # Continuous backup: the daemon (`etcd-agent run`) watches its member from the newest full backup
 # on this host and writes every change into delta segments beside the full backups
-# (etcd-delta-<first rev>-<last rev>-<UTC end time>.seg, 0600), so `restore --to-time` /
-# `--to newest` loses seconds, not the time since the last cron backup. A full backup and the
-# segments that continue it are kept and pruned together.
+# (etcd-delta-<first rev>-<last rev>-<UTC end time>.seg, 0600; .seg.age, encrypted, with
+# encrypt_to), so `restore --to-time` / `--to newest` loses seconds, not the time since the last
+# cron backup. A full backup and the segments that continue it are kept and pruned together.
 # enabled = true
 # close_seconds = 5.0                 # a segment with events is closed this often (the data at risk)
 # close_bytes = 4194304               # ... or once it holds this much
