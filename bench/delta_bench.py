@@ -66,7 +66,8 @@ def role_writer(args: argparse.Namespace) -> None:
     import grpc
 
     ch = grpc.insecure_channel(args.endpoint.split("//", 1)[1])
-    txn = ch.unary_unary("/etcdserverpb.KV/Txn", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    txn = ch.unary_unary("/etcdserverpb.KV/Txn", request_serializer=lambda m: m.SerializeToString(),
+                         response_deserializer=lambda b: b)
     value = os.urandom(args.size)
     sem = threading.Semaphore(args.inflight)
     done_at: List[float] = []

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
 from .segchain import BaseBackup, ChainStop, check_chain, continues
-from .segments import SegmentHeader, list_segments, ms_to_datetime, parse_name
+from .segments import SegmentHeader, is_sealed, list_segments, ms_to_datetime, parse_name
 from .segreader import read_summary
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ class ChainSummary:
         return self.first is not None and continues(self.first, base)
 
     @property
+    def encrypted(self) -> int:
+        """How many of its segments are encrypted (``.seg.age``)."""
+        return sum(1 for p in self.paths if is_sealed(p))
+
+    @property
     def replay_seconds(self) -> float:
         return self.events / REPLAY_EVENTS_PER_SECOND
 
@@ -71,7 +76,8 @@ class ChainSummary:
             what = "no usable segment"
         else:
             end = ms_to_datetime(self.end_time_ms).isoformat(timespec="seconds") if self.end_time_ms else "?"
-            what = (f"{self.usable} segment(s), revisions {self.base_revision + 1}..{self.end_revision} "
+            enc = f" ({self.encrypted} encrypted: a restore needs --identity)" if self.encrypted else ""
+            what = (f"{self.usable} segment(s){enc}, revisions {self.base_revision + 1}..{self.end_revision} "
                     f"(until {end}), {self.events} events, {_size(self.bytes)}; a restore to its end replays "
                     f"~{self.replay_seconds:.0f}s (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
         if self.stop is not None:
@@ -86,6 +92,7 @@ class ChainSummary:
             "chain_id": self.chain_id,
             "base_sha256": self.base_sha256 or None,
             "segments": len(self.paths),
+            "encrypted_segments": self.encrypted,
             "usable_segments": self.usable,
             "end_revision": self.end_revision,
             "start_time": ms_to_datetime(self.start_time_ms).isoformat() if self.start_time_ms else None,

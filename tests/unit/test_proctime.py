@@ -83,7 +83,8 @@ def test_the_process_backend_knows_its_etcd_when_the_clock_jumped(tmp_path: Any)
     child = subprocess.Popen([etcd, "-c", "import time; time.sleep(30)"], env={**os.environ, "ETCD_NAME": "m1"})
     try:
         deadline = time.monotonic() + 10
-        while os.path.basename(psutil.Process(child.pid).cmdline()[0]) != os.path.basename(etcd):
+        # (an empty cmdline: forked, not yet exec'd - seen under load)
+        while os.path.basename((psutil.Process(child.pid).cmdline() or [""])[0]) != os.path.basename(etcd):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         rec = {"pid": child.pid, "create_time": psutil.Process(child.pid).create_time() - 1.0,
