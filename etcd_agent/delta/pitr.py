@@ -268,7 +268,7 @@ def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) 
     if p is not None:
         rev = p.entry.revision or 0
         segs = [s for s in p.plan.segments if s.end_revision > rev] or list(p.plan.segments)
-        used = (f"{len(segs)} delta segment(s) {os.path.basename(segs[0].path)} .. {os.path.basename(segs[-1].path)}"
+        used = (f"{len(segs)} delta segment(s) {os.path.basename(segs[0].disk_path)} .. {os.path.basename(segs[-1].disk_path)}"
                 if segs else "no delta segment")
         lines.append(f"point in time: full backup {p.entry.name} (revision {p.entry.revision}, "
                      f"{p.entry.time.isoformat()}) + {used}; target {p.target.describe()}")
