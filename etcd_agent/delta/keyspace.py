@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Set, Tuple
 
 from .errors import ReplayError
 from .segments import PUT, Txn
+from .segreader import RawEvent
 
 # per entry beyond its key and value: the dict slot, the tuple, the ints (measured ~200 B)
 _ENTRY_OVERHEAD = 200
@@ -62,26 +63,35 @@ class KeySpace:
 
     def apply(self, txn: Txn) -> None:
         """One revision's events; revisions must come in increasing order."""
-        if txn.revision <= self.last_revision:
-            raise ReplayError(f"revision {txn.revision} folded in after {self.last_revision}")
+        self.apply_raw(txn.revision, [(e.kind, e.key, e.value, e.create_revision, e.version, e.lease)
+                                      for e in txn.events])
+
+    def apply_raw(self, revision: int, events: Sequence[RawEvent]) -> None:
+        """``apply`` of one revision handed over as the segment scan's tuples (kind, key, value,
+        create revision, version, lease): the replay's fold, with no object per event."""
+        if revision <= self.last_revision:
+            raise ReplayError(f"revision {revision} folded in after {self.last_revision}")
         mem = self._mem
-        for ev in txn.events:
-            old = mem.get(ev.key)
+        leases = self._mem_leases
+        used = self._used
+        for kind, key, value, create, _version, lease in events:
+            old = mem.get(key)
             if old is not None:
-                self._used -= len(ev.key) + len(old[0] or b"") + _ENTRY_OVERHEAD
-            if ev.kind == PUT:
-                mem[ev.key] = (ev.value, ev.lease, ev.create_revision, txn.revision)
-                self._used += len(ev.key) + len(ev.value) + _ENTRY_OVERHEAD
-                if ev.lease and ev.lease not in self._mem_leases:
-                    self._mem_leases.add(ev.lease)
-                    self._used += _LEASE_OVERHEAD
+                used -= len(key) + len(old[0] or b"") + _ENTRY_OVERHEAD
+            if kind == PUT:
+                mem[key] = (value, lease, create, revision)
+                used += len(key) + len(value) + _ENTRY_OVERHEAD
+                if lease and lease not in leases:
+                    leases.add(lease)
+                    used += _LEASE_OVERHEAD
             else:
-                mem[ev.key] = (None, 0, 0, txn.revision)
-                self._used += len(ev.key) + _ENTRY_OVERHEAD
-        self.events += len(txn.events)
+                mem[key] = (None, 0, 0, revision)
+                used += len(key) + _ENTRY_OVERHEAD
+        self._used = used
+        self.events += len(events)
         self.revisions += 1
-        self.last_revision = txn.revision
-        if self._used > self.memory_bytes:
+        self.last_revision = revision
+        if used > self.memory_bytes:
             self._spill()
 
     def _open(self) -> sqlite3.Connection:

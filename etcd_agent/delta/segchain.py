@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, ms_to_datetime, name_time_ms, parse_name
-from .segreader import read_header, read_segment, read_summary
+from .segreader import read_header, read_summary, verify_segment
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> s
 
 def _load_info(path: str, verify: bool, max_bytes: int) -> SegmentInfo:
     if verify:
-        return read_segment(path, max_bytes=max_bytes).info
+        return verify_segment(path, max_bytes=max_bytes)
     header, footer = read_summary(path)
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
 
