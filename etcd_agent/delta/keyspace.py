@@ -38,6 +38,10 @@ class Change:
     lease: int
     create_revision: int  # in the original cluster; 0 for a delete
     mod_revision: int  # the revision of that last write in the original cluster
+    # the chain may have deleted this key up to here (True unless known not: once the key space
+    # has spilled to its file it is not tracked). A key the chain created (create revision after
+    # the snapshot's) and never deleted cannot be in the snapshot: the load need not delete it.
+    deleted_before: bool = True
 
 
 # key -> (value or None for a delete, lease, create revision, mod revision)
@@ -58,6 +62,8 @@ class KeySpace:
         self._mem_leases: Set[int] = set()
         self._used = 0
         self._db: Optional[sqlite3.Connection] = None
+        # keys a delete of the chain touched, while nothing has spilled (None after: unknown)
+        self._deleted: Optional[Set[bytes]] = set()
 
     # ------------------------------------------------------------ folding in
 
@@ -73,6 +79,7 @@ class KeySpace:
             raise ReplayError(f"revision {revision} folded in after {self.last_revision}")
         mem = self._mem
         leases = self._mem_leases
+        deleted = self._deleted
         used = self._used
         for kind, key, value, create, _version, lease in events:
             old = mem.get(key)
@@ -87,6 +94,9 @@ class KeySpace:
             else:
                 mem[key] = (None, 0, 0, revision)
                 used += len(key) + _ENTRY_OVERHEAD
+                if deleted is not None and key not in deleted:
+                    deleted.add(key)
+                    used += len(key) + _LEASE_OVERHEAD
         self._used = used
         self.events += len(events)
         self.revisions += 1
@@ -125,6 +135,7 @@ class KeySpace:
         db.execute("COMMIT")
         self._mem.clear()
         self._mem_leases.clear()
+        self._deleted = None  # from here on every key the chain created is deleted first, as before
         self._used = 0
         self.spills += 1
 
@@ -148,8 +159,9 @@ class KeySpace:
         """Every touched key's last write: deletes first, then puts in original create order."""
         if self._db is None:
             items = sorted(self._mem.items(), key=lambda kv: (kv[1][2], kv[0]))
+            deleted = self._deleted if self._deleted is not None else set(self._mem)
             for k, (v, lease, c, m) in items:
-                yield Change(k, v, lease, c, m)
+                yield Change(k, v, lease, c, m, k in deleted)
             return
         self._spill()
         for k, v, lease, c, m in self._db.execute("SELECT key, value, lease, create_rev, mod_rev FROM kv "

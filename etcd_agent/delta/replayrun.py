@@ -357,7 +357,8 @@ def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) ->
         size += n
 
     for ch in ks.changes():
-        if ch.value is None or ch.create_revision > restored:
+        # a key the chain created and never deleted cannot be in the snapshot: no delete for it
+        if ch.value is None or (ch.create_revision > restored and ch.deleted_before):
             add(proto.op_delete(ch.key))
     flush()  # a transaction may not touch a key twice: the puts start in a new one
     for ch in ks.changes():
