@@ -24,6 +24,7 @@ The JSON report goes to stdout (or --json); a table and progress go to stderr.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
 import os
@@ -124,9 +125,11 @@ def role_writer(args: argparse.Namespace) -> None:
 
 
 
-def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int) -> int:
+def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, base_sha256: str = "") -> int:
     """A chain of ``events`` events after ``base``: mostly single puts, every 10th revision a
-    3-key transaction, every 25th a delete. Returns the last revision."""
+    3-key transaction, every 25th a delete. Returns the last revision. ``base_sha256``: the full
+    backup's snapshot sha256 the chain names (as the daemon's do); without it a restore judges
+    the chain by time, and one dated before the backup (``t0``) is another backup's."""
     rng = random.Random(5)
     value = os.urandom(size)
     rev = base
@@ -135,20 +138,24 @@ def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int) -> 
     prev = ""
     t = t0
     live: Dict[bytes, tuple] = {}  # key -> (create revision, version)
+    order: List[bytes] = []  # sorted(live), kept as it changes (sorting 50,000 keys a delete was most of the time)
     while made < events:
-        w = SegmentWriter(segdir, SegmentHeader("5e" * 16, seq, base, rev + 1, prev, t))
+        w = SegmentWriter(segdir, SegmentHeader("5e" * 16, seq, base, rev + 1, prev, t, base_sha256=base_sha256))
         while made < events and w.size < 4 * 1024 * 1024:
             rev += 1
             t += 1
             if rev % 25 == 0 and live:
-                k = rng.choice(sorted(live))
+                k = rng.choice(order)
                 del live[k]
+                del order[bisect.bisect_left(order, k)]
                 evs: tuple = (Event(DELETE, k, b"", rev, 0, 0, 0),)
             else:
                 n = 3 if rev % 10 == 0 else 1
                 keys = sorted({b"syn/%06d" % rng.randrange(50000) for _ in range(n)})
                 out = []
                 for k in keys:
+                    if k not in live:
+                        bisect.insort(order, k)
                     c, v = live.get(k, (rev, 0))
                     live[k] = (c, v + 1)
                     out.append(Event(PUT, k, value, rev, c, v + 1, 0))

@@ -87,7 +87,7 @@ def main() -> None:
         chains: Dict[str, Dict[str, Any]] = {}
         for name, full, events in (("A", full_a, a.events), ("B", full_b, a.long_events)):
             t = time.monotonic()
-            last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0)
+            last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256)
             segs = [p for p in os.listdir(c.cfg.backup.dir) if p.startswith("etcd-delta-")]
             chains[name] = {"backup": os.path.basename(full.path), "bytes": full.size, "revision": full.revision,
                             "events": events, "last_revision": last}

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Set, Tuple
 
 from .errors import ReplayError
 from .segments import PUT, Txn
+from .segreader import RawEvent
 
 # per entry beyond its key and value: the dict slot, the tuple, the ints (measured ~200 B)
 _ENTRY_OVERHEAD = 200
@@ -37,6 +38,10 @@ class Change:
     lease: int
     create_revision: int  # in the original cluster; 0 for a delete
     mod_revision: int  # the revision of that last write in the original cluster
+    # the chain may have deleted this key up to here (True unless known not: once the key space
+    # has spilled to its file it is not tracked). A key the chain created (create revision after
+    # the snapshot's) and never deleted cannot be in the snapshot: the load need not delete it.
+    deleted_before: bool = True
 
 
 # key -> (value or None for a delete, lease, create revision, mod revision)
@@ -57,31 +62,46 @@ class KeySpace:
         self._mem_leases: Set[int] = set()
         self._used = 0
         self._db: Optional[sqlite3.Connection] = None
+        # keys a delete of the chain touched, while nothing has spilled (None after: unknown)
+        self._deleted: Optional[Set[bytes]] = set()
 
     # ------------------------------------------------------------ folding in
 
     def apply(self, txn: Txn) -> None:
         """One revision's events; revisions must come in increasing order."""
-        if txn.revision <= self.last_revision:
-            raise ReplayError(f"revision {txn.revision} folded in after {self.last_revision}")
+        self.apply_raw(txn.revision, [(e.kind, e.key, e.value, e.create_revision, e.version, e.lease)
+                                      for e in txn.events])
+
+    def apply_raw(self, revision: int, events: Sequence[RawEvent]) -> None:
+        """``apply`` of one revision handed over as the segment scan's tuples (kind, key, value,
+        create revision, version, lease): the replay's fold, with no object per event."""
+        if revision <= self.last_revision:
+            raise ReplayError(f"revision {revision} folded in after {self.last_revision}")
         mem = self._mem
-        for ev in txn.events:
-            old = mem.get(ev.key)
+        leases = self._mem_leases
+        deleted = self._deleted
+        used = self._used
+        for kind, key, value, create, _version, lease in events:
+            old = mem.get(key)
             if old is not None:
-                self._used -= len(ev.key) + len(old[0] or b"") + _ENTRY_OVERHEAD
-            if ev.kind == PUT:
-                mem[ev.key] = (ev.value, ev.lease, ev.create_revision, txn.revision)
-                self._used += len(ev.key) + len(ev.value) + _ENTRY_OVERHEAD
-                if ev.lease and ev.lease not in self._mem_leases:
-                    self._mem_leases.add(ev.lease)
-                    self._used += _LEASE_OVERHEAD
+                used -= len(key) + len(old[0] or b"") + _ENTRY_OVERHEAD
+            if kind == PUT:
+                mem[key] = (value, lease, create, revision)
+                used += len(key) + len(value) + _ENTRY_OVERHEAD
+                if lease and lease not in leases:
+                    leases.add(lease)
+                    used += _LEASE_OVERHEAD
             else:
-                mem[ev.key] = (None, 0, 0, txn.revision)
-                self._used += len(ev.key) + _ENTRY_OVERHEAD
-        self.events += len(txn.events)
+                mem[key] = (None, 0, 0, revision)
+                used += len(key) + _ENTRY_OVERHEAD
+                if deleted is not None and key not in deleted:
+                    deleted.add(key)
+                    used += len(key) + _LEASE_OVERHEAD
+        self._used = used
+        self.events += len(events)
         self.revisions += 1
-        self.last_revision = txn.revision
-        if self._used > self.memory_bytes:
+        self.last_revision = revision
+        if used > self.memory_bytes:
             self._spill()
 
     def _open(self) -> sqlite3.Connection:
@@ -115,6 +135,7 @@ class KeySpace:
         db.execute("COMMIT")
         self._mem.clear()
         self._mem_leases.clear()
+        self._deleted = None  # from here on every key the chain created is deleted first, as before
         self._used = 0
         self.spills += 1
 
@@ -138,8 +159,9 @@ class KeySpace:
         """Every touched key's last write: deletes first, then puts in original create order."""
         if self._db is None:
             items = sorted(self._mem.items(), key=lambda kv: (kv[1][2], kv[0]))
+            deleted = self._deleted if self._deleted is not None else set(self._mem)
             for k, (v, lease, c, m) in items:
-                yield Change(k, v, lease, c, m)
+                yield Change(k, v, lease, c, m, k in deleted)
             return
         self._spill()
         for k, v, lease, c, m in self._db.execute("SELECT key, value, lease, create_rev, mod_rev FROM kv "

@@ -45,13 +45,14 @@ from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 
 from . import keyspace, proto
-from .errors import ReplayError
+from .errors import ReplayError, SegmentCorrupt
 from .leases import MIN_TTL, fate_of, lease_fates
-from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay, reread
+from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
 from .rpc import EtcdRpc, KeepAliveStream
 from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
 from .segchain import ChainCheck, check_chain
 from .segments import LeaseRecord, ms_to_datetime
+from .segreader import RawEvent, scan_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -219,27 +220,35 @@ def replay(
 
 def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
     """Every revision after the snapshot up to the stop, read from verified segments, folded into
-    ``ks``. Returns the segments used."""
+    ``ks``. Returns the segments used.
+
+    Each segment is read and checked whole again (``scan_segment``: as strictly as
+    ``read_segment``, digest first) and must be the very bytes the chain check saw; its
+    revisions go straight from the scan into the key space, no Txn/Event objects between."""
     used = 0
+    stop = plan.stop_revision
+
+    def sink(rev: int, _time_ms: int, _flags: int, evs: Optional[List[RawEvent]]) -> None:
+        if restored < rev <= stop:
+            assert evs is not None
+            ks.apply_raw(rev, evs)
+
     for info in plan.segments:
         if info.end_revision <= restored:
             continue
-        seg = reread(info)
+        try:
+            got = scan_segment(info.path, sink)
+        except SegmentCorrupt as exc:  # as replay.reread says it
+            raise ReplayError(f"{exc.message} (it verified a moment ago: changed during the replay?)") from None
         checked = info.content_sha256  # an opened encrypted segment: its plaintext copy's
-        if checked and seg.info.sha256 != checked:
-            raise ReplayError(f"{info.path} changed since the chain was checked (sha256 {seg.info.sha256[:12]}, "
+        if checked and got.sha256 != checked:
+            raise ReplayError(f"{info.path} changed since the chain was checked (sha256 {got.sha256[:12]}, "
                               f"checked {checked[:12]})")
         used += 1
-        for txn in seg.txns:
-            if txn.revision <= restored:
-                continue
-            if txn.revision > plan.stop_revision:
-                break
-            ks.apply(txn)
     want = max(restored, plan.stop_revision)
-    got = ks.last_revision or restored
-    if got != want:
-        raise ReplayError(f"replay ended at revision {got}, expected {want}")
+    got_rev = ks.last_revision or restored
+    if got_rev != want:
+        raise ReplayError(f"replay ended at revision {got_rev}, expected {want}")
     return used
 
 
@@ -354,7 +363,8 @@ def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) ->
         size += n
 
     for ch in ks.changes():
-        if ch.value is None or ch.create_revision > restored:
+        # a key the chain created and never deleted cannot be in the snapshot: no delete for it
+        if ch.value is None or (ch.create_revision > restored and ch.deleted_before):
             add(proto.op_delete(ch.key))
     flush()  # a transaction may not touch a key twice: the puts start in a new one
     for ch in ks.changes():

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from .errors import SegmentCorrupt
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
-from .segreader import read_header, read_segment, read_summary
+from .segreader import read_header, read_summary, verify_segment
 from .segseal import verify_sealed
 
 # an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)
@@ -223,7 +223,7 @@ def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener]
     if verify and is_sealed(path):
         return opener(path) if opener is not None else verify_sealed(path)
     if verify:
-        return read_segment(path, max_bytes=max_bytes).info
+        return verify_segment(path, max_bytes=max_bytes)
     header, footer = read_summary(path)
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
 
@@ -146,6 +146,37 @@ def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:
     types, revision contiguity from the header's start, non-decreasing times, event fields,
     the footer's counts and range, and that nothing follows the digest.
     """
+    txns: List[Txn] = []
+
+    def build(rev: int, time_ms: int, flags: int, evs: Optional[List[RawEvent]]) -> None:
+        assert evs is not None
+        txns.append(Txn(rev, time_ms, tuple(Event(k, key, v, rev, c, ver, lease) for k, key, v, c, ver, lease in evs),
+                        bool(flags & FLAG_CATCHUP)))
+
+    info = scan_segment(path, build, max_bytes=max_bytes)
+    return Segment(info, tuple(txns))
+
+
+def verify_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> SegmentInfo:
+    """What ``read_segment(path).info`` returns, checked exactly as strictly, but without building
+    an object per event (the chain check's pass: it needs only the verdict and the info)."""
+    return scan_segment(path, None, max_bytes=max_bytes)
+
+
+# one event as the scan hands it over: (kind, key, value, create revision, version, lease)
+RawEvent = Tuple[int, bytes, bytes, int, int, int]
+# called once per TXN record, in order, after that record is fully checked:
+# (revision, time_ms, flags, its events - or None when the sink wants only revisions)
+TxnSink = Callable[[int, int, int, Optional[List[RawEvent]]], None]
+
+
+def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEGMENT,
+                 want_events: bool = True) -> SegmentInfo:
+    """Read and check a whole segment as ``read_segment`` does, handing each checked revision to
+    ``sink`` (None: check only) as plain tuples instead of Txn/Event objects. The digest is
+    checked before any record is parsed, so ``sink`` only ever sees bytes the digest covers;
+    the footer's counts are checked after the last record (a sink must be ready to discard
+    what it got if this raises). ``want_events`` False: ``sink`` gets None for the events."""
     data = _read_file(path, max_bytes)
     size = len(data)
     if data[:8] != MAGIC:
@@ -163,52 +194,100 @@ def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:
     if not pos <= footer_at <= records_end - REC_HEAD.size:
         raise SegmentCorrupt(path, f"footer offset {footer_at} out of bounds")
     try:
-        txns, leases = _parse_records(path, data, pos, footer_at, header)
+        n_txns, n_events, last_rev, last_time, leases = _parse_records(
+            path, data, pos, footer_at, header, sink, want_events and sink is not None)
     except struct.error as exc:  # pragma: no cover - every unpack is bounds-checked first
         raise SegmentCorrupt(path, f"malformed record ({exc})") from None
     footer = _footer_of(path, data, footer_at, records_end)
-    last_rev = txns[-1].revision if txns else header.start_revision - 1
-    n_events = sum(len(t.events) for t in txns)
-    if (footer.end_revision, footer.txns, footer.events, footer.leases) != (last_rev, len(txns), n_events, len(leases)):
+    if (footer.end_revision, footer.txns, footer.events, footer.leases) != (last_rev, n_txns, n_events, len(leases)):
         raise SegmentCorrupt(
             path,
             f"footer says revisions to {footer.end_revision}, {footer.txns} txns, {footer.events} events, "
-            f"{footer.leases} leases; records hold {last_rev}, {len(txns)}, {n_events}, {len(leases)}",
+            f"{footer.leases} leases; records hold {last_rev}, {n_txns}, {n_events}, {len(leases)}",
         )
-    last_time = txns[-1].time_ms if txns else header.start_time_ms
     if footer.end_time_ms < last_time or footer.end_time_ms < header.start_time_ms:
         raise SegmentCorrupt(path, "footer end time before the segment's last event")
     # the whole file's sha256 (what the next segment names) continues the body's: one pass, not two
     digest.update(memoryview(data)[body_end:])
     whole = digest.hexdigest()
-    info = SegmentInfo(path, size, whole, header, footer, tuple(leases))
-    return Segment(info, tuple(txns))
+    return SegmentInfo(path, size, whole, header, footer, tuple(leases))
+
+
+_REC_HEAD_SIZE = REC_HEAD.size
+_TXN_HEAD_SIZE = TXN_HEAD.size
+_EVENT_HEAD_SIZE = EVENT_HEAD.size
 
 
 def _parse_records(
-    path: str, data: bytes, pos: int, end: int, header: SegmentHeader
-) -> Tuple[List[Txn], List[LeaseRecord]]:
-    txns: List[Txn] = []
+    path: str, data: bytes, pos: int, end: int, header: SegmentHeader, sink: Optional[TxnSink], want_events: bool
+) -> Tuple[int, int, int, int, List[LeaseRecord]]:
+    """Every record from ``pos`` to the footer at ``end``, checked; returns (txns, events, last
+    revision, last time, lease records). One loop, no object per event unless ``want_events``:
+    this is the replay's hot path (the chain check and the fold both run it over every byte)."""
     leases: List[LeaseRecord] = []
     expect = header.start_revision
     last_time = header.start_time_ms
+    n_txns = n_events = 0
+    rec_head = REC_HEAD.unpack_from
+    txn_head = TXN_HEAD.unpack_from
+    ev_head = EVENT_HEAD.unpack_from
+    rh, th, eh = _REC_HEAD_SIZE, _TXN_HEAD_SIZE, _EVENT_HEAD_SIZE
+    not_catchup = ~FLAG_CATCHUP
     while pos < end:
-        if pos + REC_HEAD.size > end:
+        if pos + rh > end:
             raise SegmentCorrupt(path, f"truncated record header at offset {pos}")
-        kind, ln = REC_HEAD.unpack_from(data, pos)
-        pos += REC_HEAD.size
+        kind, ln = rec_head(data, pos)
+        pos += rh
         if ln > MAX_RECORD or ln > end - pos:
-            raise SegmentCorrupt(path, f"record at offset {pos - REC_HEAD.size}: length {ln} out of bounds")
+            raise SegmentCorrupt(path, f"record at offset {pos - rh}: length {ln} out of bounds")
         rec_end = pos + ln
         if kind == REC_TXN:
-            txn = _parse_txn(path, data, pos, rec_end)
-            if txn.revision != expect:
-                raise SegmentCorrupt(path, f"revision {txn.revision} where {expect} was due (gap or disorder)")
-            if txn.time_ms < last_time:
-                raise SegmentCorrupt(path, f"revision {txn.revision}: time goes backwards")
-            txns.append(txn)
+            # one revision: u64 revision, i64 time, u32 n, u8 flags, then n events
+            if ln < th:
+                raise SegmentCorrupt(path, "truncated transaction record")
+            rev, time_ms, n, flags = txn_head(data, pos)
+            p = pos + th
+            if n == 0 or n > (rec_end - p) // eh or flags & not_catchup:
+                raise SegmentCorrupt(path, f"revision {rev}: bad event count {n} or flags {flags:#x}")
+            evs: Optional[List[RawEvent]] = [] if want_events else None
+            seen: Optional[Set[bytes]] = set() if n > 1 else None
+            for _ in range(n):
+                if rec_end - p < eh:
+                    raise SegmentCorrupt(path, f"revision {rev}: truncated event")
+                ekind, klen, vlen, create, version, lease = ev_head(data, p)
+                p += eh
+                if klen == 0 or klen + vlen > rec_end - p:
+                    raise SegmentCorrupt(path, f"revision {rev}: key/value length out of bounds")
+                kend = p + klen
+                if ekind == PUT:
+                    if not (1 <= create <= rev and version >= 1 and lease >= 0):
+                        raise SegmentCorrupt(path, f"revision {rev}: put of {data[p:kend][:64]!r} has impossible fields")
+                elif ekind == DELETE:
+                    if vlen or create or version or lease:
+                        raise SegmentCorrupt(path, f"revision {rev}: delete of {data[p:kend][:64]!r} carries a value")
+                else:
+                    raise SegmentCorrupt(path, f"revision {rev}: unknown event kind {ekind}")
+                if seen is not None or evs is not None:
+                    key = data[p:kend]
+                    if seen is not None:
+                        if key in seen:  # etcd refuses a transaction that touches a key twice
+                            raise SegmentCorrupt(path, f"revision {rev}: key {key[:64]!r} twice")
+                        seen.add(key)
+                    if evs is not None:
+                        evs.append((ekind, key, data[kend : kend + vlen], create, version, lease))
+                p = kend + vlen
+            if p != rec_end:
+                raise SegmentCorrupt(path, f"revision {rev}: {rec_end - p} stray bytes after its events")
+            if rev != expect:
+                raise SegmentCorrupt(path, f"revision {rev} where {expect} was due (gap or disorder)")
+            if time_ms < last_time:
+                raise SegmentCorrupt(path, f"revision {rev}: time goes backwards")
+            if sink is not None:
+                sink(rev, time_ms, flags, evs)
+            n_txns += 1
+            n_events += n
             expect += 1
-            last_time = txn.time_ms
+            last_time = time_ms
         elif kind == REC_LEASE:
             if ln != LEASE_BODY.size:
                 raise SegmentCorrupt(path, f"lease record of {ln} bytes")
@@ -217,42 +296,6 @@ def _parse_records(
                 raise SegmentCorrupt(path, f"lease record {lid:x}: values out of range")
             leases.append(LeaseRecord(lid, granted, remaining, observed))
         else:
-            raise SegmentCorrupt(path, f"unknown record type {kind} at offset {pos - REC_HEAD.size}")
+            raise SegmentCorrupt(path, f"unknown record type {kind} at offset {pos - rh}")
         pos = rec_end
-    return txns, leases
-
-
-def _parse_txn(path: str, data: bytes, pos: int, end: int) -> Txn:
-    if end - pos < TXN_HEAD.size:
-        raise SegmentCorrupt(path, "truncated transaction record")
-    rev, time_ms, n, flags = TXN_HEAD.unpack_from(data, pos)
-    pos += TXN_HEAD.size
-    if n == 0 or n > (end - pos) // EVENT_HEAD.size or flags & ~FLAG_CATCHUP:
-        raise SegmentCorrupt(path, f"revision {rev}: bad event count {n} or flags {flags:#x}")
-    events = []
-    seen = set()
-    for _ in range(n):
-        if end - pos < EVENT_HEAD.size:
-            raise SegmentCorrupt(path, f"revision {rev}: truncated event")
-        kind, klen, vlen, create, version, lease = EVENT_HEAD.unpack_from(data, pos)
-        pos += EVENT_HEAD.size
-        if klen == 0 or klen + vlen > end - pos:
-            raise SegmentCorrupt(path, f"revision {rev}: key/value length out of bounds")
-        key = data[pos : pos + klen]
-        value = data[pos + klen : pos + klen + vlen]
-        pos += klen + vlen
-        if kind == PUT:
-            if not (1 <= create <= rev and version >= 1 and lease >= 0):
-                raise SegmentCorrupt(path, f"revision {rev}: put of {key[:64]!r} has impossible fields")
-        elif kind == DELETE:
-            if vlen or create or version or lease:
-                raise SegmentCorrupt(path, f"revision {rev}: delete of {key[:64]!r} carries a value")
-        else:
-            raise SegmentCorrupt(path, f"revision {rev}: unknown event kind {kind}")
-        if key in seen:  # etcd refuses a transaction that touches a key twice
-            raise SegmentCorrupt(path, f"revision {rev}: key {key[:64]!r} twice")
-        seen.add(key)
-        events.append(Event(kind, key, value, rev, create, version, lease))
-    if pos != end:
-        raise SegmentCorrupt(path, f"revision {rev}: {end - pos} stray bytes after its events")
-    return Txn(rev, time_ms, tuple(events), bool(flags & FLAG_CATCHUP))
+    return n_txns, n_events, expect - 1, last_time, leases

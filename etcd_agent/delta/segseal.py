@@ -325,7 +325,7 @@ def open_sealed(path: str, identities: "Identities", staging_dir: str, *, key: O
     from etcd_agent.age import Decryptor
     from etcd_agent.errors import CiphertextCorrupt
 
-    from .segreader import read_segment
+    from .segreader import verify_segment
 
     name = os.path.basename(path)
     if not name.endswith(SEALED_EXT):
@@ -376,8 +376,7 @@ def open_sealed(path: str, identities: "Identities", staging_dir: str, *, key: O
         if (plain, plain_sha.hexdigest()) != (seal.plain_size, seal.plain_sha256):
             raise SegmentCorrupt(path, f"decrypts to {plain} bytes that are not the plaintext its seal states "
                                        f"({seal.plain_size} bytes, sha256 {seal.plain_sha256[:12]})")
-        seg = read_segment(out_path)
-        inner = seg.info
+        inner = verify_segment(out_path)
         if inner.header != seal.header or inner.footer != seal.footer:
             raise SegmentCorrupt(path, "the segment inside does not have the header and footer its seal states "
                                        "(the seal was changed, or belongs to another segment)")
