@@ -283,6 +283,27 @@ def test_the_delta_chain_beside_encrypted_backups_is_encrypted_too(tmp_path: Any
         assert any(b"s3cr3t-49" in p for p in plains)
         name = d.c.cfg.members[0].name
         assert "continuous backup is off" not in d.log(name)
+
+        # encrypt_to removed and the daemon reloaded: the open segment closes, the chain goes on in
+        # the clear, and it is still one chain that checks end to end
+        import signal
+
+        from etcd_agent.delta import chains
+
+        with open(d.c.config_path) as fh:
+            text = fh.read()
+        with open(d.c.config_path, "w") as fh:
+            fh.write(text.replace(f'encrypt_to = ["{recipient}"]\n', ""))
+        os.kill(d.procs[name].pid, signal.SIGHUP)
+        with d.c.client() as cl:
+            cl.put("/registry/configmaps/default/after", b"plain-now")
+        poll(lambda: any(n.endswith(".seg") for n in segments()), timeout=60, what="a plain segment after the reload")
+        assert "encrypt_to changed" in d.log(name)
+        scan = chains.scan(backup_dir)
+        mine = [ch for ch in scan.chains if ch.encrypted]
+        assert len(mine) == 1 and mine[0].stop is None and mine[0].usable == len(mine[0].paths), \
+            [ch.describe() for ch in scan.chains]
+        assert mine[0].encrypted < len(mine[0].paths)
         print(f"\nFIGURE age-delta: {len(names)} segments, all .seg.age, none holds a plaintext byte of the "
                   f"Secrets; age -d by hand gives the v1 segments ({sum(map(len, plains))} bytes)")
     finally:
