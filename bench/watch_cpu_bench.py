@@ -37,6 +37,23 @@ from etcd_agent.delta.watcher import DeltaWatcher  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 
 MODES = ("alone", "plain", "enc")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu() -> Dict[str, float]:
+    """CPU seconds (user, system) of this process's threads by name (Python's and gRPC's C threads)."""
+    out: Dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except FileNotFoundError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[f"{name} user/{tid}"] = int(fields[11]) / TICK
+        out[f"{name} sys/{tid}"] = int(fields[12]) / TICK
+    return out
 
 
 def run_once(ep: str, root: str, mode: str, args: argparse.Namespace) -> Dict[str, Any]:
@@ -51,16 +68,23 @@ def run_once(ep: str, root: str, mode: str, args: argparse.Namespace) -> Dict[st
     wr = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "delta_bench.py"), "writer", "--endpoint", ep, "--rate", str(args.rate),
          "--size", str(args.size), "--duration", str(args.duration)], stdout=subprocess.PIPE)
-    t0, w0 = time.process_time(), time.monotonic()
+    t0, w0, th0 = time.process_time(), time.monotonic(), threads_cpu()
     stdout, _ = wr.communicate()
     time.sleep(1)  # the watch's tail
-    cpu = 100.0 * (time.process_time() - t0) / (time.monotonic() - w0)
+    wall = time.monotonic() - w0
+    cpu = 100.0 * (time.process_time() - t0) / wall
+    th1 = threads_cpu()
+    by_thread: Dict[str, float] = {}
+    for k, v in th1.items():
+        name = k.rsplit("/", 1)[0]
+        by_thread[name] = by_thread.get(name, 0.0) + 100.0 * (v - th0.get(k, 0.0)) / wall
     if wr.returncode != 0:
         raise SystemExit(f"writer failed ({wr.returncode})")
     if w is not None:
         w.stop()
         shutil.rmtree(w.out_dir, ignore_errors=True)
-    return {"cpu_pct": cpu, "writer": json.loads(stdout)}
+    return {"cpu_pct": cpu, "writer": json.loads(stdout),
+            "threads_pct": {k: round(v, 2) for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1]) if v >= 0.05}}
 
 
 def profile(ep: str, root: str, mode: str, args: argparse.Namespace) -> None:
@@ -79,7 +103,7 @@ def profile(ep: str, root: str, mode: str, args: argparse.Namespace) -> None:
     threading.Thread.run = run  # type: ignore[method-assign]
     r = run_once(ep, root, mode, args)
     threading.Thread.run = orig  # type: ignore[method-assign]
-    print(f"{mode}: {r['cpu_pct']:.1f} % of a core (profiled)")
+    print(f"{mode}: {r['cpu_pct']:.1f} % of a core (profiled); threads {r['threads_pct']}")
     st = pstats.Stats(profs[0])
     for p in profs[1:]:
         st.add(p)
@@ -111,7 +135,8 @@ def main() -> None:
                 r = run_once(ep, root, mode, args)
                 res[mode].append(r)
                 print(f"round {i + 1} {mode:5}: {r['cpu_pct']:5.1f} % of a core, writer "
-                      f"{r['writer']['rate_median']:.0f}/s p50 {r['writer']['latency_ms_p50']:.2f} ms",
+                      f"{r['writer']['rate_median']:.0f}/s p50 {r['writer']['latency_ms_p50']:.2f} ms; threads "
+                      f"{r['threads_pct']}",
                       file=sys.stderr, flush=True)
         base = res["alone"]
         base_rate = statistics.median(r["writer"]["rate_mean"] for r in base)
