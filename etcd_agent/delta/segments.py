@@ -39,6 +39,7 @@ milliseconds of the commit while the watch is live). Revisions received while ca
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -289,6 +290,11 @@ class SegmentInfo:
 class Segment:
     info: SegmentInfo
     txns: Tuple[Txn, ...]
+
+
+def json_bytes(d: Dict[str, Any]) -> bytes:
+    """A header, footer or seal as the format writes it: sorted keys, no spaces."""
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------- names

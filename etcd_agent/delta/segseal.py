@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -47,6 +46,7 @@ from .segments import (
     SegmentFooter,
     SegmentHeader,
     SegmentInfo,
+    json_bytes,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
@@ -65,10 +65,6 @@ READ = 1 << 20
 class StagingFailed(ReplayError):
     """The private staging dir could not take a decrypted segment (disk full ...): the restore
     stops; a chain is never cut short for it."""
-
-
-def _canonical(d: Dict[str, Any]) -> bytes:
-    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
 def key_id(key: bytes) -> str:
@@ -108,10 +104,10 @@ class Seal:
         d = self.body()
         if self.signature is not None:
             d["signature"] = {"alg": SIG_ALG, "key_id": self.signature[0], "mac": self.signature[1]}
-        return _canonical(d)
+        return json_bytes(d)
 
     def signed(self, key: bytes) -> "Seal":
-        mac = hmac.new(key, _canonical(self.body()), hashlib.sha256).hexdigest()
+        mac = hmac.new(key, json_bytes(self.body()), hashlib.sha256).hexdigest()
         return Seal(self.header, self.footer, self.plain_size, self.plain_sha256, self.age_size, self.age_sha256,
                     self.recipients, (key_id(key), mac))
 
@@ -121,7 +117,7 @@ class Seal:
             return "unsigned"
         if key is None or self.signature[0] != key_id(key):
             return "unknown-key"
-        want = hmac.new(key, _canonical(self.body()), hashlib.sha256).hexdigest()
+        want = hmac.new(key, json_bytes(self.body()), hashlib.sha256).hexdigest()
         return "valid" if hmac.compare_digest(want, self.signature[1]) else "invalid"
 
     @classmethod

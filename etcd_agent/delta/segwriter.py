@@ -7,10 +7,9 @@ clears what a watcher that died left open.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple
 
 from etcd_agent.fs import fsync_dir
 
@@ -37,6 +36,7 @@ from .segments import (
     SegmentHeader,
     SegmentInfo,
     Txn,
+    json_bytes,
     segment_name,
 )
 
@@ -67,10 +67,6 @@ def encode_txn(txn: Txn) -> bytes:
 def encode_lease(rec: LeaseRecord) -> bytes:
     payload = LEASE_BODY.pack(rec.lease_id, rec.granted_ttl, rec.remaining_ttl, rec.observed_ms)
     return REC_HEAD.pack(REC_LEASE, len(payload)) + payload
-
-
-def _json_bytes(d: Dict[str, Any]) -> bytes:
-    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
 class SegmentWriter:
@@ -109,7 +105,7 @@ class SegmentWriter:
                 from .segseal import SealingSink
 
                 self._sealer = SealingSink(self._fh, recipients, sign_key)
-            head = _json_bytes(header.to_json())
+            head = json_bytes(header.to_json())
             self._write(MAGIC + U32.pack(len(head)) + head)
         except BaseException:
             self.abort()
@@ -182,7 +178,7 @@ class SegmentWriter:
         )
         assert self._fh is not None, "segment already closed"
         try:
-            body = _json_bytes(footer.to_json())
+            body = json_bytes(footer.to_json())
             footer_at = self.size
             self._write(REC_HEAD.pack(REC_FOOTER, len(body)) + body + U64.pack(footer_at))
             self._flush_pending()
