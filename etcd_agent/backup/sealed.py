@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from ..errors import BackupCorrupt, IdentityRefused
 from .manifest import SNAPSHOT, SNAPSHOT_AGE, Manifest
@@ -48,15 +48,19 @@ class Sealed:
         """``age, to age1qyq…3k8f, age1…`` (public keys shortened), for plans and listings."""
         if not self.recipients:
             return f"age, {self.stanzas.count('X25519')} X25519 recipient stanza(s) (no manifest names them)"
-        shown = ", ".join(r[:12] + "..." + r[-4:] for r in self.recipients)
-        return f"age, to {len(self.recipients)} recipient(s): {shown}"
+        return f"age, to {len(self.recipients)} recipient(s): {shown_recipients(self.recipients)}"
+
+
+def shown_recipients(recipients: Sequence[str]) -> str:
+    """``age1qyq…3k8f, age1…``: public keys shortened for plans, listings and refusals."""
+    return ", ".join(r[:12] + "..." + r[-4:] for r in recipients)
 
 
 def locked(path_hint: str, manifest: Optional[Manifest]) -> IdentityRefused:
     """The refusal of an operation that needs the snapshot itself when no identity was given."""
     to = ""
     if manifest is not None and manifest.encryption is not None:
-        to = " to " + ", ".join(r[:12] + "..." + r[-4:] for r in manifest.encryption.recipients)
+        to = " to " + shown_recipients(manifest.encryption.recipients)
     return IdentityRefused(f"{path_hint}: its snapshot is encrypted (age{to}): pass --identity FILE with the secret "
                            "key of one of its recipients; nothing touched")
 

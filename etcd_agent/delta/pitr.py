@@ -145,10 +145,11 @@ def _refuse_locked(name: str, check: ChainCheck) -> None:
     locked = [s for s in check.segments if s.sealed is not None and not s.sealed.opened]
     if not locked:
         return
+    from etcd_agent.backup.sealed import shown_recipients
+
     to = sorted({r for s in locked for r in s.sealed.recipients})  # type: ignore[union-attr]
-    shown = ", ".join(r[:12] + "..." + r[-4:] for r in to)
     raise IdentityRefused(f"the delta chain of {name} is encrypted ({len(locked)} of its {len(check.segments)} "
-                          f"segment(s), age to {shown}): pass --identity FILE with the secret key of one of them; "
+                          f"segment(s), age to {shown_recipients(to)}): pass --identity FILE with the secret key of one of them; "
                           "nothing touched")
 
 
