@@ -165,26 +165,26 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
     staging = pitr.open_staging(cfg) if identities is not None else None
     try:
-        prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging)
-        base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
-        try:
-            _chain_matches(prep, base)
-            progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to revision "
-                     f"{prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is touched)")
-            path, res, reused = pitr.replay_kept(cfg, prep, identities)
+        try:  # the decrypted segments live only until the replay has run (or failed)
+            prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging)
+            base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
+            try:
+                _chain_matches(prep, base)
+                progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to "
+                         f"revision {prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is "
+                         "touched)")
+                path, res, reused = pitr.replay_kept(cfg, prep, identities)
+            finally:
+                base.close()
         finally:
-            base.close()
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
-                staging = None
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
         lines += _encryption_lines(prep)
         src = _replayed(path, res, base, lines)
     except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
         held.release()
         raise
     src.lock = held
