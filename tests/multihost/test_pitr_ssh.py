@@ -91,6 +91,24 @@ class Bed:
             return fh.read()
 
 
+WAITED = ": nothing done"  # a decision to wait (or that nothing is wrong)
+
+
+def decisions(log: str, since: float, until: float) -> List[str]:
+    """The daemon's per-cycle decision lines (``... -> action: outcome``) stamped in [since, until]."""
+    out = []
+    for ln in log.splitlines():
+        if " -> " not in ln:
+            continue
+        try:
+            stamp = time.mktime(time.strptime(ln[:19], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            continue  # a continuation line
+        if since - 1 <= stamp <= until:
+            out.append(ln.rstrip())
+    return out
+
+
 def healthy(cfg: Config) -> bool:
     for m in cfg.members:
         try:
@@ -163,9 +181,9 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
         shutil.rmtree(cfg.data_dir(m.name), ignore_errors=True)
     w.stop()
     time.sleep(3)  # the operator's first look; ez1's watch has closed its segment by then
-    t = time.monotonic()
+    t, began = time.monotonic(), time.time()
     res = bed.agent(bed.net.hosts[0], "restore", "--from", "latest", "--to", "newest", "--yes")
-    wall = time.monotonic() - t
+    wall, ended = time.monotonic() - t, time.time()
     assert res.returncode == 0, res.stdout + res.stderr
     poll(lambda: healthy(cfg), timeout=60, what="healthy after the restore", interval=0.5)
     got = dump(EtcdRpc(cfg.members[1].client_url, timeout=5.0))
@@ -177,8 +195,14 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
           f"restore wall time {wall:.1f}s")
     print("\n".join(ln for ln in res.stderr.splitlines() if "replay" in ln or "done in" in ln))
     assert not r["missing_old"] and not r["resurrected"] and not r["expired_present"]
-    # the daemons stood back during the restore and start new chains on the restored cluster
-    for h in bed.net.hosts:
-        assert "hands off" in bed.log(h.name)
+    # the daemons stood back during the restore and start new chains on the restored cluster. A
+    # daemon whose cycle is long (probing dead peers) may see no cycle while a host's marker is
+    # set, so what must hold is that no daemon acted: each decision logged inside the window waits
+    seen = {h.name: decisions(bed.log(h.name), began, ended) for h in bed.net.hosts}
+    print(f"daemon decisions logged during the restore: {({n: len(v) for n, v in seen.items()})}")
+    assert any(seen.values()), "no daemon logged a cycle during the restore: nothing to judge"
+    for name, lines in seen.items():
+        acted = [ln for ln in lines if not ln.endswith(WAITED)]
+        assert not acted, f"{name}'s daemon acted during the restore: {acted}"
     poll(lambda: "CHAIN BROKEN" in bed.log("ez1") and chains.active_base(cfg.backup.dir) is not None,
          timeout=120, what="ez1's daemon on a new chain", interval=0.5)
