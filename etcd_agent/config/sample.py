@@ -112,7 +112,7 @@ host = "10.0.0.13"
 # idle_seconds = 60.0                 # an empty segment this often when nothing changes
 # max_chain_events = 600000           # past any of these the daemon takes a full backup and
 # max_chain_bytes = 1073741824        # starts a new chain: a restore replays at most this much
-# max_chain_segments = 1000           # (events replay at ~40,000/s: 600000 is about 15 s)
+# max_chain_segments = 1000           # (events replay at ~100,000/s: 600000 is about 6 s)
 # max_outage = 300.0                  # member unwatchable this long: chain broken, full backup when back
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom"
 #                                     # default: beside [backup] metrics_file (none when that is unset)
