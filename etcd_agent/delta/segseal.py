@@ -236,8 +236,11 @@ def _seal_of(path: str, block: bytes, size: int) -> Seal:
     if SEAL_BLOCK + seal.age_size != size:
         raise SegmentCorrupt(path, f"{size} bytes where its seal says {SEAL_BLOCK + seal.age_size}: truncated or "
                                    "appended to")
-    if seal.plain_size > MAX_SEGMENT or seal.age_size > MAX_SEGMENT + AGE_OVERHEAD_MAX:
+    if seal.plain_size > MAX_SEGMENT:
         raise SegmentCorrupt(path, f"declares {seal.plain_size} bytes, more than the {MAX_SEGMENT}-byte limit")
+    if seal.age_size > MAX_SEGMENT + AGE_OVERHEAD_MAX:
+        raise SegmentCorrupt(path, f"declares {seal.age_size} bytes of age file, more than a {MAX_SEGMENT}-byte "
+                                   "segment encrypts to")
     return seal
 
 

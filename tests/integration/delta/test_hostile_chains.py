@@ -149,8 +149,13 @@ def future_by_mtime(d: str, segs: List[str]) -> None:
     os.utime(segs[2], (ahead, ahead))
 
 
+def sparse_8_gib(d: str, segs: List[str]) -> None:
+    """A hole: segment 2 extended to 8 GiB without a block written (a broken disk, a bad copy)."""
+    os.truncate(segs[1], 8 << 30)
+
+
 CASES = [bit_flip, truncate_at_record, other_cluster, reordered, duplicated, forged_prev, eight_gib,
-         future_by_name, future_by_mtime]
+         future_by_name, future_by_mtime, sparse_8_gib]
 
 
 def test_the_chain_as_written_is_accepted(bed: Any) -> None:

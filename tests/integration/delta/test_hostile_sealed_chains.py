@@ -154,8 +154,19 @@ def unknown_seal_field(cfg: Any, segs: List[str], ids: Any) -> None:
     open(segs[1], "wb").write(block + b"\0" * (SEAL_BLOCK - len(block)) + raw[SEAL_BLOCK:])
 
 
+def sparse_8_gib(cfg: Any, segs: List[str], ids: Any) -> None:
+    """A broken disk's or a careless copy's hole: segment 2 extended to 8 GiB (sparse, no blocks)."""
+    os.truncate(segs[1], 8 << 30)
+
+
+def sparse_8_gib_seal_agrees(cfg: Any, segs: List[str], ids: Any) -> None:
+    """The same hole with a seal forged to match its size: refused from the seal, the file unread."""
+    rewrite_seal(segs[1], lambda s: dataclasses.replace(s, age_size=(8 << 30) - SEAL_BLOCK, signature=None))
+    os.truncate(segs[1], 8 << 30)
+
+
 CASES = [bit_flip, cut_at_chunk_boundary, other_cluster, ten_thousand_recipients, seal_edited, seal_swapped,
-         declares_8_gib, seal_bomb, unknown_seal_field]
+         declares_8_gib, seal_bomb, unknown_seal_field, sparse_8_gib, sparse_8_gib_seal_agrees]
 
 
 def outside_pitr(root: str) -> Any:
