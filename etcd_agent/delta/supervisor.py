@@ -291,7 +291,12 @@ class DeltaSupervisor:
         the backups from before it are kept and listed as such (``backup.boundaries``)."""
         from etcd_agent.backup import boundaries
 
-        began = (w.pos.start_time_ms / 1000.0) if w.pos.seq == 0 else (self._full.time if self._full else 0.0)
+        # since the chain's full backup: a watch restarted on it after the agent's restore (its
+        # first segment newer than the restore's record) breaks for that same restore
+        starts = [self._full.time] if self._full else []
+        if w.pos.seq == 0:
+            starts.append(w.pos.start_time_ms / 1000.0)
+        began = min(starts, default=0.0)
         try:
             if boundaries.recorded_since(cfg.backup.dir, began) is not None:
                 return  # the agent's own restore (its record is newer than this chain)

@@ -1,0 +1,44 @@
+"""Which breaks of a chain the daemon records as a restore by hand (``_record_boundary``)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from etcd_agent.backup import boundaries
+from etcd_agent.delta.errors import ChainBroken
+from etcd_agent.delta.supervisor import DeltaSupervisor, Full
+
+
+def supervisor(full_time: float) -> DeltaSupervisor:
+    s = DeltaSupervisor(lambda: (None, None))  # type: ignore[arg-type,return-value]  # never ticked
+    s._full = Full("etcd-x.tar", "/nowhere/etcd-x.tar", 100, full_time)
+    return s
+
+
+def watch(seq: int, start: float) -> Any:
+    return SimpleNamespace(pos=SimpleNamespace(seq=seq, start_time_ms=int(start * 1000)))
+
+
+BROKEN = ChainBroken(101, "the member now belongs to cluster 0b, not 0a", restored=True)
+
+
+def kinds_after(tmp_path: Any, restore_ago: float, full_ago: float, seq: int, watch_ago: float) -> Any:
+    """Boundaries after a break, given the agent's restore record and the chain's backup and watch
+    (each so many seconds ago)."""
+    now, d = time.time(), str(tmp_path)
+    boundaries.record(d, boundaries.Boundary(op="r1", time=now - restore_ago, from_backup="etcd-old.tar"))
+    cfg = SimpleNamespace(backup=SimpleNamespace(dir=d))
+    supervisor(now - full_ago)._record_boundary(cfg, watch(seq, now - watch_ago), BROKEN)  # type: ignore[arg-type]
+    return boundaries.read(d)
+
+
+def test_a_watch_restarted_on_the_old_backup_after_the_agents_restore_records_nothing_more(tmp_path: Any) -> None:
+    # the full backup before the restore; the watch (first segment) started on it after the restore
+    assert [b.kind for b in kinds_after(tmp_path, restore_ago=20, full_ago=60, seq=0, watch_ago=5)] == ["restore"]
+
+
+def test_a_replacement_after_the_chains_backup_with_no_record_is_a_restore_by_hand(tmp_path: Any) -> None:
+    # the agent's restore is older than the chain's full backup: this break is something else
+    got = kinds_after(tmp_path, restore_ago=600, full_ago=60, seq=3, watch_ago=30)
+    assert [b.kind for b in got] == ["restore", "detected"] and "cluster 0b" in got[-1].reason
