@@ -32,7 +32,7 @@ from etcd_agent.delta import chains, status
 from etcd_agent.errors import OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.waiting import poll
+from etcd_agent.waiting import NotYet, poll
 from tests.harness.netns import NetnsBed, NsHost
 from tests.integration.test_backup_trust import FakeClock
 from tests.multihost.test_pitr_ssh import Bed, daemon_bed, healthy
@@ -126,7 +126,15 @@ def still_there_and_one_chain(bed: Bed, h: str, older: List[str],
     assert not gone, f"{h}: the operator's backups from before the restore pruned: {gone}"
     full_backups, broke = counts
     assert full_backups <= 1 and broke <= 1, (h, counts, bed.log(h)[-3000:])
-    return chain_of_newest(bed, h)
+
+    def continued() -> Tuple[str, chains.ChainSummary]:
+        try:
+            return chain_of_newest(bed, h)
+        except AssertionError as exc:
+            raise NotYet(str(exc)) from None
+
+    # settle_and_count's last writes came after every daemon's full backup: a closed segment carries them
+    return poll(continued, timeout=30, what=f"{h}'s chain continuing its newest backup", interval=0.5)
 
 
 def settle_and_count(bed: Bed, offsets: Dict[str, int], before: Dict[str, int],
@@ -143,6 +151,9 @@ def settle_and_count(bed: Bed, offsets: Dict[str, int], before: Dict[str, int],
     got = {}
     for h in bed.net.hosts:
         got[h.name] = (daemon_backups_since(bed, h.name, offsets[h.name]), breaks(bed, h.name) - before[h.name])
+    # a daemon that noticed the restore only after the writes above took them into its full
+    # backup, and its new chain has nothing yet: a few more, after every full backup counted
+    put_keys(bed, f"/{label}-tail/", 5)
     print(f"\nFIGURE {label}: over {WATCH:.0f} s of the daemons after the restore, per host (daemon full "
           f"backups, chain breaks): {got}")
     return got
