@@ -109,6 +109,8 @@ host = "10.0.0.13"
 # enabled = true
 # close_seconds = 5.0                 # a segment with events is closed this often (the data at risk)
 # close_bytes = 4194304               # ... or once it holds this much
+# batch_seconds = 1.0                 # the watch is read in batches this often (~20x less CPU than
+#                                     # streaming; --to-time is exact to this); 0: a streaming watch
 # idle_seconds = 60.0                 # an empty segment this often when nothing changes
 # max_chain_events = 600000           # past any of these the daemon takes a full backup and
 # max_chain_bytes = 1073741824        # starts a new chain: a restore replays at most this much

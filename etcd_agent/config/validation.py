@@ -290,6 +290,10 @@ def _validate_delta(d: DeltaSection) -> List[str]:
         errs.extend(_seconds(f"{w}.{key}", getattr(d, key)))
     if d.close_seconds > d.idle_seconds:
         errs.append(f"{w}.close_seconds ({d.close_seconds:g}) must not exceed idle_seconds ({d.idle_seconds:g})")
+    if not 0 <= d.batch_seconds <= 10:
+        errs.append(f"{w}.batch_seconds must be between 0 (a streaming watch) and 10")
+    elif d.batch_seconds > d.close_seconds:
+        errs.append(f"{w}.batch_seconds ({d.batch_seconds:g}) must not exceed close_seconds ({d.close_seconds:g})")
     # a segment is read whole (at most 1 GiB) and one revision may be etcd's --max-request-bytes
     if not 64 * 1024 <= d.close_bytes <= 512 * 1024 * 1024:
         errs.append(f"{w}.close_bytes must be between 65536 and 536870912")

@@ -118,6 +118,9 @@ class WatchOptions:
 
     close_seconds: float = 5.0
     close_bytes: int = 4 * 1024 * 1024
+    # > 0: a short watch this often, read until it has delivered the member's revision at its
+    # creation, then canceled (``[backup.delta] batch_seconds``); 0: one streaming watch
+    batch_seconds: float = 0.0
     idle_seconds: float = 60.0
     progress_timeout: float = 3.0
     heartbeat_seconds: float = 10.0

@@ -237,9 +237,9 @@ def plan_replay(check: ChainCheck, target: Target) -> Plan:
             if txn.time_ms > t_ms:
                 if txn.catchup:
                     note = (
-                        f"; revision {txn.revision} on was received while catching up after a reconnect, "
-                        "so its commit time is known only as no later than its receipt: some of it may "
-                        "predate the target"
+                        f"; revision {txn.revision} on was received in a batch of the watch (or while "
+                        "catching up after a reconnect), so its commit time is known only as no later "
+                        "than its receipt: some of it may predate the target (--to-revision is exact)"
                     )
                 break
             rev = txn.revision

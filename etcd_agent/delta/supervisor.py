@@ -389,6 +389,7 @@ class DeltaSupervisor:
         # encrypted segments' seals are signed with the manifest key this host has (if any)
         sign_key = keys.local_key(cfg).key if recipients else None
         opts = WatchOptions(close_seconds=d.close_seconds, close_bytes=d.close_bytes, idle_seconds=d.idle_seconds,
+                            batch_seconds=d.batch_seconds,
                             max_outage=d.max_outage, recipients=recipients, sign_key=sign_key)
         existing = chains.scan(cfg.backup.dir).for_full(full.revision, full.base)
         with self._mu:

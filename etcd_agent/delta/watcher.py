@@ -104,6 +104,7 @@ class DeltaWatcher:
         self._last_event_ms = self.pos.start_time_ms
         self._last_advance = monotonic()
         self._catchup_until = 0
+        self._caught_up = threading.Event()  # the open watch has delivered _catchup_until
         self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
@@ -245,13 +246,13 @@ class DeltaWatcher:
                 backoff = min(backoff * 2, 5.0)
 
     def _session(self, stop: threading.Event) -> None:
-        """One watch stream. Responses are handled on the stream's reader thread (under
-        ``self._mu``); this thread runs the timers and waits - always with a deadline."""
+        """One connection: a streaming watch, or with ``batch_seconds`` a short watch per batch.
+        Responses are handled on the stream's reader thread (under ``self._mu``); this thread
+        runs the timers and waits - always with a deadline."""
         rpc = EtcdRpc(
             self.endpoint, tls=self.tls, timeout=self.opt.rpc_timeout, max_message=self.opt.max_message,
             single_threaded_streams=True,
         )
-        stream = None
         try:
             t_ms, hdr = self._wall_ms(), rpc.header()
             self._check_member(hdr)
@@ -259,27 +260,79 @@ class DeltaWatcher:
             if not self._leases.listed:
                 self._leases.record_all(rpc)
             with self._mu:
-                self._created = False
-                self._fragments.clear()
                 self._check = None
                 self._closing = False
                 self._last_advance = self._mono()
-                start = self._last_revision() + 1
-            create = proto.encode_watch_create(
-                b"\0", b"\0", start_revision=start, progress_notify=True, fragment=self.opt.fragment
-            )
-            stream = rpc.watch(create, queue_size=self.opt.queue_size, handler=lambda raw: self._on_response(raw, rpc))
-            self._await_created(stream)
-            self._outage_since = None
-            self.state = "watching"
-            while not stop.is_set():
-                if stream.done.wait(0.25):
-                    raise stream.failure or StreamEnded("watch stream ended")
-                self._timers(rpc)
-        finally:
-            if stream is not None:
+            if self.opt.batch_seconds > 0:
+                self._batches(stop, rpc)
+                return
+            stream = self._open(rpc, progress_notify=True)
+            try:
+                while not stop.is_set():
+                    if stream.done.wait(0.25):
+                        raise stream.failure or StreamEnded("watch stream ended")
+                    self._timers(rpc)
+            finally:
                 stream.close()
+        finally:
             rpc.close()
+
+    def _open(self, rpc: EtcdRpc, *, progress_notify: bool) -> Any:
+        """A watch from the revision after the last one captured, once etcd has created it."""
+        with self._mu:
+            self._created = False
+            self._caught_up.clear()
+            self._fragments.clear()
+            start = self._last_revision() + 1
+        create = proto.encode_watch_create(
+            b"\0", b"\0", start_revision=start, progress_notify=progress_notify, fragment=self.opt.fragment
+        )
+        stream = rpc.watch(create, queue_size=self.opt.queue_size, handler=lambda raw: self._on_response(raw, rpc))
+        try:
+            self._await_created(stream)
+        except BaseException:
+            stream.close()
+            raise
+        self._outage_since = None
+        self.state = "watching"
+        return stream
+
+    def _batches(self, stop: threading.Event, rpc: EtcdRpc) -> None:
+        """Every ``batch_seconds`` (sooner when a segment close is due): the timers, then a watch
+        read until it has delivered the revision the member had when etcd created it (a
+        new watch behind the store is caught up by etcd in messages of up to 1000 revisions),
+        then canceled. Nothing is missed between batches: each starts where the last one ended,
+        and a revision compacted away meanwhile cancels the watch (ChainBroken, as on a
+        reconnect)."""
+        limit = max(self.opt.progress_timeout, self.opt.rpc_timeout * 2)
+        while not stop.is_set():
+            began = self._mono()
+            self._timers(rpc)
+            stream = self._open(rpc, progress_notify=False)
+            try:
+                while not self._caught_up.wait(0.25):
+                    if stream.done.is_set():
+                        raise stream.failure or StreamEnded("watch stream ended")
+                    if stop.is_set():
+                        return
+                    if self._mono() - began > limit:
+                        raise StreamEnded(
+                            f"a batch did not deliver revision {self._catchup_until} within {limit:g}s "
+                            f"(at {self._last_revision()})"
+                        )
+                if stream.done.is_set() and stream.failure is not None:
+                    raise stream.failure
+            finally:
+                stream.close()
+            self._timers(rpc)  # a close due at the revision just delivered happens now
+            stop.wait(max(0.05, min(began + self.opt.batch_seconds, self._next_due()) - self._mono()))
+
+    def _next_due(self) -> float:
+        """(Monotonic) when the open segment's close or the next heartbeat check is due."""
+        with self._mu:
+            has_events = self._writer is not None and self._writer.txns > 0
+            period = self.opt.close_seconds if has_events else self.opt.idle_seconds
+            return min(self._period_start + period, self._last_check + self.opt.heartbeat_seconds)
 
     def _check_member(self, hdr: proto.Header, last: Optional[int] = None) -> None:
         """``hdr`` was read after revision ``last`` had been captured (default: now)."""
@@ -323,6 +376,8 @@ class DeltaWatcher:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision
                     self._created = True
+                    if self._last_revision() >= self._catchup_until:
+                        self._caught_up.set()
                 return
             self._handle(msg, rpc)
 
@@ -352,6 +407,8 @@ class DeltaWatcher:
             self._confirm(rpc)  # may close the segment right after the checked revision
         if self._writer is not None and self._writer.size >= self.opt.close_bytes:
             self._close_segment(rpc, self._last_event_ms, confirmed=False)
+        if self._last_revision() >= self._catchup_until:
+            self._caught_up.set()
 
     def _append(self, txn: Txn, rpc: EtcdRpc) -> None:
         last = self._last_revision()

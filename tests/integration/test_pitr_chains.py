@@ -8,7 +8,7 @@ import os
 import time
 import urllib.request
 import uuid
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -104,8 +104,12 @@ def test_bounds_retention_orphans_and_metrics(bed) -> None:  # type: ignore[no-u
     assert "passed max_chain_events" in log and "pruning delta chain after revision" in log, log[-3000:]
 
     batch(c, "/b/", 3)
-    body = wait_for(lambda: _scrape(port) if "etcd_agent_delta_lag_revisions" in _scrape(port) else None, 30,
-                    "delta metrics on the daemon's endpoint")
+    def scraped() -> Optional[str]:  # the /b/ writes captured: the watch reads them within batch_seconds
+        body = _scrape(port)
+        wanted = ("etcd_agent_delta_lag_revisions", "etcd_agent_delta_newest_event_timestamp_seconds")
+        return body if all(w in body for w in wanted) else None
+
+    body = wait_for(scraped, 30, "delta metrics on the daemon's endpoint")
     m = {(n, tuple(sorted(lb.items()))): v for n, lb, v in samples(body)}
     assert m[("etcd_agent_delta_enabled", ())] == 1
     assert m[("etcd_agent_delta_full_backups_total", (("reason", "chain_bounds"),))] >= 1

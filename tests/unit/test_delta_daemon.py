@@ -165,6 +165,12 @@ def test_delta_config_defaults_and_validation() -> None:
     assert "backup.delta.close_bytes must be between" in text and "backup.delta.max_chain_events must be >= 1" in text
     _, errors = cfg_with("close_seconds = 90.0\n")
     assert any("must not exceed idle_seconds" in e for e in errors)
+    assert cfg_with()[0].backup.delta.batch_seconds == 1.0  # the daemon's watch is read in batches
+    assert cfg_with("batch_seconds = 0.0\n")[1] == []  # a streaming watch
+    _, errors = cfg_with("batch_seconds = 2.0\nclose_seconds = 1.0\n")
+    assert errors == ["backup.delta.batch_seconds (2) must not exceed close_seconds (1)"]
+    _, errors = cfg_with("batch_seconds = -1.0\n")
+    assert errors == ["backup.delta.batch_seconds must be between 0 (a streaming watch) and 10"]
     _, errors = cfg_with('metrics_file = "relative.prom"\n')
     assert any("backup.delta.metrics_file" in e for e in errors)
 

@@ -20,6 +20,14 @@ from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_
 pytestmark = pytest.mark.integration
 
 FAST = dict(close_seconds=0.5, idle_seconds=1.0, progress_timeout=1.0, heartbeat_seconds=2.0)
+# the daemon's watch read in batches ([backup.delta] batch_seconds), and the streaming one
+MODES = pytest.mark.parametrize("batch", [0.0, 0.3], ids=["stream", "batched"])
+
+
+def few_responses(w, revisions):
+    """A batched watch gets many revisions a message (etcd's catch-up); a streaming one, one."""
+    if w.opt.batch_seconds:
+        assert w.responses * 5 <= revisions, (w.responses, revisions)
 
 
 def full_backup(live, directory):
@@ -49,7 +57,8 @@ def restored(path):
     return scratch_etcd(path, ScratchOptions())
 
 
-def test_replay_newest_equals_live(live, tmp_path):
+@MODES
+def test_replay_newest_equals_live(live, tmp_path, batch):
     r = live.rpc
     snap_lease, _ = r.lease_grant(300)
     for i in range(20):
@@ -57,7 +66,7 @@ def test_replay_newest_equals_live(live, tmp_path):
     put(r, b"snap-lease-key", b"s", snap_lease)
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
-    w = started(live, base, segdir, close_bytes=32 * 1024)
+    w = started(live, base, segdir, close_bytes=32 * 1024, batch_seconds=batch)
     Writer(r).run(4.0)
     time.sleep(3.5)  # the writer's 2 s leases run out: their deletes are in the chain too
     finish(w, live)
@@ -67,6 +76,7 @@ def test_replay_newest_equals_live(live, tmp_path):
     assert len(paths) >= 4 and check_chain(paths, base).stop is None
     assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
 
+    few_responses(w, final - base)
     res = replay(full, paths, Target.newest(), output=str(tmp_path / "pitr.db"))
     assert res.complete and res.lost_after is None
     assert res.reached_revision == final and res.base_revision == base
@@ -80,12 +90,13 @@ def test_replay_newest_equals_live(live, tmp_path):
         assert s.rpc.header().revision == res.snapshot_revision == res.load_revisions[-1] + 1
 
 
-def test_point_in_time(live, tmp_path):
+@MODES
+def test_point_in_time(live, tmp_path, batch):
     r = live.rpc
     put(r, b"a", b"0")
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
-    w = started(live, base, segdir)
+    w = started(live, base, segdir, batch_seconds=batch)
     rev_a = r.txn([proto.op_put(b"a", b"1"), proto.op_put(b"c", b"1")]).revision
     t_a = int(time.time() * 1000)
     time.sleep(1.0)
@@ -246,15 +257,16 @@ def test_broken_middle_segment_stops_at_the_last_good_point(live, tmp_path, dama
         assert values(dump(s.rpc)) == values(dump(live.rpc, revision=good_end))  # history of the live member
 
 
-def test_resume_and_outage(live, tmp_path):
+@MODES
+def test_resume_and_outage(live, tmp_path, batch):
     r = live.rpc
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
-    w = started(live, base, segdir)
+    w = started(live, base, segdir, batch_seconds=batch)
     Writer(r, seed=1).run(1.0)
     finish(w, live)
     Writer(r, seed=2).run(0.5)  # while no watcher runs
-    w = started(live, base, segdir)
+    w = started(live, base, segdir, batch_seconds=batch)
     Writer(r, seed=4).run(1.0)
     live.restart(down_seconds=1.5)  # the member goes away and comes back
     Writer(r, seed=5).run(1.0)
@@ -410,7 +422,8 @@ def test_replay_from_a_backup_archive(live, tmp_path):
         assert values(dump(s.rpc)) == {b"x": b"1"}
 
 
-def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path):
+@MODES
+def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path, batch):
     """A writer's puts, deletes, multi-key transactions and leased keys (a long lease, and short
     ones that expire mid-run) on etcd 3.5.16; the whole keyspace read at three revisions N while
     it runs; the replay to each N holds exactly that keyspace: every key and value, every lease
@@ -420,7 +433,7 @@ def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path):
         put(r, b"k%03d" % i, b"before")  # some of these the writer overwrites or deletes
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
-    w = started(live, base, segdir)
+    w = started(live, base, segdir, batch_seconds=batch)
     writer = Writer(r, seed=11)
     seen = {}
     for _ in range(3):
@@ -430,6 +443,7 @@ def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path):
     writer.run(1.0)
     time.sleep(3.0)  # the last short leases run out: the chain goes on past the last N
     finish(w, live)
+    few_responses(w, r.header().revision - base)
     paths = list_segments(segdir)
     for n, want in seen.items():
         res = replay(full, paths, Target.to_revision(n), output=str(tmp_path / f"to-{n}.db"))
