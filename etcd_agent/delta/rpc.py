@@ -20,7 +20,21 @@ import logging
 import os
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    cast,
+)
 
 from google.protobuf.message import Message
 
@@ -174,6 +188,24 @@ class EtcdRpc:
         handler: Optional[Callable[[bytes], None]] = None,
     ) -> "WatchStream":
         return WatchStream(self._channel, self.endpoint, create_request, queue_size=queue_size, handler=handler)
+
+    def watch_batch(self, create_request: rpc_pb2.WatchRequest, *, timeout: float) -> Generator[bytes, None, None]:
+        """One Watch call read by the caller's own thread (no reader thread): its raw
+        WatchResponses until the caller stops reading (the call is then canceled) or gRPC's
+        deadline ``timeout`` passes (StreamEnded). A failed call is an EtcdError."""
+        import grpc
+
+        fn = self._channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=serialize,
+                                        response_deserializer=_ident)
+        call = fn(create_request, metadata=_METADATA, timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise StreamEnded(f"a watch batch from {self.endpoint} did not end within {timeout:g}s") from None
+            raise map_grpc_error(exc, f"watch stream from {self.endpoint}") from None
+        finally:
+            call.cancel()
 
     def keepalive(self) -> "KeepAliveStream":
         return KeepAliveStream(self._channel, self.endpoint, self.max_message)

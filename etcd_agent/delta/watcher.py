@@ -32,6 +32,7 @@ resumes from the last written revision + 1.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -104,7 +105,6 @@ class DeltaWatcher:
         self._last_event_ms = self.pos.start_time_ms
         self._last_advance = monotonic()
         self._catchup_until = 0
-        self._caught_up = threading.Event()  # the open watch has delivered _catchup_until
         self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
@@ -246,9 +246,9 @@ class DeltaWatcher:
                 backoff = min(backoff * 2, 5.0)
 
     def _session(self, stop: threading.Event) -> None:
-        """One connection: a streaming watch, or with ``batch_seconds`` a short watch per batch.
-        Responses are handled on the stream's reader thread (under ``self._mu``); this thread
-        runs the timers and waits - always with a deadline."""
+        """One connection: a streaming watch, its responses handled on the stream's reader
+        thread (under ``self._mu``) while this one runs the timers and waits, always with a
+        deadline; or with ``batch_seconds`` a short watch per batch, read on this thread."""
         rpc = EtcdRpc(
             self.endpoint, tls=self.tls, timeout=self.opt.rpc_timeout, max_message=self.opt.max_message,
             single_threaded_streams=True,
@@ -281,7 +281,6 @@ class DeltaWatcher:
         """A watch from the revision after the last one captured, once etcd has created it."""
         with self._mu:
             self._created = False
-            self._caught_up.clear()
             self._fragments.clear()
             start = self._last_revision() + 1
         create = proto.encode_watch_create(
@@ -299,31 +298,31 @@ class DeltaWatcher:
 
     def _batches(self, stop: threading.Event, rpc: EtcdRpc) -> None:
         """Every ``batch_seconds`` (sooner when a segment close is due): the timers, then a watch
-        read until it has delivered the revision the member had when etcd created it (a
-        new watch behind the store is caught up by etcd in messages of up to 1000 revisions),
-        then canceled. Nothing is missed between batches: each starts where the last one ended,
-        and a revision compacted away meanwhile cancels the watch (ChainBroken, as on a
-        reconnect)."""
+        read on this thread until it has delivered the revision the member had when etcd
+        created it (a new watch behind the store is caught up by etcd in messages of up to 1000
+        revisions), then canceled. Nothing is missed between batches: each starts where the last
+        one ended, and a revision compacted away meanwhile cancels the watch (ChainBroken, as on
+        a reconnect)."""
         limit = max(self.opt.progress_timeout, self.opt.rpc_timeout * 2)
         while not stop.is_set():
             began = self._mono()
             self._timers(rpc)
-            stream = self._open(rpc, progress_notify=False)
-            try:
-                while not self._caught_up.wait(0.25):
-                    if stream.done.is_set():
-                        raise stream.failure or StreamEnded("watch stream ended")
-                    if stop.is_set():
-                        return
-                    if self._mono() - began > limit:
-                        raise StreamEnded(
-                            f"a batch did not deliver revision {self._catchup_until} within {limit:g}s "
-                            f"(at {self._last_revision()})"
-                        )
-                if stream.done.is_set() and stream.failure is not None:
-                    raise stream.failure
-            finally:
-                stream.close()
+            with self._mu:
+                self._created = False
+                self._fragments.clear()
+                start = self._last_revision() + 1
+            create = proto.encode_watch_create(
+                b"\0", b"\0", start_revision=start, progress_notify=False, fragment=self.opt.fragment
+            )
+            with contextlib.closing(rpc.watch_batch(create, timeout=limit)) as responses:
+                for raw in responses:
+                    self._on_response(raw, rpc)
+                    if self._created and self._last_revision() >= self._catchup_until:
+                        break
+                else:
+                    raise StreamEnded(f"watch stream from {self.endpoint} ended by the server")
+            self._outage_since = None
+            self.state = "watching"
             self._timers(rpc)  # a close due at the revision just delivered happens now
             stop.wait(max(0.05, min(began + self.opt.batch_seconds, self._next_due()) - self._mono()))
 
@@ -376,8 +375,6 @@ class DeltaWatcher:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision
                     self._created = True
-                    if self._last_revision() >= self._catchup_until:
-                        self._caught_up.set()
                 return
             self._handle(msg, rpc)
 
@@ -407,8 +404,6 @@ class DeltaWatcher:
             self._confirm(rpc)  # may close the segment right after the checked revision
         if self._writer is not None and self._writer.size >= self.opt.close_bytes:
             self._close_segment(rpc, self._last_event_ms, confirmed=False)
-        if self._last_revision() >= self._catchup_until:
-            self._caught_up.set()
 
     def _append(self, txn: Txn, rpc: EtcdRpc) -> None:
         last = self._last_revision()
