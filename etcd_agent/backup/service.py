@@ -93,16 +93,18 @@ def take_backup(
     clock: WallClock = SYSTEM_WALL_CLOCK,
     hold_lock: bool = True,
     origin: str = "operator",
+    lock_wait: float = 0.0,
 ) -> BackupResult:
     """Take one backup of ``member``'s etcd (default: a local member) into ``cfg.backup.dir``.
 
     ``clock`` names the archive and ages the others (retention): a test passes a fake one.
     ``hold_lock=False``: the caller already holds this host's operation lock (a node session).
     ``origin``: who takes it (``manifest.ORIGINS``): the daemon's chain backups are kept in slots
-    of their own, so that they never push the operator's history out."""
+    of their own, so that they never push the operator's history out. ``lock_wait``: while
+    another backup, prune or import of this host holds the lock, wait up to this long for it."""
     start = time.monotonic()
     try:
-        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin)
+        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin, lock_wait)
     except BusyError:
         raise  # another run is working: not a failed backup
     except AgentError:
@@ -158,6 +160,7 @@ def _take(
     clock: WallClock,
     hold_lock: bool = True,
     origin: str = "operator",
+    lock_wait: float = 0.0,
 ) -> BackupResult:
     from ..etcd.client import EtcdClient
     from ..etcd.tools import snapshot_status
@@ -166,7 +169,7 @@ def _take(
     directory = cfg.backup.dir
     ensure_private_dir(directory)
     m, notes = _choose(cfg, member_name, lambda x: EtcdClient.from_config(cfg, endpoints=[x.client_url], timeout=5.0))
-    with OperationLock(lock_path_for(directory), "backup") if hold_lock else contextlib.nullcontext():
+    with OperationLock(lock_path_for(directory), "backup", wait=lock_wait) if hold_lock else contextlib.nullcontext():
         archive.remove_partials(directory)
         client = EtcdClient.from_config(cfg, endpoints=[m.client_url], timeout=10.0)
         try:

@@ -12,6 +12,9 @@ from .main import Context, Output
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
 
+# state.locks.SHORT_WAIT, as a restore waits (not imported here: the CLI starts without tenacity)
+BACKUP_WAIT = 60.0
+
 log = logging.getLogger(__name__)
 
 IDENTITY_HELP = "an age identity file (mode 0600) holding the secret key of one of an encrypted backup's recipients"
@@ -34,6 +37,12 @@ def register(sub: Any) -> None:
         help="also run the full verify (extract + snapshot status) before the backup counts",
     )
     p.add_argument("--no-prune", action="store_true", help="do not apply the retention policy afterwards")
+    p.add_argument(
+        "--wait", type=float, default=BACKUP_WAIT, metavar="SECONDS",
+        help="while another backup, prune or import on this host holds its lock (the daemon's own full "
+             f"backup, a second cron line), wait up to this long, then take this one (default {BACKUP_WAIT:g}; "
+             "0: busy at once, exit 4); anything else holding it is busy at once",
+    )
     p.set_defaults(func=cmd_backup)
     bsub = p.add_subparsers(dest="backup_command", metavar="SUBCOMMAND")
 
@@ -64,10 +73,12 @@ def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
     from ..backup.service import take_backup
     from ..config import security_warnings
 
+    if not 0 <= args.wait <= 3600:
+        raise UsageError("--wait must be between 0 and 3600 seconds")
     cfg = ctx.config()
     for w in security_warnings(cfg):  # cron mails / syslogs stderr
         log.warning("%s", w)
-    res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune)
+    res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune, lock_wait=args.wait)
     text = res.path
     for w in res.warnings:
         log.warning("%s", w)

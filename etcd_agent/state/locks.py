@@ -70,12 +70,14 @@ def lock_path_for(backup_dir: str) -> str:
 class OperationLock:
     """``with OperationLock(path, "backup"):`` - raises BusyError when another process holds it.
 
-    ``holder`` is recorded in the file for the next caller's busy message (and for ``status``)."""
+    ``holder`` is recorded in the file for the next caller's busy message (and for ``status``);
+    ``wait``: what ``with`` passes to ``acquire``."""
 
-    def __init__(self, path: str, operation: str, holder: Optional[Holder] = None) -> None:
+    def __init__(self, path: str, operation: str, holder: Optional[Holder] = None, *, wait: float = 0.0) -> None:
         self.path = path
         self.operation = operation
         self.holder = holder or Holder()
+        self.wait = wait
         self._fd: Optional[int] = None
 
     @property
@@ -137,7 +139,7 @@ class OperationLock:
             self._fd = None
 
     def __enter__(self) -> "OperationLock":
-        return self.acquire()
+        return self.acquire(wait=self.wait)
 
     def __exit__(
         self,

@@ -285,7 +285,7 @@ def test_two_concurrent_backups_one_busy(base: str, etcd: Etcd) -> None:
         os.kill(first.pid, signal.SIGSTOP)
         try:
             before = sorted(os.listdir(bdir))
-            second = cli(cfgp, "backup")
+            second = cli(cfgp, "backup", "--wait", "0")
             assert second.returncode == 4, second.stderr
             assert "busy" in second.stderr
             assert sorted(os.listdir(bdir)) == before  # the busy one touched nothing
@@ -295,6 +295,31 @@ def test_two_concurrent_backups_one_busy(base: str, etcd: Etcd) -> None:
         out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert len(catalog.list_backups(bdir)) == 1
+
+
+def test_a_backup_waits_for_the_one_holding_the_lock(base: str, etcd: Etcd) -> None:
+    """Cron's backup while another backup of this host runs (the daemon's own full backup, a
+    second cron line): it waits for that one (``--wait``, 60 s by default), then takes its own."""
+    bdir = os.path.join(base, "b-wait")
+    cfgp = write_config(base, etcd, bdir, compression="zstd")
+    first = subprocess.Popen([sys.executable, "-m", "etcd_agent.cli.main", "-c", cfgp, "backup"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_partial(bdir, first)
+        os.kill(first.pid, signal.SIGSTOP)  # held mid-stream while the second starts and waits
+        second = subprocess.Popen([sys.executable, "-m", "etcd_agent.cli.main", "-c", cfgp, "backup"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3.0)
+        assert second.poll() is None, "the second backup did not wait for the lock"
+        os.kill(first.pid, signal.SIGCONT)
+        out2, err2 = second.communicate(timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 0, err2
+    names = [b.name for b in catalog.list_backups(bdir)]
+    assert len(names) == 2 and os.path.basename(out2.strip()) in names, (names, out2)
 
 
 def _wait_partial(bdir: str, proc: subprocess.Popen, min_size: int = 1) -> str:

@@ -109,3 +109,17 @@ def test_parse_errors_are_one_line_each_exit_2(tmp_path):
             assert lines[1] == f"  - {detail}"
     assert lines[1] == ("  - cluster.name: contains a control character (newline); "
                         "a value must be one line of printable text")
+
+
+def test_backup_waits_as_long_as_a_restore_does_and_refuses_a_bad_wait(tmp_path):
+    from etcd_agent.cli.backup import BACKUP_WAIT
+    from etcd_agent.cli.main import build_parser
+    from etcd_agent.state.locks import SHORT_WAIT
+
+    assert BACKUP_WAIT == SHORT_WAIT
+    assert build_parser().parse_args(["backup"]).wait == SHORT_WAIT
+    p = tmp_path / "a.toml"
+    p.write_text(SAMPLE)
+    for bad in ("-1", "3601"):
+        res = run("-c", str(p), "backup", "--wait", bad)
+        assert res.returncode == 2 and "--wait must be between 0 and 3600 seconds" in res.stderr, res.stderr
