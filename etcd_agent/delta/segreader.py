@@ -54,10 +54,16 @@ def _read_file(path: str, max_bytes: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > max_bytes:
             raise SegmentCorrupt(path, f"{size} bytes, more than the {max_bytes}-byte limit")
-        chunks = []
-        left = size
+        # one read for the whole file (it is held whole anyway): a segment is a little over
+        # close_bytes, and reading it in 4 MiB chunks made two chunks and a join copying them
+        # (0.5 s of a 600,000-event replay's two passes)
+        first = os.read(fd, size)
+        if len(first) >= size or not first:
+            return first
+        chunks = [first]
+        left = size - len(first)
         while left > 0:
-            chunk = os.read(fd, min(left, 1 << 22))
+            chunk = os.read(fd, min(left, 1 << 26))
             if not chunk:
                 break
             chunks.append(chunk)
