@@ -15,6 +15,7 @@
 
     .venv/bin/python bench/delta_bench.py [--duration 60] [--json out.json]
     .venv/bin/python bench/delta_bench.py --encrypt --no-synthetic   # with [backup] encrypt_to
+    ... --batch-seconds 0        # the streaming watch instead of the default batches
 
 ``--encrypt``: the same with ``[backup] encrypt_to`` (a fresh age key): full backups and delta
 segments (``.seg.age``) encrypted, the captured chain replayed with the identity.
@@ -125,11 +126,15 @@ def role_writer(args: argparse.Namespace) -> None:
 
 
 
-def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, base_sha256: str = "") -> int:
-    """A chain of ``events`` events after ``base``: mostly single puts, every 10th revision a
-    3-key transaction, every 25th a delete. Returns the last revision. ``base_sha256``: the full
-    backup's snapshot sha256 the chain names (as the daemon's do); without it a restore judges
-    the chain by time, and one dated before the backup (``t0``) is another backup's."""
+def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, base_sha256: str = "", *,
+                    key_format: bytes = b"syn/%06d", key_count: int = 50000,
+                    existing: Optional[Dict[bytes, tuple]] = None) -> int:
+    """A chain of ``events`` events after ``base``: mostly single puts over ``key_count`` keys,
+    every 10th revision a 3-key transaction, every 25th a delete. Returns the last revision.
+    ``base_sha256``: the full backup's snapshot sha256 the chain names (as the daemon's do);
+    without it a restore judges the chain by time, and one dated before the backup (``t0``) is
+    another backup's. ``existing``: keys the full backup holds, key -> (create revision,
+    version), when the chain's keys are those (updates rather than new keys)."""
     rng = random.Random(5)
     value = os.urandom(size)
     rev = base
@@ -137,8 +142,8 @@ def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, bas
     seq = 0
     prev = ""
     t = t0
-    live: Dict[bytes, tuple] = {}  # key -> (create revision, version)
-    order: List[bytes] = []  # sorted(live), kept as it changes (sorting 50,000 keys a delete was most of the time)
+    live: Dict[bytes, tuple] = dict(existing or {})  # key -> (create revision, version)
+    order: List[bytes] = sorted(live)  # kept sorted as it changes (sorting 50,000 keys a delete was most of the time)
     while made < events:
         w = SegmentWriter(segdir, SegmentHeader("5e" * 16, seq, base, rev + 1, prev, t, base_sha256=base_sha256))
         while made < events and w.size < 4 * 1024 * 1024:
@@ -151,7 +156,7 @@ def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, bas
                 evs: tuple = (Event(DELETE, k, b"", rev, 0, 0, 0),)
             else:
                 n = 3 if rev % 10 == 0 else 1
-                keys = sorted({b"syn/%06d" % rng.randrange(50000) for _ in range(n)})
+                keys = sorted({key_format % rng.randrange(key_count) for _ in range(n)})
                 out = []
                 for k in keys:
                     if k not in live:
@@ -285,6 +290,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--encrypt", action="store_true", help="[backup] encrypt_to set: everything in age")
     ap.add_argument("--no-synthetic", action="store_true", help="skip part 2's synthetic chain")
+    ap.add_argument("--batch-seconds", help="[backup.delta] batch_seconds (default: the product's, 1.0; 0 streams)")
     args = ap.parse_args()
     if args.role == "writer":
         return role_writer(args)
@@ -313,8 +319,11 @@ def main() -> None:
         backup = f'encrypt_to = ["{recipient}"]\n'
     report["encrypted"] = bool(args.encrypt)
     # the product's defaults for the watch; off to begin with
-    bed = make_bed(os.path.join(work, "c"), 1, delta={"enabled": "false", "close_seconds": "5.0",
-                                                       "idle_seconds": "60.0"}, backup=backup)
+    delta = {"enabled": "false", "close_seconds": "5.0", "idle_seconds": "60.0"}
+    if args.batch_seconds is not None:
+        delta["batch_seconds"] = str(float(args.batch_seconds))
+    report["batch_seconds"] = float(args.batch_seconds) if args.batch_seconds is not None else "default"
+    bed = make_bed(os.path.join(work, "c"), 1, delta=delta, backup=backup)
     c = bed.c
     try:
         bed.start("m1")

@@ -3,22 +3,29 @@
 
 A 3-member loopback cluster (etcd 3.5.16, fsync on) gets ``--full-keys`` keys of ``--size``
 bytes; full backup A is taken, one more key written, full backup B taken. A synthetic chain
-(``delta_bench.synthetic_chain``: mostly single puts over 50,000 keys, every 10th revision a
-3-key transaction, every 25th a delete) of ``--events`` events continues A, one of
+(``delta_bench.synthetic_chain``: mostly single puts over 50,000 keys of its own, or with
+``--chain-keys updates`` over the full backup's keys - a state that keeps its size, as a
+Kubernetes cluster's mostly does - every 10th revision a 3-key transaction, every 25th a delete)
+of ``--events`` events continues A, one of
 ``--long-events`` continues B. Then ``--rounds`` interleaved rounds (the order rotated each round,
 so a noisy neighbour hits every way alike) of four real ``etcd-agent --json restore ... --yes``
 runs, each timed from the command to its exit (every member healthy):
 
 - ``plain A``: ``--from A``;  ``pitr A``: ``--from A --to newest`` (the replay of the chain, then
   the same restore of its result);
-- ``plain B``, ``pitr B`` likewise.
+- ``plain B``, ``pitr B`` likewise;
+- ``plain A@target``, ``plain B@target``: a full backup of the state each point-in-time restore
+  reaches (taken once, of the cluster that restore left), restored plainly: the floor of any
+  replay design, since the restore ships and starts that larger state whatever produced it.
 
 Printed: each way's wall (min/median/max), and each point-in-time restore's ratio to the plain
-restore of the same full backup (median over median, and per round), and each way's phase
-timings (the restore's JSON ``timings``). The goal (issue 24): ``pitr B / plain B`` <= 1.5.
+restore of the same full backup and to the plain restore of its target state (median over
+median, and per round), the target state's to the full backup's, and each way's phase timings
+(the restore's JSON ``timings``). The goal (issue 24): ``pitr B / plain B`` <= 1.5.
 
     flock /tmp/etcd-agent-heavy.lock .venv/bin/python bench/pitr_bench.py [--rounds 3]
-        [--events 100000] [--long-events 600000] [--full-keys 10000] [--json out.json]
+        [--events 100000] [--long-events 600000] [--full-keys 10000] [--chain-keys new|updates]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -46,16 +53,23 @@ from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.integration.test_restore import AGENT, EXTRA  # noqa: E402
 
 
-def fill(rpc: EtcdRpc, keys: int, size: int) -> None:
+def fill(rpc: EtcdRpc, keys: int, size: int) -> Dict[bytes, tuple]:
+    """``keys`` keys full/NNNNNN of ``size`` bytes; returns key -> (create revision, version)."""
     value = os.urandom(size)
+    made: Dict[bytes, tuple] = {}
     for i in range(0, keys, 100):
-        rpc.txn([proto.op_put(b"full/%06d" % j, value) for j in range(i, min(i + 100, keys))])
+        batch = [b"full/%06d" % j for j in range(i, min(i + 100, keys))]
+        rev = rpc.txn([proto.op_put(k, value) for k in batch]).revision
+        made.update((k, (rev, 1)) for k in batch)
+    return made
 
 
-def restore_run(cfg_path: str, backup: str, pitr: bool) -> Run:
+def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False) -> Run:
     argv = [AGENT, "-c", cfg_path, "--json", "restore", "--from", backup]
     if pitr:
         argv += ["--to", "newest"]
+    if new_cluster:  # a backup of the cluster as a later restore replaced it: a rollback point
+        argv += ["--new-cluster"]
     return agent_run(argv + ["--yes"])
 
 
@@ -67,17 +81,20 @@ def main() -> None:
     ap.add_argument("--full-keys", type=int, default=10_000)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--chain-keys", choices=("new", "updates"), default="new",
+                    help="the chain's puts: 50,000 keys of its own (default), or the full backup's keys")
     ap.add_argument("--json")
     a = ap.parse_args()
     byte_compile()
     work = tempfile.mkdtemp(prefix="pitr-bench-", dir=a.dir)
     c = LoopbackCluster(os.path.join(work, "c"), 3, extra=EXTRA)
     report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-                              "full_keys": a.full_keys, "size": a.size, "rounds": a.rounds}
+                              "full_keys": a.full_keys, "size": a.size, "rounds": a.rounds,
+                              "chain_keys": a.chain_keys}
     try:
         c.start_static()
         rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
-        fill(rpc, a.full_keys, a.size)
+        filled = fill(rpc, a.full_keys, a.size)
         full_a = take_backup(c.cfg, member="m1")
         rpc.txn([proto.op_put(b"between", b"A and B")])
         full_b = take_backup(c.cfg, member="m1")
@@ -87,7 +104,11 @@ def main() -> None:
         chains: Dict[str, Dict[str, Any]] = {}
         for name, full, events in (("A", full_a, a.events), ("B", full_b, a.long_events)):
             t = time.monotonic()
-            last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256)
+            if a.chain_keys == "new":  # 50,000 keys of its own: the state grows ~5x
+                last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256)
+            else:  # the full backup's own keys, updated and deleted: the state keeps its size
+                last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256,
+                                       key_format=b"full/%06d", key_count=a.full_keys, existing=filled)
             segs = [p for p in os.listdir(c.cfg.backup.dir) if p.startswith("etcd-delta-")]
             chains[name] = {"backup": os.path.basename(full.path), "bytes": full.size, "revision": full.revision,
                             "events": events, "last_revision": last}
@@ -95,11 +116,21 @@ def main() -> None:
                   f"events to revision {last} written in {time.monotonic() - t:.0f}s ({len(segs)} segment files "
                   "in the dir)", flush=True)
         report["chains"] = chains
+        # the floor: a full backup already holding each target's state (taken of the cluster a
+        # point-in-time restore just left), restored plainly - what no replay design can beat
+        at_target = {}
+        for name, full in (("A", full_a), ("B", full_b)):
+            restore_run(c.config_path, full.path, True)  # exits the bench if it fails
+            at_target[name] = take_backup(c.cfg, member="m1")
+            chains[name]["target_state_backup_bytes"] = at_target[name].size
+            print(f"full backup of {name}'s target state: {at_target[name].size / 1e6:.1f} MB", flush=True)
         ways = {
             "plain A": lambda: restore_run(c.config_path, full_a.path, False),
             f"pitr A (+{a.events} events)": lambda: restore_run(c.config_path, full_a.path, True),
+            "plain A@target": lambda: restore_run(c.config_path, at_target["A"].path, False, True),
             "plain B": lambda: restore_run(c.config_path, full_b.path, False),
             f"pitr B (+{a.long_events} events)": lambda: restore_run(c.config_path, full_b.path, True),
+            "plain B@target": lambda: restore_run(c.config_path, at_target["B"].path, False, True),
         }
         runs = interleave(ways, a.rounds, between=lambda: None, check=lambda: None)
         names = list(ways)
@@ -112,13 +143,14 @@ def main() -> None:
             w = [r.wall for r in runs[n]]
             print(f"{n:<34} {min(w):6.2f} {statistics.median(w):6.2f} {max(w):6.2f}")
             out[n] = {"walls": w, "phases": [r.phases for r in runs[n]]}
-        for plain, pitr in ((names[0], names[1]), (names[2], names[3])):
+        for plain, pitr in ((names[0], names[1]), (names[3], names[4]), (names[2], names[1]), (names[5], names[4]),
+                            (names[0], names[2]), (names[3], names[5])):
             pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
             per = [q / p for p, q in zip(pw, qw)]
             ratio = statistics.median(qw) / statistics.median(pw)
             print(f"ratio {pitr} / {plain}: {ratio:.2f} (median over median); per round min/median/max "
                   f"{min(per):.2f} / {statistics.median(per):.2f} / {max(per):.2f}")
-            out[f"ratio {pitr}"] = {"median_over_median": ratio, "per_round": per}
+            out[f"ratio {pitr} / {plain}"] = {"median_over_median": ratio, "per_round": per}
         report["ways"] = out
         report["machine"]["loadavg_end"] = os.getloadavg()
         if a.json:

@@ -8,7 +8,7 @@ s. Reported per mode: this process's CPU in % of one core (median over the inter
 and every round), the writer's completed rate and p50 latency against the writer alone.
 
     flock /tmp/etcd-agent-heavy.lock .venv/bin/python bench/watch_cpu_bench.py [--rounds 3] [--duration 20]
-    ... --profile enc    # one cProfiled encrypted run instead (every thread, thread CPU time)
+    ... --profile enc    # one cProfiled run of a mode instead (every thread, thread CPU time)
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.watcher import DeltaWatcher  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 
-MODES = ("alone", "plain", "enc")
+# plain / enc: one streaming watch; the -batched modes read it in batches every second (the
+# daemon's default, [backup.delta] batch_seconds = 1.0)
+MODES = ("alone", "plain", "enc", "plain-batched", "enc-batched")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -60,9 +62,10 @@ def run_once(ep: str, root: str, mode: str, args: argparse.Namespace) -> Dict[st
     w = None
     if mode != "alone":
         out = tempfile.mkdtemp(prefix=f"segs-{mode}-", dir=root)
-        rec = (parse_recipient(generate_identity()[1]),) if mode == "enc" else ()
+        rec = (parse_recipient(generate_identity()[1]),) if mode.startswith("enc") else ()
         rev = EtcdRpc(ep).header().revision
-        w = DeltaWatcher(ep, rev, out, options=WatchOptions(recipients=rec))
+        batch = 1.0 if mode.endswith("-batched") else 0.0
+        w = DeltaWatcher(ep, rev, out, options=WatchOptions(recipients=rec, batch_seconds=batch))
         w.start()
     time.sleep(2)
     wr = subprocess.Popen(
@@ -116,7 +119,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--rate", type=int, default=500)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--profile", choices=("plain", "enc"))
+    ap.add_argument("--profile", choices=MODES[1:])
     ap.add_argument("--json", help="write the rounds here")
     args = ap.parse_args()
 
@@ -130,11 +133,12 @@ def main() -> None:
             return
         res: Dict[str, List[Dict[str, Any]]] = {m: [] for m in MODES}
         for i in range(args.rounds):
-            order = MODES[i % 3:] + MODES[:i % 3]  # interleaved: no mode always first
+            k = i % len(MODES)
+            order = MODES[k:] + MODES[:k]  # interleaved: no mode always first
             for mode in order:
                 r = run_once(ep, root, mode, args)
                 res[mode].append(r)
-                print(f"round {i + 1} {mode:5}: {r['cpu_pct']:5.1f} % of a core, writer "
+                print(f"round {i + 1} {mode:13}: {r['cpu_pct']:5.1f} % of a core, writer "
                       f"{r['writer']['rate_median']:.0f}/s p50 {r['writer']['latency_ms_p50']:.2f} ms; threads "
                       f"{r['threads_pct']}",
                       file=sys.stderr, flush=True)
@@ -146,7 +150,7 @@ def main() -> None:
             cpus = [r["cpu_pct"] for r in res[mode]]
             rate = statistics.median(r["writer"]["rate_mean"] for r in res[mode])
             lat = statistics.median(r["writer"]["latency_ms_p50"] for r in res[mode])
-            print(f"  {mode:5}: CPU {statistics.median(cpus):5.1f} % of a core "
+            print(f"  {mode:13}: CPU {statistics.median(cpus):5.1f} % of a core "
                   f"(rounds {', '.join(f'{x:.1f}' for x in cpus)}); writer {rate:.1f}/s "
                   f"({100 * rate / base_rate:.1f} % of alone), p50 {lat:.2f} ms ({lat / base_lat:.2f}x alone)")
         if args.json:
