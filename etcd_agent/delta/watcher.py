@@ -371,6 +371,12 @@ class DeltaWatcher:
                 if msg.created:
                     if msg.canceled:
                         self._canceled(msg)
+                    # the member as etcd creates the watch: the same cluster, not behind the chain.
+                    # A batched watch is a new call on a channel gRPC reconnects by itself, so a
+                    # member restored under it shows first here (a streaming watch's stream breaks
+                    # instead and the reconnect checks it): without this a batch would go on to
+                    # append the restored member's revisions past the chain's end to the chain
+                    self._check_member(msg.header)
                     # revisions up to the store's current one were committed before this moment:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision

@@ -99,7 +99,9 @@ def test_point_in_time(live, tmp_path, batch):
     w = started(live, base, segdir, batch_seconds=batch)
     rev_a = r.txn([proto.op_put(b"a", b"1"), proto.op_put(b"c", b"1")]).revision
     t_a = int(time.time() * 1000)
-    time.sleep(1.0)
+    # batched, a revision's time is when its batch arrived (up to batch_seconds + a little after
+    # its commit): the target (midway) is well past that
+    time.sleep(1.0 + 4 * batch)
     t_b = int(time.time() * 1000)
     r.txn([proto.op_put(b"b", b"2")])
     put(r, b"a", b"3")
@@ -192,11 +194,12 @@ def test_lease_expired_by_target_without_its_deletes(live, tmp_path):
         assert s.rpc.lease_ttl(0x111).granted_ttl == 5  # 2 s left, raised to the 5 s minimum
 
 
-def test_compaction_while_stopped_breaks_the_chain(live, tmp_path):
+@MODES
+def test_compaction_while_stopped_breaks_the_chain(live, tmp_path, batch):
     r = live.rpc
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
-    w = started(live, base, segdir)
+    w = started(live, base, segdir, batch_seconds=batch)
     for i in range(30):
         put(r, b"k%d" % i, b"v")
     finish(w, live)
@@ -205,7 +208,7 @@ def test_compaction_while_stopped_breaks_the_chain(live, tmp_path):
         put(r, b"later%d" % i, b"v")
     compacted = r.header().revision
     r.compact(compacted, physical=True)
-    w2 = DeltaWatcher(live.endpoint, base, segdir, **FAST)
+    w2 = DeltaWatcher(live.endpoint, base, segdir, **dict(FAST, batch_seconds=batch))
     w2.start()
     with pytest.raises(ChainBroken) as ei:
         w2.join(30)
@@ -218,6 +221,30 @@ def test_compaction_while_stopped_breaks_the_chain(live, tmp_path):
     with pytest.raises(ChainBroken) as ei:
         w3.join(30)
     assert ei.value.at_revision == base + 1
+
+
+def test_compaction_between_two_batches_breaks_the_chain(live, tmp_path):
+    """The batched watch's own risk: history compacted past the next batch's start revision
+    while no watch is open. The next batch is canceled by etcd and the chain breaks there, at the
+    first revision not captured; nothing after it is ever written as if it followed."""
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir, batch_seconds=3.0, close_seconds=5.0, idle_seconds=10.0,
+                heartbeat_seconds=10.0, progress_timeout=3.0)
+    put(r, b"first", b"v")
+    wait_watcher_caught_up(w, r.header().revision)  # a batch has run and delivered it
+    captured = w.captured_revision
+    for i in range(10):
+        put(r, b"between%d" % i, b"v")
+    compacted = r.header().revision
+    r.compact(compacted, physical=True)  # before the next batch (3 s after the last one)
+    with pytest.raises(ChainBroken) as ei:
+        w.join(30)
+    assert w.captured_revision == captured, "revisions were written after the compaction broke the chain"
+    assert ei.value.at_revision == captured + 1 and ei.value.compact_revision == compacted
+    chk = check_chain(list_segments(segdir), base)
+    assert chk.stop is None and chk.end_revision == captured  # the chain ends where it broke, whole
 
 
 def _three_segment_chain(live, tmp_path):
@@ -292,6 +319,40 @@ def test_member_down_too_long_breaks_the_chain(live, tmp_path):
     with pytest.raises(ChainBroken, match="could not be watched") as ei:
         w.join(30)
     assert ei.value.at_revision == base + 2
+
+
+@MODES
+def test_a_member_restored_under_the_watch_breaks_the_chain(live, tmp_path, batch):
+    """The member's data replaced by its full backup with the same token (a restore by hand: the
+    same cluster id, the revision back at the backup's) while the watcher runs, faster than a
+    batch interval. No coverage check is due (60 s), so only the watch itself can see it: the
+    chain breaks at the first revision not captured, and what the restored member is written
+    afterwards is never appended to it. (A batched watch sees it in the header of its next
+    watch's creation; a streaming one in the reconnect after its stream breaks.)"""
+    import shutil
+
+    r = live.rpc
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir, batch_seconds=3.0 * bool(batch), close_seconds=60.0, idle_seconds=60.0,
+                heartbeat_seconds=60.0, progress_timeout=3.0)
+    for i in range(50):
+        put(r, b"old%03d" % i, b"v")
+    wait_watcher_caught_up(w, r.header().revision)  # batched: the next batch is ~3 s away
+    captured = w.captured_revision
+    live.stop_process(keep_client=True)
+    shutil.rmtree(live.data_dir)
+    live.restore(full)  # same name, peer URL and token: the same cluster id, at revision `base`
+    live._start_etcd()
+    with pytest.raises(ChainBroken, match="behind the chain") as ei:
+        w.join(30)
+    for i in range(80):  # past the chain's end: what a watch from captured + 1 would deliver
+        put(r, b"new%03d" % i, b"v")
+    assert ei.value.at_revision == captured + 1 and w.captured_revision == captured
+    chk = check_chain(list_segments(segdir), base)
+    assert chk.stop is None and chk.end_revision == captured
+    written = {e.key for info in chk.segments for t in read_segment(info.path).txns for e in t.events}
+    assert written == {b"old%03d" % i for i in range(50)}
 
 
 def test_another_cluster_breaks_the_chain(live, tmp_path):
