@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 import pytest
 
 from etcd_agent.delta import chains
+from etcd_agent.errors import OperationFailed
 from tests.integration.continuous import (
     agent,
     beds,
@@ -61,7 +62,9 @@ def test_point_in_time_between_two_writes_with_the_lease_rule(bed) -> None:  # t
     delete(r, "/gone/x")
     time.sleep(3.5)  # the short lease runs out; its key's delete reaches the chain before the target
     last_before = put(r, "/before/last", b"z")
-    time.sleep(0.6)
+    # the daemon's watch is read in batches (batch_seconds = 1): a revision's time is when its
+    # batch arrived, up to ~1.1 s after its commit, so the target is a good 2 s after the write
+    time.sleep(2.0)
     target = time.time()
     time.sleep(0.6)
     first_after = put(r, "/after/first", b"a")
@@ -113,8 +116,12 @@ def test_point_in_time_between_two_writes_with_the_lease_rule(bed) -> None:  # t
 
     # the restored cluster is another cluster id: the daemons break the old chain, take a full
     # backup and watch from it; the textfile says so
-    wait_for(lambda: chains.active_base(c.cfg.backup.dir) not in (None, base) and breaks(c) >= 1, 90,
-             "a new chain after the restore")
+    try:
+        wait_for(lambda: chains.active_base(c.cfg.backup.dir) not in (None, base) and breaks(c) >= 1, 90,
+                 "a new chain after the restore")
+    except OperationFailed as exc:
+        raise AssertionError(f"{exc.message}; active base {chains.active_base(c.cfg.backup.dir)} (was {base}), "
+                             f"breaks {breaks(c)}; daemons:\n{logs(d)[-6000:]}") from None
     assert "CHAIN BROKEN" in logs(d)
     m = wait_for(lambda: textfile(c).get("etcd_agent_delta_chain_breaks_total", 0) >= 1 and textfile(c), 30,
                  "the textfile counting the break")
@@ -130,7 +137,7 @@ def test_compaction_while_stopped_breaks_the_chain_and_a_restore_stops_at_the_ga
     r = rpc(c)
     for i in range(30):
         put(r, f"/a/{i:03d}", b"1")
-    time.sleep(0.3)
+    time.sleep(2.0)  # past the batch (batch_seconds = 1) that receives the /a/ writes
     t_mid = time.time()  # between the /a/ writes and /a/mid
     time.sleep(0.3)
     mid = put(r, "/a/mid", b"1")

@@ -42,3 +42,21 @@ def test_a_replacement_after_the_chains_backup_with_no_record_is_a_restore_by_ha
     # the agent's restore is older than the chain's full backup: this break is something else
     got = kinds_after(tmp_path, restore_ago=600, full_ago=60, seq=3, watch_ago=30)
     assert [b.kind for b in got] == ["restore", "detected"] and "cluster 0b" in got[-1].reason
+
+
+def test_a_break_met_as_the_watch_stops_is_left_for_the_next_watch() -> None:
+    """The daemon stops its watch for a restore and the watch's last batch already sees the
+    restored member: that break is not settled then (no full backup asked for, no boundary
+    recorded before the restore has recorded itself); the next watch resumes the chain after the
+    restore and meets it, and only that one is handled (``_on_break``)."""
+    calls = []
+
+    def stop(timeout: float) -> None:
+        calls.append(timeout)
+        raise BROKEN
+
+    s = supervisor(time.time() - 60)
+    s.watcher = SimpleNamespace(stop=stop)  # type: ignore[assignment]
+    s._stop_watcher("a restore of this member is in progress: hands off")
+    assert calls and s.watcher is None
+    assert s._broken == "" and s._breaks_total is None and s._breaks_in_row == 0  # nothing asked of the next tick
