@@ -195,9 +195,7 @@ class EtcdRpc:
         deadline ``timeout`` passes (StreamEnded). A failed call is an EtcdError."""
         import grpc
 
-        fn = self._channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=serialize,
-                                        response_deserializer=_ident)
-        call = fn(create_request, metadata=_METADATA, timeout=timeout)
+        call = _watch_method(self._channel)(create_request, metadata=_METADATA, timeout=timeout)
         try:
             yield from call
         except grpc.RpcError as exc:
@@ -259,6 +257,12 @@ class _Requests:
             yield item
 
 
+def _watch_method(channel: Any) -> Any:
+    """etcd's Watch, called as a server-streaming RPC of raw responses (the create request, then
+    the client half-closes; etcd keeps the stream open until it is canceled)."""
+    return channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=serialize, response_deserializer=_ident)
+
+
 class WatchStream:
     """One Watch RPC, read by a thread of its own.
 
@@ -284,8 +288,7 @@ class WatchStream:
     ) -> None:
         self.endpoint = endpoint
         self._handler = handler
-        fn = channel.unary_stream("/etcdserverpb.Watch/Watch", request_serializer=serialize, response_deserializer=_ident)
-        self._call = fn(create_request, metadata=_METADATA)
+        self._call = _watch_method(channel)(create_request, metadata=_METADATA)
         # bounded: if the consumer falls behind, gRPC flow control pushes back on etcd, whose
         # watcher then becomes "unsynced" and catches up from history - nothing is dropped
         self._responses: "queue.Queue[Union[bytes, BaseException, object]]" = queue.Queue(maxsize=queue_size)

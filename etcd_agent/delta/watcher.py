@@ -277,23 +277,32 @@ class DeltaWatcher:
         finally:
             rpc.close()
 
-    def _open(self, rpc: EtcdRpc, *, progress_notify: bool) -> Any:
-        """A watch from the revision after the last one captured, once etcd has created it."""
+    def _next_watch(self, *, progress_notify: bool) -> Any:
+        """The create request of the next watch (from the revision after the last one captured),
+        its per-watch state reset."""
         with self._mu:
             self._created = False
             self._fragments.clear()
             start = self._last_revision() + 1
-        create = proto.encode_watch_create(
+        return proto.encode_watch_create(
             b"\0", b"\0", start_revision=start, progress_notify=progress_notify, fragment=self.opt.fragment
         )
+
+    def _watching(self) -> None:
+        """A watch was created: the member is reachable again."""
+        self._outage_since = None
+        self.state = "watching"
+
+    def _open(self, rpc: EtcdRpc, *, progress_notify: bool) -> Any:
+        """A streaming watch, once etcd has created it."""
+        create = self._next_watch(progress_notify=progress_notify)
         stream = rpc.watch(create, queue_size=self.opt.queue_size, handler=lambda raw: self._on_response(raw, rpc))
         try:
             self._await_created(stream)
         except BaseException:
             stream.close()
             raise
-        self._outage_since = None
-        self.state = "watching"
+        self._watching()
         return stream
 
     def _batches(self, stop: threading.Event, rpc: EtcdRpc) -> None:
@@ -307,13 +316,7 @@ class DeltaWatcher:
         while not stop.is_set():
             began = self._mono()
             self._timers(rpc)
-            with self._mu:
-                self._created = False
-                self._fragments.clear()
-                start = self._last_revision() + 1
-            create = proto.encode_watch_create(
-                b"\0", b"\0", start_revision=start, progress_notify=False, fragment=self.opt.fragment
-            )
+            create = self._next_watch(progress_notify=False)
             with contextlib.closing(rpc.watch_batch(create, timeout=limit)) as responses:
                 for raw in responses:
                     self._on_response(raw, rpc)
@@ -321,17 +324,22 @@ class DeltaWatcher:
                         break
                 else:
                     raise StreamEnded(f"watch stream from {self.endpoint} ended by the server")
-            self._outage_since = None
-            self.state = "watching"
+            self._watching()
             self._timers(rpc)  # a close due at the revision just delivered happens now
             stop.wait(max(0.05, min(began + self.opt.batch_seconds, self._next_due()) - self._mono()))
 
     def _next_due(self) -> float:
         """(Monotonic) when the open segment's close or the next heartbeat check is due."""
         with self._mu:
-            has_events = self._writer is not None and self._writer.txns > 0
-            period = self.opt.close_seconds if has_events else self.opt.idle_seconds
-            return min(self._period_start + period, self._last_check + self.opt.heartbeat_seconds)
+            return min(self._period_start + self._period(), self._last_check + self.opt.heartbeat_seconds)
+
+    def _has_events(self) -> bool:
+        """(Locked) the open segment holds revisions."""
+        return self._writer is not None and self._writer.txns > 0
+
+    def _period(self) -> float:
+        """(Locked) how long the open segment stays open: close_seconds with events, else idle_seconds."""
+        return self.opt.close_seconds if self._has_events() else self.opt.idle_seconds
 
     def _check_member(self, hdr: proto.Header, last: Optional[int] = None) -> None:
         """``hdr`` was read after revision ``last`` had been captured (default: now)."""
@@ -455,8 +463,8 @@ class DeltaWatcher:
         waiting for one after ``progress_timeout``; detect a stuck stream."""
         now = self._mono()
         with self._mu:
-            has_events = self._writer is not None and self._writer.txns > 0
-            due = now - self._period_start >= (self.opt.close_seconds if has_events else self.opt.idle_seconds)
+            has_events = self._has_events()
+            due = now - self._period_start >= self._period()
             pending = self._check
             if pending is not None and now - pending[2] > self.opt.progress_timeout:
                 if self._closing:
