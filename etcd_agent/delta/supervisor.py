@@ -182,8 +182,8 @@ class DeltaSupervisor:
         self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
-        self._collect_watcher(cfg)
         restoring = bool(markers.read_restore(cfg, me.name))
+        self._collect_watcher(cfg, restoring)
         if enabled and not restoring:
             self._find_newest(cfg)
         facts = Facts(
@@ -228,7 +228,7 @@ class DeltaSupervisor:
                      "setting")
             self._stop_watcher("encrypt_to changed")
 
-    def _collect_watcher(self, cfg: Config) -> None:
+    def _collect_watcher(self, cfg: Config, restoring: bool = False) -> None:
         """If the watcher thread ended: why (a break is recorded and counted)."""
         w = self.watcher
         if w is None or w.running:
@@ -240,7 +240,7 @@ class DeltaSupervisor:
             w.join(0)
             self._state = "stopped"
         except ChainBroken as exc:
-            self._on_break(cfg, w, exc)
+            self._on_break(cfg, w, exc, restoring)
         except BusyError as exc:
             self._state, self._detail = "standby", exc.message
             self._retry_at = time.monotonic() + RETRY_AFTER
@@ -261,9 +261,13 @@ class DeltaSupervisor:
         self._breaks_in_row = 1 if ran >= STABLE_AFTER else self._breaks_in_row + 1
         self._said_backoff = False
 
-    def _on_break(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken) -> None:
+    def _on_break(self, cfg: Config, w: DeltaWatcher, exc: ChainBroken, restoring: bool = False) -> None:
+        """``restoring``: a restore of this member is in progress (its marker is here): a member
+        found replaced is that restore, which records itself as it finishes; recorded here too it
+        would be a second boundary, taken for a restore by hand (the batched watch can see the
+        restored member before the tick that stops it for the restore)."""
         self._count_break()
-        if exc.restored:
+        if exc.restored and not restoring:
             self._record_boundary(cfg, w, exc)
         full = self._full.name if self._full else f"revision {w.base_revision}"
         if w.pos.seq == 0 and w.segments_written == 0 and exc.at_revision == w.base_revision + 1:

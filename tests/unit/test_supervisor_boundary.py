@@ -60,3 +60,18 @@ def test_a_break_met_as_the_watch_stops_is_left_for_the_next_watch() -> None:
     s._stop_watcher("a restore of this member is in progress: hands off")
     assert calls and s.watcher is None
     assert s._broken == "" and s._breaks_total is None and s._breaks_in_row == 0  # nothing asked of the next tick
+
+
+def test_a_member_found_replaced_while_a_restore_of_it_runs_records_no_boundary(tmp_path: Any) -> None:
+    """The watch sees the restored member before the tick that stops it for the restore: the
+    break is counted and recorded as a break, but the boundary is left to the restore itself
+    (its finish records it); without a restore in progress it is a restore by hand."""
+    d = str(tmp_path)
+    cfg = SimpleNamespace(backup=SimpleNamespace(dir=d))
+    w = SimpleNamespace(pos=SimpleNamespace(seq=2, start_time_ms=int((time.time() - 30) * 1000), chain_id="c" * 32),
+                        segments_written=3, base_revision=100)
+    s = supervisor(time.time() - 60)
+    s._on_break(cfg, w, BROKEN, True)  # type: ignore[arg-type]
+    assert boundaries.read(d) == [] and s._broken == "the chain broke"
+    s._on_break(cfg, w, BROKEN, False)  # type: ignore[arg-type]
+    assert [b.kind for b in boundaries.read(d)] == ["detected"]
