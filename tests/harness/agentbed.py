@@ -2,6 +2,8 @@
 config for a set of containers, waiting for health from the root namespace, unit state."""
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
@@ -81,6 +83,39 @@ def wait_unit(c: Container, unit: str, state: str, timeout: float = 30.0) -> Non
 
 def main_pid(c: Container, unit: str) -> int:
     return int(c.systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip() or 0)
+
+
+def run_backup_unit(c: Container, backup_dir: str) -> str:
+    """Start etcd-agent-backup.service once, wait for it, and return the tarball that run wrote
+    (the path it printed, from the journal after the start only). The daemon's continuous
+    backup takes full backups of its own (the base of each delta chain), so what else appears in
+    ``backup_dir`` meanwhile must be the daemon's, by its signed manifest."""
+    before = set(c.exec(["ls", backup_dir], check=True).stdout.split())
+    # where the journal ends now: what the unit prints after it is this run's (a oneshot's
+    # InvocationID is gone once it has finished)
+    last = c.exec(["journalctl", "--no-pager", "-q", "-n", "1", "--show-cursor"]).stdout.splitlines()
+    cursor = last[-1].removeprefix("-- cursor: ") if last and last[-1].startswith("-- cursor: ") else ""
+    res = c.systemctl("start", "etcd-agent-backup.service", timeout=300)
+    assert res.returncode == 0, res.stderr + journal(c, "etcd-agent-backup")
+    assert c.systemctl("show", "-p", "Result", "--value",
+                       "etcd-agent-backup.service").stdout.strip() == "success"
+    deadline = time.monotonic() + 10.0  # journald may store the unit's last lines a moment later
+    while True:
+        out = c.exec(["journalctl", "--no-pager", "-o", "cat", "-u", "etcd-agent-backup",
+                      *([f"--after-cursor={cursor}"] if cursor else [])], check=True).stdout
+        printed = [ln.strip() for ln in out.splitlines() if ln.strip().startswith(backup_dir.rstrip("/") + "/etcd-")]
+        if printed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(printed) == 1, out
+    path = printed[0]
+    assert c.exec(["test", "-f", path]).returncode == 0, f"{path} printed but not there"
+    listing = json.loads(c.exec(["etcd-agent", "--json", "backup", "list"], check=True).stdout)
+    origin = {b["name"]: b["origin"] for b in listing["backups"]}
+    assert origin.get(os.path.basename(path)) == "operator", listing
+    others = [n for n in origin if n not in before and n != os.path.basename(path)]
+    assert all(origin[n] == "daemon" for n in others), (others, listing)
+    return path
 
 
 def untouched_state(c: Container, data_dir: str, units: Sequence[str] = ("etcd", "kube-apiserver.service")) -> tuple:

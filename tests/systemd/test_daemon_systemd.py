@@ -14,14 +14,14 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, Sequence
 
 import pytest
 
 from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
 from tests.harness import agentbed
-from tests.harness.agentbed import journal, main_pid, wait_healthy, wait_unit
+from tests.harness.agentbed import journal, main_pid, run_backup_unit, wait_healthy, wait_unit
 from tests.harness.nspawn import Container, NspawnBed
 
 from .conftest import METRICS, REPO
@@ -257,24 +257,13 @@ def test_agent_stop_leaves_etcd_running(ed: NspawnBed) -> None:
     wait_unit(c, "etcd-agent", "active")
 
 
-def _tarballs(c: Container) -> List[str]:
-    return [n for n in c.exec(["ls", BACKUP_DIR]).stdout.split() if n.startswith("etcd-") and n.endswith(".tar")]
-
-
 def test_backup_unit_writes_verified_tarball(ed: NspawnBed) -> None:
     c = ed[0]
-    before = _tarballs(c)  # the daemon's own full backup (the base of its delta chain) may be there
     t0 = time.monotonic()
-    res = c.systemctl("start", "etcd-agent-backup.service", timeout=300)
-    assert res.returncode == 0, res.stderr + journal(c, "etcd-agent-backup")
+    path = run_backup_unit(c, BACKUP_DIR)  # beside it, at most the daemon's own (its chain's base)
     print(f"\n[figure] backup unit run: {time.monotonic() - t0:.1f} s")
-    assert c.systemctl("show", "-p", "Result", "--value",
-                       "etcd-agent-backup.service").stdout.strip() == "success"
     st = c.exec(["stat", "-c", "%a %U", BACKUP_DIR]).stdout.split()
     assert st == ["700", "root"]
-    names = [n for n in _tarballs(c) if n not in before]
-    assert len(names) == 1, (before, names)
-    path = f"{BACKUP_DIR}/{names[0]}"
     assert c.exec(["stat", "-c", "%a", path]).stdout.strip() == "600"
     res = agent(c, "backup", "verify", path)
     assert res.returncode == 0, res.stdout + res.stderr
