@@ -189,6 +189,40 @@ class SegmentHeader:
         return h
 
 
+# a full backup's name as the agent writes it (``backup.archive.NAME_RE``): what a footer may vouch for
+CHECKPOINT_NAME_RE = re.compile(r"etcd-\d{4}-\d\d-\d\d-\d\d-\d\d-\d\d\.tar(?:\.gz|\.zst)?\Z")
+MAX_CHECKPOINTS = 8  # vouched for in one footer (the daemon takes one a minute at most)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A full backup the daemon took *inside* this chain, vouched for by the chain itself: the
+    watcher wrote this into a segment's footer only after it had written every revision up to
+    ``revision`` and checked the member again after the backup was taken. A restore may start
+    its replay from it instead of from the chain's base - if the file's snapshot has exactly
+    this sha256 (its content, not its manifest, decides) and this revision."""
+
+    name: str  # the backup's file name, in the same dir
+    sha256: str  # of its snapshot db (the plaintext, when the backup is encrypted)
+    revision: int  # the snapshot's revision
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "sha256": self.sha256, "revision": self.revision}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Checkpoint":
+        if not isinstance(d, dict) or set(d) != {"name", "sha256", "revision"}:
+            raise ValueError("a checkpoint is {name, sha256, revision}")
+        c = cls(_req(d, "name", str), _req(d, "sha256", str), _req(d, "revision", int))
+        if not CHECKPOINT_NAME_RE.match(c.name):
+            raise ValueError(f"checkpoint name {c.name[:80]!r} is not a full backup's")
+        if not re.fullmatch(r"[0-9a-f]{64}", c.sha256):
+            raise ValueError("checkpoint sha256 is not a sha256")
+        if c.revision < 1:
+            raise ValueError("checkpoint revision out of range")
+        return c
+
+
 @dataclass(frozen=True)
 class SegmentFooter:
     end_revision: int
@@ -198,9 +232,11 @@ class SegmentFooter:
     leases: int
     confirmed: bool  # coverage up to end_time confirmed by a watch progress notification
     catchup_until: int = 0  # revisions <= this were received while catching up (0: none)
+    # full backups taken inside the chain that it vouches for (optional: older readers ignore it)
+    checkpoints: Tuple[Checkpoint, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        d: Dict[str, Any] = {
             "end_revision": self.end_revision,
             "end_time_ms": self.end_time_ms,
             "txns": self.txns,
@@ -209,6 +245,9 @@ class SegmentFooter:
             "confirmed": self.confirmed,
             "catchup_until": self.catchup_until,
         }
+        if self.checkpoints:  # absent rather than empty: older readers see the footer they know
+            d["checkpoints"] = [c.to_json() for c in self.checkpoints]
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> "SegmentFooter":
@@ -222,10 +261,21 @@ class SegmentFooter:
             leases=_req(d, "leases", int),
             confirmed=_req(d, "confirmed", bool),
             catchup_until=_req(d, "catchup_until", int),
+            checkpoints=_checkpoints(d.get("checkpoints")),
         )
         if min(f.end_revision, f.txns, f.events, f.leases, f.catchup_until) < 0:
             raise ValueError("negative count in footer")
+        if any(c.revision > f.end_revision for c in f.checkpoints):
+            raise ValueError("a checkpoint past the segment's end: the chain cannot vouch for it")
         return f
+
+
+def _checkpoints(v: Any) -> Tuple[Checkpoint, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not v or len(v) > MAX_CHECKPOINTS:
+        raise ValueError(f"checkpoints must be a list of 1..{MAX_CHECKPOINTS}")
+    return tuple(Checkpoint.from_json(x) for x in v)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .segments import (
     TXN_HEAD,
     U32,
     U64,
+    Checkpoint,
     LeaseRecord,
     SegmentFooter,
     SegmentHeader,
@@ -165,8 +166,9 @@ class SegmentWriter:
         self._write(encode_lease(rec))
         self.leases += 1
 
-    def close(self, end_time_ms: int, *, confirmed: bool) -> SegmentInfo:
-        """Footer, digest, fsync, link to the final name; returns what the next segment chains to."""
+    def close(self, end_time_ms: int, *, confirmed: bool, checkpoints: Sequence[Checkpoint] = ()) -> SegmentInfo:
+        """Footer, digest, fsync, link to the final name; returns what the next segment chains to.
+        ``checkpoints``: full backups inside the chain this segment vouches for (``segments.Checkpoint``)."""
         footer = SegmentFooter(
             end_revision=self.last_revision,
             end_time_ms=max(end_time_ms, self.last_time_ms),
@@ -175,6 +177,7 @@ class SegmentWriter:
             leases=self.leases,
             confirmed=confirmed,
             catchup_until=self.catchup_until,
+            checkpoints=tuple(checkpoints),
         )
         assert self._fh is not None, "segment already closed"
         try:

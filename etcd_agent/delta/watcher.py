@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
@@ -50,7 +50,7 @@ from .leasewatch import LeaseTracker
 from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
 from .segchain import BaseBackup
-from .segments import PUT, SegmentInfo, Txn
+from .segments import MAX_CHECKPOINTS, PUT, Checkpoint, SegmentInfo, Txn
 from .segwriter import SegmentWriter, remove_stale_temps
 from .watchevents import Fragments, by_revision, decode
 
@@ -108,6 +108,10 @@ class DeltaWatcher:
         self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
+        self._check_asked = 0.0  # monotonic: just before the pending check asked the member
+        # full backups taken inside this chain, waiting for a footer to vouch for them:
+        # (checkpoint, monotonic time the supervisor asked)
+        self._vouches: List[Tuple[Checkpoint, float]] = []
         self._closing = False  # close the segment once the check's H is delivered
         self._last_check = 0.0
         self._covered_ms = 0  # every revision committed before this time is written ...
@@ -152,6 +156,19 @@ class DeltaWatcher:
                 raise DeltaError(f"delta watcher did not stop within {timeout:g}s")
         if self._error is not None:
             raise self._error
+
+    def vouch(self, checkpoint: Checkpoint) -> None:
+        """A full backup was just taken of the watched member, inside this chain: the chain vouches
+        for it in the footer of the first segment that closes confirmed - after a member check
+        asked after this call - once it has written every revision up to its revision. Lost
+        (never vouched for, so never used by a restore) if the watch ends first."""
+        with self._mu:
+            self._vouches.append((checkpoint, self._mono()))
+
+    @property
+    def vouches_pending(self) -> int:
+        with self._mu:
+            return len(self._vouches)
 
     @property
     def captured_revision(self) -> int:
@@ -456,7 +473,7 @@ class DeltaWatcher:
             # (delivery of H, the lease refresh, the fsync) takes time, and counted from its end
             # the segments' end times drifted apart by close_seconds plus that, which is what a
             # disaster then lost (a write 5.04 s old lost at close_seconds = 5)
-            self._close_segment(rpc, t_ms, confirmed=True, period_from=at)
+            self._close_segment(rpc, t_ms, confirmed=True, period_from=at, vouch_before=self._check_asked)
 
     def _timers(self, rpc: EtcdRpc) -> None:
         """(Caller thread) start a coverage check when a close or a heartbeat is due; give up
@@ -486,8 +503,10 @@ class DeltaWatcher:
         if not start:
             return
         t_ms = self._wall_ms()  # before asking: every revision applied before t_ms is <= H
+        asked = self._mono()
         hdr = rpc.header()
         with self._mu:
+            self._check_asked = asked
             self._check_member(hdr, captured)
             self.member_revision, self.member_checked_ms = hdr.revision, t_ms
             self._last_check = self._mono()
@@ -509,12 +528,23 @@ class DeltaWatcher:
         return self._writer
 
     def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool,
-                       period_from: Optional[float] = None) -> None:
+                       period_from: Optional[float] = None, vouch_before: Optional[float] = None) -> None:
+        """``vouch_before``: the member was checked (same cluster, not behind the chain) after
+        this monotonic time; checkpoints asked for before it whose revision the segment reaches
+        are vouched for in its footer."""
         if rpc is not None:
             self._leases.refresh(rpc)
         writer = self._ensure_writer()
         self._flush_records()
-        info = writer.close(end_ms, confirmed=confirmed)
+        ready: List[Checkpoint] = []
+        if vouch_before is not None:
+            ready = [cp for cp, asked in self._vouches
+                     if asked < vouch_before and cp.revision <= writer.last_revision][:MAX_CHECKPOINTS]
+        info = writer.close(end_ms, confirmed=confirmed, checkpoints=ready)
+        if ready:
+            self._vouches = [(cp, t) for cp, t in self._vouches if cp not in ready]
+            log.info("delta chain %s vouches for checkpoint(s) %s in %s", self.pos.chain_id[:8],
+                     ", ".join(f"{cp.name} (revision {cp.revision})" for cp in ready), os.path.basename(info.path))
         self._writer = None
         self.pos = ChainPosition.after(info)
         self.segments_written += 1

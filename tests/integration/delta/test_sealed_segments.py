@@ -163,3 +163,23 @@ def test_a_chain_that_turns_encryption_on_is_one_chain(tmp_path, keypair):
     assert check.stop is None and check.end_revision == 106
     assert [s.sealed is not None for s in check.segments] == [False, True]
     assert sealed.path.endswith(".seg.age")
+
+
+def test_an_encrypted_segment_vouches_for_a_checkpoint_readable_without_the_key(tmp_path, keypair):
+    """The checkpoints an encrypted segment vouches for are in its seal's footer (a restore lists
+    them without the key) and, opened with the key, in the segment inside: both must agree."""
+    from etcd_agent.delta.segments import Checkpoint
+
+    ids, rcpt, _ = keypair
+    d = str(tmp_path / "b")
+    os.makedirs(d)
+    w = SegmentWriter(d, SegmentHeader("ab" * 16, 0, 100, 101, "", 1_700_000_000_000), recipients=[rcpt],
+                      sign_key=KEY)
+    for rev in range(101, 104):
+        w.add_txn(Txn(rev, 1_700_000_000_000 + rev, (put(rev, b"k"),)))
+    cp = Checkpoint("etcd-2026-12-05-10-00-00.tar", "d" * 64, 103)
+    info = w.close(1_700_000_001_000, confirmed=True, checkpoints=[cp])
+    assert read_summary(info.path)[1].checkpoints == (cp,)
+    assert read_seal(info.path).footer.checkpoints == (cp,)
+    opened = open_sealed(info.path, ids, staging(tmp_path), key=KEY)
+    assert opened.footer.checkpoints == (cp,) and opened.sealed.signature == "valid"

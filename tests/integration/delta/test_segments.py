@@ -297,3 +297,75 @@ def test_base_sha256_in_the_header_is_checked(tmp_path):
     bad = dict(h.to_json(), base_sha256="../../etc")
     with pytest.raises(ValueError, match="base_sha256"):
         H.from_json(bad)
+
+
+CP = "etcd-2026-12-05-10-00-00.tar"
+
+
+def with_footer(path, footer_json):
+    """The segment with its footer record replaced by ``footer_json`` (bytes) and a correct digest:
+    what a writer that is not ours, or damage behind a recomputed digest, hands a reader."""
+    import hashlib
+
+    from etcd_agent.delta.segments import DIGEST, REC_FOOTER, REC_HEAD, U64
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    (footer_at,) = U64.unpack_from(data, len(data) - DIGEST - 8)
+    body = data[:footer_at] + REC_HEAD.pack(REC_FOOTER, len(footer_json)) + footer_json + U64.pack(footer_at)
+    with open(path, "wb") as fh:
+        fh.write(body + hashlib.sha256(body).digest())
+
+
+def test_a_footer_vouches_for_checkpoints_and_older_readers_see_the_footer_they_know(tmp_path):
+    import json
+
+    from etcd_agent.delta.segments import Checkpoint, SegmentFooter
+
+    d = str(tmp_path)
+    w = SegmentWriter(d, SegmentHeader("ab" * 16, 0, 100, 101, "", T0))
+    for rev in range(101, 106):
+        w.add_txn(Txn(rev, T0 + rev, (put(rev, b"k"),)))
+    cp = Checkpoint(CP, "c" * 64, 104)
+    info = w.close(T0 + 200, confirmed=True, checkpoints=[cp])
+    assert read_segment(info.path).info.footer.checkpoints == (cp,)
+    assert read_summary(info.path)[1].checkpoints == (cp,)
+    raw = info.footer.to_json()
+    assert raw["checkpoints"] == [{"name": CP, "sha256": "c" * 64, "revision": 104}]
+    # a footer without one is written exactly as before (older readers, older files)
+    assert "checkpoints" not in SegmentFooter(5, 1, 1, 1, 0, True).to_json()
+    # an older reader's footer parse takes the fields it knows and ignores the new one
+    assert SegmentFooter.from_json({k: v for k, v in raw.items() if k != "checkpoints"}).checkpoints == ()
+    assert json.loads(json.dumps(raw))["checkpoints"][0]["revision"] == 104
+
+
+@pytest.mark.parametrize("checkpoints, why", [
+    ([{"name": CP, "sha256": "c" * 64, "revision": 106}], "past the segment's end"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 100}], "at or before the chain's base"),
+    ([{"name": "../../etc/shadow", "sha256": "c" * 64, "revision": 104}], "is not a full backup's"),
+    ([{"name": CP + "/x", "sha256": "c" * 64, "revision": 104}], "is not a full backup's"),
+    ([{"name": CP, "sha256": "C" * 64, "revision": 104}], "not a sha256"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": True}], "revision must be an integer"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "extra": 1}], "{name, sha256, revision}"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104}] * 9, "list of 1..8"),
+    ([], "list of 1..8"),
+    ({"name": CP}, "list of 1..8"),
+])
+def test_a_hostile_checkpoint_in_a_footer_is_damage(tmp_path, checkpoints, why):
+    """A footer that vouches for what our writer never would: refused as damage (the chain stops
+    there), in one sentence naming the file, before any checkpoint could be used."""
+    import json
+
+    d = str(tmp_path)
+    w = SegmentWriter(d, SegmentHeader("ab" * 16, 0, 100, 101, "", T0))
+    for rev in range(101, 106):
+        w.add_txn(Txn(rev, T0 + rev, (put(rev, b"k"),)))
+    info = w.close(T0 + 200, confirmed=True)
+    footer = dict(info.footer.to_json(), checkpoints=checkpoints)
+    with_footer(info.path, json.dumps(footer).encode())
+    with pytest.raises(SegmentCorrupt) as exc:
+        read_segment(info.path)
+    assert why in exc.value.message and info.path in exc.value.message, exc.value.message
+    assert "\n" not in exc.value.message
+    stop = check_chain([info.path], 100).stop
+    assert stop is not None and stop.kind == "corrupt" and why in stop.reason, stop
