@@ -66,6 +66,9 @@ class Entry:
     # manifest's; None when neither is known (a delta chain names it: ``delta.segchain.continues``)
     snapshot_sha256: Optional[str] = None
     origin: str = "operator"  # who took it: "operator" (cron, by hand) | "daemon" (continuous backup)
+    # the daemon took it inside this delta chain (its id) as a checkpoint (signed manifests only):
+    # not a chain's base, counted apart by retention (``retention.plan_checkpoints``)
+    checkpoint_of: Optional[str] = None
 
     @property
     def base(self) -> "BaseBackup":
@@ -104,6 +107,7 @@ class Entry:
             "encrypted": self.encrypted,
             "encryption": m.get("encryption"),
             "origin": self.origin,
+            "checkpoint_of": self.checkpoint_of,
             "notes": list(self.notes),
             "drill": None if self.drill is None else {**self.drill.to_json(), "summary": self.drill.summary()},
         }
@@ -218,7 +222,7 @@ def _described(base: Entry, peek: Peek, cached: Optional[C.Check]) -> Entry:
     origin = signed.origin if signed is not None and signed.origin in ORIGINS else "operator"
     return replace(base, revision=revision, compression=peek.compression, manifest=manifest, kind=peek.kind,
                    signature=peek.signature, member_ids=member_ids, notes=tuple(notes), encrypted=peek.encrypted,
-                   snapshot_sha256=sha, origin=origin)
+                   snapshot_sha256=sha, origin=origin, checkpoint_of=signed.checkpoint_of if signed else None)
 
 
 def _whose(info: Entry, ident: "SnapshotIdentity", cfg: "Config", evidence: Optional[Evidence]) -> Entry:

@@ -45,6 +45,7 @@ MAX_DEPTH = 8
 ALGORITHM = "hmac-sha256"
 SIGNATURE_STATES = ("valid", "invalid", "unsigned", "unknown-key")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_CHAIN_ID = re.compile(r"[0-9a-f]{32}\Z")
 _AGE_RECIPIENT = re.compile(r"age1[02-9ac-hj-np-z]{58}\Z")  # bech32 of 32 bytes; the checksum is age's
 MAX_RECIPIENTS = 64
 
@@ -124,6 +125,16 @@ class Manifest:
         the manifest (their schema is strict at the top level). Absent: an operator's."""
         v = self.snapshot.get("taken_by")
         return v if isinstance(v, str) and v in ORIGINS else "operator"
+
+    @property
+    def checkpoint_of(self) -> Optional[str]:
+        """The delta chain (its id) the daemon took this backup inside, as a checkpoint that a
+        point-in-time restore may start its replay from (``delta.segments.Checkpoint``); None for
+        any other backup. A claim: the chain vouching for the snapshot's sha256 is what a restore
+        goes by; this decides only how retention counts it (and only when signed)."""
+        v = self.snapshot.get("checkpoint")
+        cid = v.get("chain_id") if isinstance(v, dict) else None
+        return cid if isinstance(cid, str) and _CHAIN_ID.match(cid) and self.origin == "daemon" else None
 
     @property
     def snapshot_member(self) -> str:

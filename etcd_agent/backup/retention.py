@@ -18,6 +18,11 @@ daemon takes, they never take a slot of the operator's history.
 Quarantined files (corrupt, foreign, dated in the future: ``catalog``) are not given to the policy
 at all: they take no slot and are never deleted.
 
+The daemon's checkpoints (full backups it takes inside a delta chain so that a point-in-time
+restore replays only the chain after them) take no slot either: ``plan_checkpoints`` keeps the
+newest few of each chain that is itself kept, and nothing else of them (the chain's full backup
+and its segments still reach every point a checkpoint does).
+
 Buckets count hours/days that actually hold backups (as Borg does), so a cron that stopped for a
 week does not make the next prune throw every old backup away.
 """
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class BackupRef:
     time: datetime
     verified: bool
     origin: str = "operator"  # operator | daemon (``manifest.ORIGINS``)
+    chain: str = ""  # a checkpoint: the id of the delta chain it was taken inside
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,35 @@ def plan(
             out.append(Decision(b.name, True, tuple(keep[b.name])))
         else:
             out.append(Decision(b.name, False, tuple(drop[b.name]) or ("matched no keep rule",)))
+    return out
+
+
+def plan_checkpoints(
+    checkpoints: Sequence[BackupRef], *, live_chains: Collection[str], keep: int,
+    protect: Sequence[str] = (), holds: Sequence[Tuple[str, str]] = (),
+) -> List[Decision]:
+    """One decision per checkpoint (``BackupRef.chain`` set), newest first: the newest ``keep``
+    of each chain in ``live_chains`` (the chains retention keeps); a checkpoint of a chain that
+    goes restores nothing a point in time needs. ``protect`` and ``holds`` keep one whatever
+    (the one just written; a restore's own)."""
+    ordered = sorted(checkpoints, key=lambda b: (b.time, b.name), reverse=True)
+    seen: Dict[str, int] = {}
+    held = dict(holds)
+    out = []
+    for b in ordered:
+        reasons: List[str] = []
+        if b.chain in live_chains:
+            seen[b.chain] = seen.get(b.chain, 0) + 1
+            if seen[b.chain] <= keep:
+                reasons.append(f"checkpoint #{seen[b.chain]} of {keep} kept of delta chain {b.chain[:8]}")
+            drop = f"an older checkpoint of delta chain {b.chain[:8]} (its newest {keep} are kept)"
+        else:
+            drop = f"a checkpoint of delta chain {b.chain[:8]}, which is pruned or gone"
+        if b.name in protect:
+            reasons.append("the backup just written (never deleted)")
+        if b.name in held:
+            reasons.append(held[b.name])
+        out.append(Decision(b.name, True, tuple(reasons)) if reasons else Decision(b.name, False, (drop,)))
     return out
 
 

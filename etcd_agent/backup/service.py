@@ -94,6 +94,7 @@ def take_backup(
     hold_lock: bool = True,
     origin: str = "operator",
     lock_wait: float = 0.0,
+    checkpoint_of: Optional[str] = None,
 ) -> BackupResult:
     """Take one backup of ``member``'s etcd (default: a local member) into ``cfg.backup.dir``.
 
@@ -101,17 +102,23 @@ def take_backup(
     ``hold_lock=False``: the caller already holds this host's operation lock (a node session).
     ``origin``: who takes it (``manifest.ORIGINS``): the daemon's chain backups are kept in slots
     of their own, so that they never push the operator's history out. ``lock_wait``: while
-    another backup, prune or import of this host holds the lock, wait up to this long for it."""
+    another backup, prune or import of this host holds the lock, wait up to this long for it.
+    ``checkpoint_of``: the daemon's checkpoint inside that delta chain (its id): recorded in the
+    signed manifest, kept by retention's checkpoint rule, and not copied off-host (a bucket
+    holds full backups and chains; a checkpoint only shortens a local replay)."""
     start = time.monotonic()
+    if checkpoint_of is not None and origin != "daemon":
+        raise ValueError("only the daemon takes checkpoints")
     try:
-        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin, lock_wait)
+        result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin, lock_wait,
+                       checkpoint_of)
     except BusyError:
         raise  # another run is working: not a failed backup
     except AgentError:
         _record_metrics(cfg, False, None, 0, time.monotonic() - start, None)
         raise
     remote_cfg = cfg.backup.remote
-    if not remote_cfg.enabled:
+    if not remote_cfg.enabled or checkpoint_of is not None:
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
     from . import remote  # imported only when [backup.remote] is enabled
@@ -161,6 +168,7 @@ def _take(
     hold_lock: bool = True,
     origin: str = "operator",
     lock_wait: float = 0.0,
+    checkpoint_of: Optional[str] = None,
 ) -> BackupResult:
     from ..etcd.client import EtcdClient
     from ..etcd.tools import snapshot_status
@@ -234,7 +242,8 @@ def _take(
                     missing=missing,
                     rendered=rendered,
                     snapshot={"page_size": facts.page_size, "pages": facts.high_water, "txid": facts.txid,
-                              "checks": checks, "status": None, "taken_by": origin},
+                              "checks": checks, "status": None, "taken_by": origin,
+                              **({"checkpoint": {"chain_id": checkpoint_of}} if checkpoint_of else {})},
                     verified=True,
                 )
                 return man  # the writer adds what it encrypted, then signs
@@ -363,6 +372,9 @@ def prune_backups(
     held = boundaries.holds(boundaries.read(directory),
                             [boundaries.BackupAt(e.name, e.time.timestamp(), e.snapshot_sha256) for e in goods],
                             os.path.lexists)
+    # the daemon's checkpoints (inside a chain) are counted apart, after the chains are decided
+    checkpoints = [e for e in goods if e.checkpoint_of]
+    goods = [e for e in goods if not e.checkpoint_of]
     decisions = retention.plan(
         [retention.BackupRef(e.name, e.time, e.verified, e.origin) for e in goods],
         keep_last=cfg.backup.keep_last,
@@ -380,9 +392,13 @@ def prune_backups(
     fulls += [chains.FullRef(e.name, e.revision, True, good=False, base=e.base) for e in entries if not e.complete]
     chain_plan = chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
     chain_decisions = [retention.Decision(c.label, c.keep, (c.reason,)) for c in chain_plan]
+    decisions += retention.plan_checkpoints(
+        [retention.BackupRef(e.name, e.time, e.verified, e.origin, chain=e.checkpoint_of or "") for e in checkpoints],
+        live_chains={c.chain_id for c in chain_plan if c.keep and c.chain_id},
+        keep=cfg.backup.delta.checkpoint_keep, protect=protect, holds=[(h.name, h.reason) for h in held])
     if dry_run:
         return decisions + chain_decisions + quarantined
-    by_name = {e.name: e for e in goods}
+    by_name = {e.name: e for e in goods + checkpoints}
     for d in decisions:
         if not d.keep:
             log.info("pruning %s: %s", d.name, d.reason)

@@ -118,7 +118,14 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
             state = f"no: {e.check}"
         rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
                     f"{e.kind:<8} {e.signature:<11} {state}")
-        if e.origin == "daemon":
+        if e.checkpoint_of:
+            vouched = any(c.name == e.name for ch in found.chains if ch.chain_id == e.checkpoint_of
+                          for c in ch.checkpoints)
+            rows.append(f"{'':<36}   a checkpoint the daemon took inside delta chain {e.checkpoint_of[:8]}: "
+                        + ("vouched for by the chain, a point-in-time restore starts its replay here" if vouched else
+                           "not vouched for by its chain (yet): no restore starts from it")
+                        + " (kept apart from retention's slots)")
+        elif e.origin == "daemon":
             rows.append(f"{'':<36}   taken by the daemon to start a delta chain (retention counts these apart)")
         rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
         boundary = boundaries.before(restores, e.time.timestamp())
@@ -130,7 +137,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         doc = e.to_json()
         doc["before_restore"] = boundary.to_json() if boundary is not None else None
         chain = found.for_full(e.revision, e.base) if e.revision is not None else None
-        if e.complete:
+        if e.complete and not e.checkpoint_of:
             live = " (being written now)" if chain is not None and chain.base_revision == active else ""
             rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
         doc["chain"] = chain.to_json() if chain else None

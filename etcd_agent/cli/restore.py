@@ -39,6 +39,9 @@ def register(sub: Any) -> None:
     to.add_argument("--to-revision", type=int, metavar="N", help="point in time: replay the delta chain up to revision N")
     to.add_argument("--to", dest="to_newest", choices=["newest"],
                     help="newest: replay everything the delta chain holds (the usual choice after a disaster)")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="point in time: replay the whole chain from the full backup, not from the newest checkpoint "
+                        "the chain vouches for (the result is the same; only slower)")
     p.set_defaults(func=cmd_restore)
     rsub = p.add_subparsers(dest="restore_command", metavar="SUBCOMMAND")
     pc = rsub.add_parser("cleanup", help="list / remove set-aside data dirs (<data dir>.pre-restore-*), keeping the newest")
@@ -82,7 +85,8 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         from ..restore.source import open_pitr_source
 
         out = Restore(ctx.config(), opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
-            cfg, spec, target, staging, progress=_progress, identities=identities)).run()
+            cfg, spec, target, staging, progress=_progress, identities=identities,
+            checkpoints=not args.no_checkpoint)).run()
     text = render_plan(out.plan)
     if args.dry_run:
         replayed = " (the point-in-time replay ran in a throwaway etcd on loopback)" if target else ""

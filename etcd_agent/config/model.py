@@ -160,6 +160,15 @@ class DeltaSection:
     max_chain_events: int = 600_000
     max_chain_bytes: int = 1024 * 1024 * 1024
     max_chain_segments: int = 1000
+    # checkpoints: a full backup taken inside the running chain (the chain goes on) once the chain
+    # since the last one - or since its full backup - holds checkpoint_ratio times the newest full
+    # backup's size. A point-in-time restore starts from the newest checkpoint the chain vouches
+    # for before its target and replays only what follows, so its time does not grow with the
+    # chain; each costs one full backup's I/O, so they come at the chain's own pace (at most one
+    # every checkpoint_min_seconds). 0: none.
+    checkpoint_ratio: float = 0.5
+    checkpoint_min_seconds: float = 60.0
+    checkpoint_keep: int = 2  # the newest of each chain kept (they take no retention slot)
     # the member unwatchable this long: the chain is broken (a full backup once it is back)
     max_outage: float = 300.0
     # node_exporter textfile of the delta metrics; None: beside [backup] metrics_file, named

@@ -115,6 +115,12 @@ host = "10.0.0.13"
 # max_chain_events = 600000           # past any of these the daemon takes a full backup and
 # max_chain_bytes = 1073741824        # starts a new chain: a restore replays at most this much
 # max_chain_segments = 1000           # (events replay at ~100,000/s: 600000 is about 6 s)
+# checkpoint_ratio = 0.5              # a checkpoint (a full backup inside the chain, which goes on)
+#                                     # each time the chain grows by this x the full backup's size:
+#                                     # a point-in-time restore replays only what follows the newest
+#                                     # one, whatever the chain's length; 0: none
+# checkpoint_min_seconds = 60.0       # at most one checkpoint this often
+# checkpoint_keep = 2                 # the newest of each chain kept (they take no retention slot)
 # max_outage = 300.0                  # member unwatchable this long: chain broken, full backup when back
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom"
 #                                     # default: beside [backup] metrics_file (none when that is unset)

@@ -300,6 +300,11 @@ def _validate_delta(d: DeltaSection) -> List[str]:
     for key in ("max_chain_events", "max_chain_bytes", "max_chain_segments"):
         if getattr(d, key) < 1:
             errs.append(f"{w}.{key} must be >= 1")
+    if not 0 <= d.checkpoint_ratio <= 100:
+        errs.append(f"{w}.checkpoint_ratio must be between 0 (no checkpoints) and 100")
+    errs.extend(_seconds(f"{w}.checkpoint_min_seconds", d.checkpoint_min_seconds))
+    if not 1 <= d.checkpoint_keep <= 10:
+        errs.append(f"{w}.checkpoint_keep must be between 1 and 10")
     return errs
 
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
 from .segchain import BaseBackup, ChainStop, check_chain, continues
-from .segments import SegmentHeader, is_sealed, list_segments, ms_to_datetime, parse_name
+from .segments import Checkpoint, SegmentHeader, is_sealed, list_segments, ms_to_datetime, parse_name
 from .segreader import read_summary
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class ChainSummary:
     stop: Optional[ChainStop] = None
     chain_id: str = ""
     first: Optional[SegmentHeader] = None  # the header of its first segment (None: not found)
+    checkpoints: Tuple[Checkpoint, ...] = ()  # vouched for by its usable segments, in order
+    events_after_checkpoint: Optional[int] = None  # events after the newest of them (None: none)
 
     @property
     def base_sha256(self) -> str:
@@ -68,8 +70,13 @@ class ChainSummary:
         return sum(1 for p in self.paths if is_sealed(p))
 
     @property
+    def replay_events(self) -> int:
+        """What a restore to its end folds: the events after its newest checkpoint, or all."""
+        return self.events if self.events_after_checkpoint is None else self.events_after_checkpoint
+
+    @property
     def replay_seconds(self) -> float:
-        return self.events / REPLAY_EVENTS_PER_SECOND
+        return self.replay_events / REPLAY_EVENTS_PER_SECOND
 
     def describe(self) -> str:
         if not self.usable:
@@ -77,9 +84,13 @@ class ChainSummary:
         else:
             end = ms_to_datetime(self.end_time_ms).isoformat(timespec="seconds") if self.end_time_ms else "?"
             enc = f" ({self.encrypted} encrypted: a restore needs --identity)" if self.encrypted else ""
+            cps = ""
+            if self.checkpoints:
+                cps = (f" from checkpoint {self.checkpoints[-1].name} (the newest of {len(self.checkpoints)} it vouches "
+                       f"for; {self.replay_events} events after it)")
             what = (f"{self.usable} segment(s){enc}, revisions {self.base_revision + 1}..{self.end_revision} "
                     f"(until {end}), {self.events} events, {_size(self.bytes)}; a restore to its end replays "
-                    f"~{self.replay_seconds:.0f}s (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
+                    f"~{self.replay_seconds:.0f}s{cps} (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
         if self.stop is not None:
             what += f"; BROKEN at revision {self.stop.at_revision}: {self.stop.reason}"
             if len(self.paths) > self.usable:
@@ -98,6 +109,8 @@ class ChainSummary:
             "start_time": ms_to_datetime(self.start_time_ms).isoformat() if self.start_time_ms else None,
             "end_time": ms_to_datetime(self.end_time_ms).isoformat() if self.end_time_ms else None,
             "events": self.events,
+            "checkpoints": [c.to_json() for c in self.checkpoints],
+            "replay_events": self.replay_events,
             "revisions": self.revisions,
             "bytes": self.bytes,
             "replay_estimate_seconds": round(self.replay_seconds, 1),
@@ -155,11 +168,15 @@ def scan(directory: str) -> Scan:
                 size += os.path.getsize(p)
             except OSError:
                 pass
+        cps = tuple(c for s in segs for c in s.footer.checkpoints)
+        newest = max((c.revision for c in cps), default=None)
         chains.append(ChainSummary(
             base_revision=base, paths=tuple(ps), usable=len(segs), end_revision=check.end_revision,
             start_time_ms=segs[0].header.start_time_ms if segs else None, end_time_ms=check.end_time_ms,
             events=sum(s.footer.events for s in segs), revisions=sum(s.footer.txns for s in segs), bytes=size,
-            stop=check.stop, chain_id=k[1], first=firsts.get(k),
+            stop=check.stop, chain_id=k[1], first=firsts.get(k), checkpoints=cps,
+            events_after_checkpoint=None if newest is None else
+            sum(s.footer.events for s in segs if s.start_revision > newest),
         ))
     return Scan(tuple(chains), tuple(unreadable))
 
@@ -209,6 +226,7 @@ class ChainDecision:
     keep: bool
     reason: str
     paths: Tuple[str, ...]
+    chain_id: str = ""
 
     @property
     def label(self) -> str:
@@ -222,18 +240,19 @@ def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] =
         same = [f for f in fulls if f.revision == c.base_revision and (c.first is None or c.continues(f.base))]
         kept = [f for f in same if f.keep]
         if kept:
-            out.append(ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths))
+            out.append(ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths, c.chain_id))
         elif c.base_revision == active:
-            out.append(ChainDecision(c.base_revision, True, "being written by the daemon's watch right now", c.paths))
+            out.append(ChainDecision(c.base_revision, True, "being written by the daemon's watch right now", c.paths,
+                                     c.chain_id))
         elif same:
             gone = same[0]
             why = f"its full backup {gone.name} is pruned" + (f" ({gone.reason})" if gone.reason else "")
-            out.append(ChainDecision(c.base_revision, False, why, c.paths))
+            out.append(ChainDecision(c.base_revision, False, why, c.paths, c.chain_id))
         else:
             out.append(ChainDecision(
                 c.base_revision, False,
                 f"orphaned: no full backup here that it continues (revision {c.base_revision}: deleted by hand, "
-                "or never finished); without it the segments restore nothing", c.paths))
+                "or never finished); without it the segments restore nothing", c.paths, c.chain_id))
     if scan_.unreadable:
         kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
         oldest = min(kept_revs) if kept_revs else None

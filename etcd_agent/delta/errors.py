@@ -50,3 +50,8 @@ class ScratchError(OperationFailed):
 
 class ReplayError(OperationFailed):
     """A replay failed for a reason other than a broken chain (which it reports, not raises)."""
+
+
+class CheckpointUnusable(ReplayError):
+    """A checkpoint's snapshot is not what its chain vouches for (or cannot be read): the replay
+    starts from an older one, or from the full backup, instead."""

@@ -4,7 +4,10 @@ goes, the replay into a throwaway member, and the lines the restore plan shows.
 ``prepare`` decides from headers, footers and every segment's verified bytes (``check_chain``)
 where the replay stops, and refuses (nothing touched) a target the chain cannot reach - past a
 gap, a damaged segment or the chain's end - naming the last good point and, when there is one,
-the newer full backup that covers what comes after. ``replay_kept`` runs the replay
+the newer full backup that covers what comes after. It also lists the checkpoints the checked
+chain vouches for at or before the stop (full backups the daemon took inside the chain): the
+replay starts from the newest whose snapshot is exactly what the chain vouches for, and folds
+only what follows it; from an older one, or the full backup, when it is not. ``replay_kept`` runs the replay
 (``replayrun.replay``: scratch etcd on loopback, its own ports and dir under ``<backup dir>/.pitr``)
 and keeps the result there, named after the full backup and the stop revision, with its
 ``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
@@ -17,20 +20,20 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.state.locks import OperationLock
 
 from . import status
-from .errors import ReplayError
+from .errors import CheckpointUnusable, ReplayError
 from .leftovers import remove_left
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay
 from .replayrun import replay
 from .scratch import EtcdBinaries, ScratchOptions
 from .segchain import ChainCheck, Opener, check_chain
-from .segments import list_segments, ms_to_datetime
+from .segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
 from .segseal import open_sealed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,10 +61,66 @@ class Prepared:
     check: ChainCheck
     plan: Plan
     breaks: Tuple[status.BreakRecord, ...]  # recorded breaks of this chain
+    # checkpoints the chain vouches for between the full backup and the stop, newest first: where
+    # the replay may start instead of the full backup
+    checkpoints: Tuple["Start", ...] = ()
 
     @property
     def kept_name(self) -> str:
         return f"{self.entry.name}.to-{self.plan.stop_revision}.db"
+
+
+@dataclass(frozen=True)
+class Start:
+    """A checkpoint a replay may start from: its file, and what the chain vouches for."""
+
+    name: str
+    path: str
+    revision: int
+    sha256: str
+    events_after: int  # of the chain up to the stop: what a replay from it folds
+
+
+def vouched_checkpoints(cfg: "Config", entry: "Entry", check: ChainCheck, plan: Plan) -> Tuple[Start, ...]:
+    """The checkpoints ``check``'s good segments vouch for, after ``entry`` and at or before the
+    plan's stop, whose file is here and good (and, where the catalogue knows its snapshot's
+    sha256, is the one vouched for), newest first. Their content is checked when the replay
+    reads them (``replayrun._checkpoint_file``)."""
+    from etcd_agent.backup import catalog, keys
+
+    key = keys.local_key(cfg).key  # a signed manifest's sha256 tells a swapped file early
+    vouched: Dict[str, Checkpoint] = {}
+    for seg in check.segments:
+        for cp in seg.footer.checkpoints:
+            if entry.revision is not None and entry.revision < cp.revision <= plan.stop_revision:
+                vouched.setdefault(cp.name, cp)
+    out = []
+    for cp in sorted(vouched.values(), key=lambda c: c.revision, reverse=True):
+        path = os.path.join(cfg.backup.dir, cp.name)
+        if not os.path.isfile(path):
+            log.info("checkpoint %s (revision %d) is gone (pruned): not a starting point", cp.name, cp.revision)
+            continue
+        try:
+            e = catalog.entry_for(path, utc=cfg.backup.utc, key=key)
+        except OSError:
+            continue
+        if not e.complete or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
+            log.warning("checkpoint %s is not the one its chain vouches for (%s): not a starting point", cp.name,
+                        e.problem or "another snapshot sha256")
+            continue
+        after = sum(_events_after(s, cp.revision, plan.stop_revision) for s in check.segments)
+        out.append(Start(cp.name, path, cp.revision, cp.sha256, after))
+    return tuple(out)
+
+
+def _events_after(seg: SegmentInfo, revision: int, stop: int) -> int:
+    """A segment's events after ``revision`` and up to ``stop``, estimated from its footer where it
+    straddles one of them (its revisions' share)."""
+    lo, hi = max(seg.start_revision, revision + 1), min(seg.end_revision, stop)
+    if hi < lo or seg.footer.txns == 0:
+        return 0
+    span = seg.end_revision - seg.start_revision + 1
+    return seg.footer.events * (hi - lo + 1) // max(span, 1)
 
 
 def pitr_dir(cfg: "Config") -> str:
@@ -70,13 +129,23 @@ def pitr_dir(cfg: "Config") -> str:
 
 def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
     """``--from`` with a target. ``latest`` is the newest good full backup at or before the
-    target (a later one cannot be rolled back to it); anything else resolves as usual."""
+    target (a later one cannot be rolled back to it) that is not a checkpoint (a checkpoint is
+    where a chain's replay may start, found from the chain; never the base of one); anything
+    else resolves as usual."""
     from etcd_agent.backup import catalog, keys
 
-    if spec.strip() != "latest" or target.kind == "newest":
+    if spec.strip() != "latest":
         return catalog.resolve_from(cfg, spec)
     entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    entries = [e for e in entries if not e.checkpoint_of]
     goods = catalog.good(entries)
+    if target.kind == "newest":
+        best, skipped = catalog.latest(entries)
+        for s in skipped:
+            log.warning("%s", s)
+        if best is None:
+            raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
+        return best
     for e in goods:
         if target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms:
             return e
@@ -89,13 +158,15 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
 
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,
-            identities: Optional["Identities"] = None, staging: Optional[str] = None) -> Prepared:
+            identities: Optional["Identities"] = None, staging: Optional[str] = None,
+            checkpoints: bool = True) -> Prepared:
     """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
 
     Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
     caller's private dir under ``pitr_dir``, removed when the restore ends) and checked whole as
     they are; without an identity an encrypted chain is checked as far as its bytes allow and the
-    restore refused (IdentityRefused, nothing touched)."""
+    restore refused (IdentityRefused, nothing touched). ``checkpoints`` False: replay from the
+    full backup itself, whatever checkpoints the chain vouches for (``--no-checkpoint``)."""
     entry = resolve_full(cfg, spec, target)
     if entry.revision is None:
         raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
@@ -122,7 +193,8 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
                            "older full backup; nothing touched")
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    prep = Prepared(entry, target, check, plan, mine)
+    prep = Prepared(entry, target, check, plan, mine,
+                    vouched_checkpoints(cfg, entry, check, plan) if checkpoints else ())
     if not plan.complete and target.kind != "newest":
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
@@ -240,8 +312,17 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
             os.unlink(stale)
     # the chain as prepare() just chose and verified it (the dir may hold another chain at the same
     # base): the replay reads those segments again, checked to be the same bytes
-    res = replay(p.entry.path, [s.path for s in p.check.segments] + list(p.check.lost), p.target, output=out,
-                 options=scratch_options(cfg), check=p.check, identities=identities)
+    paths = [s.path for s in p.check.segments] + list(p.check.lost)
+    for cp in p.checkpoints:  # newest first; then the full backup itself
+        try:
+            res = replay(cp.path, paths, p.target, output=out, options=scratch_options(cfg), check=p.check,
+                         identities=identities, checkpoint=(cp.sha256, cp.revision))
+            break
+        except CheckpointUnusable as exc:
+            log.warning("%s; starting from an older checkpoint or the full backup instead", exc.message)
+    else:
+        res = replay(p.entry.path, paths, p.target, output=out, options=scratch_options(cfg), check=p.check,
+                     identities=identities)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 
@@ -267,12 +348,18 @@ def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) 
     """What the plan says about the point in time: full backup, segments, reached, lost after, leases."""
     lines: List[str] = []
     if p is not None:
-        rev = p.entry.revision or 0
+        rev = res.started_revision or p.entry.revision or 0
         segs = [s for s in p.plan.segments if s.end_revision > rev] or list(p.plan.segments)
         used = (f"{len(segs)} delta segment(s) {os.path.basename(segs[0].disk_path)} .. {os.path.basename(segs[-1].disk_path)}"
                 if segs else "no delta segment")
-        lines.append(f"point in time: full backup {p.entry.name} (revision {p.entry.revision}, "
-                     f"{p.entry.time.isoformat()}) + {used}; target {p.target.describe()}")
+        full = f"full backup {p.entry.name} (revision {p.entry.revision}, {p.entry.time.isoformat()})"
+        if res.started_from:
+            full = (f"checkpoint {res.started_from} (revision {res.started_revision}, taken inside the chain of {full} "
+                    "and vouched for by it: its snapshot's sha256 and revision checked)")
+        lines.append(f"point in time: {full} + {used}; target {p.target.describe()}")
+        skipped = [c.name for c in p.checkpoints if c.revision > res.started_revision]
+        if skipped:
+            lines.append(f"point in time: newer checkpoint(s) not usable, passed over: {', '.join(skipped)} (see the log)")
     when = res.reached_time.isoformat(timespec="milliseconds") if res.reached_time else "the chain's end"
     lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
                  f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "

@@ -123,6 +123,8 @@ class ReplayResult:
     replay_seconds: float = 0.0
     keys_loaded: int = 0  # keys the chain left changed (puts and deletes), written in the load
     load_revisions: Tuple[int, ...] = ()  # the load's transactions' revisions in the scratch store
+    started_from: str = ""  # the checkpoint the replay started from ("": the full backup itself)
+    started_revision: int = 0  # the revision of the snapshot it started from
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -144,6 +146,8 @@ class ReplayResult:
             "replay_seconds": self.replay_seconds,
             "keys_loaded": self.keys_loaded,
             "load_revisions": list(self.load_revisions),
+            "started_from": self.started_from,
+            "started_revision": self.started_revision,
         }
 
     @classmethod
@@ -168,6 +172,8 @@ class ReplayResult:
             replay_seconds=float(d.get("replay_seconds", 0.0)),
             keys_loaded=int(d.get("keys_loaded", 0)),
             load_revisions=tuple(int(r) for r in d.get("load_revisions", [])),
+            started_from=str(d.get("started_from", "")),
+            started_revision=int(d.get("started_revision", 0)),
         )
 
 

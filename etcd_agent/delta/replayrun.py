@@ -32,6 +32,7 @@ so nothing expires on the scratch member's own clock.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -45,7 +46,7 @@ from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 
 from . import keyspace, proto
-from .errors import ReplayError, SegmentCorrupt
+from .errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from .leases import MIN_TTL, fate_of, lease_fates
 from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
 from .rpc import EtcdRpc, KeepAliveStream
@@ -114,27 +115,52 @@ class _LeaseKeeper:
 # ---------------------------------------------------------------- replay
 
 
-def _snapshot_file(full_snapshot: str, workdir: str, identities: Optional["Identities"] = None) -> str:
+def _snapshot_file(full_snapshot: str, workdir: str,
+                   identities: Optional["Identities"] = None) -> Tuple[str, Optional[str]]:
     """The snapshot db itself: a plain file as is; a backup tarball (the agent's or a runbook's)
     read with the one bounded reader, its snapshot staged in ``workdir`` and checked on the way
     (etcd's trailer, bbolt meta, the manifest's sizes and sha256); an encrypted one decrypted
-    there with ``identities``."""
+    there with ``identities``. Returns (path, sha256 of its bytes as read; None for a bare db)."""
     from etcd_agent.backup.reader import open_archive
     from etcd_agent.backup.tarstream import sniff
 
     with open(full_snapshot, "rb") as fh:
         head = fh.read(512)
     if sniff(head) == "unknown":
-        return full_snapshot  # a bare snapshot db
+        return full_snapshot, None  # a bare snapshot db
     arc = open_archive(full_snapshot, staging_dir=workdir, extract=True, need_plaintext=True, identities=identities)
     # the staged copy lives in the archive's private stage dir under workdir; move it out of it so
     # the caller owns one file (closing the archive removes the stage)
     dest = os.path.join(workdir, "full.db")
     try:
-        os.rename(arc.plaintext()[0].path, dest)
+        src = arc.plaintext()[0]
+        os.rename(src.path, dest)
     finally:
         arc.close()
-    return dest
+    return dest, src.sha256
+
+
+def _checkpoint_file(path: str, workdir: str, identities: Optional["Identities"], sha256: str,
+                     revision: int) -> str:
+    """A checkpoint's snapshot, staged as ``_snapshot_file`` does, and only if it is what the chain
+    vouches for: exactly that sha256 (of the bytes just read, not a manifest's claim) and that
+    revision (read from its own db). Anything else: CheckpointUnusable, nothing kept."""
+    from etcd_agent.errors import AgentError
+
+    name = os.path.basename(path)
+    try:
+        snap, got = _snapshot_file(path, workdir, identities)
+    except (AgentError, OSError) as exc:
+        msg = exc.message if isinstance(exc, AgentError) else str(exc)
+        raise CheckpointUnusable(f"checkpoint {name} cannot be read: {msg}") from None
+    if got != sha256:
+        raise CheckpointUnusable(f"checkpoint {name}: its snapshot's sha256 is {(got or 'unknown')[:16]}..., the chain "
+                                 f"vouches for {sha256[:16]}...: not the backup the chain was taken with")
+    rev = _snapshot_revision(snap)
+    if rev != revision:
+        raise CheckpointUnusable(f"checkpoint {name}: its snapshot is at revision {rev}, the chain vouches for "
+                                 f"revision {revision}")
+    return snap
 
 
 def _snapshot_revision(path: str) -> int:
@@ -180,19 +206,26 @@ def replay(
     check: Optional[ChainCheck] = None,
     memory_bytes: int = keyspace.DEFAULT_MEMORY,
     identities: Optional["Identities"] = None,
+    checkpoint: Optional[Tuple[str, int]] = None,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
     ``output``. ``check``: the chain as the caller just checked it (its segments are verified
     again as they are read, and must be those very bytes). A broken chain is reported in the
     result (``complete`` False, ``lost_after``); other failures raise ReplayError / ScratchError.
-    ``identities``: decrypt an encrypted full backup (its chain comes opened in ``check``)."""
+    ``identities``: decrypt an encrypted full backup (its chain comes opened in ``check``).
+    ``checkpoint``: ``full_snapshot`` is a checkpoint inside the chain, which vouches for its
+    (snapshot sha256, revision); CheckpointUnusable if it is not exactly that (before anything
+    is started), and the replay folds only the chain after it."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
     try:
-        snap = _snapshot_file(full_snapshot, work, identities)
+        if checkpoint is not None:
+            snap = _checkpoint_file(full_snapshot, work, identities, *checkpoint)
+        else:
+            snap = _snapshot_file(full_snapshot, work, identities)[0]
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
@@ -213,7 +246,9 @@ def replay(
                 # reached (the chain's end, and as far again as a restore's own bump allows for)
                 bump = check.end_revision - restored + LOAD_MARGIN
             with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
-                return _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl)
+                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl)
+        return dataclasses.replace(res, started_revision=restored,
+                                   started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -119,7 +119,7 @@ GAUGES = {
 }
 COUNTERS = {
     "chain_breaks": "Chains that could not continue (compaction, outage, restored member), over the backup dir's life.",
-    "full_backups": "Full backups the daemon took to start a new chain, by reason.",
+    "full_backups": "Full backups the daemon took, by reason: to start a new chain, or as a checkpoint inside one.",
     "upload_failures": "Segment uploads that failed (retried).",
 }
 
@@ -164,7 +164,8 @@ class DeltaCollector:
                 yield GaugeMetricFamily(PREFIX + name, GAUGES[name], value=value)
         yield CounterMetricFamily(PREFIX + "chain_breaks", COUNTERS["chain_breaks"], value=s.breaks_total)
         fb = CounterMetricFamily(PREFIX + "full_backups", COUNTERS["full_backups"], labels=["reason"])
-        for reason in sorted(set(s.full_backups) | {"chain_broken", "chain_bounds", "no_full_backup", "stale_full_backup"}):
+        for reason in sorted(set(s.full_backups) | {"chain_broken", "chain_bounds", "no_full_backup", "stale_full_backup",
+                                                    "checkpoint"}):
             fb.add_metric([reason], s.full_backups.get(reason, 0))
         yield fb
         yield CounterMetricFamily(PREFIX + "upload_failures", COUNTERS["upload_failures"], value=s.upload_failures)

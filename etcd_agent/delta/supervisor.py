@@ -13,6 +13,9 @@ the watch. Every ``TICK`` seconds it looks and decides (``decide``, pure):
   (``backup.service.take_backup``), then a new chain from its revision - said in the log, counted
   in the metrics, the break recorded beside the segments for restores to name;
 - a newer full backup appeared (cron): the watch moves to a new chain continuing it;
+- the chain grew by ``checkpoint_ratio`` times its full backup's size since the last checkpoint: a
+  checkpoint - a full backup taken inside the chain, which goes on - that the chain then vouches
+  for (``DeltaWatcher.vouch``), so a point-in-time restore replays only what follows it;
 - another daemon on this host holds the backup dir's watch (one-host clusters): standby.
 """
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Full:
     revision: int
     time: float
     sha256: str = ""  # its snapshot db's ("" unknown)
+    size: int = 0  # the backup file's bytes (what a checkpoint's interval is measured against)
 
     @property
     def base(self) -> BaseBackup:
@@ -87,10 +91,11 @@ class Facts:
     retry_wait: bool  # a recent attempt failed: wait before the next
     breaks_in_row: int = 0  # chains that broke soon after they started, in a row
     backoff_left: float = 0.0  # seconds until the full backup for the break may be taken
+    checkpoint_due: str = ""  # why the running chain wants a checkpoint now ("" it does not)
 
 
 def decide(f: Facts) -> Tuple[str, str]:
-    """(action, why): none | stop | backup | rebase | start | wait."""
+    """(action, why): none | stop | backup | rebase | start | wait | checkpoint."""
     if not f.enabled:
         return ("stop", "continuous backup is disabled") if f.watching_base is not None else ("none", "disabled")
     if f.restore_in_progress:
@@ -113,7 +118,28 @@ def decide(f: Facts) -> Tuple[str, str]:
         return "rebase", f"{f.newest.name} (revision {f.newest.revision}) is newer: a new chain continues it"
     if f.over_bounds:
         return "backup", f"the chain passed {f.over_bounds}: a full backup bounds what a restore replays"
+    if f.checkpoint_due:
+        return "checkpoint", f"{f.checkpoint_due}: a checkpoint, so that a restore replays only what follows it"
     return "none", "watching"
+
+
+def _since_checkpoint(cfg: Config, chain: "chains.ChainSummary") -> int:
+    """Bytes of ``chain`` after its newest checkpoint here (all of it without one): where a
+    resumed watch's next checkpoint counts from."""
+    from etcd_agent.backup import catalog, keys
+
+    entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, key=keys.local_key(cfg).key)
+    revs = [e.revision for e in catalog.good(entries) if e.checkpoint_of == chain.chain_id and e.revision is not None]
+    after = max(revs, default=chain.base_revision)
+    total = 0
+    for p in chain.paths:
+        rng = parse_name(os.path.basename(p))
+        if rng is not None and rng[1] > after and rng[1] >= rng[0]:  # idle segments hold nothing to fold
+            try:
+                total += os.path.getsize(p)
+            except OSError:
+                pass
+    return total
 
 
 class DeltaSupervisor:
@@ -147,6 +173,10 @@ class DeltaSupervisor:
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
         self._said_backoff = False
+        # checkpoints of the running chain: its bytes since the last one (or since its start),
+        # and when the last one was taken or tried (monotonic)
+        self._cp_bytes = 0
+        self._cp_at = 0.0
 
     # ------------------------------------------------------------ thread
 
@@ -191,6 +221,7 @@ class DeltaSupervisor:
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
             breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
+            checkpoint_due=self._checkpoint_due(cfg),
         )
         action, why = decide(facts)
         if action == "stop":
@@ -212,6 +243,8 @@ class DeltaSupervisor:
             self._prune(cfg)
         elif action == "start":
             self._start_watcher(cfg, me)
+        elif action == "checkpoint":
+            self._checkpoint(cfg, me, why)
         self._write_textfile(cfg)
         return action
 
@@ -328,7 +361,8 @@ class DeltaSupervisor:
         from etcd_agent.backup import catalog, keys
 
         entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
-        best, _skipped = catalog.latest(entries)
+        # a checkpoint is taken inside the running chain: never a base to move a chain to
+        best, _skipped = catalog.latest([e for e in entries if not e.checkpoint_of])
         self._scan_key, self._scanned_at = key, time.monotonic()
         if best is None:
             self._newest, self._unusable = None, ""
@@ -336,7 +370,8 @@ class DeltaSupervisor:
             self._newest = None
             self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
         else:
-            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "")
+            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "",
+                                best.size)
             self._unusable = ""
 
     def _over_bounds(self, cfg: Config) -> str:
@@ -352,7 +387,55 @@ class DeltaSupervisor:
             return f"max_chain_segments ({segs} > {d.max_chain_segments})"
         return ""
 
+    def _checkpoint_due(self, cfg: Config) -> str:
+        d = cfg.backup.delta
+        w, full = self.watcher, self._full
+        if d.checkpoint_ratio <= 0 or w is None or full is None or not w.running or not w.pos.chain_id:
+            return ""
+        if w.vouches_pending:  # the last one is not vouched for yet
+            return ""
+        want = int(d.checkpoint_ratio * max(full.size, 1))
+        with self._mu:
+            grown = self._cp_bytes
+        if grown < want or time.monotonic() - self._cp_at < d.checkpoint_min_seconds:
+            return ""
+        return f"the chain grew by {grown} bytes since its last checkpoint ({d.checkpoint_ratio:g} x {full.name})"
+
     # ------------------------------------------------------------ actions
+
+    def _checkpoint(self, cfg: Config, me: Member, why: str) -> None:
+        """A full backup inside the running chain, vouched for by it once the watch has written
+        through its revision and checked the member again (``segments.Checkpoint``)."""
+        from etcd_agent.backup.service import take_backup
+
+        from .segments import Checkpoint
+
+        w = self.watcher
+        if w is None:
+            return
+        chain_id = w.pos.chain_id
+        log.info("delta: %s", why)
+        self._cp_at = time.monotonic()  # taken or not, the next try waits checkpoint_min_seconds
+        try:
+            res = take_backup(cfg, member=me.name, origin="daemon", checkpoint_of=chain_id)
+        except AgentError as exc:  # busy (cron's backup) or failed: the chain goes on without it
+            log.log(logging.INFO if isinstance(exc, BusyError) else logging.WARNING,
+                    "delta: checkpoint not taken: %s; the chain goes on, the next try in %.0fs", exc.message,
+                    cfg.backup.delta.checkpoint_min_seconds)
+            return
+        if res.revision is None or not res.sha256:
+            log.warning("delta: checkpoint %s has no known revision or sha256: the chain cannot vouch for it", res.path)
+            return
+        with self._mu:
+            self._cp_bytes = 0
+        self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
+        if self.watcher is w and w.running and w.pos.chain_id == chain_id:
+            w.vouch(Checkpoint(os.path.basename(res.path), res.sha256, res.revision))
+            log.info("delta: checkpoint %s (revision %d) taken inside chain %s; the chain vouches for it once it has "
+                     "written that far", res.path, res.revision, chain_id[:8])
+        else:
+            log.info("delta: checkpoint %s taken, but its chain's watch ended meanwhile: never vouched for, never "
+                     "used by a restore", res.path)
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.service import take_backup
@@ -398,6 +481,8 @@ class DeltaSupervisor:
         existing = chains.scan(cfg.backup.dir).for_full(full.revision, full.base)
         with self._mu:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
+            self._cp_bytes = _since_checkpoint(cfg, existing) if existing else 0
+        self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
         if cfg.backup.remote.enabled and self._uploader is None:
             from . import offsite
 
@@ -445,6 +530,8 @@ class DeltaSupervisor:
         with self._mu:
             e, b, n = self._totals
             self._totals = (e + info.footer.events, b + info.size, n + 1)
+            if info.footer.events:  # what a replay folds; idle segments add nothing to fold
+                self._cp_bytes += info.size
         if self._uploader is not None:
             self._uploader.enqueue(info.path, info.header.base_revision)
 

@@ -150,12 +150,13 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
 
 def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
-                     identities: Optional["Identities"] = None) -> Source:
+                     identities: Optional["Identities"] = None, checkpoints: bool = True) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
-    dir under the backup dir's ``.pitr``, removed once replayed)."""
+    dir under the backup dir's ``.pitr``, removed once replayed). ``checkpoints`` False: the replay
+    starts from the full backup whatever checkpoints its chain vouches for."""
     import shutil
 
     from ..delta import pitr
@@ -166,13 +167,15 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     staging = pitr.open_staging(cfg) if identities is not None else None
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
-            prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging)
+            prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging, checkpoints=checkpoints)
             base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
             try:
                 _chain_matches(prep, base)
-                progress(f"replaying {len(prep.plan.segments)} delta segment(s) onto {prep.entry.name} up to "
-                         f"revision {prep.plan.stop_revision} in a throwaway etcd on loopback (nothing live is "
-                         "touched)")
+                onto = (f"checkpoint {prep.checkpoints[0].name} (revision {prep.checkpoints[0].revision}, inside the "
+                        f"chain of {prep.entry.name}; {prep.checkpoints[0].events_after} event(s) after it)"
+                        if prep.checkpoints else prep.entry.name)
+                progress(f"replaying the delta chain onto {onto} up to revision {prep.plan.stop_revision} in a "
+                         "throwaway etcd on loopback (nothing live is touched)")
                 path, res, reused = pitr.replay_kept(cfg, prep, identities)
             finally:
                 base.close()

@@ -189,8 +189,10 @@ def keyfile(tmp_path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def bed(tmp_path, keyfile):  # type: ignore[no-untyped-def]
-    # the product's defaults for the watch (segments close every 5 s), everything encrypted
-    d = make_bed(str(tmp_path / "c"), delta={"close_seconds": "5.0", "idle_seconds": "60.0"},
+    # the product's defaults for the watch (segments close every 5 s), everything encrypted;
+    # checkpoints at most every 10 s (the default's 60 s would leave at most one in the 60 s run)
+    d = make_bed(str(tmp_path / "c"), delta={"close_seconds": "5.0", "idle_seconds": "60.0",
+                                             "checkpoint_min_seconds": "10.0"},
                  backup=f'encrypt_to = ["{keyfile[1]}"]\n')
     yield d
     d.stop()
@@ -217,6 +219,16 @@ def compare(live: Dict[str, Tuple[bytes, int]], got: Dict[str, Tuple[bytes, int]
     short_extra = sum(1 for k, (_v, lease) in got.items() if lease in short and k not in live)
     return {"keys": len(plain_live), "wrong": wrong, "short": len(short_keys),
             "short_restored": len(short_keys & got.keys()), "short_bad": short_bad + short_extra}
+
+
+def vouched_for(c: Any) -> List[Tuple[str, int]]:
+    return [(cp.name, cp.revision) for ch in chains.scan(c.cfg.backup.dir).chains for cp in ch.checkpoints]
+
+
+def started_from(progress: str) -> str:
+    """Where the restore's replay started, from its progress lines: a checkpoint or the full backup."""
+    line = next((ln for ln in progress.splitlines() if "replaying the delta chain onto " in ln), "")
+    return line.split("replaying the delta chain onto ", 1)[-1].split(" up to revision")[0].split(";")[0]
 
 
 def test_total_disaster_loses_seconds_not_the_hour(bed, keyfile) -> None:  # type: ignore[no-untyped-def]
@@ -285,6 +297,8 @@ def test_total_disaster_loses_seconds_not_the_hour(bed, keyfile) -> None:  # typ
     print(f"FIGURE disaster: the oldest lost write was acknowledged {lag:.3f}s before the disaster (0: none lost); "
           f"RPO metric (textfile, written every 5 s) just before it {rpo_before:.1f}s; restore --to newest --identity "
           f"wall time {wall:.1f}s")
+    print(f"FIGURE disaster: the chain vouches for {len(vouched_for(c))} checkpoint(s) (encrypted full backups taken "
+          f"inside it): {vouched_for(c)}; the restore started from: {started_from(res.stderr)}")
     print("FIGURE disaster plan lines:\n  " + "\n  ".join(
         ln.split("restore: ", 1)[-1] for ln in res.stderr.splitlines() if "replay" in ln or "encrypted" in ln)[:2000])
     assert not missing_old, missing_old[:5]
@@ -301,7 +315,7 @@ def test_total_disaster_loses_seconds_not_the_hour(bed, keyfile) -> None:  # typ
         wait_healthy(c.cfg, 3, 60)
         got_n = dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))
         cmp = compare(lives[n], got_n, short)
-        print(f"FIGURE disaster --to-revision {n}: {cmp['keys']} keys, {cmp['wrong']} differ from the live key space "
-              f"at {n}; keys of never-renewed 3 s leases: {cmp['short']} live, {cmp['short_restored']} restored, "
+        print(f"FIGURE disaster --to-revision {n} (from {started_from(res.stderr)}): {cmp['keys']} keys, "
+              f"{cmp['wrong']} differ from the live key space at {n}; keys of never-renewed 3 s leases: {cmp['short']} live, {cmp['short_restored']} restored, "
               f"{cmp['short_bad']} wrong or extra")
         assert cmp["wrong"] == 0 and cmp["short_bad"] == 0, cmp

@@ -52,6 +52,11 @@ def facts(**kw: Any) -> Facts:
     (dict(newest=Full("n", "/b/n", 150, 0.0)), "rebase", "newer"),
     (dict(over_bounds="max_chain_events (9 > 8)"), "backup", "passed max_chain_events"),
     (dict(newest=None, newest_unusable="compressed", watching_base=None), "backup", "no full backup"),
+    (dict(checkpoint_due="the chain grew by 9 bytes"), "checkpoint", "the chain grew by 9 bytes: a checkpoint"),
+    # a bound passed ends the chain: a checkpoint inside it would be wasted
+    (dict(checkpoint_due="grew", over_bounds="max_chain_events (9 > 8)"), "backup", "passed max_chain_events"),
+    (dict(checkpoint_due="grew", newest=Full("n", "/b/n", 150, 0.0)), "rebase", "newer"),
+    (dict(checkpoint_due="grew", restore_in_progress=True), "stop", "hands off"),
 ])
 def test_decide(kw: Dict[str, Any], action: str, words: str) -> None:
     got, why = decide(facts(**kw))
@@ -173,6 +178,13 @@ def test_delta_config_defaults_and_validation() -> None:
     assert errors == ["backup.delta.batch_seconds must be between 0 (a streaming watch) and 10"]
     _, errors = cfg_with('metrics_file = "relative.prom"\n')
     assert any("backup.delta.metrics_file" in e for e in errors)
+    d = cfg_with()[0].backup.delta
+    assert (d.checkpoint_ratio, d.checkpoint_min_seconds, d.checkpoint_keep) == (0.5, 60.0, 2)
+    assert cfg_with("checkpoint_ratio = 0.0\n")[1] == []  # no checkpoints
+    _, errors = cfg_with("checkpoint_ratio = -1.0\ncheckpoint_min_seconds = 0.0\ncheckpoint_keep = 0\n")
+    assert errors == ["backup.delta.checkpoint_ratio must be between 0 (no checkpoints) and 100",
+                      "backup.delta.checkpoint_min_seconds must be > 0 seconds",
+                      "backup.delta.checkpoint_keep must be between 1 and 10"], errors
 
 
 def target(*argv: str) -> Optional[str]:

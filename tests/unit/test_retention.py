@@ -6,7 +6,7 @@ from typing import List
 
 import pytest
 
-from etcd_agent.backup.retention import BackupRef, plan
+from etcd_agent.backup.retention import BackupRef, plan, plan_checkpoints
 
 T0 = datetime(2019, 8, 7, 13, 30, tzinfo=timezone.utc)
 
@@ -100,3 +100,20 @@ def test_holds_keep_a_backup_whatever_the_rules_say() -> None:
                                          ("b4", "the backup restore r1 came from")])}
     assert ds["b4"].keep and ds["b4"].reasons == ("the backup restore r1 came from",)
     assert not ds["b3"].keep
+
+
+def test_checkpoints_keep_the_newest_of_each_kept_chain_and_take_no_slot() -> None:
+    """A checkpoint (a full backup the daemon took inside a chain) is kept while its chain is,
+    the newest ``keep`` of each; one of a chain that goes restores nothing and goes with it."""
+    cps = [BackupRef(f"a{i}", T0 + timedelta(minutes=i), verified=True, origin="daemon", chain="a" * 32)
+           for i in range(5)]
+    cps += [BackupRef(f"b{i}", T0 + timedelta(minutes=i), verified=True, origin="daemon", chain="b" * 32)
+            for i in range(3)]
+    ds = {d.name: d for d in plan_checkpoints(cps, live_chains={"a" * 32}, keep=2, protect=("b0",),
+                                              holds=[("a0", "the backup restore r1 came from")])}
+    assert [n for n in ds if ds[n].keep] == ["a4", "a3", "b0", "a0"], {n: d.reason for n, d in ds.items()}
+    assert ds["a4"].reason == f"checkpoint #1 of 2 kept of delta chain {'a' * 8}"
+    assert ds["a2"].reason == f"an older checkpoint of delta chain {'a' * 8} (its newest 2 are kept)"
+    assert ds["b1"].reason == f"a checkpoint of delta chain {'b' * 8}, which is pruned or gone"
+    assert ds["b0"].reason == "the backup just written (never deleted)"
+    assert ds["a0"].reason == "the backup restore r1 came from"
