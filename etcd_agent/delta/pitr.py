@@ -27,7 +27,7 @@ from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.state.locks import OperationLock
 
 from . import status
-from .errors import CheckpointUnusable, ReplayError
+from .errors import ReplayError
 from .leftovers import remove_left
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay
 from .replayrun import replay
@@ -61,9 +61,8 @@ class Prepared:
     check: ChainCheck
     plan: Plan
     breaks: Tuple[status.BreakRecord, ...]  # recorded breaks of this chain
-    # checkpoints the chain vouches for between the full backup and the stop, newest first: where
-    # the replay may start instead of the full backup
-    checkpoints: Tuple["Start", ...] = ()
+    start: Optional["Start"] = None  # the checkpoint the replay starts from (None: the full backup)
+    passed_over: Tuple[str, ...] = ()  # newer checkpoints the chain vouches for that are not used, and why
 
     @property
     def kept_name(self) -> str:
@@ -78,25 +77,33 @@ class Start:
     path: str
     revision: int
     sha256: str
-    events_after: int  # of the chain up to the stop: what a replay from it folds
+    leases_from: int  # the chain is read from the segment holding this revision on
+    events_after: int  # of the chain up to the stop: what a replay from it folds (estimated)
 
 
-def vouched_checkpoints(cfg: "Config", entry: "Entry", check: ChainCheck, plan: Plan) -> Tuple[Start, ...]:
-    """The checkpoints ``check``'s good segments vouch for, after ``entry`` and at or before the
-    plan's stop, whose file is here and good (and, where the catalogue knows its snapshot's
-    sha256, is the one vouched for), newest first. Their content is checked when the replay
-    reads them (``replayrun._checkpoint_file``)."""
+def choose_start(cfg: "Config", entry: "Entry", outline: ChainCheck, target: Target,
+                 skip: Optional[Dict[str, str]] = None) -> Tuple[Optional[Start], List[str]]:
+    """The newest checkpoint the chain ``outline`` (headers and footers only) vouches for after
+    ``entry`` and surely at or before the target's stop, whose file is here and good and, where
+    the catalogue knows its snapshot's sha256, the one vouched for; and a line for each newer one
+    passed over. Its content is checked when the replay reads it (``replayrun._checkpoint_file``)
+    and its vouching segment when the chain is verified from ``leases_from`` (``prepare``)."""
     from etcd_agent.backup import catalog, keys
 
-    key = keys.local_key(cfg).key  # a signed manifest's sha256 tells a swapped file early
+    skip = skip or {}
+    bound = _surely_reached(outline, target)
     vouched: Dict[str, Checkpoint] = {}
-    for seg in check.segments:
+    for seg in outline.segments:
         for cp in seg.footer.checkpoints:
-            if entry.revision is not None and entry.revision < cp.revision <= plan.stop_revision:
+            if entry.revision is not None and entry.revision < cp.revision <= bound:
                 vouched.setdefault(cp.name, cp)
-    out = []
+    key = keys.local_key(cfg).key  # a signed manifest's sha256 tells a swapped file early
+    passed: List[str] = []
     for cp in sorted(vouched.values(), key=lambda c: c.revision, reverse=True):
         path = os.path.join(cfg.backup.dir, cp.name)
+        if cp.name in skip:
+            passed.append(f"{cp.name}: {skip[cp.name]}")
+            continue
         if not os.path.isfile(path):
             log.info("checkpoint %s (revision %d) is gone (pruned): not a starting point", cp.name, cp.revision)
             continue
@@ -105,12 +112,31 @@ def vouched_checkpoints(cfg: "Config", entry: "Entry", check: ChainCheck, plan: 
         except OSError:
             continue
         if not e.complete or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
-            log.warning("checkpoint %s is not the one its chain vouches for (%s): not a starting point", cp.name,
-                        e.problem or "another snapshot sha256")
+            why = (f"checkpoint {cp.name} is not the one its chain vouches for "
+                   f"({e.problem or 'another snapshot sha256'}): not a starting point")
+            log.warning("%s", why)
+            passed.append(why)
             continue
-        after = sum(_events_after(s, cp.revision, plan.stop_revision) for s in check.segments)
-        out.append(Start(cp.name, path, cp.revision, cp.sha256, after))
-    return tuple(out)
+        after = sum(_events_after(s, cp.revision, bound) for s in outline.segments)
+        return Start(cp.name, path, cp.revision, cp.sha256, cp.leases_from, after), passed
+    return None, passed
+
+
+def _surely_reached(outline: ChainCheck, target: Target) -> int:
+    """A revision the replay's stop is at least (from headers and footers alone)."""
+    if target.kind == "revision" and target.revision is not None:
+        return min(target.revision, outline.end_revision)
+    if target.kind == "time" and target.time_ms is not None:
+        done = [s.end_revision for s in outline.segments if s.footer.end_time_ms <= target.time_ms]
+        return max(done, default=outline.base_revision)
+    return outline.end_revision
+
+
+def _vouched_in(check: ChainCheck, start: Start) -> bool:
+    """A segment the check verified vouches for exactly this checkpoint."""
+    return any(s.sha256 and any((c.name, c.sha256, c.revision, c.leases_from)
+                                == (start.name, start.sha256, start.revision, start.leases_from)
+                                for c in s.footer.checkpoints) for s in check.segments)
 
 
 def _events_after(seg: SegmentInfo, revision: int, stop: int) -> int:
@@ -159,14 +185,19 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,
             identities: Optional["Identities"] = None, staging: Optional[str] = None,
-            checkpoints: bool = True) -> Prepared:
+            checkpoints: bool = True, skip: Optional[Dict[str, str]] = None) -> Prepared:
     """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
 
     Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
     caller's private dir under ``pitr_dir``, removed when the restore ends) and checked whole as
     they are; without an identity an encrypted chain is checked as far as its bytes allow and the
-    restore refused (IdentityRefused, nothing touched). ``checkpoints`` False: replay from the
-    full backup itself, whatever checkpoints the chain vouches for (``--no-checkpoint``)."""
+    restore refused (IdentityRefused, nothing touched).
+
+    With ``checkpoints`` the replay starts from the newest checkpoint the chain vouches for at or
+    before the target (``choose_start``: from headers and footers), and only the segments from
+    its lease census on are verified (and decrypted); the ones before it are never read whole.
+    ``checkpoints`` False (``--no-checkpoint``): from the full backup, every segment verified.
+    ``skip``: checkpoints found unusable by an earlier attempt (name -> why)."""
     entry = resolve_full(cfg, spec, target)
     if entry.revision is None:
         raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
@@ -178,13 +209,24 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     base = find_base(paths, entry.revision)
     # the chain of exactly this backup: another backup at the same revision (the cluster before an
     # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
-    check = check_chain(paths, base, base=entry.base if base == entry.revision else None,
-                        not_after_ms=now_ms + SEGMENT_CLOCK_MARGIN_MS, opener=_opener(cfg, identities, staging))
-    _refuse_locked(entry.name, check)
-    try:
-        plan = plan_replay(check, target)
-    except ReplayError as exc:
-        raise RefusedError(f"{entry.name}: {exc.message}; nothing touched") from None
+    of = entry.base if base == entry.revision else None
+    not_after = now_ms + SEGMENT_CLOCK_MARGIN_MS
+    opener = _opener(cfg, identities, staging)
+    start: Optional[Start] = None
+    passed: List[str] = []
+    if checkpoints:
+        outline = check_chain(paths, base, verify=False, base=of, not_after_ms=not_after)
+        start, passed = choose_start(cfg, entry, outline, target, skip)
+    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener,
+                        verify_from=start.leases_from if start is not None else None)
+    plan = _plan(entry, check, target)
+    if start is not None and (start.revision > plan.stop_revision or not _vouched_in(check, start)):
+        # damage between its lease census and it, or a time target met before it: every segment then
+        passed.append(f"{start.name}: the verified chain does not reach it "
+                      f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
+        start = None
+        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener)
+        plan = _plan(entry, check, target)
     if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
         raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
                            "restore from an older full backup; nothing touched")
@@ -193,15 +235,24 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
                            "older full backup; nothing touched")
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    prep = Prepared(entry, target, check, plan, mine,
-                    vouched_checkpoints(cfg, entry, check, plan) if checkpoints else ())
+    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed))
     if not plan.complete and target.kind != "newest":
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
     return prep
 
 
+def _plan(entry: "Entry", check: ChainCheck, target: Target) -> Plan:
+    _refuse_locked(entry.name, check)
+    try:
+        return plan_replay(check, target)
+    except ReplayError as exc:
+        raise RefusedError(f"{entry.name}: {exc.message}; nothing touched") from None
+
+
 def _opener(cfg: "Config", identities: Optional["Identities"], staging: Optional[str]) -> Optional[Opener]:
+    """Each encrypted segment decrypted into ``staging`` once (a second check of the chain in the
+    same prepare takes the copy it made)."""
     if identities is None:
         return None
     if staging is None:
@@ -209,7 +260,14 @@ def _opener(cfg: "Config", identities: Optional["Identities"], staging: Optional
     from etcd_agent.backup import keys
 
     key = keys.local_key(cfg).key  # the seals' HMAC is checked when this host has the manifest key
-    return lambda path: open_sealed(path, identities, staging, key=key)
+    opened: Dict[str, SegmentInfo] = {}
+
+    def open_once(path: str) -> SegmentInfo:
+        if path not in opened:
+            opened[path] = open_sealed(path, identities, staging, key=key)
+        return opened[path]
+
+    return open_once
 
 
 def _refuse_locked(name: str, check: ChainCheck) -> None:
@@ -312,17 +370,12 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
             os.unlink(stale)
     # the chain as prepare() just chose and verified it (the dir may hold another chain at the same
     # base): the replay reads those segments again, checked to be the same bytes
+    # CheckpointUnusable when the checkpoint is not what its chain vouches for: the caller prepares
+    # again without it (an older one, or the full backup, and the chain verified from there)
     paths = [s.path for s in p.check.segments] + list(p.check.lost)
-    for cp in p.checkpoints:  # newest first; then the full backup itself
-        try:
-            res = replay(cp.path, paths, p.target, output=out, options=scratch_options(cfg), check=p.check,
-                         identities=identities, checkpoint=(cp.sha256, cp.revision))
-            break
-        except CheckpointUnusable as exc:
-            log.warning("%s; starting from an older checkpoint or the full backup instead", exc.message)
-    else:
-        res = replay(p.entry.path, paths, p.target, output=out, options=scratch_options(cfg), check=p.check,
-                     identities=identities)
+    st = p.start
+    res = replay(st.path if st else p.entry.path, paths, p.target, output=out, options=scratch_options(cfg),
+                 check=p.check, identities=identities, checkpoint=(st.sha256, st.revision) if st else None)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 
@@ -357,9 +410,8 @@ def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) 
             full = (f"checkpoint {res.started_from} (revision {res.started_revision}, taken inside the chain of {full} "
                     "and vouched for by it: its snapshot's sha256 and revision checked)")
         lines.append(f"point in time: {full} + {used}; target {p.target.describe()}")
-        skipped = [c.name for c in p.checkpoints if c.revision > res.started_revision]
-        if skipped:
-            lines.append(f"point in time: newer checkpoint(s) not usable, passed over: {', '.join(skipped)} (see the log)")
+        if p.passed_over:
+            lines.append(f"point in time: newer checkpoint(s) passed over: {'; '.join(p.passed_over)}")
     when = res.reached_time.isoformat(timespec="milliseconds") if res.reached_time else "the chain's end"
     lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
                  f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "

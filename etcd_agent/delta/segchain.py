@@ -107,6 +107,7 @@ def check_chain(
     base: Optional[BaseBackup] = None,
     not_after_ms: Optional[int] = None,
     opener: Optional[Opener] = None,
+    verify_from: Optional[int] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -119,7 +120,10 @@ def check_chain(
     footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
     target could otherwise be met by a revision that happened later. Encrypted segments
     (``.seg.age``) are verified without their key (``segseal.verify_sealed``: no lease records,
-    no events), or, with ``opener``, decrypted and verified whole by it.
+    no events), or, with ``opener``, decrypted and verified whole by it. ``verify_from``: only
+    segments that reach that revision are verified; the ones before it are followed by their
+    headers and footers alone (a replay from a checkpoint reads nothing of them: see
+    ``segments.Checkpoint``), and the first verified one's link to them is not checked.
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -137,8 +141,10 @@ def check_chain(
         problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
         chosen: Optional[SegmentInfo] = None
         for p in cands:
+            rng = parse_name(os.path.basename(p))
+            full = verify and (verify_from is None or rng is None or rng[1] >= verify_from)
             try:
-                info = _load_info(p, verify, max_bytes, opener)
+                info = _load_info(p, full, max_bytes, opener)
             except SegmentCorrupt as exc:
                 problems.append(("corrupt", p, exc.problem))
                 continue
@@ -156,13 +162,13 @@ def check_chain(
                 why = "is not the first segment of a chain"
             else:
                 ok = h.chain_id == prev.header.chain_id and h.seq == prev.header.seq + 1 and (
-                    not verify or h.prev_sha256 == prev.sha256
+                    not full or not prev.sha256 or h.prev_sha256 == prev.sha256
                 )
                 why = (
                     f"does not link to {os.path.basename(prev.path)} "
                     f"(chain {h.chain_id[:8]} seq {h.seq}, prev sha256 {h.prev_sha256[:12]}; "
                     f"expected chain {prev.header.chain_id[:8]} seq {prev.header.seq + 1}, "
-                    f"sha256 {prev.sha256[:12] if verify else '?'})"
+                    f"sha256 {prev.sha256[:12] if prev.sha256 else '?'})"
                 )
             if ok:
                 chosen = info

@@ -200,25 +200,31 @@ class Checkpoint:
     watcher wrote this into a segment's footer only after it had written every revision up to
     ``revision`` and checked the member again after the backup was taken. A restore may start
     its replay from it instead of from the chain's base - if the file's snapshot has exactly
-    this sha256 (its content, not its manifest, decides) and this revision."""
+    this sha256 (its content, not its manifest, decides) and this revision.
+
+    ``leases_from``: just before the backup the watcher observed every lease the member had (a
+    lease census) and wrote those records into the segment holding this revision; every segment
+    from that one on holds what the lease rule needs about the leases in the checkpoint, so a
+    replay from it reads nothing of the chain before that segment."""
 
     name: str  # the backup's file name, in the same dir
     sha256: str  # of its snapshot db (the plaintext, when the backup is encrypted)
     revision: int  # the snapshot's revision
+    leases_from: int  # the revision the chain had written at the lease census (<= revision)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "sha256": self.sha256, "revision": self.revision}
+        return {"name": self.name, "sha256": self.sha256, "revision": self.revision, "leases_from": self.leases_from}
 
     @classmethod
     def from_json(cls, d: Any) -> "Checkpoint":
-        if not isinstance(d, dict) or set(d) != {"name", "sha256", "revision"}:
-            raise ValueError("a checkpoint is {name, sha256, revision}")
-        c = cls(_req(d, "name", str), _req(d, "sha256", str), _req(d, "revision", int))
+        if not isinstance(d, dict) or set(d) != {"name", "sha256", "revision", "leases_from"}:
+            raise ValueError("a checkpoint is {name, sha256, revision, leases_from}")
+        c = cls(_req(d, "name", str), _req(d, "sha256", str), _req(d, "revision", int), _req(d, "leases_from", int))
         if not CHECKPOINT_NAME_RE.match(c.name):
             raise ValueError(f"checkpoint name {c.name[:80]!r} is not a full backup's")
         if not re.fullmatch(r"[0-9a-f]{64}", c.sha256):
             raise ValueError("checkpoint sha256 is not a sha256")
-        if c.revision < 1:
+        if c.revision < 1 or not 0 <= c.leases_from <= c.revision:
             raise ValueError("checkpoint revision out of range")
         return c
 

@@ -210,7 +210,7 @@ def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEG
         )
     if footer.end_time_ms < last_time or footer.end_time_ms < header.start_time_ms:
         raise SegmentCorrupt(path, "footer end time before the segment's last event")
-    if any(c.revision <= header.base_revision for c in footer.checkpoints):
+    if any(c.revision <= header.base_revision or c.leases_from < header.base_revision for c in footer.checkpoints):
         raise SegmentCorrupt(path, "footer vouches for a checkpoint at or before the chain's base")
     # the whole file's sha256 (what the next segment names) continues the body's: one pass, not two
     digest.update(memoryview(data)[body_end:])

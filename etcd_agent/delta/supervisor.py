@@ -416,6 +416,11 @@ class DeltaSupervisor:
         chain_id = w.pos.chain_id
         log.info("delta: %s", why)
         self._cp_at = time.monotonic()  # taken or not, the next try waits checkpoint_min_seconds
+        leases_from = w.lease_census()
+        if leases_from is None:
+            log.warning("delta: checkpoint not taken: the watch could not observe every lease first (a replay from "
+                        "it would lack their TTLs); the next try in %.0fs", cfg.backup.delta.checkpoint_min_seconds)
+            return
         try:
             res = take_backup(cfg, member=me.name, origin="daemon", checkpoint_of=chain_id)
         except AgentError as exc:  # busy (cron's backup) or failed: the chain goes on without it
@@ -430,7 +435,7 @@ class DeltaSupervisor:
             self._cp_bytes = 0
         self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
         if self.watcher is w and w.running and w.pos.chain_id == chain_id:
-            w.vouch(Checkpoint(os.path.basename(res.path), res.sha256, res.revision))
+            w.vouch(Checkpoint(os.path.basename(res.path), res.sha256, res.revision, min(leases_from, res.revision)))
             log.info("delta: checkpoint %s (revision %d) taken inside chain %s; the chain vouches for it once it has "
                      "written that far", res.path, res.revision, chain_id[:8])
         else:
@@ -583,8 +588,12 @@ class DeltaSupervisor:
         now = time.monotonic()
         if path is None or (not force and now - self._textfile_at < TEXTFILE_EVERY):
             return
-        if self.watcher is None and self._state == "standby":
-            return  # the daemon whose watch writes the chain writes the file (one-host clusters)
+        w = self.watcher
+        if (w is None or not w.running) and os.path.isdir(cfg.backup.dir) and chains.active_base(cfg.backup.dir) is not None:
+            # another daemon of this host writes the chain, and the file (one-host clusters); a
+            # standby daemon trying its watch again (every RETRY_AFTER) wrote a status of a watch
+            # that never ran: an RPO of the time since the full backup, every ~10 s
+            return
         self._textfile_at = now
         status.write_textfile(path, self.status())
 

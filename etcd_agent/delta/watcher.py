@@ -62,6 +62,14 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".delta-watcher.lock"
 
 
+class _Census:
+    """One lease census asked of the watch: done, and the chain's last revision when it ran."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.revision: Optional[int] = None
+
+
 class DeltaWatcher:
     """Watch ``endpoint`` from full backup revision ``start_revision`` into segments in ``out_dir``.
 
@@ -112,6 +120,7 @@ class DeltaWatcher:
         # full backups taken inside this chain, waiting for a footer to vouch for them:
         # (checkpoint, monotonic time the supervisor asked)
         self._vouches: List[Tuple[Checkpoint, float]] = []
+        self._censuses: List[_Census] = []  # lease censuses asked for, run on the watch's thread
         self._closing = False  # close the segment once the check's H is delivered
         self._last_check = 0.0
         self._covered_ms = 0  # every revision committed before this time is written ...
@@ -164,6 +173,41 @@ class DeltaWatcher:
         (never vouched for, so never used by a restore) if the watch ends first."""
         with self._mu:
             self._vouches.append((checkpoint, self._mono()))
+
+    def lease_census(self, timeout: float = 30.0) -> Optional[int]:
+        """Observe every lease the member has now (no refresh limit) and write the records into
+        the open segment: what a checkpoint taken right after needs for the lease rule, in the
+        segment holding the returned revision (the last one the chain had written) or a later
+        one. None: not done within ``timeout``, the watch ended, or a lease could not be asked."""
+        c = _Census()
+        with self._mu:
+            if self._finished:
+                return None
+            self._censuses.append(c)
+        if not c.done.wait(timeout):
+            with self._mu:
+                if c in self._censuses:
+                    self._censuses.remove(c)
+            return None
+        return c.revision
+
+    def _run_censuses(self, rpc: EtcdRpc) -> None:
+        """(The watch's thread) the lease censuses asked for since the last batch."""
+        with self._mu:
+            pending, self._censuses = self._censuses, []
+            if not pending:
+                return
+            rev: Optional[int] = None
+            try:
+                answers = [self._leases.observe(rpc, lid) for lid in rpc.lease_list()]
+                self._flush_records()
+                if all(a is not None for a in answers):
+                    rev = self._last_revision()
+            except EtcdError as exc:
+                log.warning("delta: the lease census for a checkpoint failed: %s", exc.message)
+            for c in pending:
+                c.revision = rev
+                c.done.set()
 
     @property
     def vouches_pending(self) -> int:
@@ -478,6 +522,7 @@ class DeltaWatcher:
     def _timers(self, rpc: EtcdRpc) -> None:
         """(Caller thread) start a coverage check when a close or a heartbeat is due; give up
         waiting for one after ``progress_timeout``; detect a stuck stream."""
+        self._run_censuses(rpc)
         now = self._mono()
         with self._mu:
             has_events = self._has_events()
@@ -567,6 +612,9 @@ class DeltaWatcher:
         that ends at a stop then covers the time until the stop)."""
         with self._mu:
             self._finished = True
+            for c in self._censuses:  # never run: the supervisor takes no checkpoint
+                c.done.set()
+            self._censuses.clear()
             writer = self._writer
             idle_covered = self._covered_rev == self._last_revision() and self._covered_ms > self.pos.start_time_ms
             if writer is None:

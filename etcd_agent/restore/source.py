@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from ..backup.reader import Archive, open_archive
 from ..config import Config
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities
     from ..delta.pitr import Prepared
     from ..delta.replay import ReplayResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,25 +163,37 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     import shutil
 
     from ..delta import pitr
+    from ..delta.errors import CheckpointUnusable
     from ..delta.replay import Target
 
     parsed = Target.parse(target)
     held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
     staging = pitr.open_staging(cfg) if identities is not None else None
+    skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
-            prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging, checkpoints=checkpoints)
-            base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
-            try:
-                _chain_matches(prep, base)
-                onto = (f"checkpoint {prep.checkpoints[0].name} (revision {prep.checkpoints[0].revision}, inside the "
-                        f"chain of {prep.entry.name}; {prep.checkpoints[0].events_after} event(s) after it)"
-                        if prep.checkpoints else prep.entry.name)
-                progress(f"replaying the delta chain onto {onto} up to revision {prep.plan.stop_revision} in a "
-                         "throwaway etcd on loopback (nothing live is touched)")
-                path, res, reused = pitr.replay_kept(cfg, prep, identities)
-            finally:
-                base.close()
+            while True:
+                prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
+                                    checkpoints=checkpoints, skip=skip)
+                base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
+                try:
+                    _chain_matches(prep, base)
+                    st = prep.start
+                    onto = (f"checkpoint {st.name} (revision {st.revision}, inside the chain of {prep.entry.name}; "
+                            f"~{st.events_after} event(s) after it)" if st else prep.entry.name)
+                    progress(f"replaying the delta chain onto {onto} up to revision {prep.plan.stop_revision} in a "
+                             "throwaway etcd on loopback (nothing live is touched)")
+                    path, res, reused = pitr.replay_kept(cfg, prep, identities)
+                    break
+                except CheckpointUnusable as exc:
+                    assert prep.start is not None
+                    log.warning("%s; starting from an older checkpoint or the full backup instead", exc.message)
+                    skip[prep.start.name] = exc.message
+                    if staging is not None:  # the next prepare decrypts what it needs afresh
+                        shutil.rmtree(staging, ignore_errors=True)
+                        os.mkdir(staging, 0o700)
+                finally:
+                    base.close()
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -177,7 +177,7 @@ def test_an_encrypted_segment_vouches_for_a_checkpoint_readable_without_the_key(
                       sign_key=KEY)
     for rev in range(101, 104):
         w.add_txn(Txn(rev, 1_700_000_000_000 + rev, (put(rev, b"k"),)))
-    cp = Checkpoint("etcd-2026-12-05-10-00-00.tar", "d" * 64, 103)
+    cp = Checkpoint("etcd-2026-12-05-10-00-00.tar", "d" * 64, 103, 102)
     info = w.close(1_700_000_001_000, confirmed=True, checkpoints=[cp])
     assert read_summary(info.path)[1].checkpoints == (cp,)
     assert read_seal(info.path).footer.checkpoints == (cp,)

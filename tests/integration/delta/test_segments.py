@@ -326,12 +326,12 @@ def test_a_footer_vouches_for_checkpoints_and_older_readers_see_the_footer_they_
     w = SegmentWriter(d, SegmentHeader("ab" * 16, 0, 100, 101, "", T0))
     for rev in range(101, 106):
         w.add_txn(Txn(rev, T0 + rev, (put(rev, b"k"),)))
-    cp = Checkpoint(CP, "c" * 64, 104)
+    cp = Checkpoint(CP, "c" * 64, 104, 102)
     info = w.close(T0 + 200, confirmed=True, checkpoints=[cp])
     assert read_segment(info.path).info.footer.checkpoints == (cp,)
     assert read_summary(info.path)[1].checkpoints == (cp,)
     raw = info.footer.to_json()
-    assert raw["checkpoints"] == [{"name": CP, "sha256": "c" * 64, "revision": 104}]
+    assert raw["checkpoints"] == [{"name": CP, "sha256": "c" * 64, "revision": 104, "leases_from": 102}]
     # a footer without one is written exactly as before (older readers, older files)
     assert "checkpoints" not in SegmentFooter(5, 1, 1, 1, 0, True).to_json()
     # an older reader's footer parse takes the fields it knows and ignores the new one
@@ -340,14 +340,17 @@ def test_a_footer_vouches_for_checkpoints_and_older_readers_see_the_footer_they_
 
 
 @pytest.mark.parametrize("checkpoints, why", [
-    ([{"name": CP, "sha256": "c" * 64, "revision": 106}], "past the segment's end"),
-    ([{"name": CP, "sha256": "c" * 64, "revision": 100}], "at or before the chain's base"),
-    ([{"name": "../../etc/shadow", "sha256": "c" * 64, "revision": 104}], "is not a full backup's"),
-    ([{"name": CP + "/x", "sha256": "c" * 64, "revision": 104}], "is not a full backup's"),
-    ([{"name": CP, "sha256": "C" * 64, "revision": 104}], "not a sha256"),
-    ([{"name": CP, "sha256": "c" * 64, "revision": True}], "revision must be an integer"),
-    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "extra": 1}], "{name, sha256, revision}"),
-    ([{"name": CP, "sha256": "c" * 64, "revision": 104}] * 9, "list of 1..8"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 106, "leases_from": 101}], "past the segment's end"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 100, "leases_from": 100}], "at or before the chain's base"),
+    ([{"name": "../../etc/shadow", "sha256": "c" * 64, "revision": 104, "leases_from": 101}], "is not a full backup's"),
+    ([{"name": CP + "/x", "sha256": "c" * 64, "revision": 104, "leases_from": 101}], "is not a full backup's"),
+    ([{"name": CP, "sha256": "C" * 64, "revision": 104, "leases_from": 101}], "not a sha256"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": True, "leases_from": 101}], "revision must be an integer"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "leases_from": 101, "extra": 1}], "{name, sha256, revision"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104}], "{name, sha256, revision, leases_from}"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "leases_from": 105}], "revision out of range"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "leases_from": 99}], "at or before the chain's base"),
+    ([{"name": CP, "sha256": "c" * 64, "revision": 104, "leases_from": 101}] * 9, "list of 1..8"),
     ([], "list of 1..8"),
     ({"name": CP}, "list of 1..8"),
 ])
