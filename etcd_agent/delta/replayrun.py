@@ -334,7 +334,11 @@ def _run(
         # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
         # newest revision's own events (a delete's tombstone) stay and `snapshot status` names it
         if final - 1 > start_rev:
-            rpc.compact(final - 1)
+            rpc.compact(final - 1, physical=True)
+        # and without the free pages the full backup or checkpoint brought along (a cluster's db
+        # file only grows: compaction frees pages, only a defragmentation gives them back): every
+        # member then ships, restores and starts only the data
+        rpc.defragment(timeout=600.0)
         status = s.snapshot_save(output)
     finally:
         keeper.close()

@@ -157,6 +157,10 @@ class EtcdRpc:
     def compact(self, revision: int, *, physical: bool = False, timeout: Optional[float] = None) -> None:
         self._unary("/etcdserverpb.KV/Compact", rpc_pb2.CompactionRequest(revision=revision, physical=physical), timeout)
 
+    def defragment(self, timeout: Optional[float] = None) -> None:
+        """Maintenance.Defragment of this member: its db file rewritten with only the pages in use."""
+        self._unary("/etcdserverpb.Maintenance/Defragment", rpc_pb2.DefragmentRequest(), timeout)
+
     # ------------------------------------------------------------ leases
 
     def lease_grant(self, ttl: int, lease_id: int = 0) -> Tuple[int, int]:
