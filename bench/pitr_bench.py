@@ -2,18 +2,28 @@
 """Benchmark: a point-in-time restore against the plain restore of the same full backup.
 
 A 3-member loopback cluster (etcd 3.5.16, fsync on) gets ``--full-keys`` keys of ``--size``
-bytes; full backup A is taken, one more key written, full backup B taken. A synthetic chain
-(``delta_bench.synthetic_chain``: mostly single puts over 50,000 keys of its own, or with
-``--chain-keys updates`` over the full backup's keys - a state that keeps its size, as a
-Kubernetes cluster's mostly does - every 10th revision a 3-key transaction, every 25th a delete)
-of ``--events`` events continues A, one of
-``--long-events`` continues B. Then ``--rounds`` interleaved rounds (the order rotated each round,
-so a noisy neighbour hits every way alike) of four real ``etcd-agent --json restore ... --yes``
-runs, each timed from the command to its exit (every member healthy):
+bytes; full backup A is taken, then a chain of ``--events`` events continues A, full backup B is
+taken, and a chain of ``--long-events`` events continues B. The events: mostly single puts over
+50,000 keys of their own, or with ``--chain-keys updates`` over the full backup's keys (a state
+that keeps its size, as a Kubernetes cluster's mostly does), every 10th a 3-key transaction,
+every 25th a delete. The chains:
 
-- ``plain A``: ``--from A``;  ``pitr A``: ``--from A --to newest`` (the replay of the chain, then
-  the same restore of its result);
-- ``plain B``, ``pitr B`` likewise;
+- ``--chain live`` (default): written as the product writes them - the daemon's supervisor (in
+  this process) watching the cluster while a writer (``livechain``) puts the events in, with the
+  checkpoints it takes on its own (``[backup.delta]`` defaults, but checkpoint_min_seconds
+  ``--checkpoint-min-seconds``: the product's 60 s at 500 writes/s is ~30,000 events, and the
+  bench writes several times faster), the cluster compacted as the apiserver does it
+  (``--compact-seconds``);
+- ``--chain synthetic``: segment files written straight (``delta_bench.synthetic_chain``): no
+  checkpoint, the replay of the whole chain.
+
+Then ``--rounds`` interleaved rounds (the order rotated each round, so a noisy neighbour hits
+every way alike) of real ``etcd-agent --json restore ... --yes`` runs, each timed from the
+command to its exit (every member healthy):
+
+- ``plain A``: ``--from A``;  ``pitr A``: ``--from A --to newest`` (the replay of the chain, from
+  its newest checkpoint if there is one, then the same restore of its result);
+- ``plain B``, ``pitr B`` likewise; ``pitr B, whole chain`` (live chains): ``--no-checkpoint``;
 - ``plain A@target``, ``plain B@target``: a full backup of the state each point-in-time restore
   reaches (taken once, of the cluster that restore left), restored plainly: the floor of any
   replay design, since the restore ships and starts that larger state whatever produced it.
@@ -25,7 +35,7 @@ median, and per round), the target state's to the full backup's, and each way's 
 
     flock /tmp/etcd-agent-heavy.lock .venv/bin/python bench/pitr_bench.py [--rounds 3]
         [--events 100000] [--long-events 600000] [--full-keys 10000] [--chain-keys new|updates]
-        [--json out.json]
+        [--chain live|synthetic] [--checkpoint-min-seconds 10] [--json out.json]
 """
 from __future__ import annotations
 
@@ -45,10 +55,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from bench.delta_bench import synthetic_chain  # noqa: E402
 from bench.installed import byte_compile  # noqa: E402
+from bench.livechain import delta_config, live_chain  # noqa: E402
 from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.delta import chains as delta_chains  # noqa: E402
 from etcd_agent.delta import proto  # noqa: E402
 from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
+from etcd_agent.delta.supervisor import DeltaSupervisor  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.integration.test_restore import AGENT, EXTRA  # noqa: E402
 
@@ -64,10 +77,10 @@ def fill(rpc: EtcdRpc, keys: int, size: int) -> Dict[bytes, tuple]:
     return made
 
 
-def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False) -> Run:
+def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False, whole: bool = False) -> Run:
     argv = [AGENT, "-c", cfg_path, "--json", "restore", "--from", backup]
     if pitr:
-        argv += ["--to", "newest"]
+        argv += ["--to", "newest"] + (["--no-checkpoint"] if whole else [])
     if new_cluster:  # a backup of the cluster as a later restore replaced it: a rollback point
         argv += ["--new-cluster"]
     return agent_run(argv + ["--yes"])
@@ -83,26 +96,38 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--chain-keys", choices=("new", "updates"), default="new",
                     help="the chain's puts: 50,000 keys of its own (default), or the full backup's keys")
+    ap.add_argument("--chain", choices=("live", "synthetic"), default="live")
+    ap.add_argument("--checkpoint-min-seconds", type=float, default=10.0)
+    ap.add_argument("--compact-seconds", type=float, default=10.0,
+                    help="live chains: compact every this often to the revision of this long before (the apiserver's "
+                         "5 minutes, in the bench's time)")
+    ap.add_argument("--keep", action="store_true", help="leave the work dir (backups, config) for profiling")
     ap.add_argument("--json")
     a = ap.parse_args()
     byte_compile()
     work = tempfile.mkdtemp(prefix="pitr-bench-", dir=a.dir)
-    c = LoopbackCluster(os.path.join(work, "c"), 3, extra=EXTRA)
+    extra = delta_config(a.checkpoint_min_seconds) if a.chain == "live" else ""
+    c = LoopbackCluster(os.path.join(work, "c"), 3, extra=extra + EXTRA)
     report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
                               "full_keys": a.full_keys, "size": a.size, "rounds": a.rounds,
-                              "chain_keys": a.chain_keys}
+                              "chain_keys": a.chain_keys, "chain": a.chain}
     try:
         c.start_static()
         rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
         filled = fill(rpc, a.full_keys, a.size)
         full_a = take_backup(c.cfg, member="m1")
-        rpc.txn([proto.op_put(b"between", b"A and B")])
-        full_b = take_backup(c.cfg, member="m1")
+        chains: Dict[str, Dict[str, Any]] = {}
+        if a.chain == "live":
+            full_b = live_chains(c, a, full_a, filled, chains)
+        else:
+            rpc.txn([proto.op_put(b"between", b"A and B")])
+            full_b = take_backup(c.cfg, member="m1")
         rpc.close()
         assert full_a.revision is not None and full_b.revision is not None
         t0 = int(time.time() * 1000) - 3_600_000
-        chains: Dict[str, Dict[str, Any]] = {}
         for name, full, events in (("A", full_a, a.events), ("B", full_b, a.long_events)):
+            if a.chain == "live":
+                break
             t = time.monotonic()
             if a.chain_keys == "new":  # 50,000 keys of its own: the state grows ~5x
                 last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256)
@@ -132,6 +157,9 @@ def main() -> None:
             f"pitr B (+{a.long_events} events)": lambda: restore_run(c.config_path, full_b.path, True),
             "plain B@target": lambda: restore_run(c.config_path, at_target["B"].path, False, True),
         }
+        if a.chain == "live":
+            ways["pitr B, whole chain (--no-checkpoint)"] = lambda: restore_run(c.config_path, full_b.path, True,
+                                                                                 whole=True)
         runs = interleave(ways, a.rounds, between=lambda: None, check=lambda: None)
         names = list(ways)
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -143,8 +171,11 @@ def main() -> None:
             w = [r.wall for r in runs[n]]
             print(f"{n:<34} {min(w):6.2f} {statistics.median(w):6.2f} {max(w):6.2f}")
             out[n] = {"walls": w, "phases": [r.phases for r in runs[n]]}
-        for plain, pitr in ((names[0], names[1]), (names[3], names[4]), (names[2], names[1]), (names[5], names[4]),
-                            (names[0], names[2]), (names[3], names[5])):
+        pairs = [(names[0], names[1]), (names[3], names[4]), (names[2], names[1]), (names[5], names[4]),
+                 (names[0], names[2]), (names[3], names[5])]
+        if len(names) > 6:
+            pairs += [(names[3], names[6]), (names[4], names[6])]
+        for plain, pitr in pairs:
             pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
             per = [q / p for p, q in zip(pw, qw)]
             ratio = statistics.median(qw) / statistics.median(pw)
@@ -158,7 +189,41 @@ def main() -> None:
                 fh.write(json.dumps(report, indent=2) + "\n")
     finally:
         c.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            print(f"kept: {work} (config {c.config_path})")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def live_chains(c: LoopbackCluster, a: argparse.Namespace, full_a: Any, filled: Dict[bytes, tuple],
+                chains: Dict[str, Dict[str, Any]]) -> Any:
+    """Chain A of ``a.events`` continuing ``full_a``, full backup B, chain B of ``a.long_events``:
+    written by a writer while the daemon's supervisor watches and takes its checkpoints. Returns B."""
+    if a.chain_keys == "new":
+        keys: Dict[str, Any] = dict(key_format=b"syn/%06d", key_count=50000)
+    else:
+        keys = dict(key_format=b"full/%06d", key_count=a.full_keys, existing=filled)
+    sup = DeltaSupervisor(lambda: (c.cfg, c.cfg.member("m1")))
+    sup.start()
+    try:
+        full_b = None
+        for name, full, events in (("A", full_a, a.events), ("B", None, a.long_events)):
+            if full is None:
+                full = full_b = take_backup(c.cfg, member="m1")  # the supervisor moves to a new chain
+            got = live_chain(c.cfg, sup, full.revision, events, a.size, compact_seconds=a.compact_seconds, **keys)
+            found = delta_chains.scan(c.cfg.backup.dir)
+            ch = next(x for x in found.chains if x.base_revision == full.revision)
+            chains[name] = {"backup": os.path.basename(full.path), "bytes": full.size, "revision": full.revision,
+                            **got, "segments": ch.usable, "chain_bytes": ch.bytes,
+                            "checkpoints": [cp.to_json() for cp in ch.checkpoints],
+                            "events_after_newest_checkpoint": ch.replay_events}
+            print(f"full backup {name}: {full.size / 1e6:.1f} MB at revision {full.revision}; a live chain of "
+                  f"{got['events']} events to revision {got['last_revision']} in {got['write_seconds']:.0f}s "
+                  f"({got['rate']:.0f} events/s; {ch.usable} segments, {ch.bytes / 1e6:.0f} MB); the chain vouches for "
+                  f"{len(ch.checkpoints)} checkpoint(s), {ch.replay_events} events after the newest", flush=True)
+    finally:
+        sup.stop()
+    return full_b
 
 
 if __name__ == "__main__":
