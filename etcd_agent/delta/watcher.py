@@ -116,7 +116,10 @@ class DeltaWatcher:
         self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
-        self._check_asked = 0.0  # monotonic: just before the pending check asked the member
+        # monotonic: the member was last found the chain's own (same cluster, not behind it) in an
+        # answer to a request sent at this time - a coverage check, or a watch's created header
+        self._verified_at = 0.0
+        self._watch_asked = 0.0  # monotonic: when the current watch's create request was sent
         # full backups taken inside this chain, waiting for a footer to vouch for them:
         # (checkpoint, monotonic time the supervisor asked)
         self._vouches: List[Tuple[Checkpoint, float]] = []
@@ -168,9 +171,10 @@ class DeltaWatcher:
 
     def vouch(self, checkpoint: Checkpoint) -> None:
         """A full backup was just taken of the watched member, inside this chain: the chain vouches
-        for it in the footer of the first segment that closes confirmed - after a member check
-        asked after this call - once it has written every revision up to its revision. Lost
-        (never vouched for, so never used by a restore) if the watch ends first."""
+        for it in the footer of the first segment that closes after the member was found the
+        chain's own in an answer to a request sent after this call (the next coverage check or
+        batch), once it has written every revision up to its revision. Lost (never vouched for,
+        so never used by a restore) if the watch ends first."""
         with self._mu:
             self._vouches.append((checkpoint, self._mono()))
 
@@ -345,6 +349,7 @@ class DeltaWatcher:
             self._created = False
             self._fragments.clear()
             start = self._last_revision() + 1
+            self._watch_asked = self._mono()
         return proto.encode_watch_create(
             b"\0", b"\0", start_revision=start, progress_notify=progress_notify, fragment=self.opt.fragment
         )
@@ -446,6 +451,7 @@ class DeltaWatcher:
                     # instead and the reconnect checks it): without this a batch would go on to
                     # append the restored member's revisions past the chain's end to the chain
                     self._check_member(msg.header)
+                    self._verified_at = max(self._verified_at, self._watch_asked)
                     # revisions up to the store's current one were committed before this moment:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision
@@ -517,7 +523,7 @@ class DeltaWatcher:
             # (delivery of H, the lease refresh, the fsync) takes time, and counted from its end
             # the segments' end times drifted apart by close_seconds plus that, which is what a
             # disaster then lost (a write 5.04 s old lost at close_seconds = 5)
-            self._close_segment(rpc, t_ms, confirmed=True, period_from=at, vouch_before=self._check_asked)
+            self._close_segment(rpc, t_ms, confirmed=True, period_from=at)
 
     def _timers(self, rpc: EtcdRpc) -> None:
         """(Caller thread) start a coverage check when a close or a heartbeat is due; give up
@@ -551,8 +557,8 @@ class DeltaWatcher:
         asked = self._mono()
         hdr = rpc.header()
         with self._mu:
-            self._check_asked = asked
             self._check_member(hdr, captured)
+            self._verified_at = max(self._verified_at, asked)
             self.member_revision, self.member_checked_ms = hdr.revision, t_ms
             self._last_check = self._mono()
             self._check = (hdr.revision, t_ms, self._last_check)
@@ -573,18 +579,17 @@ class DeltaWatcher:
         return self._writer
 
     def _close_segment(self, rpc: Optional[EtcdRpc], end_ms: int, *, confirmed: bool,
-                       period_from: Optional[float] = None, vouch_before: Optional[float] = None) -> None:
-        """``vouch_before``: the member was checked (same cluster, not behind the chain) after
-        this monotonic time; checkpoints asked for before it whose revision the segment reaches
-        are vouched for in its footer."""
+                       period_from: Optional[float] = None) -> None:
+        """Checkpoints handed over before the member was last found the chain's own (asked after
+        them), whose revision the segment reaches, are vouched for in its footer: whatever closes
+        it (time, size, a stop), the chain had written that far and seen the same member after
+        the backup."""
         if rpc is not None:
             self._leases.refresh(rpc)
         writer = self._ensure_writer()
         self._flush_records()
-        ready: List[Checkpoint] = []
-        if vouch_before is not None:
-            ready = [cp for cp, asked in self._vouches
-                     if asked < vouch_before and cp.revision <= writer.last_revision][:MAX_CHECKPOINTS]
+        ready = [cp for cp, handed in self._vouches
+                 if handed < self._verified_at and cp.revision <= writer.last_revision][:MAX_CHECKPOINTS]
         info = writer.close(end_ms, confirmed=confirmed, checkpoints=ready)
         if ready:
             self._vouches = [(cp, t) for cp, t in self._vouches if cp not in ready]
