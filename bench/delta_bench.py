@@ -348,6 +348,9 @@ def main() -> None:
         report["paced_with"] = capture_run(endpoint, daemon_pid, etcd_pid, args.duration, args.rate, args.size, 64)
         wait_caught_up(c.cfg.backup.dir, rpc)
         report["paced_with"]["segments_bytes"] = sum(os.path.getsize(p) for p in list_segments(c.cfg.backup.dir))
+        # the daemon's checkpoints in the chain (each a full backup it took during the paced run)
+        report["paced_with"]["checkpoints_vouched"] = sum(
+            len(ch.checkpoints) for ch in chains.scan(c.cfg.backup.dir).chains)
         save()
         log.info("unpaced %.0fs, with then without the watch", args.max_seconds)
         report["max_with"] = capture_run(endpoint, daemon_pid, etcd_pid, args.max_seconds, 0, args.size, 64)

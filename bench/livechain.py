@@ -22,7 +22,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
 from etcd_agent.config import Config
 from etcd_agent.delta import chains, proto
@@ -46,7 +46,7 @@ class Writer:
     """``threads`` writers until ``events`` events are acknowledged (exactly; see the module doc)."""
 
     def __init__(self, endpoints: List[str], events: int, size: int, key_format: bytes, key_count: int,
-                 existing: Optional[Dict[bytes, Any]] = None, threads: int = 8, seed: int = 5) -> None:
+                 existing: Optional[Collection[bytes]] = None, threads: int = 8, seed: int = 5) -> None:
         self.endpoints, self.target, self.size = endpoints, events, size
         self.key_format, self.key_count, self.threads = key_format, key_count, threads
         self.existing = set(existing or ())
@@ -143,14 +143,35 @@ class Compactor:
             r.close()
 
 
+def existing_keys(cfg: Config) -> Set[bytes]:
+    """Every key the cluster has now (what a writer may delete and count as an event)."""
+    r = EtcdRpc(cfg.members[0].client_url, timeout=60.0)
+    try:
+        return {kv.key for kv in r.range(b"\0", b"\0", keys_only=True).kvs}
+    finally:
+        r.close()
+
+
+def warm_up(cfg: Config, events: int, size: int, key_format: bytes, key_count: int,
+            compact_seconds: float = 10.0) -> Dict[str, Any]:
+    """``events`` events with no watch, compacted as the apiserver does: a full backup taken
+    after it is one of a cluster that has been running (its db file holds the free pages its
+    history left), as the operator's cron backups and the daemon's checkpoints are."""
+    w = Writer([m.client_url for m in cfg.members], events, size, key_format, key_count, existing_keys(cfg))
+    with Compactor(cfg.members[0].client_url, compact_seconds):
+        n, secs = w.run()
+    return {"events": n, "write_seconds": secs}
+
+
 def live_chain(cfg: Config, sup: DeltaSupervisor, base_revision: int, events: int, size: int,
-               key_format: bytes, key_count: int, existing: Optional[Dict[bytes, Any]] = None,
+               key_format: bytes, key_count: int, existing: Optional[Collection[bytes]] = None,
                compact_seconds: float = 10.0) -> Dict[str, Any]:
     """Wait until ``sup`` watches from ``base_revision``, write ``events`` events (compacting as
     the apiserver does), wait until the chain holds them all; what was written and how long it took."""
     poll(lambda: watching(sup) == base_revision, timeout=120, what=f"a watch from revision {base_revision}",
          interval=0.2)
-    w = Writer([m.client_url for m in cfg.members], events, size, key_format, key_count, existing)
+    w = Writer([m.client_url for m in cfg.members], events, size, key_format, key_count,
+               existing if existing is not None else existing_keys(cfg))
     with Compactor(cfg.members[0].client_url, compact_seconds):
         n, secs = w.run()
     t = time.monotonic()

@@ -55,7 +55,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from bench.delta_bench import synthetic_chain  # noqa: E402
 from bench.installed import byte_compile  # noqa: E402
-from bench.livechain import delta_config, live_chain  # noqa: E402
+from bench.livechain import delta_config, live_chain, warm_up  # noqa: E402
 from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.delta import chains as delta_chains  # noqa: E402
@@ -98,6 +98,9 @@ def main() -> None:
                     help="the chain's puts: 50,000 keys of its own (default), or the full backup's keys")
     ap.add_argument("--chain", choices=("live", "synthetic"), default="live")
     ap.add_argument("--checkpoint-min-seconds", type=float, default=10.0)
+    ap.add_argument("--warmup-events", type=int, default=100_000,
+                    help="live chains: events written before full backup A (no watch): A is then a backup of a "
+                         "cluster that has been running, as the checkpoints are")
     ap.add_argument("--compact-seconds", type=float, default=10.0,
                     help="live chains: compact every this often to the revision of this long before (the apiserver's "
                          "5 minutes, in the bench's time)")
@@ -115,10 +118,14 @@ def main() -> None:
         c.start_static()
         rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
         filled = fill(rpc, a.full_keys, a.size)
+        if a.chain == "live" and a.warmup_events:
+            warm = warm_up(c.cfg, a.warmup_events, a.size, compact_seconds=a.compact_seconds, **chain_keys(a))
+            report["warmup"] = warm
+            print(f"warm-up: {warm['events']} events in {warm['write_seconds']:.0f}s, no watch", flush=True)
         full_a = take_backup(c.cfg, member="m1")
         chains: Dict[str, Dict[str, Any]] = {}
         if a.chain == "live":
-            full_b = live_chains(c, a, full_a, filled, chains)
+            full_b = live_chains(c, a, full_a, chains)
         else:
             rpc.txn([proto.op_put(b"between", b"A and B")])
             full_b = take_backup(c.cfg, member="m1")
@@ -195,14 +202,17 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def live_chains(c: LoopbackCluster, a: argparse.Namespace, full_a: Any, filled: Dict[bytes, tuple],
-                chains: Dict[str, Dict[str, Any]]) -> Any:
+def chain_keys(a: argparse.Namespace) -> Dict[str, Any]:
+    """The live writer's keys: 50,000 of its own, or the full backup's."""
+    if a.chain_keys == "new":
+        return dict(key_format=b"syn/%06d", key_count=50000)
+    return dict(key_format=b"full/%06d", key_count=a.full_keys)
+
+
+def live_chains(c: LoopbackCluster, a: argparse.Namespace, full_a: Any, chains: Dict[str, Dict[str, Any]]) -> Any:
     """Chain A of ``a.events`` continuing ``full_a``, full backup B, chain B of ``a.long_events``:
     written by a writer while the daemon's supervisor watches and takes its checkpoints. Returns B."""
-    if a.chain_keys == "new":
-        keys: Dict[str, Any] = dict(key_format=b"syn/%06d", key_count=50000)
-    else:
-        keys = dict(key_format=b"full/%06d", key_count=a.full_keys, existing=filled)
+    keys = chain_keys(a)
     sup = DeltaSupervisor(lambda: (c.cfg, c.cfg.member("m1")))
     sup.start()
     try:
