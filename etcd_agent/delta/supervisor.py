@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 from etcd_agent.config import Config, Member
 from etcd_agent.errors import AgentError, BusyError
 
-from . import chains, status
+from . import chains, checkpoints, status
 from .errors import ChainBroken
 from .position import WatcherStatus, WatchOptions
 from .segchain import BaseBackup
@@ -121,25 +121,6 @@ def decide(f: Facts) -> Tuple[str, str]:
     if f.checkpoint_due:
         return "checkpoint", f"{f.checkpoint_due}: a checkpoint, so that a restore replays only what follows it"
     return "none", "watching"
-
-
-def _since_checkpoint(cfg: Config, chain: "chains.ChainSummary") -> int:
-    """Bytes of ``chain`` after its newest checkpoint here (all of it without one): where a
-    resumed watch's next checkpoint counts from."""
-    from etcd_agent.backup import catalog, keys
-
-    entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, key=keys.local_key(cfg).key)
-    revs = [e.revision for e in catalog.good(entries) if e.checkpoint_of == chain.chain_id and e.revision is not None]
-    after = max(revs, default=chain.base_revision)
-    total = 0
-    for p in chain.paths:
-        rng = parse_name(os.path.basename(p))
-        if rng is not None and rng[1] > after and rng[1] >= rng[0]:  # idle segments hold nothing to fold
-            try:
-                total += os.path.getsize(p)
-            except OSError:
-                pass
-    return total
 
 
 class DeltaSupervisor:
@@ -388,59 +369,26 @@ class DeltaSupervisor:
         return ""
 
     def _checkpoint_due(self, cfg: Config) -> str:
-        d = cfg.backup.delta
         w, full = self.watcher, self._full
-        if d.checkpoint_ratio <= 0 or w is None or full is None or not w.running or not w.pos.chain_id:
-            return ""
-        if w.vouches_pending:  # the last one is not vouched for yet
-            return ""
-        want = int(d.checkpoint_ratio * max(full.size, 1))
+        if w is None or full is None or not w.running or not w.pos.chain_id or w.vouches_pending:
+            return ""  # no chain, or the last checkpoint is not vouched for yet
         with self._mu:
             grown = self._cp_bytes
-        if grown < want or time.monotonic() - self._cp_at < d.checkpoint_min_seconds:
-            return ""
-        return f"the chain grew by {grown} bytes since its last checkpoint ({d.checkpoint_ratio:g} x {full.name})"
+        return checkpoints.due(cfg.backup.delta, grown, full.size, time.monotonic() - self._cp_at, full.name)
 
     # ------------------------------------------------------------ actions
 
     def _checkpoint(self, cfg: Config, me: Member, why: str) -> None:
-        """A full backup inside the running chain, vouched for by it once the watch has written
-        through its revision and checked the member again (``segments.Checkpoint``)."""
-        from etcd_agent.backup.service import take_backup
-
-        from .segments import Checkpoint
-
+        """A full backup inside the running chain (``checkpoints.take``)."""
         w = self.watcher
         if w is None:
             return
-        chain_id = w.pos.chain_id
         log.info("delta: %s", why)
         self._cp_at = time.monotonic()  # taken or not, the next try waits checkpoint_min_seconds
-        leases_from = w.lease_census()
-        if leases_from is None:
-            log.warning("delta: checkpoint not taken: the watch could not observe every lease first (a replay from "
-                        "it would lack their TTLs); the next try in %.0fs", cfg.backup.delta.checkpoint_min_seconds)
-            return
-        try:
-            res = take_backup(cfg, member=me.name, origin="daemon", checkpoint_of=chain_id)
-        except AgentError as exc:  # busy (cron's backup) or failed: the chain goes on without it
-            log.log(logging.INFO if isinstance(exc, BusyError) else logging.WARNING,
-                    "delta: checkpoint not taken: %s; the chain goes on, the next try in %.0fs", exc.message,
-                    cfg.backup.delta.checkpoint_min_seconds)
-            return
-        if res.revision is None or not res.sha256:
-            log.warning("delta: checkpoint %s has no known revision or sha256: the chain cannot vouch for it", res.path)
-            return
-        with self._mu:
-            self._cp_bytes = 0
-        self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
-        if self.watcher is w and w.running and w.pos.chain_id == chain_id:
-            w.vouch(Checkpoint(os.path.basename(res.path), res.sha256, res.revision, min(leases_from, res.revision)))
-            log.info("delta: checkpoint %s (revision %d) taken inside chain %s; the chain vouches for it once it has "
-                     "written that far", res.path, res.revision, chain_id[:8])
-        else:
-            log.info("delta: checkpoint %s taken, but its chain's watch ended meanwhile: never vouched for, never "
-                     "used by a restore", res.path)
+        if checkpoints.take(cfg, me.name, w) is not None:
+            with self._mu:
+                self._cp_bytes = 0
+            self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.service import take_backup
@@ -462,6 +410,8 @@ class DeltaSupervisor:
             log.log(level, "delta: full backup failed: %s; trying again in %.0fs", exc.message, wait)
             self._retry_at = time.monotonic() + wait
             return
+        finally:
+            checkpoints.release_freed_memory()
         self._backup_failures = 0
         if self._broken:
             self._last_chain_backup = time.monotonic()
@@ -486,7 +436,7 @@ class DeltaSupervisor:
         existing = chains.scan(cfg.backup.dir).for_full(full.revision, full.base)
         with self._mu:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
-            self._cp_bytes = _since_checkpoint(cfg, existing) if existing else 0
+            self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
         if cfg.backup.remote.enabled and self._uploader is None:
             from . import offsite

@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
@@ -50,8 +50,9 @@ from .leasewatch import LeaseTracker
 from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
 from .rpc import EtcdRpc, StreamEnded
 from .segchain import BaseBackup
-from .segments import MAX_CHECKPOINTS, PUT, Checkpoint, SegmentInfo, Txn
+from .segments import PUT, Checkpoint, SegmentInfo, Txn
 from .segwriter import SegmentWriter, remove_stale_temps
+from .vouching import Census, Vouching
 from .watchevents import Fragments, by_revision, decode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,14 +61,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".delta-watcher.lock"
-
-
-class _Census:
-    """One lease census asked of the watch: done, and the chain's last revision when it ran."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.revision: Optional[int] = None
 
 
 class DeltaWatcher:
@@ -116,14 +109,8 @@ class DeltaWatcher:
         self._fragments = Fragments()
         # the pending coverage check: (member revision H, wall ms before asking, monotonic)
         self._check: Optional[Tuple[int, int, float]] = None
-        # monotonic: the member was last found the chain's own (same cluster, not behind it) in an
-        # answer to a request sent at this time - a coverage check, or a watch's created header
-        self._verified_at = 0.0
         self._watch_asked = 0.0  # monotonic: when the current watch's create request was sent
-        # full backups taken inside this chain, waiting for a footer to vouch for them:
-        # (checkpoint, monotonic time the supervisor asked)
-        self._vouches: List[Tuple[Checkpoint, float]] = []
-        self._censuses: List[_Census] = []  # lease censuses asked for, run on the watch's thread
+        self._vouching = Vouching()  # the daemon's checkpoints: censuses asked, vouches pending
         self._closing = False  # close the segment once the check's H is delivered
         self._last_check = 0.0
         self._covered_ms = 0  # every revision committed before this time is written ...
@@ -170,35 +157,30 @@ class DeltaWatcher:
             raise self._error
 
     def vouch(self, checkpoint: Checkpoint) -> None:
-        """A full backup was just taken of the watched member, inside this chain: the chain vouches
-        for it in the footer of the first segment that closes after the member was found the
-        chain's own in an answer to a request sent after this call (the next coverage check or
-        batch), once it has written every revision up to its revision. Lost (never vouched for,
-        so never used by a restore) if the watch ends first."""
+        """A full backup was just taken inside this chain: vouched for in a footer when ready
+        (``vouching.Vouching``); never, if the watch ends first."""
         with self._mu:
-            self._vouches.append((checkpoint, self._mono()))
+            self._vouching.hand_over(checkpoint, self._mono())
 
     def lease_census(self, timeout: float = 30.0) -> Optional[int]:
-        """Observe every lease the member has now (no refresh limit) and write the records into
-        the open segment: what a checkpoint taken right after needs for the lease rule, in the
-        segment holding the returned revision (the last one the chain had written) or a later
-        one. None: not done within ``timeout``, the watch ended, or a lease could not be asked."""
-        c = _Census()
+        """Every lease the member has, observed (no refresh limit) into the open segment, for a
+        checkpoint about to be taken: the chain's last revision then (``Checkpoint.leases_from``);
+        None: not done within ``timeout``, the watch ended, or a lease could not be asked."""
+        c = Census()
         with self._mu:
             if self._finished:
                 return None
-            self._censuses.append(c)
+            self._vouching.ask(c)
         if not c.done.wait(timeout):
             with self._mu:
-                if c in self._censuses:
-                    self._censuses.remove(c)
+                self._vouching.forget(c)
             return None
         return c.revision
 
     def _run_censuses(self, rpc: EtcdRpc) -> None:
         """(The watch's thread) the lease censuses asked for since the last batch."""
         with self._mu:
-            pending, self._censuses = self._censuses, []
+            pending = self._vouching.take_censuses()
             if not pending:
                 return
             rev: Optional[int] = None
@@ -210,13 +192,12 @@ class DeltaWatcher:
             except EtcdError as exc:
                 log.warning("delta: the lease census for a checkpoint failed: %s", exc.message)
             for c in pending:
-                c.revision = rev
-                c.done.set()
+                c.finish(rev)
 
     @property
     def vouches_pending(self) -> int:
         with self._mu:
-            return len(self._vouches)
+            return self._vouching.pending
 
     @property
     def captured_revision(self) -> int:
@@ -451,7 +432,7 @@ class DeltaWatcher:
                     # instead and the reconnect checks it): without this a batch would go on to
                     # append the restored member's revisions past the chain's end to the chain
                     self._check_member(msg.header)
-                    self._verified_at = max(self._verified_at, self._watch_asked)
+                    self._vouching.verified(self._watch_asked)
                     # revisions up to the store's current one were committed before this moment:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision
@@ -558,7 +539,7 @@ class DeltaWatcher:
         hdr = rpc.header()
         with self._mu:
             self._check_member(hdr, captured)
-            self._verified_at = max(self._verified_at, asked)
+            self._vouching.verified(asked)
             self.member_revision, self.member_checked_ms = hdr.revision, t_ms
             self._last_check = self._mono()
             self._check = (hdr.revision, t_ms, self._last_check)
@@ -588,11 +569,9 @@ class DeltaWatcher:
             self._leases.refresh(rpc)
         writer = self._ensure_writer()
         self._flush_records()
-        ready = [cp for cp, handed in self._vouches
-                 if handed < self._verified_at and cp.revision <= writer.last_revision][:MAX_CHECKPOINTS]
+        ready = self._vouching.ready(writer.last_revision)
         info = writer.close(end_ms, confirmed=confirmed, checkpoints=ready)
         if ready:
-            self._vouches = [(cp, t) for cp, t in self._vouches if cp not in ready]
             log.info("delta chain %s vouches for checkpoint(s) %s in %s", self.pos.chain_id[:8],
                      ", ".join(f"{cp.name} (revision {cp.revision})" for cp in ready), os.path.basename(info.path))
         self._writer = None
@@ -617,9 +596,7 @@ class DeltaWatcher:
         that ends at a stop then covers the time until the stop)."""
         with self._mu:
             self._finished = True
-            for c in self._censuses:  # never run: the supervisor takes no checkpoint
-                c.done.set()
-            self._censuses.clear()
+            self._vouching.cancel_censuses()
             writer = self._writer
             idle_covered = self._covered_rev == self._last_revision() and self._covered_ms > self.pos.start_time_ms
             if writer is None:

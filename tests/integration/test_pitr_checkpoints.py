@@ -30,7 +30,8 @@ from tests.integration.test_daemon import wait_healthy
 
 pytestmark = pytest.mark.integration
 
-# a checkpoint each time the chain grows by a fifth of its full backup, at most one every 2 s
+# a checkpoint each time the chain grows by a fifth of its full backup - at least 1 MiB
+# (checkpoints.MIN_GROWTH), which the workload's 16 KiB values reach in ~65 puts - at most one every 2 s
 CHECKPOINTS = {"checkpoint_ratio": "0.2", "checkpoint_min_seconds": "2.0"}
 
 
@@ -84,10 +85,10 @@ def watched(bed):  # type: ignore[no-untyped-def]
 
 
 def workload(r: EtcdRpc, phase: str, n: int, lease: int) -> int:
-    """Puts of 1 KiB, updates, deletes, three-key transactions and lease-attached keys; the last revision."""
+    """Puts of 16 KiB, updates, deletes, three-key transactions and lease-attached keys; the last revision."""
     rev = 0
     for i in range(n):
-        rev = put(r, f"/{phase}/k{i:03d}", os.urandom(512).hex().encode())
+        rev = put(r, f"/{phase}/k{i:03d}", os.urandom(8192).hex().encode())
         if i % 10 == 0:
             rev = put(r, f"/shared/k{i % 30:02d}", f"{phase}-{i}".encode())  # updated by every phase
         if i % 25 == 24:
@@ -112,17 +113,27 @@ def test_a_restore_replays_from_the_newest_vouched_checkpoint_and_restores_the_s
     _d, c, directory, r, lease = watched(bed)
 
     n_early = workload(r, "p1", 30, lease)  # inside the first phase: before any checkpoint after it
-    n1 = workload(r, "p1b", 30, lease)
+    n1 = workload(r, "p1b", 50, lease)
     wait_durable(c, n1)
     wait_for(lambda: [x for x in vouched(directory) if x[1] >= n1], 90,
              f"a checkpoint after revision {n1} that the chain vouches for")
     workload(r, "p2", 150, lease)
-    n_mid = workload(r, "p3", 10, lease)  # a target with events after the checkpoint before it
+    n_p3 = workload(r, "p3", 10, lease)
+    # a revision's time is its batch's arrival (batch_seconds 1): the time target well after it
+    time.sleep(2.5)
+    t_p3 = time.time()
+    time.sleep(0.5)
     n3 = workload(r, "p3b", 10, lease)
     wait_durable(c, n3)
     # a checkpoint the last segments made due is taken and vouched for within min_seconds +
     # idle_seconds (2 + 3 s): the starts are known after that
     time.sleep(7.0)
+    # the target: half way between the newest checkpoint with revisions after it and the next one
+    # (or the chain's end), so that the replay starts from it and folds a tail
+    revs = sorted(x[1] for x in vouched(directory) if x[1] < n3)
+    assert revs, vouched(directory)
+    n_mid = (revs[-1] + ([x for x in sorted(x[1] for x in vouched(directory)) if x > revs[-1]] + [n3 + 1])[0]) // 2
+    assert n_mid > revs[-1], (revs, n3)
     lives = {n: user_keys(live_at(r, n)) for n in (n_early, n_mid)}
     starts = {n: start_of(directory, n) for n in (n_early, n_mid)}
     assert "checkpoint" in starts[n_mid], (vouched(directory), n_mid)
@@ -135,6 +146,15 @@ def test_a_restore_replays_from_the_newest_vouched_checkpoint_and_restores_the_s
     assert "a checkpoint the daemon took inside delta chain" in listing.stdout, listing.stdout
     assert "vouched for by the chain, a point-in-time restore starts its replay here" in listing.stdout
     assert "replays ~0s from checkpoint" in listing.stdout, listing.stdout
+
+    # a time target after p3: the newest checkpoint at or before the revision it reaches
+    from datetime import datetime, timezone
+
+    when = datetime.fromtimestamp(t_p3, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    dry = agent(c, "restore", "--from", "latest", "--to-time", when, "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert f"reached revision {n_p3} " in dry.stdout, (n_p3, dry.stdout)
+    assert start_of(directory, n_p3) in dry.stdout, (start_of(directory, n_p3), dry.stdout)
 
     walls = {}
     for n in (n_mid, n_early):

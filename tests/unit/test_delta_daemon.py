@@ -228,3 +228,16 @@ def test_a_break_that_repeats_backs_off_instead_of_looping() -> None:
         taken, last = taken + 1, t
         t += 2.0  # the backup, the new chain, its break
     assert taken <= 5, taken
+
+
+def test_a_checkpoint_is_due_when_the_chain_grew_by_its_ratio_of_the_full_backup_and_not_too_soon() -> None:
+    from etcd_agent.delta.checkpoints import due
+
+    d = cfg_with()[0].backup.delta  # ratio 0.5, at most one every 60 s
+    mb = 1 << 20
+    assert due(d, 4 * mb - 1, 8 * mb, 120.0, "f") == ""  # grew by less than half the full backup
+    assert due(d, 4 * mb, 8 * mb, 59.0, "f") == ""  # the last one was too recent
+    assert due(d, 4 * mb, 8 * mb, 60.0, "f") == f"the chain grew by {4 * mb} bytes since its last checkpoint (0.5 x f)"
+    assert due(cfg_with("checkpoint_ratio = 0.0\n")[0].backup.delta, 10**9, 1, 10**6, "f") == ""  # off
+    # a tiny (or unknown: 0) full backup: at least 1 MiB of chain between two checkpoints
+    assert due(d, mb - 1, 0, 60.0, "f") == "" and due(d, mb, 1000, 60.0, "f")
