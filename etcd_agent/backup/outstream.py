@@ -5,6 +5,9 @@
   a worker of its own, ``ZSTD_THREADS``), so the hashing (which releases the GIL), the compressor
   (idem) and the disk overlap the download.
   At most ``DEPTH`` batches wait between the two: the download blocks when the writer lags.
+  Within ``low_memory()`` (the daemon's own backups: the chain's base, checkpoints) a thread's
+  backups use ``LOW_BATCH`` x ``LOW_DEPTH`` instead: a long-running process keeps what its peak
+  took, and a daemon backup need not be as fast as cron's.
 - ``FileOut``: unbuffered writes at a known position, and writeback started as the data goes
   (``POSIX_FADV_DONTNEED`` behind the write position: the kernel starts writing the range out and
   drops it from the page cache once clean). The final fsync then has little left to wait for,
@@ -17,17 +20,20 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import struct
 import threading
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..errors import BackupError
 
 Chunk = Union[bytes, memoryview]
 BATCH = 1 << 20  # bytes handed to the writer thread at once
 DEPTH = 4  # batches in flight between the download and the writer
+LOW_BATCH = 256 << 10  # within low_memory(): ~6 MiB in flight becomes ~0.75 MiB
+LOW_DEPTH = 2
 WRITEBACK = 16 << 20  # start writeback every so many bytes
 FRAME = 4 << 20  # zstd: plaintext bytes per independent frame (level 1's window is 512 KiB: ~0.2% of ratio lost)
 ZSTD_LEVEL = 1  # chosen by measurement on Kubernetes-like data (README, bench/backup_bench.py)
@@ -48,10 +54,26 @@ class _Failed:
         self.exc: Optional[BaseException] = None
 
 
+_low = threading.local()
+
+
+@contextlib.contextmanager
+def low_memory() -> Iterator[None]:
+    """This thread's backups, while inside, stream in smaller batches (``LOW_BATCH``, ``LOW_DEPTH``)."""
+    was = getattr(_low, "on", False)
+    _low.on = True
+    try:
+        yield
+    finally:
+        _low.on = was
+
+
 def pump(chunks: Iterable[Chunk], consume: Callable[[List[Chunk]], None]) -> None:
     """Call ``consume(batch)`` in a worker thread for consecutive batches of ``chunks``, in order.
     The first exception of either side is raised here, after the worker has stopped."""
-    q: "queue.Queue[Optional[List[Chunk]]]" = queue.Queue(DEPTH)
+    low = getattr(_low, "on", False)
+    batch_bytes, depth = (LOW_BATCH, LOW_DEPTH) if low else (BATCH, DEPTH)
+    q: "queue.Queue[Optional[List[Chunk]]]" = queue.Queue(depth)
     failed = _Failed()
 
     def work() -> None:
@@ -74,7 +96,7 @@ def pump(chunks: Iterable[Chunk], consume: Callable[[List[Chunk]], None]) -> Non
         for chunk in source:
             batch.append(chunk)
             size += len(chunk)
-            if size >= BATCH:
+            if size >= batch_bytes:
                 if failed.exc is not None:
                     break  # the writer refused the stream: stop downloading
                 q.put(batch)

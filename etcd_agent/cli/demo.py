@@ -38,6 +38,9 @@ def _etcdutl_for(etcd: str) -> Optional[str]:
 
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
+    from ..daemon.memory import limit_arenas
+
+    limit_arenas()  # a long-running process like the daemon (docs in daemon/memory.py)
     from ..cluster.demo import Demo, install_signal_handlers
     from ..cluster.status import cluster_status, format_table
 

@@ -18,6 +18,9 @@ def register(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import dataclasses
 
+    from ..daemon.memory import limit_arenas
+
+    limit_arenas()  # before any thread starts (docs in daemon/memory.py)
     from ..daemon.loop import Daemon
 
     if ctx.verbose == 0:

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
+from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.errors import AgentError, BusyError
 
 from .segments import Checkpoint, parse_name
@@ -40,6 +41,7 @@ def take(cfg: "Config", member: str, w: "DeltaWatcher") -> Optional[Checkpoint]:
     """A lease census, a full backup inside ``w``'s chain, and the checkpoint handed to ``w`` to
     vouch for once it has written through its revision and checked the member again. None when
     none was taken (said in the log; the chain goes on and the next try waits)."""
+    from etcd_agent.backup.outstream import low_memory
     from etcd_agent.backup.service import take_backup
 
     chain_id = w.pos.chain_id
@@ -50,7 +52,8 @@ def take(cfg: "Config", member: str, w: "DeltaWatcher") -> Optional[Checkpoint]:
                     "would lack their TTLs); the next try in %.0fs", wait)
         return None
     try:
-        res = take_backup(cfg, member=member, origin="daemon", checkpoint_of=chain_id)
+        with low_memory():
+            res = take_backup(cfg, member=member, origin="daemon", checkpoint_of=chain_id)
     except AgentError as exc:  # busy (cron's backup) or failed: the chain goes on without it
         log.log(logging.INFO if isinstance(exc, BusyError) else logging.WARNING,
                 "delta: checkpoint not taken: %s; the chain goes on, the next try in %.0fs", exc.message, wait)
@@ -88,15 +91,3 @@ def bytes_since(cfg: "Config", chain: "ChainSummary") -> int:
             except OSError:
                 pass
     return total
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages a full backup freed back to the kernel (glibc's ``malloc_trim``): a
-    daemon that took one would otherwise keep its peak for good (measured: ~10 MB). Not glibc:
-    nothing."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from etcd_agent.config import Config, Member
+from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.errors import AgentError, BusyError
 
 from . import chains, checkpoints, status
@@ -391,13 +392,15 @@ class DeltaSupervisor:
             self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
+        from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
 
         reason = self._broken_reason if self._broken else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
-            res = take_backup(cfg, member=me.name, origin="daemon")
+            with low_memory():
+                res = take_backup(cfg, member=me.name, origin="daemon")
         except BusyError as exc:  # cron's backup (or a restore) holds the lock: its result will do
             log.info("delta: full backup deferred: %s", exc.message)
             self._retry_at = time.monotonic() + RETRY_AFTER / 2
@@ -411,7 +414,7 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + wait
             return
         finally:
-            checkpoints.release_freed_memory()
+            release_freed_memory()
         self._backup_failures = 0
         if self._broken:
             self._last_chain_backup = time.monotonic()
