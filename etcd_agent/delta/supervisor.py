@@ -507,10 +507,14 @@ class DeltaSupervisor:
         def s(ms: int) -> Optional[float]:
             return ms / 1000.0 if ms else None
 
+        # the host's count, from the record beside the segments: on a one-host cluster the daemon
+        # writing the chain (and the textfile) now may not be the one whose watch broke
+        breaks = max(self._breaks_total or 0,
+                     status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0)
         st = status.DeltaStatus(
             enabled=cfg.backup.delta.enabled, state=ws.state if ws else self._state, detail=self._detail,
             full_backup=base.name if base else None, full_backup_time=base.time if base else None,
-            base_revision=base.revision if base else None, breaks_total=self._breaks_total or 0,
+            base_revision=base.revision if base else None, breaks_total=breaks,
             full_backups=dict(self._full_backups), at=time.time(), breaks_in_row=self._breaks_in_row,
             backoff_seconds=self._backoff_left(),
         )
