@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import SegmentCorrupt
 from .segchain import BaseBackup, ChainStop, check_chain, continues
-from .segments import Checkpoint, SegmentHeader, is_sealed, list_segments, ms_to_datetime, parse_name
+from .segments import Checkpoint, SegmentHeader, SegmentInfo, is_sealed, list_segments, ms_to_datetime, parse_name
 from .segreader import read_summary
 
 log = logging.getLogger(__name__)
@@ -175,10 +175,20 @@ def scan(directory: str) -> Scan:
             start_time_ms=segs[0].header.start_time_ms if segs else None, end_time_ms=check.end_time_ms,
             events=sum(s.footer.events for s in segs), revisions=sum(s.footer.txns for s in segs), bytes=size,
             stop=check.stop, chain_id=k[1], first=firsts.get(k), checkpoints=cps,
-            events_after_checkpoint=None if newest is None else
-            sum(s.footer.events for s in segs if s.start_revision > newest),
+            events_after_checkpoint=None if newest is None else events_after(segs, newest, check.end_revision),
         ))
     return Scan(tuple(chains), tuple(unreadable))
+
+
+def events_after(segments: Sequence[SegmentInfo], revision: int, stop: int) -> int:
+    """The events of ``segments`` after ``revision`` and up to ``stop``, from their footers: a
+    segment that straddles either counts its revisions' share (an estimate, for plans and listings)."""
+    total = 0
+    for seg in segments:
+        lo, hi = max(seg.start_revision, revision + 1), min(seg.end_revision, stop)
+        if hi >= lo and seg.footer.txns:
+            total += seg.footer.events * (hi - lo + 1) // max(seg.end_revision - seg.start_revision + 1, 1)
+    return total
 
 
 def active_base(directory: str) -> Optional[int]:

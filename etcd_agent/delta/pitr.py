@@ -4,13 +4,13 @@ goes, the replay into a throwaway member, and the lines the restore plan shows.
 ``prepare`` decides from headers, footers and every segment's verified bytes (``check_chain``)
 where the replay stops, and refuses (nothing touched) a target the chain cannot reach - past a
 gap, a damaged segment or the chain's end - naming the last good point and, when there is one,
-the newer full backup that covers what comes after. It also lists the checkpoints the checked
-chain vouches for at or before the stop (full backups the daemon took inside the chain): the
-replay starts from the newest whose snapshot is exactly what the chain vouches for, and folds
-only what follows it; from an older one, or the full backup, when it is not. ``replay_kept`` runs the replay
-(``replayrun.replay``: scratch etcd on loopback, its own ports and dir under ``<backup dir>/.pitr``)
-and keeps the result there, named after the full backup and the stop revision, with its
-``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
+the newer full backup that covers what comes after. It also chooses where the replay starts:
+the newest checkpoint the chain vouches for at or before the stop (a full backup the daemon took
+inside the chain), which the replay uses only if its snapshot is exactly what the chain vouches
+for, folding only what follows it; else an older one, or the full backup. ``replay_kept`` runs
+the replay (``replayrun.replay``: scratch etcd on loopback, its own ports and dir under
+``<backup dir>/.pitr``) and keeps the result there, named after the full backup and the stop
+revision, with its ``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
 restore ships the very bytes the journal names. The restore removes it when it ends.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.state.locks import OperationLock
 
 from . import status
+from .chains import events_after
 from .errors import ReplayError
 from .leftovers import remove_left
 from .replay import Plan, ReplayResult, Target, find_base, plan_replay
@@ -71,14 +72,19 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Start:
-    """A checkpoint a replay may start from: its file, and what the chain vouches for."""
+    """A checkpoint a replay may start from: what the chain vouches for, and its file here."""
 
-    name: str
+    checkpoint: Checkpoint
     path: str
-    revision: int
-    sha256: str
-    leases_from: int  # the chain is read from the segment holding this revision on
     events_after: int  # of the chain up to the stop: what a replay from it folds (estimated)
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint.name
+
+    @property
+    def revision(self) -> int:
+        return self.checkpoint.revision
 
 
 def choose_start(cfg: "Config", entry: "Entry", outline: ChainCheck, target: Target,
@@ -117,8 +123,7 @@ def choose_start(cfg: "Config", entry: "Entry", outline: ChainCheck, target: Tar
             log.warning("%s", why)
             passed.append(why)
             continue
-        after = sum(_events_after(s, cp.revision, bound) for s in outline.segments)
-        return Start(cp.name, path, cp.revision, cp.sha256, cp.leases_from, after), passed
+        return Start(cp, path, events_after(outline.segments, cp.revision, bound)), passed
     return None, passed
 
 
@@ -134,19 +139,7 @@ def _surely_reached(outline: ChainCheck, target: Target) -> int:
 
 def _vouched_in(check: ChainCheck, start: Start) -> bool:
     """A segment the check verified vouches for exactly this checkpoint."""
-    return any(s.sha256 and any((c.name, c.sha256, c.revision, c.leases_from)
-                                == (start.name, start.sha256, start.revision, start.leases_from)
-                                for c in s.footer.checkpoints) for s in check.segments)
-
-
-def _events_after(seg: SegmentInfo, revision: int, stop: int) -> int:
-    """A segment's events after ``revision`` and up to ``stop``, estimated from its footer where it
-    straddles one of them (its revisions' share)."""
-    lo, hi = max(seg.start_revision, revision + 1), min(seg.end_revision, stop)
-    if hi < lo or seg.footer.txns == 0:
-        return 0
-    span = seg.end_revision - seg.start_revision + 1
-    return seg.footer.events * (hi - lo + 1) // max(span, 1)
+    return any(s.sha256 and start.checkpoint in s.footer.checkpoints for s in check.segments)
 
 
 def pitr_dir(cfg: "Config") -> str:
@@ -218,7 +211,7 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
         outline = check_chain(paths, base, verify=False, base=of, not_after_ms=not_after)
         start, passed = choose_start(cfg, entry, outline, target, skip)
     check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener,
-                        verify_from=start.leases_from if start is not None else None)
+                        verify_from=start.checkpoint.leases_from if start is not None else None)
     plan = _plan(entry, check, target)
     if start is not None and (start.revision > plan.stop_revision or not _vouched_in(check, start)):
         # damage between its lease census and it, or a time target met before it: every segment then
@@ -375,7 +368,8 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     paths = [s.path for s in p.check.segments] + list(p.check.lost)
     st = p.start
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out, options=scratch_options(cfg),
-                 check=p.check, identities=identities, checkpoint=(st.sha256, st.revision) if st else None)
+                 check=p.check, identities=identities,
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 
