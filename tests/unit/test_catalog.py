@@ -136,3 +136,34 @@ def test_check_cache_survives_garbage(tmp_path: Any) -> None:
     assert checks.lookup(checks.load(d), os.path.basename(path), os.stat(path)) is not None
 
 
+
+
+def test_only_a_signed_manifest_makes_a_backup_a_checkpoint(tmp_path: Any) -> None:
+    """A checkpoint takes no retention slot and is never a chain's base: a claim that only a
+    manifest signed with this cluster's key can make. Unsigned, signed with another key, naming a
+    malformed chain id, or not the daemon's: an operator's backup like any other."""
+    d = str(tmp_path)
+    key, other = b"k" * 32, b"o" * 32
+    cases = {  # name: (snapshot claims, signing key, expected checkpoint_of)
+        "unsigned": ({"taken_by": "daemon", "checkpoint": {"chain_id": "ab" * 16}}, None, None),
+        "other-key": ({"taken_by": "daemon", "checkpoint": {"chain_id": "ab" * 16}}, other, None),
+        "bad-id": ({"taken_by": "daemon", "checkpoint": {"chain_id": "../" + "a" * 29}}, key, None),
+        "not-a-dict": ({"taken_by": "daemon", "checkpoint": ["ab" * 16]}, key, None),
+        "operator": ({"taken_by": "operator", "checkpoint": {"chain_id": "ab" * 16}}, key, None),
+        "signed": ({"taken_by": "daemon", "checkpoint": {"chain_id": "ab" * 16}}, key, "ab" * 16),
+    }
+    names = {}
+    for i, (case, (snap, signer, _want)) in enumerate(cases.items()):
+        def build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any, snap: Any = snap) -> Manifest:
+            return Manifest(files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()}, revision=ident.revision,
+                            snapshot=snap)
+
+        when = T0 + timedelta(minutes=i)
+        w = archive.write_archive(d, archive.archive_name(when), chunks=iter([SNAP]), files={}, build_manifest=build,
+                                  mtime=int(when.timestamp()), key=signer)
+        names[os.path.basename(w.path)] = case
+    got = {names[e.name]: e for e in catalog.list_backups(d, clock=FakeClock(T0 + timedelta(hours=1)), key=key)}
+    for case, (_snap, _signer, want) in cases.items():
+        e = got[case]
+        assert e.complete and e.checkpoint_of == want, (case, e.checkpoint_of, e.signature)
+        assert e.origin == ("daemon" if case in ("signed", "bad-id", "not-a-dict") else "operator"), (case, e.origin)
