@@ -32,11 +32,12 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import BackupError, ProtocolError
+from ..errors import AgentError, BackupError, ProtocolError
 from ..fs import dir_locked, open_regular, write_atomic
 from ..safejson import UnsafeJson, loads
 from ..typedjson import Document
@@ -153,6 +154,35 @@ def record(directory: str, b: Boundary) -> bool:
         doc = {"restores": [x.to_json() for x in keep]}
         write_atomic(os.path.join(directory, FILE), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
     return True
+
+
+REPLAY_RE = re.compile(r"^(?P<full>.+)\.to-(?P<revision>\d{1,19})\.db$")  # ``delta.pitr.Prepared.kept_name``
+
+
+def source_of(backup: str, sha256: Optional[str]) -> Tuple[Optional[str], Optional[str], Optional[int]]:
+    """What a restore of ``backup`` (the path its journal names) came from: (the backup's name,
+    its snapshot's sha256, the revision a point-in-time restore replayed to). A point-in-time
+    restore ships a throwaway replay, ``<full backup>.to-<revision>.db``: it came from the full
+    backup (and its chain), whose sha256 the replay's bytes are not."""
+    name = os.path.basename(backup) or None
+    m = REPLAY_RE.match(name or "")
+    if m is None:
+        return name, sha256, None
+    return m.group("full"), None, int(m.group("revision"))
+
+
+def chain_of(directory: str, full: str) -> Optional[str]:
+    """The id of the delta chain continuing backup ``full`` in ``directory`` (None: not here)."""
+    from ..delta import chains
+    from .catalog import entry_for
+
+    try:
+        e = entry_for(os.path.join(directory, full))
+        c = chains.scan(directory).for_full(e.revision, e.base) if e.revision is not None else None
+    except (OSError, AgentError) as exc:
+        log.info("the chain of %s not recorded: %s", full, exc)
+        return None
+    return (c.chain_id or None) if c is not None else None
 
 
 def recorded_since(directory: str, since: float) -> Optional[Boundary]:

@@ -142,3 +142,25 @@ def test_concurrent_records_lose_no_entry(tmp_path: Any) -> None:
         p.join(60)
         assert p.exitcode == 0
     assert sorted(b.op for b in B.read(d)) == sorted(f"p{k}-{i}" for k in range(4) for i in range(8))
+
+
+def test_a_point_in_time_restore_records_its_full_backup_and_target_not_the_replay(tmp_path: Any) -> None:
+    """The replay (``<full>.to-N.db`` under .pitr) is thrown away; what the restore came from,
+    and what retention must keep, is the full backup (and with it its chain)."""
+    from etcd_agent.config import parse_text
+    from etcd_agent.restore import journal as J
+    from etcd_agent.restore.node import NodeRestore
+
+    cfg, errors = parse_text(f'[cluster]\nname = "k"\n[etcd]\ndata_dir = "{tmp_path}/m1.etcd"\n'
+                             f'[backup]\ndir = "{tmp_path}/backups"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n')
+    assert cfg is not None and not errors, errors
+    full = "etcd-2026-12-01-10-00-00.tar"
+    j = J.Journal(op="op1", member="m1", backup=f"{tmp_path}/backups/.pitr/{full}.to-42.db", token="t",
+                  initial_cluster="", sha256="cd" * 32, size=1, bump=None, fence_owner=False, new_cluster=False,
+                  was_running=True, created=T)
+    NodeRestore(cfg, "m1", "op1")._record_boundary(j, None)
+    [b] = B.read(cfg.backup.dir)
+    assert (b.from_backup, b.to_revision, b.from_sha256) == (full, 42, None)
+    assert b.describe().endswith(f"(from {full} + its delta chain to revision 42)")
+    held = B.by_name(B.holds([b], [at(full, T - 600), at("other", T - 300)], exists=lambda p: False))
+    assert list(held) == [full]
