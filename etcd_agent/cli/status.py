@@ -30,6 +30,11 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     from ..config import security_warnings
 
     warnings = security_warnings(cfg)
+    from ..backup.boundaries import load, unreadable_message
+
+    problem = load(cfg.backup.dir).problem
+    if problem:  # retention deletes nothing until it is fixed: the disk fills, and nothing else says so
+        warnings = [*warnings, f"PRUNE HELD: {unreadable_message(problem)}"]
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
             "restore_in_progress": restoring, "warnings": warnings}
     summary = f"cluster {cfg.cluster.name}: " + (

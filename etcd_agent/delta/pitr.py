@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
-from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import OperationLock
 
 from . import status
@@ -352,7 +352,7 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     side = out + ".json"
     if os.path.isfile(out) and os.path.isfile(side):
         try:
-            with open(side, encoding="utf-8") as fh:
+            with open_regular(side) as fh:
                 res = ReplayResult.from_json(json.loads(fh.read(1 << 22)))
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
@@ -387,7 +387,7 @@ def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
     path = os.path.abspath(spec)
     if os.path.dirname(path) != os.path.abspath(pitr_dir(cfg)) or not os.path.isfile(path + ".json"):
         return None
-    with open(path + ".json", encoding="utf-8") as fh:
+    with open_regular(path + ".json") as fh:
         return path, ReplayResult.from_json(json.loads(fh.read(1 << 22)))
 
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..fs import open_regular
 from .errors import SegmentCorrupt
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_summary, verify_segment
@@ -260,7 +261,7 @@ def tail_sha256(path: str) -> str:
     """sha256 of a whole file (what the next segment's header must name)."""
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     except OSError as exc:

@@ -12,6 +12,7 @@ import struct
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
+from etcd_agent.fs import open_regular, regular_fd
 
 from .errors import SegmentCorrupt
 from .segments import (
@@ -47,7 +48,7 @@ from .segseal import read_seal
 
 def _read_file(path: str, max_bytes: int) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = regular_fd(path)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
     try:
@@ -100,7 +101,7 @@ def read_header(path: str) -> SegmentHeader:
     if is_sealed(path):
         return read_seal(path).header
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             data = fh.read(12 + MAX_JSON)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot read: {exc.strerror or exc}") from None
@@ -115,7 +116,7 @@ def read_summary(path: str) -> Tuple[SegmentHeader, SegmentFooter]:
         seal = read_seal(path)
         return seal.header, seal.footer
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             head = fh.read(12 + MAX_JSON)
             header, _ = _header_of(path, head)
             size = os.fstat(fh.fileno()).st_size

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
+from etcd_agent.fs import regular_fd
 
 from .errors import ReplayError, SegmentCorrupt
 from .segments import (
@@ -208,7 +209,7 @@ def seal_block(seal: Seal) -> bytes:
 
 def _open(path: str) -> Tuple[int, int]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = regular_fd(path)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
     try:

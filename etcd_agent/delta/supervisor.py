@@ -326,6 +326,8 @@ class DeltaSupervisor:
                         "restore by hand; the backups from before it are kept as its rollback points", exc.reason)
         except OSError as err:
             log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err)
+        except AgentError as err:  # an unreadable record: kept as found (prune holds), said
+            log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err.message)
 
     def _find_newest(self, cfg: Config) -> None:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""

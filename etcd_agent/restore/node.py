@@ -496,9 +496,11 @@ class NodeRestore:
         from ..backup import boundaries
 
         aside = j.record(R.AsideReply)
-        b = boundaries.Boundary(op=j.op, time=j.created, from_backup=os.path.basename(j.backup) or None,
-                                from_sha256=j.sha256, set_aside=tuple(p for p in [aside.moved if aside else None] if p),
-                                cluster_id=cluster_id)
+        name, sha256, to_revision = boundaries.source_of(j.backup, j.sha256)
+        chain = boundaries.chain_of(self.cfg.backup.dir, name) if name and to_revision is not None else None
+        b = boundaries.Boundary(op=j.op, time=j.created, from_backup=name, from_sha256=sha256,
+                                set_aside=tuple(p for p in [aside.moved if aside else None] if p),
+                                cluster_id=cluster_id, chain_id=chain, to_revision=to_revision)
         try:
             ensure_private_dir(self.cfg.backup.dir)
             boundaries.record(self.cfg.backup.dir, b)

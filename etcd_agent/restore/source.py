@@ -31,6 +31,7 @@ from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
 from ..etcd.snapdb import SnapshotIdentity
+from ..fs import open_regular
 from ..state.locks import OperationLock
 from .plan import SourceFacts
 
@@ -70,7 +71,7 @@ class Source:
         if self.archive is not None:
             return self.archive.plaintext()[0].open()
         assert self.snapshot_path is not None
-        fh = open(self.snapshot_path, "rb")
+        fh = open_regular(self.snapshot_path, follow_symlinks=True)
         fh.seek(self.offset)
         return fh
 
@@ -266,7 +267,7 @@ def _replayed(path: str, res: "ReplayResult", base: Source, lines: List[str]) ->
     if base.identity is None:
         raise RefusedError(f"{base.path}: the full backup's members could not be read; nothing touched")
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     replayed = read_identity(path)
