@@ -247,7 +247,11 @@ def _same_process(pid: int, ticks: Optional[int], since: Optional[str]) -> bool:
 def holder_of(backup_dir: str) -> Optional[Holder]:
     """The live holder of this host's lock, or None when it is free (the flock decides, not the
     file: a record left by a dead holder is not a holder)."""
-    path = lock_path_for(backup_dir)
+    return held_by(lock_path_for(backup_dir))
+
+
+def held_by(path: str) -> Optional[Holder]:
+    """The live holder of the lock file ``path``, or None when it is free (or absent)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
