@@ -407,21 +407,28 @@ def describe_identity(ident: SnapshotIdentity) -> str:
     return out
 
 
-def remove_stale_stages(directory: str) -> List[str]:
-    """Staging dirs left by a reader that died (its pid is gone); call with the operation lock."""
-    removed: List[str] = []
+def stale_stages(directory: str) -> List[str]:
+    """The staging dirs in ``directory`` of readers that died (their pid is gone): names."""
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except FileNotFoundError:
-        return removed
+        return []
+    out = []
     for n in names:
         if not n.startswith(STAGE_PREFIX):
             continue
         pid = n[len(STAGE_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and _alive(int(pid)):
             continue
+        out.append(n)
+    return out
+
+
+def remove_stale_stages(directory: str) -> List[str]:
+    """Staging dirs left by a reader that died (its pid is gone); call with the operation lock."""
+    removed = stale_stages(directory)
+    for n in removed:
         shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
-        removed.append(n)
     return removed
 
 

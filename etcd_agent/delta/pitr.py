@@ -9,7 +9,8 @@ the newest checkpoint the chain vouches for at or before the stop (a full backup
 inside the chain), which the replay uses only if its snapshot is exactly what the chain vouches
 for, folding only what follows it; else an older one, or the full backup. ``replay_kept`` runs
 the replay (``replayrun.replay``: scratch etcd on loopback, its own ports and dir under
-``<backup dir>/.pitr``) and keeps the result there, named after the full backup and the stop
+``<backup dir>/.pitr``, or - an encrypted backup or chain - under ``private_dir``: the backup dir
+is copied off-host and backed up by other tools, so it never holds plaintext) and keeps the result there, named after the full backup and the stop
 revision, with its ``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
 restore ships the very bytes the journal names. The restore removes it when it ends.
 """
@@ -45,7 +46,10 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 PITR_DIR = ".pitr"
-OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PITR_DIR
+PRIVATE_DIR = "decrypted"  # under [daemon] state_dir: the plaintext of encrypted backups and chains
+OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PRIVATE_DIR
+# what a replay makes in its work dir: a dead run's are removed (``sweep``)
+WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX)
 FUTURE_MARGIN_MS = 2000
 # a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
 SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
@@ -144,6 +148,19 @@ def _vouched_in(check: ChainCheck, start: Start) -> bool:
 
 def pitr_dir(cfg: "Config") -> str:
     return os.path.join(cfg.backup.dir, PITR_DIR)
+
+
+def private_dir(cfg: "Config") -> str:
+    """Where the plaintext of an encrypted backup or chain is staged: a 0700 dir outside the
+    backup dir (copied off-host, backed up by other tools), removed when the restore ends."""
+    return os.path.join(cfg.daemon.state_dir, PRIVATE_DIR)
+
+
+def work_dir(cfg: "Config", encrypted: bool) -> str:
+    """A replay's work dir (its throwaway etcd, its kept result), made 0700."""
+    d = private_dir(cfg) if encrypted else pitr_dir(cfg)
+    makedirs(d, 0o700)
+    return d
 
 
 def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
@@ -314,40 +331,110 @@ def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
     return hints
 
 
-def scratch_options(cfg: "Config") -> ScratchOptions:
+def scratch_options(cfg: "Config", encrypted: bool = False) -> ScratchOptions:
     """The cluster's own etcd release (the replayed db is then what it writes), on loopback, in a
-    private dir beside the backups (the same filesystem that holds them has room for one more)."""
+    private dir beside the backups (the same filesystem that holds them has room for one more);
+    ``encrypted``: in ``private_dir``, never under the backup dir."""
     e = cfg.etcd
     if not e.etcdutl:
         raise RefusedError("a point-in-time restore needs etcdutl (etcd >= 3.5) for its throwaway replay member: "
                            "set [etcd] etcdutl; nothing touched")
     return ScratchOptions(binaries=EtcdBinaries(etcd=e.binary, etcdutl=e.etcdutl, etcdctl=e.etcdctl),
-                          parent_dir=pitr_dir(cfg))
+                          parent_dir=work_dir(cfg, encrypted))
 
 
 def lock(cfg: "Config") -> OperationLock:
     """One point-in-time restore at a time on this host (held from the replay to the restore's
     end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
-    d = pitr_dir(cfg)
-    makedirs(d, 0o700)
-    held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
-    # and stops the etcd a killed replay left running; etcd-open-*: the decrypted segments it staged
-    remove_left(d, ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX))
+    held = _lock(cfg, "point-in-time replay")
+    sweep(cfg)
     return held
 
 
+def _lock(cfg: "Config", operation: str) -> OperationLock:
+    d = pitr_dir(cfg)
+    makedirs(d, 0o700)
+    return OperationLock(os.path.join(d, ".lock"), operation).acquire()
+
+
+def sweep(cfg: "Config") -> List[str]:
+    """What dead runs left (call it holding ``lock``): the etcds still running in their work dirs
+    are stopped and the dirs removed - decrypted segments, scratch data - and the decrypted
+    backups of readers that died; the paths removed."""
+    from etcd_agent.backup.reader import remove_stale_stages
+
+    removed = [os.path.join(pitr_dir(cfg), n) for n in remove_left(pitr_dir(cfg), WORK_PREFIXES)]
+    private = private_dir(cfg)
+    if os.path.isdir(private):
+        removed += [os.path.join(private, n) for n in remove_left(private, WORK_PREFIXES)]
+        removed += [os.path.join(private, n) for n in remove_stale_stages(private)]
+    if removed:
+        log.warning("removed what a killed point-in-time restore left: %s", ", ".join(removed))
+    return removed
+
+
+def leftovers(cfg: "Config") -> List[str]:
+    """What a killed point-in-time restore left on this host, one line each (``status``): its
+    work dirs, their size, whether they hold plaintext, the etcds still running in them. [] while
+    a replay runs (they are its own). The next command of any kind removes them (``clean``)."""
+    from etcd_agent.backup.reader import stale_stages
+
+    from .leftovers import etcds_in, left_dirs
+
+    if not lock_free(cfg):
+        return []
+    private = private_dir(cfg)
+    found = [(d, False) for d in left_dirs(pitr_dir(cfg), WORK_PREFIXES)]
+    found += [(d, True) for d in left_dirs(private, WORK_PREFIXES)]
+    found += [(os.path.join(private, n), True) for n in stale_stages(private)]
+    lines = []
+    for d, plain in found:
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(d) for f in fs
+                   if os.path.isfile(os.path.join(r, f)))
+        pids = [p.pid for p in etcds_in([d])]
+        lines.append(f"{d}: {size / 1e6:.1f} MB{' of decrypted (plaintext) data' if plain else ''}"
+                     + (f"; etcd pid {', '.join(map(str, pids))} still running in it" if pids else ""))
+    return lines
+
+
+def clean(cfg: "Config") -> List[str]:
+    """``sweep`` when no replay runs; what it removed. Creates nothing: without ``.pitr`` no
+    replay ever ran here, and only the decrypted copies of dead readers can be left."""
+    from etcd_agent.backup.reader import remove_stale_stages
+    from etcd_agent.errors import BusyError
+
+    if not os.path.isdir(pitr_dir(cfg)):
+        private = private_dir(cfg)
+        return [os.path.join(private, n) for n in remove_stale_stages(private)]
+    try:
+        held = _lock(cfg, "point-in-time leftovers cleanup")
+    except BusyError:
+        return []  # a replay runs: its dirs are its own
+    try:
+        return sweep(cfg)
+    finally:
+        held.release()
+
+
+def lock_free(cfg: "Config") -> bool:
+    """No point-in-time replay runs on this host (its dirs are then a dead run's)."""
+    from etcd_agent.state.locks import held_by
+
+    return held_by(os.path.join(pitr_dir(cfg), ".lock")) is None
+
+
 def open_staging(cfg: "Config") -> str:
-    """A private (0700) dir under ``pitr_dir`` for the decrypted segments of one restore; call it
-    holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
+    """A private (0700) dir under ``private_dir`` for the decrypted segments of one restore; call
+    it holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
     import tempfile
 
-    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=pitr_dir(cfg))
+    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=work_dir(cfg, True))
 
 
 def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None) -> Tuple[str, ReplayResult, bool]:
-    """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
-    (path, result, reused). Call it holding ``lock``."""
-    d = pitr_dir(cfg)
+    """Replay into ``<backup dir>/.pitr/<kept name>`` (with ``identities``: ``private_dir``),
+    reused when a crashed run left it: (path, result, reused). Call it holding ``lock``."""
+    d = work_dir(cfg, identities is not None)
     out = os.path.join(d, p.kept_name)
     side = out + ".json"
     if os.path.isfile(out) and os.path.isfile(side):
@@ -367,7 +454,8 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     # again without it (an older one, or the full backup, and the chain verified from there)
     paths = [s.path for s in p.check.segments] + list(p.check.lost)
     st = p.start
-    res = replay(st.path if st else p.entry.path, paths, p.target, output=out, options=scratch_options(cfg),
+    res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
+                 options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
                  checkpoint=(st.checkpoint.sha256, st.revision) if st else None)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
@@ -385,7 +473,8 @@ def remove_kept(path: str) -> None:
 def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
     """``--from`` naming a kept replay (what a crashed point-in-time restore's journal names)."""
     path = os.path.abspath(spec)
-    if os.path.dirname(path) != os.path.abspath(pitr_dir(cfg)) or not os.path.isfile(path + ".json"):
+    if os.path.dirname(path) not in (os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg))) \
+            or not os.path.isfile(path + ".json"):
         return None
     with open_regular(path + ".json") as fh:
         return path, ReplayResult.from_json(json.loads(fh.read(1 << 22)))

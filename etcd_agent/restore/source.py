@@ -7,8 +7,8 @@ not, no manifest). Cheap first: headers, manifest, signature and the snapshot's 
 (its members, from a few pages of its db) are read without reading the whole snapshot; a plain
 tar's snapshot is then shipped straight from the archive (no copy here) and hashed as it is read,
 a compressed one is decompressed once into a private staging dir. An encrypted one
-(``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into that private staging dir on
-this master only: the other masters receive the plaintext through their node sessions, as always.
+(``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into a private staging dir outside
+the backup dir (``delta.pitr.private_dir``) on this master only: the other masters receive the plaintext through their node sessions, as always.
 Without an identity it is refused before anything is touched.
 
 ``open_pitr_source`` (``restore --to-time/--to-revision/--to newest``) reads the full backup the
@@ -121,6 +121,10 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     if kept is not None:
         return kept
     path = resolve_from(cfg, spec).path
+    if identities is not None:  # its plaintext never under the backup dir (copied off-host)
+        from ..delta.pitr import work_dir
+
+        staging_parent = work_dir(cfg, True)
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
                        identities=identities, need_plaintext=True)
     try:
@@ -159,7 +163,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
-    dir under the backup dir's ``.pitr``, removed once replayed). ``checkpoints`` False: the replay
+    dir outside the backup dir, ``pitr.private_dir``, removed once replayed). ``checkpoints`` False: the replay
     starts from the full backup whatever checkpoints its chain vouches for."""
     import shutil
 
