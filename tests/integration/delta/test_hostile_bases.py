@@ -16,16 +16,16 @@ from typing import Any, Iterator, List
 
 import pytest
 
-from etcd_agent.backup import archive
+from etcd_agent.backup import archive, keys
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
-from etcd_agent.delta import pitr
+from etcd_agent.delta import chains, pitr
 from etcd_agent.delta.replay import Target
 from etcd_agent.delta.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.errors import RefusedError
 
 from . import test_hostile_chains as plain
-from .test_hostile_chains import DATA, END, FULL, FULL_MS, SNAP_SHA, build, rewrite, tree
+from .test_hostile_chains import DATA, END, FULL, FULL_MS, SNAP, SNAP_SHA, build, rewrite, tree
 from .test_segments import write_chain
 
 SNAP34 = open(os.path.join(DATA, "snap-a-34.db"), "rb").read()  # cluster "a" again, revision 3, other bytes
@@ -103,6 +103,29 @@ def test_one_segment_naming_another_full_backup_stops_the_chain_there(bed: Any) 
     assert os.path.basename(segs[1]) in msg and "another full backup" in msg, msg
     p = pitr.prepare(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
     assert p.plan.complete and [s.path for s in p.check.segments] == segs[:1]
+
+
+def test_restore_knows_the_backup_by_its_signed_manifest_as_backup_list_does(tmp_path: Any, bed: Any) -> None:
+    """A backup whose snapshot sha256 only its signed manifest states (no check recorded): `backup
+    list` (with the key) calls a chain naming another base ORPHANED; restore must judge it alike."""
+    cfg, d, segs = bed
+    conf = str(tmp_path / "etc" / "agent.toml")
+    os.makedirs(os.path.dirname(conf), mode=0o700)
+    cfg = dataclasses.replace(cfg, path=conf)
+    with open(keys.key_path(cfg), "w") as fh:
+        fh.write(KEY.hex() + "\n")
+    os.chmod(keys.key_path(cfg), 0o600)
+    signed = "etcd-2019-08-07-12-00-00.tar"
+    os.unlink(os.path.join(d, FULL))
+    full(d, signed, SNAP, FULL_MS - 3600_000, record=False, key=KEY)
+    relink(segs, 0, ALL)
+    sc = chains.scan(d)
+    from etcd_agent.backup.catalog import list_backups
+
+    e = next(x for x in list_backups(d, key=KEY) if x.name == signed)
+    assert e.snapshot_sha256 == SNAP_SHA and sc.for_full(3, e.base) is None  # what `backup list` calls ORPHANED
+    msg = refused(cfg, d, signed, Target.to_revision(END))
+    assert os.path.basename(segs[0]) in msg, msg
 
 
 # ---------------------------------------------------------------- issue 35 (b)
