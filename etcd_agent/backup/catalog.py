@@ -337,7 +337,11 @@ def resolve(directory: str, spec: str, *, utc: bool = True, clock: WallClock = S
 def resolve_from(cfg: "Config", spec: str) -> Entry:
     """``resolve`` against the configured backup dir. No layout check here: a restore with
     ``--new-cluster`` may take another layout's backup on purpose, and judges identity itself."""
-    return resolve(cfg.backup.dir, spec, utc=cfg.backup.utc)
+    from . import keys
+
+    # with this host's manifest key, as `backup list` does: a signed manifest's snapshot sha256 is
+    # then known, and a delta chain naming another backup's is judged by it the same way
+    return resolve(cfg.backup.dir, spec, utc=cfg.backup.utc, key=keys.local_key(cfg).key)
 
 
 def _complete(entry: Entry, spec: str) -> Entry:

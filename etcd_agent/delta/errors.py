@@ -19,6 +19,12 @@ class SegmentCorrupt(BackupCorrupt):
         self.problem = problem
 
 
+class NotASegment(SegmentCorrupt):
+    """The file does not begin as a segment does (its magic): junk under a segment's name, not a
+    damaged segment of any chain. A chain passes it over, naming it: a gap or a loss is decided
+    by what the segments hold, never by a file's name."""
+
+
 class ChainBroken(DeltaError):
     """The watch cannot continue the chain: events from ``at_revision`` on are not captured.
 

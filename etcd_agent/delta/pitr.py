@@ -68,6 +68,9 @@ class Prepared:
     breaks: Tuple[status.BreakRecord, ...]  # recorded breaks of this chain
     start: Optional["Start"] = None  # the checkpoint the replay starts from (None: the full backup)
     passed_over: Tuple[str, ...] = ()  # newer checkpoints the chain vouches for that are not used, and why
+    # which full backup and which chain, and why: the backups ``--from latest`` passed over, the
+    # chain's first segment, the files at its base that are not its own (``ChainCheck.passed``)
+    choice: Tuple[str, ...] = ()
 
     @property
     def kept_name(self) -> str:
@@ -163,7 +166,7 @@ def work_dir(cfg: "Config", encrypted: bool) -> str:
     return d
 
 
-def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
+def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", List[str]]:
     """``--from`` with a target. ``latest`` is the newest good full backup at or before the
     target (a later one cannot be rolled back to it) that is not a checkpoint (a checkpoint is
     where a chain's replay may start, found from the chain; never the base of one); anything
@@ -171,7 +174,7 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
     from etcd_agent.backup import catalog, keys
 
     if spec.strip() != "latest":
-        return catalog.resolve_from(cfg, spec)
+        return catalog.resolve_from(cfg, spec), []
     entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
     entries = [e for e in entries if not e.checkpoint_of]
     goods = catalog.good(entries)
@@ -181,13 +184,13 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> "Entry":
             log.warning("%s", s)
         if best is None:
             raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
-        return best
+        return best, []
     for e in goods:
         if target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms:
-            return e
+            return e, []
         if target.kind == "revision" and e.revision is not None and target.revision is not None \
                 and e.revision <= target.revision:
-            return e
+            return e, []
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")
@@ -208,7 +211,7 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     its lease census on are verified (and decrypted); the ones before it are never read whole.
     ``checkpoints`` False (``--no-checkpoint``): from the full backup, every segment verified.
     ``skip``: checkpoints found unusable by an earlier attempt (name -> why)."""
-    entry = resolve_full(cfg, spec, target)
+    entry, picked = resolve_full(cfg, spec, target)
     if entry.revision is None:
         raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
                            f"`etcd-agent backup verify {entry.name}` first; nothing touched")
@@ -245,11 +248,25 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
                            "older full backup; nothing touched")
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed))
+    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), tuple(picked + chain_lines(entry, check)))
     if not plan.complete and target.kind != "newest":
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
     return prep
+
+
+def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
+    """Which chain the replay takes and why, and each file at its base passed over, and why."""
+    lines = []
+    if check.segments:
+        h = check.segments[0].header
+        if check.base_revision != entry.revision:
+            lines.append(f"delta chain {h.chain_id[:8]} after revision {check.base_revision}: {entry.name} (revision "
+                         f"{entry.revision}) was taken inside it, the replay folds it from there")
+        else:
+            lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
+    lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
+    return lines
 
 
 def _plan(entry: "Entry", check: ChainCheck, target: Target) -> Plan:
@@ -296,16 +313,22 @@ def _refuse_locked(name: str, check: ChainCheck) -> None:
 def stop_sentence(p: Prepared) -> str:
     """Where the chain stops and why, with its last good point."""
     c = p.check
+    passed = ""
+    if c.passed:
+        passed = "; passed over as not this chain's: " + "; ".join(
+            f"{os.path.basename(f)} ({why})" for f, why in c.passed[:3]) + (
+            f" and {len(c.passed) - 3} more" if len(c.passed) > 3 else "")
     if c.stop is not None:
+        good = c.stop.last_good_time_ms or int(p.entry.time.timestamp() * 1000)  # none: the backup's own time
         return (f"the chain stops at revision {c.stop.at_revision} ({c.stop.kind}: {c.stop.reason}); its last good "
-                f"point is revision {c.stop.last_good_revision} at {_when(c.stop.last_good_time_ms)}; nothing after a "
-                "gap is ever applied")
+                f"point is revision {c.stop.last_good_revision} at {_when(good)}; nothing after a "
+                f"gap is ever applied{passed}")
     end = f"revision {c.end_revision} at {_when(c.end_time_ms)}" if c.segments else \
         f"the full backup itself (revision {c.base_revision}: no segment continues it)"
     brk = next((b for b in reversed(p.breaks)), None)
     why = (f"; the daemon recorded a break there: {b_reason(brk)}" if brk is not None else
            " (the newest segment; the watch may still be writing the next one)")
-    return f"the chain ends at {end}{why}"
+    return f"the chain ends at {end}{why}{passed}"
 
 
 def b_reason(b: status.BreakRecord) -> str:
@@ -495,6 +518,7 @@ def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) 
         lines.append(f"point in time: {full} + {used}; target {p.target.describe()}")
         if p.passed_over:
             lines.append(f"point in time: newer checkpoint(s) passed over: {'; '.join(p.passed_over)}")
+        lines += [f"point in time: {x}" for x in p.choice]
     when = res.reached_time.isoformat(timespec="milliseconds") if res.reached_time else "the chain's end"
     lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
                  f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "

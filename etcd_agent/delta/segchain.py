@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..fs import open_regular
-from .errors import SegmentCorrupt
+from .errors import NotASegment, SegmentCorrupt
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_summary, verify_segment
 from .segseal import verify_sealed
@@ -80,6 +80,10 @@ class ChainCheck:
     segments: Tuple[SegmentInfo, ...]
     stop: Optional[ChainStop]
     lost: Tuple[str, ...] = field(default=())  # segment files of this chain after the stop
+    # files at this base passed over by their content, and why: the first segment of another
+    # full backup's chain, a file that is no segment at all (never a gap: nothing of this chain)
+    passed: Tuple[Tuple[str, str], ...] = field(default=())
+    chosen_because: str = ""  # why its first segment is taken to continue the full backup
 
     @property
     def end_revision(self) -> int:
@@ -96,6 +100,8 @@ class ChainCheck:
             "segments": len(self.segments),
             "stop": self.stop.to_json() if self.stop else None,
             "lost": list(self.lost),
+            "passed_over": [{"path": p, "why": w} for p, w in self.passed],
+            "chosen_because": self.chosen_because,
         }
 
 
@@ -135,17 +141,23 @@ def check_chain(
         lst.sort()
     good: List[SegmentInfo] = []
     used = set()
+    passed: List[Tuple[str, str]] = []
+    because = ""
     expect = start_revision + 1
     prev: Optional[SegmentInfo] = None
     while True:
         cands = [p for p in by_start.get(expect, []) if p not in used]
         problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
+        firsts: List[SegmentInfo] = []  # first segments that continue ``base`` (prev None)
         chosen: Optional[SegmentInfo] = None
         for p in cands:
             rng = parse_name(os.path.basename(p))
             full = verify and (verify_from is None or rng is None or rng[1] >= verify_from)
             try:
                 info = _load_info(p, full, max_bytes, opener)
+            except NotASegment as exc:
+                passed.append((p, f"{exc.problem}: not a segment of any chain, whatever its name"))
+                continue
             except SegmentCorrupt as exc:
                 problems.append(("corrupt", p, exc.problem))
                 continue
@@ -157,7 +169,10 @@ def check_chain(
                 problems.append(("future", p, ahead))
                 continue
             if prev is None and h.seq == 0 and not continues(h, base):
-                continue  # the chain of another full backup at the same revision
+                # the chain of another full backup at the same revision: named, never replayed
+                passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
+                                  "another full backup's chain"))
+                continue
             if prev is None:
                 ok = h.seq == 0 and h.prev_sha256 == ""
                 why = "is not the first segment of a chain"
@@ -171,10 +186,21 @@ def check_chain(
                     f"expected chain {prev.header.chain_id[:8]} seq {prev.header.seq + 1}, "
                     f"sha256 {prev.sha256[:12] if prev.sha256 else '?'})"
                 )
+                if ok and h.base_sha256 != prev.header.base_sha256:
+                    # every segment names the full backup its events continue: one naming another
+                    # is not this chain's, however well it links
+                    ok, why = False, (f"{names_base(h)}, another full backup than its chain's first segment "
+                                      f"(which {names_base(prev.header)}): not replayed onto it")
+            if ok and prev is None:
+                firsts.append(info)
+                continue
             if ok:
                 chosen = info
                 break
             problems.append(("mismatch", p, why))
+        if firsts:
+            chosen, because, others = _first(firsts, base)
+            passed += others
         if chosen is not None:
             good.append(chosen)
             used.add(chosen.disk_path)
@@ -185,8 +211,9 @@ def check_chain(
         last_time = prev.footer.end_time_ms if prev else None
         later = sorted(
             (s, p) for s, lst in by_start.items() if s > expect for p in lst
-            if _same_chain(p, start_revision, prev, base)
+            if _same_chain(p, start_revision, prev, base, passed)
         )
+        seen = tuple(passed)
         if problems:
             kind, p, why = problems[0]
             return ChainCheck(
@@ -194,6 +221,7 @@ def check_chain(
                 tuple(good),
                 ChainStop(kind, f"{os.path.basename(p)}: {why}", expect, p, last_rev, last_time),
                 tuple(sorted({p for _k, p, _w in problems} | {p for _s, p in later})),
+                seen, because,
             )
         if later:
             nxt = later[0][0]
@@ -203,8 +231,43 @@ def check_chain(
                 tuple(good),
                 ChainStop("gap", reason, expect, None, last_rev, last_time),
                 tuple(p for _s, p in later),
+                seen, because,
             )
-        return ChainCheck(start_revision, tuple(good), None)
+        return ChainCheck(start_revision, tuple(good), None, (), seen, because)
+
+
+def names_base(h: SegmentHeader) -> str:
+    """What a segment's header says of the full backup it continues, for a sentence."""
+    if h.base_sha256:
+        return f"names the full backup with snapshot sha256 {h.base_sha256[:12]}... (revision {h.base_revision})"
+    return f"names only revision {h.base_revision} (written before chains named their full backup's sha256)"
+
+
+def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[SegmentInfo, str, List[Tuple[str, str]]]:
+    """The first segment of the chain that continues ``base`` among several that may (two chains
+    at one revision), why, and the others passed over. A sha256 match is proof; without one the
+    chain that started soonest after the backup was taken (the daemon starts its chain right
+    after its backup: a later one continues a later backup at the same revision)."""
+    def rank(i: SegmentInfo) -> Tuple[bool, int, str]:
+        exact = bool(base is not None and base.sha256 and i.header.base_sha256 == base.sha256)
+        return (not exact, i.header.start_time_ms, i.path)
+
+    order = sorted(firsts, key=rank)
+    best, h = order[0], order[0].header
+    name = os.path.basename(best.path)
+    if base is not None and base.sha256 and h.base_sha256 == base.sha256:
+        why = f"its first segment {name} names this full backup's snapshot sha256 {base.sha256[:12]}..."
+    elif base is not None and base.sha256 == "" and h.base_sha256:
+        why = (f"its first segment {name} {names_base(h)}; this backup's snapshot sha256 is not known here (no "
+               "check recorded, no signed manifest), so it is matched by time: the chain started after it was taken")
+    else:
+        why = f"its first segment {name} {names_base(h)}, matched by revision and time"
+    if len(order) > 1:
+        why += f"; of {len(order)} chains that could continue it, the one that started first after it"
+    others = [(o.path, f"the first segment of chain {o.header.chain_id[:8]}, which also {names_base(o.header)} but "
+                       f"started later ({ms_to_datetime(o.header.start_time_ms).isoformat()}): not the chain "
+                       f"replayed") for o in order[1:]]
+    return best, why, others
 
 
 def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> str:
@@ -241,11 +304,16 @@ def verified(path: str) -> SegmentInfo:
     return _load_info(path, True, MAX_SEGMENT)
 
 
-def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup]) -> bool:
+def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup],
+                passed: List[Tuple[str, str]]) -> bool:
     """Could this later file belong to the chain being followed? Unreadable files count as yes:
-    a damaged segment must be reported as lost, never skipped silently."""
+    a damaged segment must be reported as lost, never skipped silently. A file that is no
+    segment at all (not a segment's first bytes) is no; it goes to ``passed``, named."""
     try:
         h = read_header(path)
+    except NotASegment as exc:
+        passed.append((path, f"{exc.problem}: not a segment of any chain, whatever its name"))
+        return False
     except SegmentCorrupt:
         return True
     if h.base_revision != base_revision:

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 from etcd_agent import safejson
 from etcd_agent.fs import open_regular, regular_fd
 
-from .errors import SegmentCorrupt
+from .errors import NotASegment, SegmentCorrupt
 from .segments import (
     DELETE,
     DIGEST,
@@ -82,7 +82,7 @@ def _parse_json(path: str, raw: bytes, what: str) -> Any:
 
 def _header_of(path: str, data: bytes) -> Tuple[SegmentHeader, int]:
     if data[:8] != MAGIC:
-        raise SegmentCorrupt(path, "not a delta segment (bad magic)")
+        raise NotASegment(path, "not a delta segment (bad magic)")
     if len(data) < 12:
         raise SegmentCorrupt(path, "truncated header")
     (hlen,) = U32.unpack_from(data, 8)
@@ -184,7 +184,7 @@ def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEG
     data = _read_file(path, max_bytes)
     size = len(data)
     if data[:8] != MAGIC:
-        raise SegmentCorrupt(path, "not a delta segment (bad magic)")
+        raise NotASegment(path, "not a delta segment (bad magic)")
     if size < len(MAGIC) + 4 + REC_HEAD.size + TRAILER:
         raise SegmentCorrupt(path, f"truncated ({size} bytes)")
     body_end = size - DIGEST

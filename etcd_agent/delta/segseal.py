@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 from etcd_agent import safejson
 from etcd_agent.fs import regular_fd
 
-from .errors import ReplayError, SegmentCorrupt
+from .errors import NotASegment, ReplayError, SegmentCorrupt
 from .segments import (
     MAX_SEGMENT,
     SEALED_EXT,
@@ -220,11 +220,11 @@ def _open(path: str) -> Tuple[int, int]:
 
 
 def _seal_of(path: str, block: bytes, size: int) -> Seal:
+    if block[:8] != SEAL_MAGIC:  # first: junk shorter than a seal is still junk, not a truncated segment
+        raise NotASegment(path, "not an encrypted delta segment (bad magic)")
     if len(block) < SEAL_BLOCK or size < SEAL_BLOCK:
         raise SegmentCorrupt(path, f"truncated: {size} bytes, shorter than an encrypted segment's {SEAL_BLOCK}-byte "
                                    "seal")
-    if block[:8] != SEAL_MAGIC:
-        raise SegmentCorrupt(path, "not an encrypted delta segment (bad magic)")
     (n,) = U32.unpack_from(block, 8)
     if n > SEAL_BLOCK - 12:
         raise SegmentCorrupt(path, f"seal length {n} out of bounds")

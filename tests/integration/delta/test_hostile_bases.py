@@ -1,0 +1,167 @@
+"""Whose chain a segment is, and which full backup a point-in-time restore takes: decided by the
+segments' content (the base sha256 their headers name, the bytes they hold), never by a file's
+name (pure: real full backups of tests/data's etcd snapshots - two of cluster "a" at revision 3,
+made by etcd 3.5.16 and by 3.4.23, so two snapshots at one revision with different bytes - and
+chains written by the segment writer beside them; ``pitr.prepare`` is what a restore runs first).
+
+Issue 35: a consistent forged chain (every link right) naming another full backup is never
+replayed onto this one; two chains at one revision: the plan names the one it replays and why.
+Issue 38: a junk file named like the next segment is not a gap."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any, Iterator, List
+
+import pytest
+
+from etcd_agent.backup import archive, keys
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
+from etcd_agent.backup.service import _record_check
+from etcd_agent.delta import chains, pitr
+from etcd_agent.delta.replay import Target
+from etcd_agent.delta.segments import SegmentHeader, list_segments, segment_name
+from etcd_agent.errors import RefusedError
+
+from . import test_hostile_chains as plain
+from .test_hostile_chains import DATA, END, FULL, FULL_MS, SNAP, SNAP_SHA, build, rewrite, tree
+from .test_segments import write_chain
+
+SNAP34 = open(os.path.join(DATA, "snap-a-34.db"), "rb").read()  # cluster "a" again, revision 3, other bytes
+SNAP34_SHA = hashlib.sha256(SNAP34).hexdigest()
+ELSEWHERE_SHA = "e1" * 32  # a full backup that is not in this dir
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def bed(tmp_path: Any) -> Iterator[Any]:
+    """test_hostile_chains' bed: FULL (revision 3) and its chain 4..15, three segments."""
+    yield from plain.bed.__wrapped__(tmp_path)  # type: ignore[attr-defined]
+
+
+def full(d: str, name: str, snap: bytes, when_ms: int, *, record: bool = True, key: Any = None) -> None:
+    w = archive.write_archive(d, name, chunks=iter([snap]), files={"etcd.conf": b"ETCD_NAME=m1\n"},
+                              build_manifest=build, mtime=when_ms // 1000, key=key)
+    assert w.revision == 3
+    if record:
+        _record_check(d, w.path, "written", SYSTEM_WALL_CLOCK, revision=w.revision,
+                      sha256=hashlib.sha256(snap).hexdigest())
+
+
+def naming(base_sha: str) -> Any:
+    return lambda h: dataclasses.replace(h, base_sha256=base_sha)
+
+
+def relink(segs: List[str], first: int, mutate: Any) -> List[str]:
+    """Segments ``first``.. written again by the segment writer, ``mutate`` applied to the first of
+    them and every later one linked to the new bytes: a chain whose every link checks."""
+    out = list(segs[:first])
+    for i, p in enumerate(segs[first:]):
+        prev = out[-1] if out else None
+        prev_sha = hashlib.sha256(open(prev, "rb").read()).hexdigest() if prev else ""
+
+        def m(h: SegmentHeader, i: int = i, prev_sha: str = prev_sha) -> SegmentHeader:
+            h = mutate(h) if i == 0 or mutate is ALL else h
+            return dataclasses.replace(h, prev_sha256=prev_sha) if prev_sha else h
+        out.append(rewrite(p, m))
+    return out
+
+
+def ALL(h: SegmentHeader) -> SegmentHeader:  # noqa: N802 - a marker: every segment rewritten
+    return dataclasses.replace(h, base_sha256=ELSEWHERE_SHA)
+
+
+def refused(cfg: Any, d: str, spec: str, target: Target) -> str:
+    root = os.path.dirname(d)
+    before = tree(root)
+    with pytest.raises(RefusedError) as exc:
+        pitr.prepare(cfg, spec, target)
+    assert tree(root) == before
+    msg = exc.value.message
+    assert "\n" not in msg and msg.endswith("nothing touched"), msg
+    return msg
+
+
+# ---------------------------------------------------------------- issue 35 (a)
+
+
+def test_a_consistent_chain_naming_another_full_backup_is_passed_over_by_name(bed: Any) -> None:
+    cfg, d, segs = bed
+    forged = relink(segs, 0, ALL)
+    assert [os.path.basename(p) for p in forged] == [os.path.basename(p) for p in segs]
+    msg = refused(cfg, d, FULL, Target.to_revision(END))
+    print(f"\nFIGURE every segment naming another base: {msg}")
+    assert os.path.basename(segs[0]) in msg and "another full backup" in msg, msg
+
+
+def test_one_segment_naming_another_full_backup_stops_the_chain_there(bed: Any) -> None:
+    cfg, d, segs = bed
+    relink(segs, 1, naming(ELSEWHERE_SHA))  # seq 1 names another base; seq 2 links to it
+    msg = refused(cfg, d, FULL, Target.to_revision(END))
+    print(f"\nFIGURE one segment naming another base: {msg}")
+    assert os.path.basename(segs[1]) in msg and "another full backup" in msg, msg
+    p = pitr.prepare(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
+    assert p.plan.complete and [s.path for s in p.check.segments] == segs[:1]
+
+
+def test_restore_knows_the_backup_by_its_signed_manifest_as_backup_list_does(tmp_path: Any, bed: Any) -> None:
+    """A backup whose snapshot sha256 only its signed manifest states (no check recorded): `backup
+    list` (with the key) calls a chain naming another base ORPHANED; restore must judge it alike."""
+    cfg, d, segs = bed
+    conf = str(tmp_path / "etc" / "agent.toml")
+    os.makedirs(os.path.dirname(conf), mode=0o700)
+    cfg = dataclasses.replace(cfg, path=conf)
+    with open(keys.key_path(cfg), "w") as fh:
+        fh.write(KEY.hex() + "\n")
+    os.chmod(keys.key_path(cfg), 0o600)
+    signed = "etcd-2019-08-07-12-00-00.tar"
+    os.unlink(os.path.join(d, FULL))
+    full(d, signed, SNAP, FULL_MS - 3600_000, record=False, key=KEY)
+    relink(segs, 0, ALL)
+    sc = chains.scan(d)
+    from etcd_agent.backup.catalog import list_backups
+
+    e = next(x for x in list_backups(d, key=KEY) if x.name == signed)
+    assert e.snapshot_sha256 == SNAP_SHA and sc.for_full(3, e.base) is None  # what `backup list` calls ORPHANED
+    msg = refused(cfg, d, signed, Target.to_revision(END))
+    assert os.path.basename(segs[0]) in msg, msg
+
+
+# ---------------------------------------------------------------- issue 35 (b)
+
+
+FULL2 = "etcd-2019-08-07-14-00-00.tar"
+FULL2_MS = FULL_MS + 3600_000
+
+
+def test_two_chains_at_one_revision_the_plan_names_the_one_it_replays_and_why(bed: Any) -> None:
+    cfg, d, segs = bed
+    full(d, FULL2, SNAP34, FULL2_MS)
+    theirs = write_chain(d, 3, [2, 6], chain_id="6f" * 16, t0=FULL2_MS + 1000, base_sha256=SNAP34_SHA)
+    p = pitr.prepare(cfg, FULL, Target.to_revision(10))
+    assert [s.path for s in p.check.segments] == segs
+    said = " ".join(p.choice)
+    print(f"\nFIGURE two chains at revision 3, --from {FULL}: {said}")
+    assert "5e5e5e5e" in said and "6f6f6f6f" in said and os.path.basename(theirs[0].path) in said, said
+    assert SNAP_SHA[:12] in said, said  # why: the sha256 its first segment names is this backup's
+    q = pitr.prepare(cfg, FULL2, Target.to_revision(10))
+    assert [s.path for s in q.check.segments] == [i.path for i in theirs]
+    assert "6f6f6f6f" in " ".join(q.choice) and "5e5e5e5e" in " ".join(q.choice)
+
+
+# ---------------------------------------------------------------- issue 38 (d)
+
+
+@pytest.mark.parametrize("start", [END + 1, END + 4])
+def test_a_junk_file_named_like_a_segment_is_no_gap(bed: Any, start: int) -> None:
+    cfg, d, segs = bed
+    junk = os.path.join(d, segment_name(start, start + 3, FULL_MS + 5000))
+    with open(junk, "wb") as fh:
+        fh.write(b"not a segment at all\n" * 10)
+    p = pitr.prepare(cfg, FULL, Target.newest())
+    assert p.plan.complete and p.check.stop is None and p.plan.stop_revision == END, p.plan.because
+    said = " ".join(p.choice)
+    print(f"\nFIGURE junk named like a segment at {start}: {said}")
+    assert os.path.basename(junk) in said and "not a delta segment" in said, said
+    assert list_segments(d)[-1] == junk
