@@ -16,6 +16,7 @@ restore ships the very bytes the journal names. The restore removes it when it e
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import OperationLock
 
-from . import status
+from . import segsign, status
 from .chains import events_after
 from .errors import ReplayError
 from .leftovers import remove_left
@@ -71,6 +72,7 @@ class Prepared:
     # which full backup and which chain, and why: the backups ``--from latest`` passed over, the
     # chain's first segment, the files at its base that are not its own (``ChainCheck.passed``)
     choice: Tuple[str, ...] = ()
+    signatures: str = ""  # the plan's line about the chain's signatures (``segsign.verdict``)
 
     @property
     def kept_name(self) -> str:
@@ -198,7 +200,8 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,
             identities: Optional["Identities"] = None, staging: Optional[str] = None,
-            checkpoints: bool = True, skip: Optional[Dict[str, str]] = None) -> Prepared:
+            checkpoints: bool = True, skip: Optional[Dict[str, str]] = None,
+            accept_unsigned: bool = False) -> Prepared:
     """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
 
     Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
@@ -210,7 +213,11 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     before the target (``choose_start``: from headers and footers), and only the segments from
     its lease census on are verified (and decrypted); the ones before it are never read whole.
     ``checkpoints`` False (``--no-checkpoint``): from the full backup, every segment verified.
-    ``skip``: checkpoints found unusable by an earlier attempt (name -> why)."""
+    ``skip``: checkpoints found unusable by an earlier attempt (name -> why).
+
+    Signatures (``segsign``): checked with this host's manifest key; a forged segment stops the
+    chain, and a restore that would reach it - ``newest`` too - is refused; a chain not signed
+    with the key (legacy) is refused unless ``accept_unsigned`` (``--accept-unsigned-chain``)."""
     entry, picked = resolve_full(cfg, spec, target)
     if entry.revision is None:
         raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
@@ -225,12 +232,13 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     of = entry.base if base == entry.revision else None
     not_after = now_ms + SEGMENT_CLOCK_MARGIN_MS
     opener = _opener(cfg, identities, staging)
+    key = _key(cfg)
     start: Optional[Start] = None
     passed: List[str] = []
     if checkpoints:
         outline = check_chain(paths, base, verify=False, base=of, not_after_ms=not_after)
         start, passed = choose_start(cfg, entry, outline, target, skip)
-    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener,
+    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key,
                         verify_from=start.checkpoint.leases_from if start is not None else None)
     plan = _plan(entry, check, target)
     if start is not None and (start.revision > plan.stop_revision or not _vouched_in(check, start)):
@@ -238,7 +246,7 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
         passed.append(f"{start.name}: the verified chain does not reach it "
                       f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
         start = None
-        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener)
+        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key)
         plan = _plan(entry, check, target)
     if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
         raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
@@ -249,10 +257,28 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
     prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), tuple(picked + chain_lines(entry, check)))
-    if not plan.complete and target.kind != "newest":
+    forged = check.stop is not None and check.stop.kind == "forged"
+    if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
-    return prep
+    return _signed(cfg, prep, key, accept_unsigned)
+
+
+def _key(cfg: "Config") -> Optional[bytes]:
+    from etcd_agent.backup import keys
+
+    return keys.local_key(cfg).key
+
+
+def _signed(cfg: "Config", prep: Prepared, key: Optional[bytes], accept: bool) -> Prepared:
+    """``prep`` with the plan's line about the chain's signatures; refused when it is not signed
+    with the manifest key and ``accept`` is not given (``segsign.verdict``)."""
+    from etcd_agent.backup import keys
+
+    line, refusal = segsign.verdict(prep.check.segments, key is not None, keys.key_path(cfg), accept)
+    if refusal is not None:
+        raise RefusedError(f"{prep.entry.name}: {refusal}")
+    return dataclasses.replace(prep, signatures=line)
 
 
 def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:

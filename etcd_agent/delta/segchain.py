@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..fs import open_regular
-from .errors import NotASegment, SegmentCorrupt
+from . import segsign
+from .errors import NotASegment, SegmentCorrupt, SegmentForged
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_summary, verify_segment
 from .segseal import verify_sealed
@@ -49,7 +50,7 @@ def continues(h: SegmentHeader, base: Optional[BaseBackup]) -> bool:
 class ChainStop:
     """Where and why a chain stops being usable; nothing at or after ``at_revision`` is trusted."""
 
-    kind: str  # "gap" | "corrupt" | "mismatch" | "future"
+    kind: str  # "gap" | "corrupt" | "mismatch" | "future" | "forged" (``segsign``)
     reason: str
     at_revision: int
     path: Optional[str]
@@ -115,6 +116,7 @@ def check_chain(
     not_after_ms: Optional[int] = None,
     opener: Optional[Opener] = None,
     verify_from: Optional[int] = None,
+    key: Optional[bytes] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -131,6 +133,8 @@ def check_chain(
     segments that reach that revision are verified; the ones before it are followed by their
     headers and footers alone (a replay from a checkpoint reads nothing of them: see
     ``segments.Checkpoint``), and the first verified one's link to them is not checked.
+    ``key`` (the manifest key) checks verified segments' signatures; with it or without, a
+    segment less authenticated than one before it stops the chain as "forged" (``segsign``).
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -145,6 +149,7 @@ def check_chain(
     because = ""
     expect = start_revision + 1
     prev: Optional[SegmentInfo] = None
+    best = 0  # the best-proven origin of the segments followed (``segsign.rank``)
     while True:
         cands = [p for p in by_start.get(expect, []) if p not in used]
         problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
@@ -154,12 +159,12 @@ def check_chain(
             rng = parse_name(os.path.basename(p))
             full = verify and (verify_from is None or rng is None or rng[1] >= verify_from)
             try:
-                info = _load_info(p, full, max_bytes, opener)
+                info = _load_info(p, full, max_bytes, opener, key)
             except NotASegment as exc:
                 passed.append((p, f"{exc.problem}: not a segment of any chain, whatever its name"))
                 continue
             except SegmentCorrupt as exc:
-                problems.append(("corrupt", p, exc.problem))
+                problems.append(("forged" if isinstance(exc, SegmentForged) else "corrupt", p, exc.problem))
                 continue
             h = info.header
             if h.base_revision != start_revision:
@@ -172,6 +177,10 @@ def check_chain(
                 # the chain of another full backup at the same revision: named, never replayed
                 passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
                                   "another full backup's chain"))
+                continue
+            forged = segsign.weaker(info, best)
+            if forged:
+                problems.append(("forged", p, forged))
                 continue
             if prev is None:
                 ok = h.seq == 0 and h.prev_sha256 == ""
@@ -203,6 +212,7 @@ def check_chain(
             passed += others
         if chosen is not None:
             good.append(chosen)
+            best = max(best, segsign.rank(chosen))
             used.add(chosen.disk_path)
             prev = chosen
             expect = chosen.end_revision + 1
@@ -289,19 +299,20 @@ def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> s
     return ""
 
 
-def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener] = None) -> SegmentInfo:
+def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener] = None,
+               key: Optional[bytes] = None) -> SegmentInfo:
     if verify and is_sealed(path):
-        return opener(path) if opener is not None else verify_sealed(path)
+        return opener(path) if opener is not None else verify_sealed(path, key=key)
     if verify:
-        return verify_segment(path, max_bytes=max_bytes)
+        return verify_segment(path, max_bytes=max_bytes, key=key)
     header, footer = read_summary(path)
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
 
 
-def verified(path: str) -> SegmentInfo:
+def verified(path: str, key: Optional[bytes] = None) -> SegmentInfo:
     """One segment checked as far as it can be here: a plain one whole, an encrypted one without
-    its key (what a watcher resumes after: its sha256, header and footer)."""
-    return _load_info(path, True, MAX_SEGMENT)
+    its key (what a watcher resumes after: its sha256, header and footer); signatures with ``key``."""
+    return _load_info(path, True, MAX_SEGMENT, key=key)
 
 
 def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup],

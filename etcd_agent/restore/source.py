@@ -158,13 +158,15 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
 
 def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
-                     identities: Optional["Identities"] = None, checkpoints: bool = True) -> Source:
+                     identities: Optional["Identities"] = None, checkpoints: bool = True,
+                     accept_unsigned: bool = False) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
     dir outside the backup dir, ``pitr.private_dir``, removed once replayed). ``checkpoints`` False: the replay
-    starts from the full backup whatever checkpoints its chain vouches for."""
+    starts from the full backup whatever checkpoints its chain vouches for. ``accept_unsigned``:
+    a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
     import shutil
 
     from ..delta import pitr
@@ -179,7 +181,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
         try:  # the decrypted segments live only until the replay has run (or failed)
             while True:
                 prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
-                                    checkpoints=checkpoints, skip=skip)
+                                    checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
                 base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
                 try:
                     _chain_matches(prep, base)
@@ -205,7 +207,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
-        lines += _encryption_lines(prep)
+        lines += _encryption_lines(prep) + ([prep.signatures] if prep.signatures else [])
         src = _replayed(path, res, base, lines)
     except BaseException:
         held.release()
