@@ -205,7 +205,7 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
 
     Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
-    caller's private dir under ``pitr_dir``, removed when the restore ends) and checked whole as
+    caller's private dir outside the backup dir, ``private_dir``, removed when the restore ends) and checked whole as
     they are; without an identity an encrypted chain is checked as far as its bytes allow and the
     restore refused (IdentityRefused, nothing touched).
 
@@ -219,9 +219,12 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     chain, and a restore that would reach it - ``newest`` too - is refused; a chain not signed
     with the key (legacy) is refused unless ``accept_unsigned`` (``--accept-unsigned-chain``)."""
     entry, picked = resolve_full(cfg, spec, target)
+    if entry.revision is None and entry.encrypted and identities is not None and staging is not None:
+        entry = _read_sealed(cfg, entry, identities, staging)
     if entry.revision is None:
-        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
-                           f"`etcd-agent backup verify {entry.name}` first; nothing touched")
+        how = (f"pass --identity FILE to read it, or run `etcd-agent backup verify {entry.name} --identity FILE`"
+               if entry.encrypted else f"run `etcd-agent backup verify {entry.name}`")
+        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; {how} first; nothing touched")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if target.kind == "time" and target.time_ms is not None and target.time_ms > now_ms + FUTURE_MARGIN_MS:
         raise UsageError(f"target {target.describe()} is in the future (now {_when(now_ms)})")
@@ -293,6 +296,33 @@ def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
             lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
     lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
     return lines
+
+
+def _read_sealed(cfg: "Config", entry: "Entry", identities: "Identities", staging: str) -> "Entry":
+    """An encrypted full backup no check of this host remembers (copied here from elsewhere):
+    decrypted through the bounded reader into ``staging`` as it streams (every chunk authenticated,
+    the plaintext checked as a plain snapshot is), its revision and snapshot sha256 (what its chain
+    names) read from its own db, the copy removed. A fault is one refusal naming it: a key that
+    opens nothing, a damaged header (its MAC), a damaged chunk, a file cut short."""
+    from dataclasses import replace
+
+    from etcd_agent.backup.keys import local_key
+    from etcd_agent.backup.reader import open_archive
+    from etcd_agent.errors import BackupCorrupt
+
+    try:
+        arc = open_archive(entry.path, staging_dir=staging, hash_snapshot=True, key=local_key(cfg).key,
+                           identities=identities, need_plaintext=True)
+    except BackupCorrupt as exc:  # IdentityRefused (a RefusedError) names the key file itself
+        problem = exc.details[0] if exc.details else exc.message
+        raise RefusedError(f"{entry.name}: {problem}; it cannot be restored (use another backup); nothing "
+                           "touched") from None
+    try:
+        snap, ident = arc.plaintext()
+        return replace(entry, revision=ident.revision, snapshot_sha256=snap.sha256 or entry.snapshot_sha256,
+                       member_ids=tuple(m.id_hex for m in ident.members))
+    finally:
+        arc.close()
 
 
 def _plan(entry: "Entry", check: ChainCheck, target: Target) -> Plan:

@@ -38,7 +38,7 @@ from ..node.sessions import HostNode, close_sessions, group_hosts, message, open
 from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
-from .precheck import NodeFacts, check_host, default_token, resume_decision, token_problem
+from .precheck import NodeFacts, check_host, default_token, resume_decision, set_aside_problems, token_problem
 from .ship import Standby, ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
@@ -262,6 +262,11 @@ class Restore:
                 hp.problems += check_host(cfg, cfg.member(hp.member), facts[hp.member], snapshot_size=source.size,
                                             snapshot_version=source.etcd_version, agent_version=__version__,
                                             resuming=resume is not None)
+                if self.node_of(hp.member).local and resume is None:
+                    dd = facts[hp.member].data_dir
+                    kept = [(label, p, os.path.realpath(p)) for label, p in
+                            (("the backup", source.path), ("the backup dir", cfg.backup.dir))]
+                    hp.problems += set_aside_problems(dd, os.path.realpath(dd), kept)
         return plan
 
     # ------------------------------------------------------------ the steps

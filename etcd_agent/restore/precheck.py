@@ -171,6 +171,17 @@ def check_host(
     return p
 
 
+def set_aside_problems(data_dir: str, resolved_data_dir: str,
+                       kept: List[Tuple[str, str, str]]) -> List[str]:
+    """What this host keeps (label, path as given, path with its links followed) that really lies
+    inside the data dir the restore sets aside: it would go aside with it, and `restore cleanup`
+    would delete it. Compared resolved, so a link from elsewhere cannot hide it."""
+    return [f"{label} {path} lies inside {data_dir} once links are resolved ({resolved}), and this restore "
+            f"sets that data dir aside; move it out of the data dir first"
+            for label, path, resolved in kept
+            if resolved == resolved_data_dir or resolved.startswith(resolved_data_dir.rstrip("/") + "/")]
+
+
 def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: str,
                     sha256: Optional[str]) -> Tuple[Optional[JournalSummary], List[str]]:
     """Given each member's journal (None: none), whether this run resumes an earlier one.
