@@ -12,7 +12,7 @@ from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
 from .journal import JournalSummary
 from .live import Progress
 from .orchestrate import Options, Restore
-from .precheck import NodeFacts, rollback_refusal
+from .precheck import NodeFacts, rollback_refusal, split_by_restore
 
 
 def rollback_open(
@@ -32,6 +32,10 @@ def rollback_open(
             m.name: n.ask(NodeFacts, "precheck", member=m.name).journal for n in r.nodes for m in n.members}
         open_ops = {m: j.op for m, j in journals.items() if j is not None and j.open}
         if not open_ops:
+            split = split_by_restore(journals)
+            if split:
+                raise OperationFailed("no unfinished restore is journaled, but members are in two clusters",
+                                      details=split)
             return {"rolled_back": {}, "note": "no unfinished restore is journaled"}
         refused = rollback_refusal(journals)
         if refused:  # a member finished it: rolling back the rest would leave two clusters

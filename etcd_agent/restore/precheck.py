@@ -15,7 +15,7 @@ from ..config import NAME_RE, Config, Member
 from ..etcd.snapvalues import cluster_id_from, member_id_from
 from ..node.protocol import PROTOCOL
 from ..typedjson import Document
-from .journal import DONE, JournalSummary
+from .journal import DONE, ROLLED_BACK, JournalSummary
 
 # Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
 NODE_PROTOCOL = PROTOCOL
@@ -254,6 +254,21 @@ def resume_state(journals: Mapping[str, Optional[JournalSummary]], live: Mapping
                  initial_cluster: str, token: str) -> Resume:
     """``Resume`` from each member's journal and what its running etcd answers (``live``)."""
     return Resume(tuple(finished_members(journals, op)), tuple(serving_restored(live, initial_cluster, token)))
+
+
+def split_by_restore(journals: Mapping[str, Optional[JournalSummary]]) -> List[str]:
+    """One line per restore that some members finished and others rolled back (an agent before
+    this rule could do that): those members are in two clusters, and nothing is left to resume or
+    roll back - only a new restore puts them on one again."""
+    out = []
+    for op in sorted({j.op for j in journals.values() if j is not None}):
+        states = {m: j.state for m, j in journals.items() if j is not None and j.op == op}
+        done = sorted(m for m, st in states.items() if st == DONE)
+        back = sorted(m for m, st in states.items() if st == ROLLED_BACK)
+        if done and back:
+            out.append(f"restore {op} finished on {', '.join(done)} but was rolled back on {', '.join(back)}: "
+                       "they are in two clusters; restore a backup again to put every member on one")
+    return out
 
 
 def rollback_refusal(journals: Mapping[str, Optional[JournalSummary]]) -> List[str]:

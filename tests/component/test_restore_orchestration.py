@@ -364,3 +364,14 @@ def test_rollback_incomplete_names_only_hosts_that_did_not_answer(bed: Bed) -> N
     msg = ei.value.message
     assert "ROLLBACK INCOMPLETE" in msg and "answer again" not in msg, msg
     assert any(d.startswith("h2") and "NOT rolled back" in d and "read-only" in d for d in ei.value.details)
+
+
+def test_rollback_names_members_left_in_two_clusters(bed: Bed) -> None:
+    """No open journal, but one restore finished on h1, h2 and rolled back on h3 (what a re-run
+    by an older agent left): not "no unfinished restore is journaled", but the split, named."""
+    for m, state in (("h1", "done"), ("h2", "done"), ("h3", "rolled-back")):
+        bed.script.facts[m] = {"journal": _journaled(bed, state, UNFENCED)}
+    with pytest.raises(OperationFailed) as ei:
+        rollback_open(bed.cfg, nodes=scripted_nodes(bed.script, bed.hosts))
+    assert "two clusters" in ei.value.message
+    assert any("finished on h1, h2 but was rolled back on h3" in d for d in ei.value.details), ei.value.details

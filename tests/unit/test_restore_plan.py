@@ -232,6 +232,11 @@ def test_rollback_refused_when_a_member_finished() -> None:
     got = C.rollback_refusal({"a": _journal("o", "done"), "b": _journal("o", "done"), "c": _journal("o")})
     assert len(got) == 1 and "finished on a, b" in got[0] and "rolling back c alone would leave two clusters" in got[0]
     assert "etcd-agent restore --from /b/x.tar --yes" in got[0]
+    # what an older agent's re-run could leave: finished here, rolled back there - two clusters
+    assert C.split_by_restore({"a": _journal("o", "done"), "b": _journal("o", "rolled-back")}) == [
+        "restore o finished on a but was rolled back on b: they are in two clusters; restore a backup again to put "
+        "every member on one"]
+    assert C.split_by_restore({"a": _journal("o", "done"), "b": _journal("p", "rolled-back"), "c": None}) == []
 
 
 def test_rewrite_conf_keeps_tuning() -> None:
