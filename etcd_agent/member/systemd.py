@@ -81,7 +81,7 @@ class SystemdBackend:
 
     def show(self) -> Dict[str, str]:
         out = self._systemctl(
-            "show", self.unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus,ExecMainPID,LoadState",
+            "show", self.unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus,ExecMainPID,MainPID,LoadState",
             check=False,
         )
         props: Dict[str, str] = {}
@@ -100,6 +100,14 @@ class SystemdBackend:
 
     def is_active(self) -> bool:
         return self.state() in ("active", "activating", "reloading")
+
+    def pid(self) -> Optional[int]:
+        """The unit's main process (what the unit runs: etcd), None when it has none."""
+        try:
+            pid = int(self.show().get("MainPID", "0") or "0")
+        except (CommandError, ValueError):
+            return None
+        return pid or None
 
     def describe(self) -> str:
         p = self.show()

@@ -405,6 +405,7 @@ class Restore:
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
+            self._served(plan, source)
             t = time.monotonic()
             self.cluster.record_lineage(list(source.member_ids))
             outcome.cleanup = self.cluster.k8s_cleanup()
@@ -446,6 +447,14 @@ class Restore:
             f"restore {self.op} not finished ({message(exc)}); not rolled back: {self.resume.describe()}, and "
             f"rolling back the others would leave two clusters - run `etcd-agent restore --from {plan.backup} --yes` "
             "again (once the hosts named below answer) to finish it", details=list(details))
+
+    def _served(self, plan: P.Plan, source: Source) -> None:
+        """Healthy is not restored: an old etcd (one without a pid file, one started by hand)
+        answers health checks too. Each member's host checks that its serving process is the one
+        just started, from the restored data dir, answering for the restored cluster at the
+        bumped revision; a member that is not fails the restore, which then rolls back."""
+        least = source.revision + P.BUMP_REVISION if plan.bump and source.revision is not None else None
+        self._phase("serving", lambda m: self._call(m, "serving", min_revision=least))
 
     def _unfence(self, outcome: Outcome) -> None:
         """The apiservers start again one host at a time: each host's unfence, then (with

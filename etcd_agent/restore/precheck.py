@@ -60,6 +60,9 @@ class NodeFacts(Document):
     # upgrade (None from agents that do not say: the plan assumes this config's)
     etcdctl_path: Optional[str] = None
     etcdutl_path: Optional[str] = None
+    # processes serving this member (its data dir open, its ports) that this agent did not start:
+    # one sentence each (``member.serving``); a restore never moves a data dir from under them
+    foreign: Tuple[str, ...] = ()
 
 
 def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
@@ -166,6 +169,8 @@ def check_host(
         p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
     for f in facts.tls_missing:
         p.append(f"TLS file {f} is missing")
+    for who in facts.foreign:
+        p.append(f"{who}, and this agent did not start it ({facts.backend} backend): stop it, then restore again")
     j = facts.journal
     if j is not None and j.open and not resuming:
         p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")

@@ -103,7 +103,7 @@ def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed
     assert out.done and out.downtime is not None
     for m in ("h1", "h2", "h3"):  # the followers halt (until their db is closed), then everyone stops
         assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
-            [] if m == "h2" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
+            [] if m == "h2" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "serving", "unfence", "finish"]
     steps = [(s, m) for _h, s, m in bed.script.calls]
     assert max(steps.index(("halt", m)) for m in ("h1", "h3")) < steps.index(("stop", "h2"))  # the leader last
     assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
@@ -131,7 +131,7 @@ def test_members_of_one_host_stop_together_and_the_leader_after_them(tmp_path: o
     assert sorted(bed.order("halt")) == ["h2", "h3"] and sorted(bed.order("stop")) == ["h1", "h2", "h3"]
     for m in ("h1", "h2", "h3"):  # every member's stop (its exit) rides with its prepare steps
         assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
-            [] if m == "h1" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
+            [] if m == "h1" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "serving", "unfence", "finish"]
 
 
 def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_path: object) -> None:
@@ -157,6 +157,18 @@ def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
     assert "start" not in bed.script.steps_of("h1")
     # the staged restore runs before the fence: a member that cannot restore stops nothing
     assert "fence" not in bed.script.steps_of("h1") and "stop" not in bed.script.steps_of("h1")
+
+
+def test_healthy_but_served_by_an_old_etcd_is_no_restore(bed: Bed) -> None:
+    # every member converged (the scripted cluster says so), but on h2 the old etcd still answers
+    bed.script.fail("serving", "h2", OperationFailed("h2: the restored etcd is pid 42, yet pid 7 (/usr/bin/etcd) "
+                                                     "listens on 10.0.0.2:2379"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert "every member was rolled back" in ei.value.message
+    assert any("pid 7 (/usr/bin/etcd)" in d for d in ei.value.details), ei.value.details
+    assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
+    assert "unfence" not in bed.script.steps_of("h1") and "finish" not in bed.script.steps_of("h1")
 
 
 def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> None:
