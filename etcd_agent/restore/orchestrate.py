@@ -38,8 +38,16 @@ from ..node.sessions import HostNode, close_sessions, group_hosts, message, no_a
 from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
-from .precheck import (NodeFacts, Resume, check_host, default_token, resume_decision, resume_state, set_aside_problems,
-                       token_problem)
+from .precheck import (
+    NodeFacts,
+    Resume,
+    check_host,
+    default_token,
+    resume_decision,
+    resume_state,
+    set_aside_problems,
+    token_problem,
+)
 from .ship import Standby, ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
