@@ -180,8 +180,12 @@ def check_chain(
                     f"sha256 {prev.sha256[:12] if prev.sha256 else '?'})"
                 )
             if ok:
-                chosen = info
-                break
+                # of two that fit (a forged twin beside a signed segment), the better-proven one
+                if chosen is None or segsign.rank(info) > segsign.rank(chosen):
+                    chosen = info
+                if segsign.rank(chosen) == segsign.RANK["valid"]:
+                    break
+                continue
             problems.append(("mismatch", p, why))
         if chosen is not None:
             good.append(chosen)
