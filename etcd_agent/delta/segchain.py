@@ -204,8 +204,12 @@ def check_chain(
                 firsts.append(info)
                 continue
             if ok:
-                chosen = info
-                break
+                # of two that fit (a forged twin beside a signed segment), the better-proven one
+                if chosen is None or segsign.rank(info) > segsign.rank(chosen):
+                    chosen = info
+                if segsign.rank(chosen) == segsign.RANK["valid"]:
+                    break
+                continue
             problems.append(("mismatch", p, why))
         if firsts:
             chosen, because, others = _first(firsts, base)

@@ -215,6 +215,11 @@ def test_forged_tails_are_refused_and_an_unsigned_chain_needs_the_flag(bed) -> N
     key = keys.local_key(c.cfg).key
     assert key is not None, "the daemon's full backup left no manifest key beside the config"
     assert all(verify_segment(p, key=key).signature == "valid" for p in segment_files(c))
+    ok = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    line = next(ln.strip() for ln in ok.stdout.splitlines() if "delta chain signed" in ln)
+    assert "signed with this cluster's manifest key" in line, line
+    print(f"\nFIGURE signed chain: plan: {line}")
     data = os.path.join(c.dir, "data")  # the member's data dir (its etcd is down with its daemon)
     before = tree(data)
 

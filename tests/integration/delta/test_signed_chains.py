@@ -196,3 +196,21 @@ def test_the_daemon_never_resumes_after_a_segment_its_signature_would_vouch_for(
     with pytest.raises(ChainBroken):
         find_resume_point(d, 3, key=KEY)
     assert find_resume_point(d, 3).next_revision == END + 1  # type: ignore[union-attr]
+
+
+def test_a_forged_twin_of_a_signed_segment_loses_to_it(signed_bed: Any) -> None:
+    """A forged alternative to the chain's first segment (same range, a name that sorts first,
+    unsigned): the signed one is followed, the whole chain restored, the twin never applied."""
+    cfg, d, segs = signed_bed
+    seg = read_segment(segs[0])
+    w = SegmentWriter(d, seg.info.header)
+    for t in seg.txns[:-1]:
+        w.add_txn(t)
+    last = seg.txns[-1]
+    w.add_txn(Txn(last.revision, last.time_ms, (Event(PUT, EVIL.encode(), b"cluster-admin", last.revision,
+                                                      last.revision, 1, 0),)))
+    twin = w.close(seg.info.footer.end_time_ms - 1, confirmed=True).path  # an earlier time: sorts first
+    assert sorted([twin, segs[0]])[0] == twin
+    p = pitr.prepare(cfg, "latest", Target.newest())
+    assert p.plan.complete and p.plan.stop_revision == END
+    assert [s.path for s in p.check.segments] == segs
