@@ -4,8 +4,9 @@ Signal handlers only set flags: SIGTERM/SIGINT stop the loop after the current c
 reloads the config before the next one (a config that fails validation is logged and the old
 one kept). So does the exit of the process backend's etcd (the backend's watcher thread): the
 next cycle starts at once instead of up to ``interval`` later, at most once per ``interval``
-so that an etcd that dies as it starts is still restarted at the cycle's pace. Membership changes (join, replace) happen under etcd's own lock so only one agent of
-the cluster changes membership at a time.
+so that an etcd that dies as it starts is still restarted at the cycle's pace. Membership
+changes (join, replace) happen under etcd's own lock so only one agent of the cluster changes
+membership at a time.
 """
 from __future__ import annotations
 
