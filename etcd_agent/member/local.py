@@ -52,6 +52,9 @@ class Backend(Protocol):
     def pid(self) -> Optional[int]: ...  # the etcd it runs: its proven pid file's, or the unit's MainPID
     def state(self) -> str: ...
     def describe(self) -> str: ...
+    # call the function, from a thread of its own, the moment this etcd exits; the pid watched,
+    # or None where the backend cannot tell (the daemon's next cycle notices then)
+    def watch_exit(self, on_exit: Callable[[int], None]) -> Optional[int]: ...
 
 
 def backend_for(cfg: Config, member: str) -> Backend:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from ..config import Config
 from ..errors import CommandError
@@ -74,6 +74,10 @@ class SystemdBackend:
     def signal_stop(self) -> None:
         """A stop job queued, not waited for: ``stop`` then joins the same job and waits."""
         self._systemctl("stop", "--no-block", self.unit)
+
+    def watch_exit(self, on_exit: Callable[[int], None]) -> Optional[int]:
+        """Not here: the unit's etcd is systemd's child; the daemon's next cycle sees its exit."""
+        return None
 
     def restart(self) -> None:
         self._systemctl("reset-failed", self.unit, check=False)
