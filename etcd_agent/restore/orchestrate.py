@@ -14,7 +14,8 @@ host in one ``steps`` call for all its members, which it runs at once; the leade
 the same call as everyone's set-aside and restore (it only has to follow its followers' stop).
 Any failure after
 ``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
-rolled back the error names it and the command to run once it is back.
+rolled back the error names it and the command to run once it is back. A resumed restore that a
+member finished, or whose restored cluster a member serves, only goes forward (``Resume``).
 """
 from __future__ import annotations
 
