@@ -421,7 +421,8 @@ class Restore:
                 msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once "
                        f"{', '.join(self.unanswered)} answer again, run `etcd-agent restore rollback --yes` on any master")
             else:
-                msg = f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below"
+                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below; once that is "
+                       "fixed, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
         t = time.monotonic()
         ids = self.cluster.member_ids()
