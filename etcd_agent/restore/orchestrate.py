@@ -441,7 +441,7 @@ class Restore:
         return OperationFailed(
             f"restore {self.op} not finished ({message(exc)}); not rolled back: {self.resume.describe()}, and "
             f"rolling back the others would leave two clusters - run `etcd-agent restore --from {plan.backup} --yes` "
-            "again (once the hosts named below answer) to finish it", details=list(details))
+            "again to finish it (below: what stopped it)", details=list(details))
 
     def _unfence(self, outcome: Outcome) -> None:
         """The apiservers start again one host at a time: each host's unfence, then (with
