@@ -56,7 +56,7 @@ def rollback_open(
             out[op] = {"ok": ok, "report": lines}
             if not ok:
                 again = (f"run `etcd-agent restore rollback --yes` again once {', '.join(r.unanswered)} answer"
-                         if r.unanswered else "see why below")
+                         if r.unanswered else "see why below, then run `etcd-agent restore rollback --yes` again")
                 raise OperationFailed(f"rollback of restore {op} incomplete: {again}", details=lines)
         return {"rolled_back": out}
     finally:

@@ -14,7 +14,8 @@ host in one ``steps`` call for all its members, which it runs at once; the leade
 the same call as everyone's set-aside and restore (it only has to follow its followers' stop).
 Any failure after
 ``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
-rolled back the error names it and the command to run once it is back.
+rolled back the error names it and the command to run once it is back. A resumed restore that a
+member finished, or whose restored cluster a member serves, only goes forward (``Resume``).
 """
 from __future__ import annotations
 
@@ -435,7 +436,8 @@ class Restore:
                 msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once "
                        f"{', '.join(self.unanswered)} answer again, run `etcd-agent restore rollback --yes` on any master")
             else:
-                msg = f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below"
+                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below; once that is "
+                       "fixed, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
         t = time.monotonic()
         ids = self.cluster.member_ids()
@@ -454,7 +456,7 @@ class Restore:
         return OperationFailed(
             f"restore {self.op} not finished ({message(exc)}); not rolled back: {self.resume.describe()}, and "
             f"rolling back the others would leave two clusters - run `etcd-agent restore --from {plan.backup} --yes` "
-            "again (once the hosts named below answer) to finish it", details=list(details))
+            "again to finish it (below: what stopped it)", details=list(details))
 
     def _served(self, plan: P.Plan, source: Source) -> None:
         """Healthy is not restored: an old etcd (one without a pid file, one started by hand)

@@ -204,6 +204,10 @@ def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: st
         return None, [f"members are journaled in different unfinished restores ({', '.join(sorted(ops))}): "
                       "roll them back with `etcd-agent restore rollback --yes` first"]
     first = next(iter(open_.values()))
+    back = sorted(m for m, j in journals.items() if j is not None and j.op == first.op and j.state == ROLLED_BACK)
+    if back:  # a rollback was cut off: going forward now would leave those members behind
+        return None, [f"restore {first.op} was being rolled back (rolled back on {', '.join(back)}, not on "
+                      f"{', '.join(sorted(open_))}): finish that with `etcd-agent restore rollback --yes` first"]
     same = first.backup == backup and (sha256 is None or first.sha256 in (None, sha256))
     if not same:
         done = finished_members(journals, first.op)

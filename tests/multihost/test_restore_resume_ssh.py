@@ -197,7 +197,7 @@ def assert_old(bed: RestoreBed, op: str, tag: str, old_id: int) -> None:
 
 # ---------------------------------------------------------------- the matrix
 
-RERUN = [("ev2", "install"), ("ev3", "start"), ("ev2", "unfence"), (SPLIT, "")]
+RERUN = [("ev3", "fence"), ("ev2", "install"), ("ev3", "start"), ("ev2", "unfence"), (SPLIT, "")]
 
 
 @pytest.mark.parametrize("point", RERUN, ids=lambda p: f"{p[0]}-{p[1]}" if p[1] else p[0])

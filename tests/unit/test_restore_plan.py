@@ -224,6 +224,10 @@ def test_resume_forward_from_the_hosts() -> None:
     # another backup given while a member finished: resuming is the only way out, not a rollback
     got, problems = C.resume_decision(journals, "/b/y.tar", "s")
     assert got is None and "finished it" in problems[0] and "rollback" not in problems[0]
+    # a rollback cut off half-way (a rolled back, b not): never forward, the rollback finished first
+    got, problems = C.resume_decision({"a": _journal("o", "rolled-back"), "b": _journal("o")}, "/b/x.tar", "s")
+    assert got is None and "was being rolled back (rolled back on a, not on b)" in problems[0], problems
+    assert "etcd-agent restore rollback --yes" in problems[0]
 
 
 def test_rollback_refused_when_a_member_finished() -> None:
