@@ -119,7 +119,7 @@ def test_record_refuses_to_overwrite_an_unreadable_record(tmp_path: Any) -> None
         fh.write(b'{"restores": [{"op": "r1", "time": 1e300}]}')
     with pytest.raises(B.RecordUnreadable) as ei:
         B.record(d, B.Boundary(op="r2", time=T))
-    assert "prune deletes nothing" in ei.value.message
+    assert ei.value.message.startswith("restore r2 at ") and "prune deletes nothing" in ei.value.message
     assert open(os.path.join(d, B.FILE), "rb").read() == b'{"restores": [{"op": "r1", "time": 1e300}]}'
 
 
