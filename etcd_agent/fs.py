@@ -315,7 +315,12 @@ def regular_fd(path: str, *, follow_symlinks: bool = False, limit: Optional[int]
     (the caller still reads with a bound: the file may grow).
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-    fd = os.open(path, flags if follow_symlinks else flags | os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags if follow_symlinks else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise NotARegularFile(errno.ELOOP, "is a symlink (not followed), not a regular file", path) from None
+        raise
     try:
         st = os.fstat(fd)
         kind = _kind(st.st_mode)

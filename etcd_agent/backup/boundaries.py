@@ -140,7 +140,8 @@ def record(directory: str, b: Boundary) -> bool:
     with dir_locked(directory):
         rec = load(directory)
         if rec.problem:
-            raise RecordUnreadable(f"not recorded: {unreadable_message(rec.problem)}")
+            # said with what it would have recorded: the operator repairing the file can add it
+            raise RecordUnreadable(f"{b.describe()} not recorded: {unreadable_message(rec.problem)}")
         have = rec.boundaries
         same = next((x for x in have if x.op == b.op), None)
         if same is not None:

@@ -19,7 +19,7 @@ from .. import __version__
 from ..config import Config, Member
 from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
 from ..etcd.snapdb import SnapshotIdentity
-from ..fs import ensure_private_dir
+from ..fs import ensure_private_dir, open_regular
 from ..locality import local_member
 from ..state.locks import OperationLock, lock_path_for
 from . import archive, boundaries, catalog, checks, keys, retention
@@ -337,7 +337,7 @@ def _local_files(cfg: Config, member: Member) -> Tuple[Dict[str, bytes], Dict[st
     rendered: Dict[str, str] = {}
     for arc, path in ((archive.CONF, cfg.conf_file(member.name)), (archive.UNIT, cfg.etcd.unit_file)):
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path, follow_symlinks=True) as fh:  # a FIFO there must not hang the backup
                 files[arc] = fh.read(1 << 20)
         except FileNotFoundError:
             missing[arc] = f"{path} not found"

@@ -80,6 +80,7 @@ def test_an_unreadable_record_holds_prune_and_says_why(base: str, etcd: Etcd, co
 
     r = run(cfgp, "backup", "list")
     assert r.returncode == 0 and all(n in r.stdout for n in before), r.stderr
+    assert "PRUNE HELD: the restore record is unreadable" in r.stdout, r.stdout
 
     r = run(cfgp, "backup", "prune", "--dry-run")
     assert r.returncode == 0, r.stderr
@@ -97,6 +98,9 @@ def test_an_unreadable_record_holds_prune_and_says_why(base: str, etcd: Etcd, co
 
     r = run(cfgp, "status")
     assert "PRUNE HELD: the restore record is unreadable" in r.stdout + r.stderr
+    if content == "fifo":
+        r = run(cfgp, "restore", "--from", "latest", "--dry-run")
+        assert r.returncode in (0, 3), r.stdout + r.stderr
 
     # repaired (moved away): prune goes back to the rules, and the gauge to 0
     os.unlink(rec)

@@ -119,13 +119,14 @@ def test_record_refuses_to_overwrite_an_unreadable_record(tmp_path: Any) -> None
         fh.write(b'{"restores": [{"op": "r1", "time": 1e300}]}')
     with pytest.raises(B.RecordUnreadable) as ei:
         B.record(d, B.Boundary(op="r2", time=T))
-    assert "prune deletes nothing" in ei.value.message
+    assert ei.value.message.startswith("restore r2 at ") and "prune deletes nothing" in ei.value.message
     assert open(os.path.join(d, B.FILE), "rb").read() == b'{"restores": [{"op": "r1", "time": 1e300}]}'
 
 
 def _record_many(d: str, who: str, n: int) -> None:
-    for i in range(n):
-        B.record(d, B.Boundary(op=f"{who}-{i}", time=T + i))
+    for i in range(n):  # as the daemon records a restore by hand, and as a restore's member does
+        B.record(d, B.Boundary(op=f"detected-{who}-{i}", time=T + i, kind="detected", reason="another cluster id")
+                 if int(who[1:]) % 2 else B.Boundary(op=f"{who}-{i}", time=T + i, from_backup="etcd-x.tar"))
 
 
 def test_concurrent_records_lose_no_entry(tmp_path: Any) -> None:
@@ -141,7 +142,8 @@ def test_concurrent_records_lose_no_entry(tmp_path: Any) -> None:
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert sorted(b.op for b in B.read(d)) == sorted(f"p{k}-{i}" for k in range(4) for i in range(8))
+    assert sorted(b.op for b in B.read(d)) == sorted(("detected-" if k % 2 else "") + f"p{k}-{i}"
+                                                     for k in range(4) for i in range(8))
 
 
 def test_a_point_in_time_restore_records_its_full_backup_and_target_not_the_replay(tmp_path: Any) -> None:

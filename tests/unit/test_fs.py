@@ -156,7 +156,7 @@ def test_open_regular_refuses_a_fifo_a_device_a_dir_and_a_symlink_without_blocki
         assert ei.value.strerror == why, path
     with pytest.raises(OSError) as el:
         open_regular(str(tmp_path / "link"))  # never followed: the backup dir's files are its own
-    assert el.value.errno == errno.ELOOP
+    assert el.value.errno == errno.ELOOP and el.value.strerror == "is a symlink (not followed), not a regular file"
     with open_regular(str(tmp_path / "link"), follow_symlinks=True) as fh:
         assert fh.read() == b"data"
     with open_regular(str(tmp_path / "file")) as fh:  # blocking again: an ordinary reader
