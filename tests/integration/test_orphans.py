@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import List
@@ -69,8 +70,18 @@ def test_a_killed_restore_leaves_no_node_session_no_helper_and_no_lock(cluster_f
         helpers = [psutil.Process(int(x)) for x in open(stuck).read().split()]
         serves = _node_serves(c.config_path)
         assert serves, "no node serve found"
+        # while it runs: a second command is refused naming host, command, pid and since
+        busy = subprocess.run([AGENT, "-c", c.config_path, "backup"], capture_output=True, text=True, timeout=60)
+        host = socket.gethostname()
+        assert busy.returncode == 4, busy.stderr
+        assert "`etcd-agent restore " in busy.stderr and f" from {host} (pid {proc.pid}) since 20" in busy.stderr, busy.stderr
+        assert "STALE" not in busy.stderr, busy.stderr
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+    # its run is gone, its session not yet: named stale, with what to do
+    stale = subprocess.run([AGENT, "-c", c.config_path, "backup"], capture_output=True, text=True, timeout=60)
+    assert stale.returncode == 4 and "STALE" in stale.stderr, stale.stderr
+    assert f"pid {proc.pid} is gone" in stale.stderr and f"kill {serves[0].pid}" in stale.stderr, stale.stderr
     t = time.monotonic()
     gone, alive = psutil.wait_procs(serves, timeout=120)
     left = time.monotonic() - t
