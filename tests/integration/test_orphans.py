@@ -5,6 +5,7 @@ A restore whose orchestrator is killed (-9) while a host's node session is stuck
 ``node serve`` and no helper running, and no lock: the next restore resumes and ends."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -82,6 +83,9 @@ def test_a_killed_restore_leaves_no_node_session_no_helper_and_no_lock(cluster_f
     stale = subprocess.run([AGENT, "-c", c.config_path, "backup"], capture_output=True, text=True, timeout=60)
     assert stale.returncode == 4 and "STALE" in stale.stderr, stale.stderr
     assert f"pid {proc.pid} is gone" in stale.stderr and f"kill {serves[0].pid}" in stale.stderr, stale.stderr
+    st = subprocess.run([AGENT, "-c", c.config_path, "--json", "status"], capture_output=True, text=True, timeout=60)
+    lock = json.loads(st.stdout)["operation_lock"]
+    assert lock is not None and f"kill {serves[0].pid}" in lock["stale"], st.stdout
     t = time.monotonic()
     gone, alive = psutil.wait_procs(serves, timeout=120)
     left = time.monotonic() - t
