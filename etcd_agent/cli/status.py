@@ -38,8 +38,9 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     from ..delta.pitr import leftovers
 
     left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
+    lock = _lock_holder(cfg)
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
-            "restore_in_progress": restoring, "warnings": warnings, "leftovers": left}
+            "restore_in_progress": restoring, "warnings": warnings, "leftovers": left, "operation_lock": lock}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -52,10 +53,25 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     for rec in restoring:
         summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
                     f"since {rec.get('started', '?')} (the daemon waits); {markers.restore_hint(rec)}")
+    if lock is not None:
+        summary += f"\noperation lock: held by {lock['holder']}" + (f". STALE: {lock['stale']}" if lock["stale"] else "")
     summary += "".join(f"\nwarning: {w}" for w in warnings)
     summary += "".join(f"\nLEFTOVER of a killed point-in-time restore: {x} (removed by the next etcd-agent command "
                        "other than status)" for x in left)
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
+
+
+def _lock_holder(cfg: "Config") -> Optional[Dict[str, str]]:
+    """Who holds this host's operation lock (None: free, or unreadable here), and why it is stale."""
+    from ..state.locks import describe_holder, holder_of, stale_note
+
+    try:
+        rec = holder_of(cfg.backup.dir)
+    except OSError:
+        return None
+    if rec is None:
+        return None
+    return {"holder": describe_holder(rec) or "another etcd-agent operation", "stale": stale_note(rec)}
 
 
 def _last_backup(cfg: "Config") -> Optional[Dict[str, Any]]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
-from etcd_agent.state.locks import OperationLock
+from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
 
 from . import segsign, status
 from .chains import events_after
@@ -425,15 +425,15 @@ def scratch_options(cfg: "Config", encrypted: bool = False) -> ScratchOptions:
 def lock(cfg: "Config") -> OperationLock:
     """One point-in-time restore at a time on this host (held from the replay to the restore's
     end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
-    held = _lock(cfg, "point-in-time replay")
+    held = _lock(cfg, "point-in-time replay", wait=SHORT_WAIT)  # past another command's ``clean``
     sweep(cfg)
     return held
 
 
-def _lock(cfg: "Config", operation: str) -> OperationLock:
+def _lock(cfg: "Config", operation: str, wait: float = 0.0) -> OperationLock:
     d = pitr_dir(cfg)
     makedirs(d, 0o700)
-    return OperationLock(os.path.join(d, ".lock"), operation).acquire()
+    return OperationLock(os.path.join(d, ".lock"), operation).acquire(wait=wait)
 
 
 def sweep(cfg: "Config") -> List[str]:
@@ -486,7 +486,7 @@ def clean(cfg: "Config") -> List[str]:
         private = private_dir(cfg)
         return [os.path.join(private, n) for n in remove_stale_stages(private)]
     try:
-        held = _lock(cfg, "point-in-time leftovers cleanup")
+        held = _lock(cfg, CLEANUP)
     except BusyError:
         return []  # a replay runs: its dirs are its own
     try:

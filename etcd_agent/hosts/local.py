@@ -170,7 +170,8 @@ class LocalSession(PipeSession):
         try:
             self._proc.wait(grace)
         except subprocess.TimeoutExpired:
-            # still in a step: it ends on its own once the step is done; reap it then
+            # still in a step: it ends once the step is done (a stuck one is stopped STOP_GRACE
+            # after its input closed: node.server); reap it then
             threading.Thread(target=self._proc.wait, name=f"reap-{self.where}", daemon=True).start()
             return
         for fh in (self._proc.stdout, self._proc.stderr):

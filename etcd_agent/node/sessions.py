@@ -9,7 +9,7 @@ touched nothing. Each lock lives as long as its session.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -65,18 +65,42 @@ def group_hosts(cfg: Config) -> List[HostNode]:
     return list(out.values())
 
 
+class StopWaiting(KeyboardInterrupt):
+    """A second Ctrl-C while ``parallel`` waited for steps still running: the operator stops
+    waiting. Nothing more is asked of the hosts (a rollback would queue behind those steps); the
+    hosts' journals say how far each got."""
+
+
 def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> List[Tuple[Any, Optional[T], Optional[BaseException]]]:
-    """(item, result, error) for ``fn`` over ``items``, all at once."""
+    """(item, result, error) for ``fn`` over ``items``, all at once. A Ctrl-C waits for every call
+    to end (a step is never abandoned half-way by the orchestrator), says so, then is raised; a
+    second one raises ``StopWaiting`` at once. Before, a Ctrl-C was taken for the error of the
+    call being waited for, and the wait went on as if nothing happened."""
     if not items:
         return []
     out: List[Tuple[Any, Optional[T], Optional[BaseException]]] = []
-    with ThreadPoolExecutor(max_workers=len(items)) as ex:
-        futs = [(it, ex.submit(fn, it)) for it in items]
+    interrupted: Optional[KeyboardInterrupt] = None
+    ex = ThreadPoolExecutor(max_workers=len(items))
+    futs: "List[Tuple[Any, Future[T]]]" = []
+    try:
+        futs += [(it, ex.submit(fn, it)) for it in items]
         for it, f in futs:
-            try:
-                out.append((it, f.result(), None))
-            except BaseException as exc:  # collected, reported per host
-                out.append((it, None, exc))
+            while True:
+                try:
+                    err = f.exception()  # the call's own error; a Ctrl-C in this wait is raised here
+                    break
+                except KeyboardInterrupt as exc:
+                    if interrupted is not None:
+                        raise StopWaiting("interrupted twice") from exc
+                    interrupted = exc
+                    running = sum(1 for _i, g in futs if not g.done())
+                    log.warning("interrupted (Ctrl-C): waiting for the %d step(s) still running on the hosts to end "
+                                "before stopping; Ctrl-C again to stop waiting", running)
+            out.append((it, None, err) if err is not None else (it, f.result(), None))
+    finally:
+        ex.shutdown(wait=interrupted is None or all(f.done() for _i, f in futs), cancel_futures=True)
+    if interrupted is not None:
+        raise interrupted
     return out
 
 

@@ -30,12 +30,29 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from ..backup.identity import Evidence, HostIds, Verdict, judge
 from ..config import Config, Member
-from ..errors import AgentError, HostUnreachable, OperationFailed, RefusedError, UsageError, error_from_json
+from ..errors import (
+    AgentError,
+    HostUnreachable,
+    Interrupted,
+    OperationFailed,
+    RefusedError,
+    UsageError,
+    error_from_json,
+)
 from ..fs import ensure_private_dir
 from ..node.client import NodeClient, new_owner
 from ..node.protocol import Owner
 from ..node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
-from ..node.sessions import HostNode, close_sessions, group_hosts, message, no_answer, open_sessions, parallel
+from ..node.sessions import (
+    HostNode,
+    StopWaiting,
+    close_sessions,
+    group_hosts,
+    message,
+    no_answer,
+    open_sessions,
+    parallel,
+)
 from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
@@ -57,6 +74,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..age import Identities
 
 log = logging.getLogger(__name__)
+
+# what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
+LEFT_AS_IS = ("steps still running on the hosts were not waited for and nothing more was done (a stuck one is "
+              "stopped 30 s after its session closes); run `etcd-agent restore rollback --yes` on any master to "
+              "roll every member back, or the same restore command to resume it")
 
 
 def new_op_id(stamp: str, sha256: Optional[str]) -> str:
@@ -424,12 +446,17 @@ class Restore:
             self._unfence(outcome)
             outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:
+            if isinstance(exc, StopWaiting):
+                raise Interrupted(f"restore {self.op} interrupted twice: " + LEFT_AS_IS) from exc
             details = exc.details if isinstance(exc, AgentError) else [message(exc)]
             if self.resume.forward:  # members serve the restored cluster: rolling back would split it
                 raise self._unfinished(plan, exc, details) from exc
             if isinstance(exc, KeyboardInterrupt):
                 self.say("interrupted: rolling every member back")
-            ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
+            try:
+                ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
+            except StopWaiting:
+                raise Interrupted(f"restore {self.op}: its rollback interrupted twice: " + LEFT_AS_IS) from exc
             if ok:
                 msg = f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
             elif self.unanswered:

@@ -36,7 +36,8 @@ MAX_HOLDER = 4096
 # operations that end on their own within seconds to a minute (the daemon's or cron's backup):
 # a restore or an upgrade that finds one holding the lock waits for it (``acquire(wait=...)``)
 # instead of sending the operator away; anything else holding it is refused at once
-SHORT_OPERATIONS = frozenset({"backup", "prune", "import"})
+CLEANUP = "leftovers cleanup"  # any command's sweep of what a killed point-in-time replay left
+SHORT_OPERATIONS = frozenset({"backup", "prune", "import", CLEANUP})
 SHORT_WAIT = 60.0
 
 
