@@ -6,7 +6,10 @@ chains written by the segment writer beside them; ``pitr.prepare`` is what a res
 
 Issue 35: a consistent forged chain (every link right) naming another full backup is never
 replayed onto this one; two chains at one revision: the plan names the one it replays and why.
-Issue 38: a junk file named like the next segment is not a gap."""
+Issue 38: a junk file named like the next segment is not a gap.
+
+The chains here are unsigned (written without the manifest key), so every prepare passes
+``accept_unsigned``: what is tested is the base, not the signature (``test_signed_chains``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,7 +79,7 @@ def refused(cfg: Any, d: str, spec: str, target: Target) -> str:
     root = os.path.dirname(d)
     before = tree(root)
     with pytest.raises(RefusedError) as exc:
-        pitr.prepare(cfg, spec, target)
+        pitr.prepare(cfg, spec, target, accept_unsigned=True)
     assert tree(root) == before
     msg = exc.value.message
     assert "\n" not in msg and msg.endswith("nothing touched"), msg
@@ -101,7 +104,7 @@ def test_one_segment_naming_another_full_backup_stops_the_chain_there(bed: Any) 
     msg = refused(cfg, d, FULL, Target.to_revision(END))
     print(f"\nFIGURE one segment naming another base: {msg}")
     assert os.path.basename(segs[1]) in msg and "another full backup" in msg, msg
-    p = pitr.prepare(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
+    p = pitr.prepare(cfg, FULL, Target.to_revision(7), accept_unsigned=True)  # before it: the good prefix
     assert p.plan.complete and [s.path for s in p.check.segments] == segs[:1]
 
 
@@ -139,13 +142,13 @@ def test_two_chains_at_one_revision_the_plan_names_the_one_it_replays_and_why(be
     cfg, d, segs = bed
     full(d, FULL2, SNAP34, FULL2_MS)
     theirs = write_chain(d, 3, [2, 6], chain_id="6f" * 16, t0=FULL2_MS + 1000, base_sha256=SNAP34_SHA)
-    p = pitr.prepare(cfg, FULL, Target.to_revision(10))
+    p = pitr.prepare(cfg, FULL, Target.to_revision(10), accept_unsigned=True)
     assert [s.path for s in p.check.segments] == segs
     said = " ".join(p.choice)
     print(f"\nFIGURE two chains at revision 3, --from {FULL}: {said}")
     assert "5e5e5e5e" in said and "6f6f6f6f" in said and os.path.basename(theirs[0].path) in said, said
     assert SNAP_SHA[:12] in said, said  # why: the sha256 its first segment names is this backup's
-    q = pitr.prepare(cfg, FULL2, Target.to_revision(10))
+    q = pitr.prepare(cfg, FULL2, Target.to_revision(10), accept_unsigned=True)
     assert [s.path for s in q.check.segments] == [i.path for i in theirs]
     assert "6f6f6f6f" in " ".join(q.choice) and "5e5e5e5e" in " ".join(q.choice)
 
@@ -159,7 +162,7 @@ def test_a_junk_file_named_like_a_segment_is_no_gap(bed: Any, start: int) -> Non
     junk = os.path.join(d, segment_name(start, start + 3, FULL_MS + 5000))
     with open(junk, "wb") as fh:
         fh.write(b"not a segment at all\n" * 10)
-    p = pitr.prepare(cfg, FULL, Target.newest())
+    p = pitr.prepare(cfg, FULL, Target.newest(), accept_unsigned=True)
     assert p.plan.complete and p.check.stop is None and p.plan.stop_revision == END, p.plan.because
     said = " ".join(p.choice)
     print(f"\nFIGURE junk named like a segment at {start}: {said}")
