@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from etcd_agent.delta import chains
-from etcd_agent.delta.segments import TEMP_PREFIX
+from etcd_agent.delta.segments import TEMP_PREFIX, parse_name
 from tests.harness.procs import agent_run
 from tests.integration.continuous import (
     agent,
@@ -131,6 +131,13 @@ def test_daemon_killed_while_a_segment_is_open(bed) -> None:  # type: ignore[no-
         listing = agent(c, "backup", "list")
         assert listing.returncode == 0, listing.stderr
         assert not [n for n in left if n in listing.stdout], listing.stdout
+        # and a restore replays the closed segments, never the partial one
+        dry = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert not [n for n in left if n in dry.stdout + dry.stderr], dry.stdout
+        reached_down = _reached(dry.stdout)
+        closed_end = max((parse_name(os.path.basename(s)) or (0, 0))[1] for s in closed)
+        assert reached_down >= closed_end, (reached_down, closed_end)
         acked_before_kill = len(w.acked)
         d.start(name)
         wait_healthy(c.cfg, 1, 60)
@@ -159,7 +166,8 @@ def test_daemon_killed_while_a_segment_is_open(bed) -> None:  # type: ignore[no-
         assert found and max(x.end_revision for x in found) >= last
     print(f"\nFIGURE delta kill -9: daemon killed with open segment {partial[0]} "
           f"after {len(closed)} closed ({len(w.acked)} writes acked, {w.failed} failed while down); next start removed it and the chain {how}; "
-          f"restore --to newest reaches revision {reached} >= last acked {last}")
+          f"restore --to newest reaches revision {reached} >= last acked {last} (with the daemon down: {reached_down}, "
+          f"the closed segments' end {closed_end})")
 
 
 def _scratch_etcds(tops: List[str]) -> List[psutil.Process]:
