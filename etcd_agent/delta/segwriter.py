@@ -89,7 +89,10 @@ class SegmentWriter:
         self.directory = directory
         self.header = header
         self.tmp = os.path.join(directory, f"{TEMP_PREFIX}{header.chain_id[:12]}-{header.seq:08d}.tmp")
-        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # a full disk (no inode left): said as the watch's error, not a traceback
+            raise DeltaError(f"creating segment {self.tmp} failed: {exc.strerror or exc}") from exc
         os.fchmod(fd, 0o600)
         self._fh: Optional[BinaryIO] = os.fdopen(fd, "w+b", buffering=buffer_size)
         self._sealer: Optional["SealingSink"] = None
@@ -119,12 +122,21 @@ class SegmentWriter:
     def sealed(self) -> bool:
         return self._sealer is not None
 
+    @property
+    def is_open(self) -> bool:
+        """False once closed or aborted (a failed write or close aborts it: its temp is gone)."""
+        return self._fh is not None
+
     def _sink(self, data: bytes) -> None:
         assert self._fh is not None, "segment already closed"
-        if self._sealer is not None:
-            self._sealer.write(data)
-        else:
-            self._fh.write(data)
+        try:
+            if self._sealer is not None:
+                self._sealer.write(data)
+            else:
+                self._fh.write(data)
+        except OSError as exc:  # a full disk: nothing half-written stays, the error names the dir
+            self.abort()
+            raise DeltaError(f"writing segment {self.tmp} failed: {exc.strerror or exc}") from exc
 
     def _write(self, data: bytes) -> None:
         # records are ~1 KiB, one a revision: hashed and encrypted 64 KiB at a time, not each

@@ -570,7 +570,13 @@ class DeltaWatcher:
         writer = self._ensure_writer()
         self._flush_records()
         ready = self._vouching.ready(writer.last_revision)
-        info = writer.close(end_ms, confirmed=confirmed, checkpoints=ready)
+        try:
+            info = writer.close(end_ms, confirmed=confirmed, checkpoints=ready)
+        except BaseException:
+            # it aborted itself (a full disk): its revisions are not in the chain, which ends at
+            # the last closed segment; the next watch resumes there and captures them again
+            self._writer = None
+            raise
         if ready:
             log.info("delta chain %s vouches for checkpoint(s) %s in %s", self.pos.chain_id[:8],
                      ", ".join(f"{cp.name} (revision {cp.revision})" for cp in ready), os.path.basename(info.path))
@@ -598,6 +604,8 @@ class DeltaWatcher:
             self._finished = True
             self._vouching.cancel_censuses()
             writer = self._writer
+            if writer is not None and not writer.is_open:  # a failed write aborted it: nothing to close
+                self._writer = writer = None
             idle_covered = self._covered_rev == self._last_revision() and self._covered_ms > self.pos.start_time_ms
             if writer is None:
                 if idle_covered:
