@@ -261,10 +261,12 @@ def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[Segme
     """The first segment of the chain that continues ``base`` among several that may (two chains
     at one revision), why, and the others passed over. A sha256 match is proof; without one the
     chain that started soonest after the backup was taken (the daemon starts its chain right
-    after its backup: a later one continues a later backup at the same revision)."""
-    def rank(i: SegmentInfo) -> Tuple[bool, int, str]:
+    after its backup: a later one continues a later backup at the same revision). Before all of
+    that, the better-proven one (``segsign.rank``): a forged unsigned twin of a signed first
+    segment never wins by its name or its time."""
+    def rank(i: SegmentInfo) -> Tuple[int, bool, int, str]:
         exact = bool(base is not None and base.sha256 and i.header.base_sha256 == base.sha256)
-        return (not exact, i.header.start_time_ms, i.path)
+        return (-segsign.rank(i), not exact, i.header.start_time_ms, i.path)
 
     order = sorted(firsts, key=rank)
     best, h = order[0], order[0].header
@@ -279,8 +281,10 @@ def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[Segme
     if len(order) > 1:
         why += f"; of {len(order)} chains that could continue it, the one that started first after it"
     others = [(o.path, f"the first segment of chain {o.header.chain_id[:8]}, which also {names_base(o.header)} but "
-                       f"started later ({ms_to_datetime(o.header.start_time_ms).isoformat()}): not the chain "
-                       f"replayed") for o in order[1:]]
+                       + (f"is less proven ({segsign.describe(o)}) than {name} ({segsign.describe(best)})"
+                          if segsign.rank(o) < segsign.rank(best) else
+                          f"started later ({ms_to_datetime(o.header.start_time_ms).isoformat()})")
+                       + ": not the chain replayed") for o in order[1:]]
     return best, why, others
 
 

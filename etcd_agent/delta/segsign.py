@@ -76,6 +76,12 @@ def rank(info: "SegmentInfo") -> int:
     return RANK["unknown-key"] if info.footer.signature is not None else RANK["unsigned"]
 
 
+def describe(info: "SegmentInfo") -> str:
+    """``info``'s origin in a few words, for a plan's line."""
+    return {RANK["valid"]: "signed with this host's manifest key", RANK["unknown-key"]: "signed with another key",
+            RANK["unsigned"]: "not signed"}[rank(info)]
+
+
 def weaker(info: "SegmentInfo", best: int) -> str:
     """Why ``info`` cannot follow segments of which the best was ``best`` ("" when it can)."""
     if not info.signature or RANK[info.signature] >= best:
