@@ -165,3 +165,28 @@ def test_a_junk_file_named_like_a_segment_is_no_gap(bed: Any, start: int) -> Non
     print(f"\nFIGURE junk named like a segment at {start}: {said}")
     assert os.path.basename(junk) in said and "not a delta segment" in said, said
     assert list_segments(d)[-1] == junk
+
+
+def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(tmp_path: Any, bed: Any) -> None:
+    """No check recorded, no signed manifest: the catalogue cannot tell the backup's sha256 and
+    matches the chain by time; the replay reads the snapshot's bytes and refuses a chain naming
+    another one before it starts anything."""
+    from etcd_agent.delta.errors import ReplayError
+    from etcd_agent.delta.replayrun import replay
+    from etcd_agent.delta.scratch import ScratchOptions
+
+    cfg, d, segs = bed
+    unknown = "etcd-2019-08-07-12-00-00.tar"
+    os.unlink(os.path.join(d, FULL))
+    full(d, unknown, SNAP, FULL_MS - 3600_000, record=False)
+    forged = relink(segs, 0, ALL)
+    p = pitr.prepare(cfg, unknown, Target.to_revision(END))
+    assert "not known here" in " ".join(p.choice)  # the plan says it matched by time
+    out = str(tmp_path / "out.db")
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(ReplayError) as exc:
+        replay(p.entry.path, forged, p.target, output=out, options=ScratchOptions(parent_dir=str(work)), check=p.check)
+    print(f"\nFIGURE unknown sha256, chain naming another: {exc.value.message}")
+    assert os.path.basename(forged[0]) in exc.value.message and "another backup's chain" in exc.value.message
+    assert not os.path.exists(out) and os.listdir(work) == []
