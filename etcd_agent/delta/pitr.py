@@ -26,7 +26,7 @@ from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.state.locks import OperationLock
 
-from . import status
+from . import chains, fullpick, status
 from .chains import events_after
 from .errors import ReplayError
 from .leftovers import remove_left
@@ -150,10 +150,11 @@ def pitr_dir(cfg: "Config") -> str:
 
 
 def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", List[str]]:
-    """``--from`` with a target. ``latest`` is the newest good full backup at or before the
-    target (a later one cannot be rolled back to it) that is not a checkpoint (a checkpoint is
-    where a chain's replay may start, found from the chain; never the base of one); anything
-    else resolves as usual."""
+    """``--from`` with a target, and the plan's lines on the choice. ``latest`` is the newest
+    good full backup at or before the target (a later one cannot be rolled back to it) whose
+    delta chain reaches it (``fullpick``: a newer backup at the same revision may have none), that
+    is not a checkpoint (a checkpoint is where a chain's replay may start, found from the chain;
+    never the base of one); anything else resolves as usual."""
     from etcd_agent.backup import catalog, keys
 
     if spec.strip() != "latest":
@@ -162,18 +163,17 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
     entries = [e for e in entries if not e.checkpoint_of]
     goods = catalog.good(entries)
     if target.kind == "newest":
-        best, skipped = catalog.latest(entries)
+        _best, skipped = catalog.latest(entries)
         for s in skipped:
             log.warning("%s", s)
-        if best is None:
+        if not goods:
             raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
-        return best, []
-    for e in goods:
-        if target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms:
-            return e, []
-        if target.kind == "revision" and e.revision is not None and target.revision is not None \
-                and e.revision <= target.revision:
-            return e, []
+    cands = [e for e in goods if target.kind == "newest"
+             or (target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms)
+             or (target.kind == "revision" and e.revision is not None and target.revision is not None
+                 and e.revision <= target.revision)]
+    if cands:
+        return fullpick.pick(chains.scan(cfg.backup.dir), cands, target)
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")

@@ -6,7 +6,8 @@ chains written by the segment writer beside them; ``pitr.prepare`` is what a res
 
 Issue 35: a consistent forged chain (every link right) naming another full backup is never
 replayed onto this one; two chains at one revision: the plan names the one it replays and why.
-Issue 38: a junk file named like the next segment is not a gap."""
+Issue 38: ``--from latest`` takes the full backup whose chain reaches the target, naming the one
+it passed over; a junk file named like the next segment is not a gap."""
 from __future__ import annotations
 
 import dataclasses
@@ -148,6 +149,31 @@ def test_two_chains_at_one_revision_the_plan_names_the_one_it_replays_and_why(be
     q = pitr.prepare(cfg, FULL2, Target.to_revision(10))
     assert [s.path for s in q.check.segments] == [i.path for i in theirs]
     assert "6f6f6f6f" in " ".join(q.choice) and "5e5e5e5e" in " ".join(q.choice)
+
+
+# ---------------------------------------------------------------- issue 38 (c)
+
+
+def test_latest_takes_the_backup_whose_chain_reaches_the_target_naming_the_newer_one(bed: Any) -> None:
+    """An operator's backup a second later at the same revision (no write since), with no chain: the daemon's chain
+    continues FULL and holds every revision after it."""
+    cfg, d, _segs = bed
+    full(d, "etcd-2019-08-07-13-00-01.tar", SNAP34, FULL_MS + 1000)
+    for target in (Target.newest(), Target.to_revision(END), Target.to_time(pitr.ms_to_datetime(FULL_MS + 1200))):
+        p = pitr.prepare(cfg, "latest", target)
+        said = " ".join(p.choice)
+        print(f"\nFIGURE --from latest --to {target.describe()}: {p.entry.name}: {said}")
+        assert p.entry.name == FULL and p.plan.complete and p.plan.stop_revision > 3, said
+        assert "etcd-2019-08-07-13-00-01.tar" in said and FULL in said, said
+
+
+def test_latest_still_takes_a_newer_backup_whose_history_is_newer(bed: Any) -> None:
+    """A backup taken after the chain's last segment closed (the cluster restored since: etcd 3.4
+    keeps the revision) is the newest history; the older chain is not taken for it."""
+    cfg, d, _segs = bed
+    full(d, FULL2, SNAP34, FULL2_MS)
+    p = pitr.prepare(cfg, "latest", Target.newest())
+    assert p.entry.name == FULL2 and p.plan.stop_revision == 3
 
 
 # ---------------------------------------------------------------- issue 38 (d)
