@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .errors import NotASegment, SegmentCorrupt
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
@@ -141,6 +141,7 @@ def check_chain(
     good: List[SegmentInfo] = []
     used = set()
     passed: List[Tuple[str, str]] = []
+    foreign: Set[str] = set()  # chain ids whose first segment continues another full backup
     because = ""
     expect = start_revision + 1
     prev: Optional[SegmentInfo] = None
@@ -170,6 +171,13 @@ def check_chain(
             if prev is None and h.seq == 0 and not continues(h, base):
                 # the chain of another full backup at the same revision: named, never replayed
                 passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
+                                  "another full backup's chain"))
+                foreign.add(h.chain_id)
+                continue
+            if prev is None and h.seq != 0 and _theirs(h, base, foreign):
+                # the next segment of that chain (its first was idle, or ended before this one
+                # starts): passed over too, not "not the first segment" - nothing of ours is lost
+                passed.append((p, f"segment {h.seq} of chain {h.chain_id[:8]}, which {names_base(h)}: "
                                   "another full backup's chain"))
                 continue
             if prev is None:
@@ -210,7 +218,7 @@ def check_chain(
         last_time = prev.footer.end_time_ms if prev else None
         later = sorted(
             (s, p) for s, lst in by_start.items() if s > expect for p in lst
-            if _same_chain(p, start_revision, prev, base, passed)
+            if _same_chain(p, start_revision, prev, base, passed, foreign)
         )
         seen = tuple(passed)
         if problems:
@@ -303,8 +311,15 @@ def verified(path: str) -> SegmentInfo:
     return _load_info(path, True, MAX_SEGMENT)
 
 
+def _theirs(h: SegmentHeader, base: Optional[BaseBackup], foreign: Set[str]) -> bool:
+    """Is this later segment (seq > 0) of a chain that continues another full backup, by the
+    base sha256 it names or by its chain id (whose first segment did)?"""
+    return h.chain_id in foreign or bool(base is not None and base.sha256 and h.base_sha256
+                                         and h.base_sha256 != base.sha256)
+
+
 def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup],
-                passed: List[Tuple[str, str]]) -> bool:
+                passed: List[Tuple[str, str]], foreign: Set[str]) -> bool:
     """Could this later file belong to the chain being followed? Unreadable files count as yes:
     a damaged segment must be reported as lost, never skipped silently. A file that is no
     segment at all (not a segment's first bytes) is no; it goes to ``passed``, named."""
@@ -320,7 +335,7 @@ def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base
     if prev is None:  # nothing followed yet: a later file of another backup's chain is not ours
         if h.seq == 0:
             return continues(h, base)
-        return not (base is not None and base.sha256 and h.base_sha256 and h.base_sha256 != base.sha256)
+        return not _theirs(h, base, foreign)
     return h.chain_id == prev.header.chain_id
 
 

@@ -151,6 +151,22 @@ def test_two_chains_at_one_revision_the_plan_names_the_one_it_replays_and_why(be
     assert "6f6f6f6f" in " ".join(q.choice) and "5e5e5e5e" in " ".join(q.choice)
 
 
+def test_a_chainless_backup_beside_another_ones_chain_loses_nothing(bed: Any) -> None:
+    """The daemon's chain opens with an idle segment (no write yet): its next segment starts at
+    the base + 1 too. Restoring the other backup at that revision, which no chain continues, is
+    complete at its own revision: the other chain's segments are passed over, not a loss."""
+    cfg, d, segs = bed
+    for s in segs:
+        os.unlink(s)
+    write_chain(d, 3, [0, 4, 3], chain_id="5e" * 16, t0=FULL_MS + 1000, base_sha256=SNAP_SHA)
+    full(d, FULL2, SNAP34, FULL2_MS)
+    p = pitr.prepare(cfg, FULL2, Target.newest())
+    assert p.plan.complete and p.check.stop is None and p.plan.stop_revision == 3, p.plan.because
+    said = " ".join(p.choice)
+    print(f"\nFIGURE --from a chainless backup beside another's chain: {said}")
+    assert said.count("another full backup's chain") == 2, said
+
+
 # ---------------------------------------------------------------- issue 38 (c)
 
 
