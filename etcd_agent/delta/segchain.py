@@ -2,7 +2,9 @@
 
 ``check_chain`` follows the links (revisions contiguous, the same chain id, each header naming
 the previous file's sha256) and returns the good prefix with the first gap, damaged file or
-broken link as a ``ChainStop``: nothing at or after it is ever trusted.
+broken link as a ``ChainStop``: nothing at or after it is ever trusted. Whose chain a segment is
+comes from its content (the base sha256 every segment names), never from its file name: another
+full backup's chain, and a file that is no segment at all, are passed over and named.
 """
 from __future__ import annotations
 
@@ -119,8 +121,9 @@ def check_chain(
 
     Returns the good prefix and, if the chain does not run cleanly to its last segment, where
     and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
-    Segments of other chains among ``paths`` are ignored, and so is a chain that cannot continue
-    the full backup ``base`` (``continues``). ``verify=False`` reads only headers and footers
+    Segments of other chains among ``paths`` are ignored; a chain that cannot continue the full
+    backup ``base`` (``continues``) and a file that does not begin as a segment are passed over,
+    named in ``ChainCheck.passed``; a segment naming another base than its chain's first stops it. ``verify=False`` reads only headers and footers
     (cheap, for finding where a watcher resumes) and cannot see damage inside. With
     ``not_after_ms`` (a restore: now plus a margin) a segment dated after it - by its name, its
     footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
