@@ -148,7 +148,10 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup here that it continues "
                     f"(pruned at the next backup or prune): {c.describe()}")
     for path, why in found.unreadable:
-        rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
+        if path in found.junk:  # by its content: no chain's, whatever its name says (never a gap)
+            rows.append(f"NOT A SEGMENT {os.path.basename(path)}: {why}; named like one, passed over by every chain")
+        else:
+            rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
     best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
@@ -158,7 +161,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     data = {"dir": cfg.backup.dir, "backups": docs, "latest": best.name if best else None, "notes": skipped,
             "orphan_chains": [c.to_json() for c in orphans],
             "restores": [b.to_json() for b in restores],
-            "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable],
+            "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p not in found.junk],
+            "not_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p in found.junk],
             "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}
     return Output(data, "\n".join(rows))
 

@@ -57,3 +57,6 @@ def test_latest_takes_the_backup_whose_chain_reaches_newest_and_a_junk_name_is_n
     assert any(f"--from latest: {daemons}" in ln for ln in said), said
     assert any(f"passed over {operators}" in ln for ln in said), said
     assert any(os.path.basename(junk) in ln and "not a delta segment" in ln for ln in said), said
+    listing = agent(c, "backup", "list")
+    assert f"NOT A SEGMENT {os.path.basename(junk)}" in listing.stdout, listing.stdout
+    assert "DAMAGED" not in listing.stdout, listing.stdout
