@@ -232,3 +232,14 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     print(f"\nFIGURE unknown sha256, chain naming another: {exc.value.message}")
     assert os.path.basename(forged[0]) in exc.value.message and "another backup's chain" in exc.value.message
     assert not os.path.exists(out) and os.listdir(work) == []
+
+
+def test_a_chain_stopping_at_its_first_segment_names_the_backups_time_not_a_question_mark(bed: Any) -> None:
+    """Issue 38: `--to-time` said "last good point ... at ?" when nothing of the chain was good:
+    the last good point is then the full backup itself, taken at a known time."""
+    cfg, d, segs = bed
+    raw = bytearray(open(segs[0], "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(segs[0], "wb").write(bytes(raw))
+    msg = refused(cfg, d, FULL, Target.to_time(pitr.ms_to_datetime(FULL_MS + 1300)))
+    assert "its last good point is revision 3 at 2019-08-07T13:00:00.000+00:00" in msg, msg
