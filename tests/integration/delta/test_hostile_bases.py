@@ -93,6 +93,8 @@ def test_a_consistent_chain_naming_another_full_backup_is_passed_over_by_name(be
     assert [os.path.basename(p) for p in forged] == [os.path.basename(p) for p in segs]
     msg = refused(cfg, d, FULL, Target.to_revision(END))
     print(f"\nFIGURE every segment naming another base: {msg}")
+    full_base = pitr.resolve_full(cfg, FULL, Target.newest())[0].base
+    assert chains.scan(d).for_full(3, full_base) is None  # `backup list`: ORPHANED, the same judgement
     assert os.path.basename(segs[0]) in msg and "another full backup" in msg, msg
 
 
@@ -104,6 +106,8 @@ def test_one_segment_naming_another_full_backup_stops_the_chain_there(bed: Any) 
     assert os.path.basename(segs[1]) in msg and "another full backup" in msg, msg
     p = pitr.prepare(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
     assert p.plan.complete and [s.path for s in p.check.segments] == segs[:1]
+    (listed,) = chains.scan(d).chains  # `backup list`, retention and the daemon see the same stop
+    assert listed.stop is not None and listed.stop.at_revision == 8 and listed.end_revision == 7
 
 
 def test_restore_knows_the_backup_by_its_signed_manifest_as_backup_list_does(tmp_path: Any, bed: Any) -> None:
