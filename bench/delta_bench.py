@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.delta import chains, proto  # noqa: E402
 from etcd_agent.delta.replay import Target  # noqa: E402
@@ -128,13 +129,14 @@ def role_writer(args: argparse.Namespace) -> None:
 
 def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, base_sha256: str = "", *,
                     key_format: bytes = b"syn/%06d", key_count: int = 50000,
-                    existing: Optional[Dict[bytes, tuple]] = None) -> int:
+                    existing: Optional[Dict[bytes, tuple]] = None, sign_key: Optional[bytes] = None) -> int:
     """A chain of ``events`` events after ``base``: mostly single puts over ``key_count`` keys,
     every 10th revision a 3-key transaction, every 25th a delete. Returns the last revision.
     ``base_sha256``: the full backup's snapshot sha256 the chain names (as the daemon's do);
     without it a restore judges the chain by time, and one dated before the backup (``t0``) is
     another backup's. ``existing``: keys the full backup holds, key -> (create revision,
-    version), when the chain's keys are those (updates rather than new keys)."""
+    version), when the chain's keys are those (updates rather than new keys). ``sign_key``: the
+    manifest key the daemon would sign with (a restore refuses an unsigned chain)."""
     rng = random.Random(5)
     value = os.urandom(size)
     rev = base
@@ -145,7 +147,8 @@ def synthetic_chain(segdir: str, base: int, events: int, size: int, t0: int, bas
     live: Dict[bytes, tuple] = dict(existing or {})  # key -> (create revision, version)
     order: List[bytes] = sorted(live)  # kept sorted as it changes (sorting 50,000 keys a delete was most of the time)
     while made < events:
-        w = SegmentWriter(segdir, SegmentHeader("5e" * 16, seq, base, rev + 1, prev, t, base_sha256=base_sha256))
+        w = SegmentWriter(segdir, SegmentHeader("5e" * 16, seq, base, rev + 1, prev, t, base_sha256=base_sha256),
+                          sign_key=sign_key)
         while made < events and w.size < 4 * 1024 * 1024:
             rev += 1
             t += 1
@@ -396,7 +399,7 @@ def main() -> None:
         assert full2.revision is not None
         live_keys = rpc.range(b"\0", b"\0", count_only=True).count
         last = synthetic_chain(c.cfg.backup.dir, full2.revision, args.events, args.size,
-                               int(time.time() * 1000) - 600_000)
+                               int(time.time() * 1000) - 600_000, sign_key=keys.local_key(c.cfg).key)
         mine = [p for p in list_segments(c.cfg.backup.dir) if _base(p) == full2.revision]
         res = replay(full2.path, mine, Target.newest(), output=os.path.join(work, "syn.db"))
         report["replay_synthetic"] = {

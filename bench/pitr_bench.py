@@ -57,6 +57,7 @@ from bench.delta_bench import synthetic_chain  # noqa: E402
 from bench.installed import byte_compile  # noqa: E402
 from bench.livechain import delta_config, live_chain, warm_up  # noqa: E402
 from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
+from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.delta import chains as delta_chains  # noqa: E402
 from etcd_agent.delta import proto  # noqa: E402
@@ -137,10 +138,12 @@ def main() -> None:
                 break
             t = time.monotonic()
             if a.chain_keys == "new":  # 50,000 keys of its own: the state grows ~5x
-                last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256)
+                last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256,
+                                       sign_key=keys.local_key(c.cfg).key)
             else:  # the full backup's own keys, updated and deleted: the state keeps its size
                 last = synthetic_chain(c.cfg.backup.dir, full.revision, events, a.size, t0, base_sha256=full.sha256,
-                                       key_format=b"full/%06d", key_count=a.full_keys, existing=filled)
+                                       key_format=b"full/%06d", key_count=a.full_keys, existing=filled,
+                                       sign_key=keys.local_key(c.cfg).key)
             segs = [p for p in os.listdir(c.cfg.backup.dir) if p.startswith("etcd-delta-")]
             chains[name] = {"backup": os.path.basename(full.path), "bytes": full.size, "revision": full.revision,
                             "events": events, "last_revision": last}

@@ -112,7 +112,7 @@ class StagedFile:
         self.durable = durable
         self.directory = directory
         self.final = os.path.join(directory, name)
-        with _dir_locked(directory):
+        with dir_locked(directory):
             self.removed = _remove_stale(directory, name)
             self.path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.part")
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -171,17 +171,19 @@ def boot_id() -> Optional[str]:
 def remove_stale_parts(directory: str, name: str) -> List[str]:
     """Remove the ``StagedFile`` temps of ``name`` in ``directory`` whose writers are gone."""
     try:
-        with _dir_locked(directory):
+        with dir_locked(directory):
             return _remove_stale(directory, name)
     except FileNotFoundError:
         return []
 
 
 @contextlib.contextmanager
-def _dir_locked(directory: str) -> Iterator[None]:
+def dir_locked(directory: str) -> Iterator[None]:
+    """The dir's own flock, held for a short step that must not interleave with another process's
+    (a listing and a create; a small record's read-modify-write): microseconds, so it blocks."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a directory listing and a create: microseconds
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -296,37 +298,56 @@ def open_append(path: str, *, mode: int = 0o600) -> BinaryIO:
 
 
 class NotARegularFile(OSError):
-    """What ``read_regular`` refuses: not a regular file, or larger than its limit."""
+    """What ``open_regular`` and ``read_regular`` refuse: not a regular file (a FIFO, device,
+    socket, directory; a symlink unless followed), or larger than the limit."""
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """The content of regular file ``path`` (symlinks to one are fine), at most ``limit`` bytes.
+def regular_fd(path: str, *, follow_symlinks: bool = False, limit: Optional[int] = None) -> int:
+    """``path`` opened for reading (a raw descriptor, blocking) if it is a regular file, else
+    NotARegularFile (an OSError).
 
-    A FIFO, device, socket or directory is refused without being read (a FIFO is not even
-    opened for blocking reads, so nothing hangs), and so is a file over ``limit`` bytes: the
-    read itself is bounded, whatever ``st_size`` claims.
+    The one way the agent opens a file it did not just write itself (the backup dir, the bucket's
+    staging, the restore record): a FIFO planted there would block a plain ``open`` for ever (and
+    with it the daemon's tick, holding the operation lock), a device would feed endless bytes.
+    Opened O_NONBLOCK (a FIFO's open returns at once), checked with fstat on the open descriptor
+    (no swap between check and use), then made blocking again for ordinary reads. A symlink is
+    refused (ELOOP) unless ``follow_symlinks``; ``limit``: a file larger than that is refused
+    (the caller still reads with a bound: the file may grow).
     """
-    kind = _kind(os.stat(path).st_mode)
-    if kind:
-        raise NotARegularFile(errno.EINVAL, f"is {kind}, not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        kind = _kind(os.fstat(fd).st_mode)  # swapped since the stat above
+        fd = os.open(path, flags if follow_symlinks else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise NotARegularFile(errno.ELOOP, "is a symlink (not followed), not a regular file", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        kind = _kind(st.st_mode)
         if kind:
-            raise NotARegularFile(errno.EINVAL, f"is {kind}, not a regular file")
-        chunks: List[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
+            raise NotARegularFile(errno.EINVAL, f"is {kind}, not a regular file", path)
+        if limit is not None and st.st_size > limit:
+            raise NotARegularFile(errno.EFBIG, f"is larger than {_size(limit)}", path)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
         os.close(fd)
-    if size > limit:
-        raise NotARegularFile(errno.EFBIG, f"is larger than {_size(limit)}")
-    return b"".join(chunks)
+        raise
+
+
+def open_regular(path: str, *, follow_symlinks: bool = False, limit: Optional[int] = None) -> BinaryIO:
+    """``regular_fd`` as a buffered binary file object."""
+    return os.fdopen(regular_fd(path, follow_symlinks=follow_symlinks, limit=limit), "rb")
+
+
+def read_regular(path: str, limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The content of regular file ``path`` (``open_regular``), at most ``limit`` bytes: a larger
+    one is NotARegularFile (EFBIG), whatever ``st_size`` claims (the read itself is bounded)."""
+    with open_regular(path, follow_symlinks=follow_symlinks) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise NotARegularFile(errno.EFBIG, f"is larger than {_size(limit)}", path)
+    return data
 
 
 def _kind(mode: int) -> str:

@@ -3,13 +3,18 @@
 ``json.loads`` recurses once per nesting level and raises RecursionError (not ValueError) on a
 deeply nested document; a 235 KB manifest of brackets stopped every backup that way. ``loads``
 measures the depth in one linear pass first, so hostile input is one ``ValueError`` with a reason.
+Numbers are bounded too: ``1e400`` (Python reads it as infinity) and integers of more digits than
+a 64-bit value has (a 400-digit "time" ended ``backup list`` in an OverflowError) are refused here,
+so no reader meets a number no JSON writer of ours could have written.
 """
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Union
 
 MAX_DEPTH = 32
+MAX_INT_DIGITS = 20  # 2**64 - 1 has 20: every id, revision and size fits
 
 
 class UnsafeJson(ValueError):
@@ -42,6 +47,19 @@ def _no_constants(name: str) -> Any:
     raise UnsafeJson(f"{name} is not a JSON number")
 
 
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise UnsafeJson(f"an integer of {len(text.lstrip('-'))} digits, more than the {MAX_INT_DIGITS} allowed")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise UnsafeJson(f"the number {text[:40]} is out of range")
+    return v
+
+
 def loads(data: Union[bytes, str], *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     """Parse ``data`` as JSON within the limits; UnsafeJson (a ValueError) otherwise."""
     if len(data) > max_bytes:
@@ -55,7 +73,7 @@ def loads(data: Union[bytes, str], *, max_bytes: int, max_depth: int = MAX_DEPTH
         text = data
     _depth(text, max_depth)
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants, parse_int=_int, parse_float=_float)
     except UnsafeJson:
         raise
     except (ValueError, RecursionError) as exc:

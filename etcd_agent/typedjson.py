@@ -9,6 +9,8 @@ from the other end). Rules:
 
 - a field without a default, or named in ``REQUIRED``, must be present (null only if Optional);
 - a field with a default may be absent or null: it takes its default;
+- a number is finite and an integer fits in 64 bits (signed or not), whatever the parser let
+  through; a field named in ``RANGES`` must lie within its (low, high), both included;
 - keys the class does not name are ignored: both ends speak one protocol version, and an optional
   field added later stays readable by the end that does not know it.
 
@@ -18,6 +20,7 @@ the same).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar, Union
 
@@ -46,6 +49,7 @@ class Document:
     """Base of the typed documents; subclasses are (frozen) dataclasses."""
 
     REQUIRED: ClassVar[Tuple[str, ...]] = ()  # present on the wire although they have a default
+    RANGES: ClassVar[Dict[str, Tuple[float, float]]] = {}  # numeric fields' (low, high), both included
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {}
@@ -82,7 +86,14 @@ class Document:
                     kw[f.name] = None
                 continue
             kw[f.name] = _load(hints[f.name], v, f"{cls.__name__}.{f.name}", where)
+            bounds = cls.RANGES.get(f.name)
+            if bounds is not None and not bounds[0] <= kw[f.name] <= bounds[1]:
+                raise ProtocolError(f"{where}: {cls.__name__}.{f.name} must be between {_num(bounds[0])} and {_num(bounds[1])}")
         return cls(**kw)
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:g}"
 
 
 def _has_default(f: "dataclasses.Field[Any]") -> bool:
@@ -141,6 +152,9 @@ def _load_scalar(tp: Any, v: Any, path: str, where: str) -> Any:
         raise TypeError(f"{path}: no JSON reading of {tp!r}")
     if not ok():
         raise ProtocolError(f"{where}: {path} must be {_WHAT[tp]}, not {_kind(v)}")
+    if tp in (int, float) and not (isinstance(v, int) and -(1 << 63) <= v < 1 << 64
+                                   or isinstance(v, float) and math.isfinite(v)):
+        raise ProtocolError(f"{where}: {path} is out of range (a 64-bit integer or a finite number)")
     return float(v) if tp is float else v
 
 

@@ -44,7 +44,7 @@ from typing import (
 
 from ..errors import BackupCorrupt, BackupError, SnapshotFormatError
 from ..etcd.snapdb import SnapshotIdentity, parse_identity
-from ..fs import fsync_dir
+from ..fs import fsync_dir, open_regular
 from .manifest import (
     CONF,
     ENCRYPTED_FORMAT_VERSION,
@@ -456,13 +456,13 @@ def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
     on ``reader.open_archive``, which is the bounded reader every new caller should use."""
     from .tarstream import sniff
 
-    with open(path, "rb") as fh:
+    with open_regular(path, follow_symlinks=True) as fh:
         comp = sniff(fh.read(512))
     if comp == "gzip":
         return tarfile.open(path, "r|gz")
     if comp == "zstd":
         zstandard = zstandard_module()
-        fh = open(path, "rb")
+        fh = open_regular(path, follow_symlinks=True)
         # read_across_frames: the archives written here are several frames (outstream.ZstdFrames)
         reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True, read_across_frames=True)
         return tarfile.open(fileobj=reader, mode="r|")

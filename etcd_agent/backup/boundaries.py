@@ -15,6 +15,16 @@ backup a restore came from, and the last backup before it - while the data dirs 
 are still there (``restore cleanup`` removes them), and for a restore by hand, whose set-aside
 dirs the agent cannot know, for as long as the boundary is recorded. ``before`` names, for
 ``backup list``, the first boundary after a backup.
+
+The record fails closed. It is opened as a regular file only (a FIFO there once hung every
+``backup list``, ``prune`` and the daemon's tick holding the operation lock), bounded, and every
+value checked through ``Boundary.from_json`` (a time of 1e300 ended them in an OverflowError).
+``load`` says what could not be read; retention then deletes nothing (``service.prune_backups``)
+until the operator repairs or removes the file, and ``record`` refuses to overwrite it (what it
+held would be lost). Writes are read-modify-write under the backup dir's own lock
+(``fs.dir_locked``): the daemon's ``detected`` record and a restore's, at the same moment, both
+stay. A point-in-time restore records the full backup it started from, the chain and the target
+revision, never the throwaway replay it shipped (``restore.node``).
 """
 from __future__ import annotations
 
@@ -22,12 +32,13 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ProtocolError
-from ..fs import write_atomic
+from ..errors import AgentError, BackupError, ProtocolError
+from ..fs import dir_locked, open_regular, write_atomic
 from ..safejson import UnsafeJson, loads
 from ..typedjson import Document
 
@@ -36,6 +47,12 @@ log = logging.getLogger(__name__)
 FILE = ".etcd-agent-restores.json"
 MAX_BOUNDARIES = 50
 MAX_BYTES = 1 << 20
+# a boundary's time: a restore the agent could have run (2000-01-01 .. 2200-01-01, Unix s)
+TIME_RANGE = (946684800.0, 7258118400.0)
+
+
+class RecordUnreadable(BackupError):
+    """The restore record exists but cannot be read whole: retention holds, nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,10 @@ class Boundary(Document):
     set_aside: Tuple[str, ...] = ()  # data dirs this restore set aside on this host
     cluster_id: Optional[str] = None  # the cluster after it (hex), when known
     reason: str = ""  # for a detected one: what the watch saw
+    chain_id: Optional[str] = None  # a point-in-time restore: the delta chain replayed onto from_backup
+    to_revision: Optional[int] = None  # ... and the revision it was replayed to
+
+    RANGES = {"time": TIME_RANGE, "to_revision": (0.0, float(1 << 63))}
 
     def when(self) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time))
@@ -57,47 +78,112 @@ class Boundary(Document):
     def describe(self) -> str:
         what = (f"restore {self.op} at {self.when()}" if self.kind == "restore"
                 else f"the data replaced by hand, seen at {self.when()}")
-        return what + (f" (from {self.from_backup})" if self.from_backup else "")
+        src = f"{self.from_backup} + its delta chain to revision {self.to_revision}" if self.to_revision is not None \
+            else self.from_backup
+        return what + (f" (from {src})" if self.from_backup else "")
+
+
+@dataclass(frozen=True)
+class Record:
+    """The record as read: the boundaries that could be read, and what could not (None: all)."""
+
+    boundaries: List[Boundary]
+    problem: Optional[str] = None
+
+
+def load(directory: str) -> Record:
+    """The record in ``directory``; no file is an empty record. Never raises for its content: a
+    record that cannot be read whole says why in ``problem`` (one line naming the file)."""
+    path = os.path.join(directory, FILE)
+    try:
+        with open_regular(path) as fh:
+            doc = loads(fh.read(MAX_BYTES + 1), max_bytes=MAX_BYTES)
+    except FileNotFoundError:
+        return Record([])
+    except OSError as exc:
+        return Record([], f"{path} cannot be read: {exc.strerror or exc}")
+    except UnsafeJson as exc:
+        return Record([], f"{path} is not a restore record: {exc}")
+    raw = doc.get("restores") if isinstance(doc, dict) else None
+    if not isinstance(raw, list):
+        return Record([], f"{path} is not a restore record: no list of restores")
+    out: List[Boundary] = []
+    bad: List[str] = []
+    for i, x in enumerate(raw):
+        try:
+            out.append(Boundary.from_json(x, f"entry {i}"))
+        except ProtocolError as exc:
+            bad.append(exc.message)
+    problem = f"{path} has {len(bad)} unreadable entr{'y' if len(bad) == 1 else 'ies'}: {bad[0]}" if bad else None
+    return Record(sorted(out, key=lambda b: b.time), problem)
 
 
 def read(directory: str) -> List[Boundary]:
-    """Every boundary recorded in ``directory``, oldest first; [] when none (or unreadable: said)."""
-    path = os.path.join(directory, FILE)
-    try:
-        with open(path, "rb") as fh:
-            doc = loads(fh.read(MAX_BYTES + 1), max_bytes=MAX_BYTES)
-    except FileNotFoundError:
-        return []
-    except (OSError, UnsafeJson) as exc:
-        log.warning("ignoring unreadable %s: %s", path, exc)
-        return []
-    raw = doc.get("restores") if isinstance(doc, dict) else None
-    out: List[Boundary] = []
-    for i, x in enumerate(raw if isinstance(raw, list) else []):
-        try:
-            out.append(Boundary.from_json(x, f"{FILE} entry {i}"))
-        except ProtocolError as exc:
-            log.warning("ignoring %s", exc.message)
-    return sorted(out, key=lambda b: b.time)
+    """The boundaries that can be read, oldest first (for listings; retention uses ``load``)."""
+    rec = load(directory)
+    if rec.problem:
+        log.warning("%s", rec.problem)
+    return rec.boundaries
+
+
+def unreadable_message(problem: str) -> str:
+    """What an unreadable record means for retention, and the fix: one sentence."""
+    return (f"the restore record is unreadable ({problem}): prune deletes nothing until it is repaired, "
+            f"or moved away once you know which backups it protected")
 
 
 def record(directory: str, b: Boundary) -> bool:
     """Add ``b``, once per op: the members of a one-host cluster share the dir, and each adds the
     data dir it set aside to the op's record. False when nothing changed. The newest
-    MAX_BOUNDARIES are kept."""
-    have = read(directory)
-    same = next((x for x in have if x.op == b.op), None)
-    if same is not None:
-        merged = tuple(sorted(set(same.set_aside) | set(b.set_aside)))
-        if merged == tuple(sorted(same.set_aside)):
-            return False
-        have = [dataclasses.replace(x, set_aside=merged) if x is same else x for x in have]
-    else:
-        have.append(b)
-    keep = sorted(have, key=lambda x: x.time)[-MAX_BOUNDARIES:]
-    doc = {"restores": [x.to_json() for x in keep]}
-    write_atomic(os.path.join(directory, FILE), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
+    MAX_BOUNDARIES are kept. Under the dir's lock: concurrent writers (the daemon, a restore's
+    members) all land. RecordUnreadable when the record cannot be read whole."""
+    with dir_locked(directory):
+        rec = load(directory)
+        if rec.problem:
+            # said with what it would have recorded: the operator repairing the file can add it
+            raise RecordUnreadable(f"{b.describe()} not recorded: {unreadable_message(rec.problem)}")
+        have = rec.boundaries
+        same = next((x for x in have if x.op == b.op), None)
+        if same is not None:
+            merged = tuple(sorted(set(same.set_aside) | set(b.set_aside)))
+            if merged == tuple(sorted(same.set_aside)):
+                return False
+            have = [dataclasses.replace(x, set_aside=merged) if x is same else x for x in have]
+        else:
+            have.append(b)
+        keep = sorted(have, key=lambda x: x.time)[-MAX_BOUNDARIES:]
+        doc = {"restores": [x.to_json() for x in keep]}
+        write_atomic(os.path.join(directory, FILE), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
     return True
+
+
+REPLAY_RE = re.compile(r"^(?P<full>.+)\.to-(?P<revision>\d{1,19})\.db$")  # ``delta.pitr.Prepared.kept_name``
+
+
+def source_of(backup: str, sha256: Optional[str]) -> Tuple[Optional[str], Optional[str], Optional[int]]:
+    """What a restore of ``backup`` (the path its journal names) came from: (the backup's name,
+    its snapshot's sha256, the revision a point-in-time restore replayed to). A point-in-time
+    restore ships a throwaway replay, ``<full backup>.to-<revision>.db``: it came from the full
+    backup (and its chain), whose sha256 the replay's bytes are not."""
+    name = os.path.basename(backup) or None
+    m = REPLAY_RE.match(name or "")
+    if m is None:
+        return name, sha256, None
+    return m.group("full"), None, int(m.group("revision"))
+
+
+def chain_of(directory: str, full: str) -> Optional[str]:
+    """The id of the delta chain continuing backup ``full`` in ``directory`` (None: not here)."""
+    from ..delta import chains
+    from .catalog import entry_for
+
+    try:
+        e = entry_for(os.path.join(directory, full))
+        c = chains.scan(directory).for_full(e.revision, e.base) if e.revision is not None else None
+    except (OSError, AgentError) as exc:
+        log.info("the chain of %s not recorded: %s", full, exc)
+        return None
+    return (c.chain_id or None) if c is not None else None
 
 
 def recorded_since(directory: str, since: float) -> Optional[Boundary]:

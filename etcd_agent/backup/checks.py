@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Protocol, Tuple
 
-from ..fs import write_atomic
+from ..fs import open_regular, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Check:
 def _load(directory: str) -> Dict[str, Check]:
     path = os.path.join(directory, CACHE)
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             raw = fh.read(MAX_CACHE + 1)
     except FileNotFoundError:
         return {}

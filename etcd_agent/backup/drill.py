@@ -38,15 +38,18 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..config import Config
-from ..errors import AgentError, BackupCorrupt, Interrupted, OperationFailed, RefusedError, UsageError
+from ..errors import AgentError, BackupCorrupt, IdentityRefused, Interrupted, OperationFailed, RefusedError, UsageError
 from ..state.locks import OperationLock
 from . import checks, drillrecord
 from .checks import SYSTEM_WALL_CLOCK, WallClock
 from .drillhost import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
 from .drillreport import DrillReport
+
+if TYPE_CHECKING:  # pragma: no cover - the age code only for an encrypted backup
+    from ..age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +76,16 @@ def run_drill(
     cancel: Optional[Callable[[], bool]] = None,
     rng: Optional[random.Random] = None,
     progress: Optional[Callable[[str], None]] = None,
+    identities: Optional["Identities"] = None,
 ) -> DrillReport:
-    """Drill the backup ``spec`` names; the report says what passed, or why not.
+    """Drill the backup ``spec`` names; the report says what passed, or why not. ``identities``
+    decrypt an encrypted backup (without them its drill fails, saying what it needs).
 
     Raises BusyError (another drill on this host: nothing done), and UsageError / RefusedError
-    for a ``spec`` other than ``latest`` that names no usable backup (the caller's mistake, not a
-    failed drill); every other problem is a failed drill, recorded and returned."""
-    d = _Drill(cfg, spec, clock, cancel, rng or random.Random(secrets.randbits(64)), progress)
+    for a ``spec`` other than ``latest`` that names no usable backup, or identities that open no
+    backup (the caller's mistake, not a failed drill); every other problem is a failed drill,
+    recorded and returned."""
+    d = _Drill(cfg, spec, clock, cancel, rng or random.Random(secrets.randbits(64)), progress, identities)
     try:
         prepare_dir(cfg.drill.dir)
     except RefusedError as exc:  # a drill that cannot run proves nothing: it fails, and says why
@@ -99,8 +105,10 @@ def run_drill(
 
 class _Drill:
     def __init__(self, cfg: Config, spec: str, clock: WallClock, cancel: Optional[Callable[[], bool]],
-                 rng: random.Random, progress: Optional[Callable[[str], None]]) -> None:
+                 rng: random.Random, progress: Optional[Callable[[str], None]],
+                 identities: Optional["Identities"] = None) -> None:
         self.cfg = cfg
+        self.identities = identities
         self.spec = spec
         self.clock = clock
         self.cancel = cancel
@@ -229,7 +237,9 @@ class _Drill:
                               f"({free} bytes free; about twice the snapshot is needed)")
         try:
             self.arc = open_archive(self.entry.path, staging_dir=stage, hash_snapshot=True,
-                                    key=local_key(self.cfg).key, extract=True)
+                                    key=local_key(self.cfg).key, extract=True, identities=self.identities)
+        except IdentityRefused:
+            raise  # the key given opens nothing here (or is open to others): the caller's mistake
         except (BackupCorrupt, RefusedError) as exc:
             if isinstance(exc, RefusedError) and exc.message.startswith("not enough space"):
                 raise DrillFailed(exc.message) from None
@@ -242,6 +252,12 @@ class _Drill:
         r.checked += list(a.checked)
         r.not_proven += [n for n in a.not_checked if not n.startswith("manifest signature INVALID")]
         self.ident = a.identity
+        if a.snapshot is None and a.sealed is not None:
+            # the masters hold only the public keys: the daemon's drill (or one by hand without
+            # the key) checked the ciphertext above, and cannot restore what it cannot read
+            raise DrillFailed(f"its snapshot is encrypted ({a.sealed.describe()}) and this drill has no key to open "
+                              f"it: run `etcd-agent drill --from {self.entry.name} --identity FILE` with the secret "
+                              "key of one of its recipients, where such a key is kept")
 
     def snapshot_status(self) -> Tuple[Dict[str, Any], Dict[str, int]]:
         from ..etcd.snapdb import read_identity

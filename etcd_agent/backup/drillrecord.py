@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 from .. import safejson
-from ..fs import makedirs, write_atomic
+from ..fs import makedirs, open_regular, write_atomic
 from .checks import Stamp, stamp_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +102,7 @@ class DrillRecord:
 
 def _read_json(path: str) -> Any:
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             raw = fh.read(MAX_FILE + 1)
     except FileNotFoundError:
         return None

@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING, FrozenSet, List, Optional, Set, Tuple
 
 from ..errors import AgentError
+from ..fs import open_regular
 from ..member.dblock import db_path
 from .identity import Evidence, HostIds, KnownMember
 
@@ -75,7 +76,7 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
                 notes.append(f"{m.name}'s data dir db {db} could not be read ({exc})")
         rec = record_path(cfg, m.name)
         try:
-            with open(rec, "rb") as fh:
+            with open_regular(rec) as fh:
                 data = json.loads(fh.read(65536))
             mid = int(str(data.get("member_id")), 16)
             hosts.append(HostIds(f"{m.name}'s bootstrap record ({rec})", frozenset({mid})))

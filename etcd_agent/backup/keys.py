@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional
 
 from ..errors import AgentError
-from ..fs import write_atomic
+from ..fs import open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import Config
@@ -70,7 +70,7 @@ def read_key_file(path: str) -> KeyState:
     """The cached key; a missing file is no key, a bad one a warning."""
     try:
         st = os.stat(path)
-        with open(path, "rb") as fh:
+        with open_regular(path, follow_symlinks=True) as fh:
             raw = fh.read(4096)
     except FileNotFoundError:
         return KeyState(None, "none")

@@ -32,6 +32,7 @@ GAUGES: Dict[str, str] = {
     "last_revision": "etcd revision captured by the last successful backup.",
     "last_success": "1 if the last backup attempt succeeded, else 0.",
     "remote_last_success_timestamp_seconds": "Unix time of the last verified off-host copy.",
+    "prune_held": "1 if the restore record is unreadable, so prune deletes nothing (see `etcd-agent status`).",
 }
 COUNTERS: Dict[str, str] = {
     "failures": "Backup attempts that failed, over the life of the metrics file.",
@@ -73,6 +74,7 @@ def record_backup(
                 values["last_revision"] = float(revision)
         else:
             values["failures"] += 1
+        values["prune_held"] = 1.0 if _prune_held(cfg) else 0.0
         if remote_ok is True:
             values["remote_last_success_timestamp_seconds"] = t
         elif remote_ok is False:
@@ -83,12 +85,20 @@ def record_backup(
         log.warning("could not write backup metrics to %s: %s", target, exc)
 
 
+def _prune_held(cfg: Config) -> bool:
+    from .boundaries import load
+
+    return load(cfg.backup.dir).problem is not None
+
+
 def read_metrics(path: str) -> Dict[str, float]:
     """The values in a metrics file written by ``record_backup`` (names without prefix/_total)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    from ..fs import open_regular
+
+    with open_regular(path, follow_symlinks=True, limit=1 << 20) as fh:  # a FIFO there must not hang a backup
+        text = fh.read(1 << 20).decode("utf-8")
     out: Dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, BinaryIO, List, Optional, Tuple
 
 from ..errors import AgentError, BackupCorrupt, RefusedError, SnapshotFormatError
 from ..etcd.snapdb import SnapshotIdentity, parse_identity
+from ..fs import NotARegularFile, open_regular, regular_fd
 from . import manifest as M
 from .manifest import Manifest
 from .readpass import DEFAULT_LIMITS, HOSTILE, STAGE_PREFIX, Limits, Reading
@@ -64,7 +65,7 @@ class SnapshotSource:
 
     def open(self) -> BinaryIO:
         """A reader of exactly those bytes (for shipping)."""
-        fh = open(self.path, "rb")
+        fh = open_regular(self.path, follow_symlinks=True)
         fh.seek(self.offset)
         return _Window(fh, self.size)  # type: ignore[return-value]
 
@@ -185,12 +186,11 @@ def open_archive(
 
 def _open(r: Reading, key: Optional[bytes]) -> Archive:
     path = r.path
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a fifo must not block us
-    with os.fdopen(fd, "rb") as fh:
-        import stat as _stat
-
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RefusedError("not a regular file")
+    try:
+        fh = open_regular(path, follow_symlinks=True)  # a fifo must not block us
+    except NotARegularFile:
+        raise RefusedError("not a regular file") from None
+    with fh:
         head = fh.read(BLOCK)
         fh.seek(0)
         compression = sniff(head)
@@ -321,12 +321,11 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
     """A cheap look for ``backup list``: a plain tar is read as by ``open_archive`` but without
     hashing the snapshot (its meta and identity pages are read in place); a compressed one up to
     the snapshot's header only (our manifest comes first in it). Same errors as open_archive."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a fifo must not block us
     try:
-        import stat as _stat
-
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RefusedError(f"{path}: not a regular file; {HOSTILE}", details=["not a regular file"])
+        fd = regular_fd(path, follow_symlinks=True)  # a fifo must not block us
+    except NotARegularFile:
+        raise RefusedError(f"{path}: not a regular file; {HOSTILE}", details=["not a regular file"]) from None
+    try:
         head = os.pread(fd, BLOCK, 0)
     finally:
         os.close(fd)
@@ -337,7 +336,7 @@ def peek_archive(path: str, *, key: Optional[bytes] = None, limits: Limits = DEF
     r = Reading(path, None, False, False, limits)
     r.peek = True
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, follow_symlinks=True) as fh:
             r.walk(fh, sniff(head))
     except AgentError as exc:
         raise r.fail(exc) from None
@@ -408,21 +407,28 @@ def describe_identity(ident: SnapshotIdentity) -> str:
     return out
 
 
-def remove_stale_stages(directory: str) -> List[str]:
-    """Staging dirs left by a reader that died (its pid is gone); call with the operation lock."""
-    removed: List[str] = []
+def stale_stages(directory: str) -> List[str]:
+    """The staging dirs in ``directory`` of readers that died (their pid is gone): names."""
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except FileNotFoundError:
-        return removed
+        return []
+    out = []
     for n in names:
         if not n.startswith(STAGE_PREFIX):
             continue
         pid = n[len(STAGE_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and _alive(int(pid)):
             continue
+        out.append(n)
+    return out
+
+
+def remove_stale_stages(directory: str) -> List[str]:
+    """Staging dirs left by a reader that died (its pid is gone); call with the operation lock."""
+    removed = stale_stages(directory)
+    for n in removed:
         shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
-        removed.append(n)
     return removed
 
 

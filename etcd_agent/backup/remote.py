@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..config import Config
 from ..errors import BackupCorrupt, BackupError
-from ..fs import fsync_dir
+from ..fs import fsync_dir, open_regular
 from .archive import parse_name
 from .remotebucket import Bucket
 from .remotedigests import (
@@ -259,7 +259,7 @@ def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str])
 
     if not d.multipart:
         extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
-        with open(path, "rb") as fh, b.errors(f"cannot upload {b.where(name)}"):
+        with open_regular(path) as fh, b.errors(f"cannot upload {b.where(name)}"):
             b.client.put_object(
                 Bucket=b.bucket, Key=key, Body=fh, ContentLength=d.size, Metadata=meta,
                 **integrity(*d.parts[0]), **extra,
@@ -270,7 +270,7 @@ def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str])
         upload_id = b.client.create_multipart_upload(Bucket=b.bucket, Key=key, Metadata=meta, **extra)["UploadId"]
     try:
         done: List[Dict[str, Any]] = []
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             for number, (md5, sha) in enumerate(d.parts, start=1):
                 data = fh.read(d.part_size)  # one part in memory at a time
                 with b.errors(f"cannot upload part {number}/{len(d.parts)} of {b.where(name)}"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from ..config import RemoteSection
+from ..fs import open_regular
 
 MiB = 1024 * 1024
 MAX_PARTS = 10000  # the S3 limit on parts per multipart upload
@@ -58,7 +59,7 @@ def local_digests(path: str, part_size: int) -> Digests:
     whole = hashlib.sha256()
     parts: List[Tuple[bytes, bytes]] = []
     size = 0
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         while True:
             md5, sha, n = hashlib.md5(), hashlib.sha256(), 0
             while n < part_size:

@@ -19,7 +19,7 @@ from .. import __version__
 from ..config import Config, Member
 from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
 from ..etcd.snapdb import SnapshotIdentity
-from ..fs import ensure_private_dir
+from ..fs import ensure_private_dir, open_regular
 from ..locality import local_member
 from ..state.locks import OperationLock, lock_path_for
 from . import archive, boundaries, catalog, checks, keys, retention
@@ -337,7 +337,7 @@ def _local_files(cfg: Config, member: Member) -> Tuple[Dict[str, bytes], Dict[st
     rendered: Dict[str, str] = {}
     for arc, path in ((archive.CONF, cfg.conf_file(member.name)), (archive.UNIT, cfg.etcd.unit_file)):
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path, follow_symlinks=True) as fh:  # a FIFO there must not hang the backup
                 files[arc] = fh.read(1 << 20)
         except FileNotFoundError:
             missing[arc] = f"{path} not found"
@@ -369,7 +369,8 @@ def prune_backups(
     directory = cfg.backup.dir
     entries = catalog.list_backups(directory, utc=cfg.backup.utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
     goods = catalog.good(entries)
-    held = boundaries.holds(boundaries.read(directory),
+    record = boundaries.load(directory)
+    held = boundaries.holds(record.boundaries,
                             [boundaries.BackupAt(e.name, e.time.timestamp(), e.snapshot_sha256) for e in goods],
                             os.path.lexists)
     # the daemon's checkpoints (inside a chain) are counted apart, after the chains are decided
@@ -396,6 +397,14 @@ def prune_backups(
         [retention.BackupRef(e.name, e.time, e.verified, e.origin, chain=e.checkpoint_of or "") for e in checkpoints],
         live_chains={c.chain_id for c in chain_plan if c.keep and c.chain_id},
         keep=cfg.backup.delta.checkpoint_keep, protect=protect, holds=[(h.name, h.reason) for h in held])
+    if record.problem:  # what it protects is unknown: fail closed, delete nothing
+        why = boundaries.unreadable_message(record.problem)
+        log.warning("prune held: %s", why)
+        decisions = [d if d.keep else retention.Decision(d.name, True, (f"held ({d.reason}): {why}",))
+                     for d in decisions]
+        chain_decisions = [d if d.keep else retention.Decision(d.name, True, (f"held ({d.reason}): {why}",))
+                           for d in chain_decisions]
+        return decisions + chain_decisions + quarantined
     if dry_run:
         return decisions + chain_decisions + quarantined
     by_name = {e.name: e for e in goods + checkpoints}

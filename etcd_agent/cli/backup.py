@@ -105,7 +105,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
 
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
     found = chains.scan(cfg.backup.dir)
-    restores = boundaries.read(cfg.backup.dir)
+    record = boundaries.load(cfg.backup.dir)
+    restores = record.boundaries
     active = chains.active_base(cfg.backup.dir)
     rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
     docs = []
@@ -152,6 +153,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
             rows.append(f"NOT A SEGMENT {os.path.basename(path)}: {why}; named like one, passed over by every chain")
         else:
             rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
+    if record.problem:
+        rows.append(f"PRUNE HELD: {boundaries.unreadable_message(record.problem)}")
     best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
@@ -161,6 +164,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     data = {"dir": cfg.backup.dir, "backups": docs, "latest": best.name if best else None, "notes": skipped,
             "orphan_chains": [c.to_json() for c in orphans],
             "restores": [b.to_json() for b in restores],
+            "restore_record_problem": record.problem,
             "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p not in found.junk],
             "not_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p in found.junk],
             "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}

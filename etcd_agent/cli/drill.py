@@ -1,4 +1,4 @@
-"""`etcd-agent drill [--from BACKUP]`: a restore drill now, on this host (see backup/drill.py).
+"""`etcd-agent drill [--from BACKUP] [--identity FILE]`: a restore drill now, on this host (see backup/drill.py).
 
 Progress goes to stderr as it happens; what the drill proved (or why it failed), check by check,
 goes to stdout. Exit 0 when it passed, 1 when it failed, 4 when another drill runs here.
@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ..errors import EXIT_FAILED, EXIT_OK
+from .backup import IDENTITY_HELP
 from .main import Context, Output
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--from", dest="spec", default="latest", metavar="BACKUP",
                    help="a path, a file name in the backup dir, a date like 2019-08-07, or latest (default)")
+    p.add_argument("--identity", metavar="FILE", help=IDENTITY_HELP + "; an encrypted backup cannot be drilled "
+                                                                       "without it")
     p.set_defaults(func=cmd_drill)
 
 
@@ -35,9 +38,10 @@ def _progress(line: str) -> None:
 def cmd_drill(args: argparse.Namespace, ctx: Context) -> Output:
     from ..backup.drill import run_drill
     from ..daemon.drill import tell_cluster
+    from .backup import load_identity
 
     cfg = ctx.config()
-    report = run_drill(cfg, args.spec, progress=_progress)
+    report = run_drill(cfg, args.spec, progress=_progress, identities=load_identity(args.identity))
     if not report.interrupted:
         why = tell_cluster(cfg, report)  # the daemons' schedule counts a drill by hand too
         if why:

@@ -160,6 +160,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args = parser.parse_args(args_list)
         setup_logging(args.verbose)
         ctx = Context(config_path=args.config, json=args.json, verbose=args.verbose)
+        if args.command != "status":  # status reports them; every other command cleans them
+            _clean_leftovers(ctx)
         handler: Callable[[argparse.Namespace, Context], Optional[Output]] = args.func
         out = handler(args, ctx)
         if out is not None:
@@ -172,6 +174,22 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return _fail(exc, as_json)
     except BrokenPipeError:
         return EXIT_OK
+
+
+def _clean_leftovers(ctx: Context) -> None:
+    """What a killed point-in-time restore left on this host (its throwaway etcd still running, its
+    plaintext): removed before this command's own work. Never fails the command: without a
+    readable config or the rights to clean, the command goes on as it would have."""
+    try:
+        cfg = ctx.config()
+    except (AgentError, OSError):
+        return
+    from ..delta.pitr import clean
+
+    try:
+        clean(cfg)
+    except (AgentError, OSError) as exc:
+        logging.getLogger(__name__).info("could not clean what a killed point-in-time restore left: %s", exc)
 
 
 def _fail(exc: AgentError, as_json: bool) -> int:

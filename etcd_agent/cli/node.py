@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import logging
     import signal
 
-    from ..node.server import serve
+    from ..node.server import end_stuck_session, serve
     from ..node.steps import handlers
 
     if ctx.verbose == 0:
@@ -46,7 +46,8 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    code = serve(ctx.config(), sys.stdin.buffer, sys.stdout.buffer, handlers(), stop=lambda: stopped["why"])
+    code = serve(ctx.config(), sys.stdin.buffer, sys.stdout.buffer, handlers(), stop=lambda: stopped["why"],
+                 stuck=end_stuck_session)
     # leave at once: the reader thread may sit in a read of stdin that only the caller can end
     # (a silent, half-open connection), and closing stdin under it at exit would hang
     sys.stdout.flush()

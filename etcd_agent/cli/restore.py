@@ -1,5 +1,5 @@
-"""`etcd-agent restore --from NAME|PATH|DATE|latest [--to-time T | --to-revision N | --to newest] [--dry-run]
-[--yes] [--new-token T] [--new-cluster]`,
+"""`etcd-agent restore --from NAME|PATH|DATE|latest [--to-time T | --to-revision N | --to newest]
+[--accept-unsigned-chain] [--dry-run] [--yes] [--new-token T] [--new-cluster]`,
 `restore rollback [--dry-run] [--yes]` and `restore cleanup [--dry-run] [--keep N] [--yes]`.
 
 Progress goes to stderr as it happens; the plan (dry run) or the outcome goes to stdout.
@@ -42,6 +42,9 @@ def register(sub: Any) -> None:
     p.add_argument("--no-checkpoint", action="store_true",
                    help="point in time: replay the whole chain from the full backup, not from the newest checkpoint "
                         "the chain vouches for (the result is the same; only slower)")
+    p.add_argument("--accept-unsigned-chain", action="store_true",
+                   help="point in time: replay a delta chain that is not signed with the cluster's manifest key "
+                        "(written before segments were signed, or without the key); the plan says so")
     p.set_defaults(func=cmd_restore)
     rsub = p.add_subparsers(dest="restore_command", metavar="SUBCOMMAND")
     pc = rsub.add_parser("cleanup", help="list / remove set-aside data dirs (<data dir>.pre-restore-*), keeping the newest")
@@ -78,6 +81,8 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         confirm=None if args.yes else confirm, progress=_progress, identities=identities,
     )
     target = _target(args)
+    if args.accept_unsigned_chain and target is None:
+        raise UsageError("--accept-unsigned-chain is for a point-in-time restore (--to-time, --to-revision, --to newest)")
     if target is None:
         out = restore(ctx.config(), opts)
     else:
@@ -86,7 +91,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
 
         out = Restore(ctx.config(), opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
             cfg, spec, target, staging, progress=_progress, identities=identities,
-            checkpoints=not args.no_checkpoint)).run()
+            checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain)).run()
     text = render_plan(out.plan)
     if args.dry_run:
         replayed = " (the point-in-time replay ran in a throwaway etcd on loopback)" if target else ""

@@ -30,8 +30,16 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     from ..config import security_warnings
 
     warnings = security_warnings(cfg)
+    from ..backup.boundaries import load, unreadable_message
+
+    problem = load(cfg.backup.dir).problem
+    if problem:  # retention deletes nothing until it is fixed: the disk fills, and nothing else says so
+        warnings = [*warnings, f"PRUNE HELD: {unreadable_message(problem)}"]
+    from ..delta.pitr import leftovers
+
+    left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
-            "restore_in_progress": restoring, "warnings": warnings}
+            "restore_in_progress": restoring, "warnings": warnings, "leftovers": left}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -45,6 +53,8 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
         summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
                     f"since {rec.get('started', '?')} (the daemon waits); {markers.restore_hint(rec)}")
     summary += "".join(f"\nwarning: {w}" for w in warnings)
+    summary += "".join(f"\nLEFTOVER of a killed point-in-time restore: {x} (removed by the next etcd-agent command "
+                       "other than status)" for x in left)
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
 
 

@@ -2,12 +2,12 @@
 
 Every path of the config is listed once (``configured_paths``) with what the agent does with it;
 ``validate_paths`` gives one sentence per problem, for ``validation.validate``. Pure: nothing
-here looks at the file system.
+here looks at the file system; links are resolved by the function the caller passes.
 """
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .model import PATH_RE, BackupSection, Config, DaemonSection, EtcdSection, KubernetesSection
 
@@ -109,8 +109,9 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
     ]
 
 
-def validate_paths(cfg: Config) -> List[str]:
-    """Every path absolute, normalised and in the agent's place; the agent's own dirs apart."""
+def validate_paths(cfg: Config, resolve: Callable[[str], str] = lambda p: p) -> List[str]:
+    """Every path absolute, normalised and in the agent's place; the agent's own dirs apart, also
+    once ``resolve`` (the caller's ``os.path.realpath``) has followed their links."""
     errs: List[str] = []
     names = [m.name for m in cfg.members]
     good: Dict[str, List[str]] = {}
@@ -131,9 +132,23 @@ def validate_paths(cfg: Config) -> List[str]:
     owned = ("etcd.data_dir", "backup.dir", "daemon.state_dir", "drill.dir")
     for i, k1 in enumerate(owned):
         for k2 in owned[i + 1:]:
-            clash = next(((a, b) for a in good.get(k1, []) for b in good.get(k2, []) if _inside(a, b) or _inside(b, a)),
-                         None)
-            if clash:
-                errs.append(f"{k1} {clash[0]!r} and {k2} {clash[1]!r} overlap (one holds the other); "
-                            f"give each a directory of its own")
+            problem = _overlap(k1, good.get(k1, []), k2, good.get(k2, []), resolve)
+            if problem:
+                errs.append(problem)
     return errs
+
+
+def _overlap(k1: str, v1: List[str], k2: str, v2: List[str], resolve: Callable[[str], str]) -> Optional[str]:
+    """Why two of the agent's own dirs are not apart, as written or once links are followed (a
+    backup dir that is a link into the data dir goes aside with it at a restore), or None."""
+    pairs = [(a, b) for a in v1 for b in v2]
+    clash = next(((a, b) for a, b in pairs if _inside(a, b) or _inside(b, a)), None)
+    if clash:
+        return f"{k1} {clash[0]!r} and {k2} {clash[1]!r} overlap (one holds the other); give each a directory of its own"
+    for a, b in pairs:
+        ra, rb = resolve(a), resolve(b)
+        if _inside(ra, rb) or _inside(rb, ra):
+            where = "; ".join(f"{k} is {r!r}" for k, v, r in ((k1, a, ra), (k2, b, rb)) if r != v)
+            return (f"{k1} {a!r} and {k2} {b!r} overlap once links are resolved ({where}); "
+                    f"give each a directory of its own")
+    return None

@@ -69,11 +69,13 @@ def validate(
     *,
     raw_member_count: int = -1,
     file_exists: Callable[[str], bool] = os.path.isfile,
+    resolve: Callable[[str], str] = os.path.realpath,
 ) -> List[str]:
-    """Every problem with an already-typed config (empty list: valid), section by section."""
+    """Every problem with an already-typed config (empty list: valid), section by section.
+    ``resolve`` follows a path's links: the agent's own dirs must be apart where they really are."""
     errs = _validate_cluster(cfg)
     errs += _validate_members(cfg, raw_member_count)
-    errs += _validate_etcd(cfg)
+    errs += _validate_etcd(cfg, resolve)
     errs += _validate_tls(cfg, file_exists)
     errs += _validate_backup(cfg)
     errs += _validate_ssh(cfg)
@@ -137,12 +139,12 @@ def _validate_members(cfg: Config, raw_member_count: int) -> List[str]:
     return errs
 
 
-def _validate_etcd(cfg: Config) -> List[str]:
+def _validate_etcd(cfg: Config, resolve: Callable[[str], str]) -> List[str]:
     errs: List[str] = []
     e = cfg.etcd
     if e.service_manager not in SERVICE_MANAGERS:
         errs.append(f"etcd.service_manager must be one of {', '.join(SERVICE_MANAGERS)}, got {e.service_manager!r}")
-    errs.extend(validate_paths(cfg))
+    errs.extend(validate_paths(cfg, resolve))
     if len(cfg.members) > 1 and "{name}" not in e.data_dir:
         hosts = [m.host for m in cfg.members]
         if len(set(hosts)) < len(hosts):

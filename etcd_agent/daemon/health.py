@@ -87,7 +87,7 @@ def _hands_off(o: Observation) -> Optional[Decision]:
             WAIT,
             f"restore {o.restore_op} (from {backup}) is in progress on this host; hands off until it "
             f"finishes. If it crashed: `etcd-agent restore --from {backup} --yes` resumes it, "
-            "`etcd-agent restore rollback --yes` rolls every member back",
+            "`etcd-agent restore rollback --yes` rolls every member back (refused once a member has finished it)",
         )
     if o.upgrade_to:
         return Decision(

@@ -2,8 +2,11 @@
 
 Signal handlers only set flags: SIGTERM/SIGINT stop the loop after the current cycle, SIGHUP
 reloads the config before the next one (a config that fails validation is logged and the old
-one kept). Membership changes (join, replace) happen under etcd's own lock so only one agent of
-the cluster changes membership at a time.
+one kept). So does the exit of the process backend's etcd (the backend's watcher thread): the
+next cycle starts at once instead of up to ``interval`` later, at most once per ``interval``
+so that an etcd that dies as it starts is still restarted at the cycle's pace. Membership
+changes (join, replace) happen under etcd's own lock so only one agent of the cluster changes
+membership at a time.
 """
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ class Daemon:
         self.failures = 0
         self._last_action = health.NONE
         self._last_maintenance = -MAINTENANCE_EVERY
+        self._last_restart = float("-inf")  # monotonic time of the last RESTART action
+        self._watched: Optional[int] = None  # the etcd pid whose exit wakes the loop
         from .drill import DrillScheduler
 
         self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
@@ -104,6 +109,24 @@ class Daemon:
 
     def request_stop(self) -> None:
         self._stop = True
+        self._wake.set()
+
+    def _watch_etcd(self) -> None:
+        """Have the backend wake the loop the moment its etcd exits (the process backend)."""
+        pid = self.local.backend.watch_exit(self._etcd_exited)
+        if pid is not None and pid != self._watched:
+            self._watched = pid
+            log.info("member %s: watching etcd pid %d: its exit starts the next cycle at once", self.me.name, pid)
+
+    def _etcd_exited(self, pid: int) -> None:
+        """From the backend's watcher thread: a flag, as a signal handler sets one."""
+        if time.monotonic() - self._last_restart < self.cfg.daemon.interval:
+            # restarted early less than a cycle ago and gone again: the cycle's pace, so that a
+            # crash loop is not spun, and the restarts counted toward a replace keep their spacing
+            log.info("member %s: etcd pid %d exited; restarted less than a cycle ago, so the next cycle "
+                     "looks at it", self.me.name, pid)
+            return
+        log.info("member %s: etcd pid %d exited; checking at once", self.me.name, pid)
         self._wake.set()
 
     # ------------------------------------------------------------ observe
@@ -200,6 +223,7 @@ class Daemon:
         if a in (health.NONE, health.WAIT):
             return "nothing done"
         if a == health.RESTART:
+            self._last_restart = time.monotonic()
             lm.backend.start()
             return f"started {lm.backend.kind} etcd (attempt {self.failures + 1})"
         if a == health.START_STATIC:
@@ -397,6 +421,7 @@ class Daemon:
                     self.reload()
                 try:
                     self.cycle()
+                    self._watch_etcd()
                 except Exception:  # one bad cycle must not kill the daemon; the next one retries
                     log.exception("cycle failed")
                 self._wake.wait(self.cfg.daemon.interval)

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..fs import regular_fd
 from .errors import NotASegment, SegmentCorrupt
 from .segchain import BaseBackup, ChainStop, check_chain, continues
 from .segments import Checkpoint, SegmentHeader, SegmentInfo, is_sealed, list_segments, ms_to_datetime, parse_name
@@ -201,7 +202,7 @@ def active_base(directory: str) -> Optional[int]:
     held, and its holder record says so), or None."""
     path = os.path.join(directory, WATCHER_LOCK)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = regular_fd(path)  # a FIFO planted as the lock file must not hang every listing
     except OSError:
         return None
     try:

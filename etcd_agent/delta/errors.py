@@ -61,3 +61,9 @@ class ReplayError(OperationFailed):
 class CheckpointUnusable(ReplayError):
     """A checkpoint's snapshot is not what its chain vouches for (or cannot be read): the replay
     starts from an older one, or from the full backup, instead."""
+
+
+class SegmentForged(SegmentCorrupt):
+    """A segment whose signature (manifest key) does not match it, or that is less authenticated
+    than the segments before it in its chain: not damage but an edit, and a restore that would
+    reach it is refused (``segsign``)."""

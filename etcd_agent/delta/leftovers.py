@@ -2,7 +2,8 @@
 
 A drill or a point-in-time replay killed with -9 (or a power cut of the agent alone) cannot stop
 the scratch member it started: that etcd keeps its ports, its CPU share and its deleted files
-forever. The next run of the same kind, holding the same host lock, calls ``remove_left``: every
+forever. The next run of the same kind, holding the same host lock, calls ``remove_left`` (for a
+replay: also the next command of any kind, ``pitr.clean``; ``status`` reports them till then): every
 etcd process whose working directory is one of those dirs or below (``ScratchEtcd`` starts etcd
 in its own dir) is stopped by escalation, then the dir is removed. A process is matched by its
 working directory and its executable's name, never by a pid someone wrote down, so a reused pid
@@ -13,7 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import psutil
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +29,8 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def stop_etcds_in(tops: Sequence[str]) -> List[int]:
-    """Stop every etcd running in one of ``tops`` (or below); the pids stopped."""
+def etcds_in(tops: Sequence[str]) -> "List[psutil.Process]":
+    """Every etcd running in one of ``tops`` (or below)."""
     import psutil
 
     if not tops:
@@ -39,8 +43,17 @@ def stop_etcds_in(tops: Sequence[str]) -> List[int]:
         except (psutil.Error, OSError):
             continue
         if exe.startswith("etcd") and any(_under(cwd, t) for t in tops):
-            log.warning("stopping etcd pid %d left running in %s by a run that died", p.pid, cwd)
             found.append(p)
+    return found
+
+
+def stop_etcds_in(tops: Sequence[str]) -> List[int]:
+    """Stop every etcd running in one of ``tops`` (or below); the pids stopped."""
+    import psutil
+
+    found = etcds_in(tops)
+    for p in found:
+        log.warning("stopping etcd pid %d left running in %s by a run that died", p.pid, p.info["cwd"])
     for p in found:
         try:
             p.terminate()
@@ -56,12 +69,21 @@ def stop_etcds_in(tops: Sequence[str]) -> List[int]:
     return [p.pid for p in found]
 
 
+def left_dirs(parent: str, prefixes: Sequence[str]) -> List[str]:
+    """The dirs of ``parent`` named with one of ``prefixes`` (a symlink or a file of that name is
+    not one: this never follows a link); [] when ``parent`` is absent."""
+    try:
+        names = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return []
+    tops = [os.path.join(parent, n) for n in names if n.startswith(tuple(prefixes))]
+    return [t for t in tops if os.path.isdir(t) and not os.path.islink(t)]
+
+
 def remove_left(parent: str, prefixes: Sequence[str]) -> List[str]:
-    """Remove the dirs of ``parent`` named with one of ``prefixes`` (a symlink or a file of that
-    name is left alone: this never follows a link), after stopping the etcds running in them;
-    the names removed. Call it holding the lock of the kind of run that makes them."""
-    tops = [os.path.join(parent, n) for n in sorted(os.listdir(parent)) if n.startswith(tuple(prefixes))]
-    tops = [t for t in tops if os.path.isdir(t) and not os.path.islink(t)]
+    """Remove ``left_dirs(parent, prefixes)``, after stopping the etcds running in them; the names
+    removed. Call it holding the lock of the kind of run that makes them."""
+    tops = left_dirs(parent, prefixes)
     stop_etcds_in(tops)
     for t in tops:
         shutil.rmtree(t, ignore_errors=True)

@@ -9,12 +9,14 @@ the newest checkpoint the chain vouches for at or before the stop (a full backup
 inside the chain), which the replay uses only if its snapshot is exactly what the chain vouches
 for, folding only what follows it; else an older one, or the full backup. ``replay_kept`` runs
 the replay (``replayrun.replay``: scratch etcd on loopback, its own ports and dir under
-``<backup dir>/.pitr``) and keeps the result there, named after the full backup and the stop
+``<backup dir>/.pitr``, or - an encrypted backup or chain - under ``private_dir``: the backup dir
+is copied off-host and backed up by other tools, so it never holds plaintext) and keeps the result there, named after the full backup and the stop
 revision, with its ``ReplayResult`` beside it: re-running the same restore after a crash reuses it, so the resumed
 restore ships the very bytes the journal names. The restore removes it when it ends.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,10 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
-from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import OperationLock
 
-from . import chains, fullpick, status
+from . import chains, fullpick, segsign, status
 from .chains import events_after
 from .errors import ReplayError
 from .leftovers import remove_left
@@ -45,7 +47,10 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 PITR_DIR = ".pitr"
-OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PITR_DIR
+PRIVATE_DIR = "decrypted"  # under [daemon] state_dir: the plaintext of encrypted backups and chains
+OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PRIVATE_DIR
+# what a replay makes in its work dir: a dead run's are removed (``sweep``)
+WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX)
 FUTURE_MARGIN_MS = 2000
 # a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
 SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
@@ -67,6 +72,7 @@ class Prepared:
     # which full backup and which chain, and why: the backups ``--from latest`` passed over, the
     # chain's first segment, the files at its base that are not its own (``ChainCheck.passed``)
     choice: Tuple[str, ...] = ()
+    signatures: str = ""  # the plan's line about the chain's signatures (``segsign.verdict``)
 
     @property
     def kept_name(self) -> str:
@@ -149,6 +155,19 @@ def pitr_dir(cfg: "Config") -> str:
     return os.path.join(cfg.backup.dir, PITR_DIR)
 
 
+def private_dir(cfg: "Config") -> str:
+    """Where the plaintext of an encrypted backup or chain is staged: a 0700 dir outside the
+    backup dir (copied off-host, backed up by other tools), removed when the restore ends."""
+    return os.path.join(cfg.daemon.state_dir, PRIVATE_DIR)
+
+
+def work_dir(cfg: "Config", encrypted: bool) -> str:
+    """A replay's work dir (its throwaway etcd, its kept result), made 0700."""
+    d = private_dir(cfg) if encrypted else pitr_dir(cfg)
+    makedirs(d, 0o700)
+    return d
+
+
 def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", List[str]]:
     """``--from`` with a target, and the plan's lines on the choice. ``latest`` is the newest
     good full backup at or before the target (a later one cannot be rolled back to it) whose
@@ -181,11 +200,12 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,
             identities: Optional["Identities"] = None, staging: Optional[str] = None,
-            checkpoints: bool = True, skip: Optional[Dict[str, str]] = None) -> Prepared:
+            checkpoints: bool = True, skip: Optional[Dict[str, str]] = None,
+            accept_unsigned: bool = False) -> Prepared:
     """Choose the full backup and plan the replay; RefusedError for a target the chain cannot reach.
 
     Encrypted segments (``.seg.age``) are decrypted with ``identities`` into ``staging`` (the
-    caller's private dir under ``pitr_dir``, removed when the restore ends) and checked whole as
+    caller's private dir outside the backup dir, ``private_dir``, removed when the restore ends) and checked whole as
     they are; without an identity an encrypted chain is checked as far as its bytes allow and the
     restore refused (IdentityRefused, nothing touched).
 
@@ -193,11 +213,18 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     before the target (``choose_start``: from headers and footers), and only the segments from
     its lease census on are verified (and decrypted); the ones before it are never read whole.
     ``checkpoints`` False (``--no-checkpoint``): from the full backup, every segment verified.
-    ``skip``: checkpoints found unusable by an earlier attempt (name -> why)."""
+    ``skip``: checkpoints found unusable by an earlier attempt (name -> why).
+
+    Signatures (``segsign``): checked with this host's manifest key; a forged segment stops the
+    chain, and a restore that would reach it - ``newest`` too - is refused; a chain not signed
+    with the key (legacy) is refused unless ``accept_unsigned`` (``--accept-unsigned-chain``)."""
     entry, picked = resolve_full(cfg, spec, target)
+    if entry.revision is None and entry.encrypted and identities is not None and staging is not None:
+        entry = _read_sealed(cfg, entry, identities, staging)
     if entry.revision is None:
-        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; run "
-                           f"`etcd-agent backup verify {entry.name}` first; nothing touched")
+        how = (f"pass --identity FILE to read it, or run `etcd-agent backup verify {entry.name} --identity FILE`"
+               if entry.encrypted else f"run `etcd-agent backup verify {entry.name}`")
+        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; {how} first; nothing touched")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if target.kind == "time" and target.time_ms is not None and target.time_ms > now_ms + FUTURE_MARGIN_MS:
         raise UsageError(f"target {target.describe()} is in the future (now {_when(now_ms)})")
@@ -208,12 +235,13 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     of = entry.base if base == entry.revision else None
     not_after = now_ms + SEGMENT_CLOCK_MARGIN_MS
     opener = _opener(cfg, identities, staging)
+    key = _key(cfg)
     start: Optional[Start] = None
     passed: List[str] = []
     if checkpoints:
         outline = check_chain(paths, base, verify=False, base=of, not_after_ms=not_after)
         start, passed = choose_start(cfg, entry, outline, target, skip)
-    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener,
+    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key,
                         verify_from=start.checkpoint.leases_from if start is not None else None)
     plan = _plan(entry, check, target)
     if start is not None and (start.revision > plan.stop_revision or not _vouched_in(check, start)):
@@ -221,7 +249,7 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
         passed.append(f"{start.name}: the verified chain does not reach it "
                       f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
         start = None
-        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener)
+        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key)
         plan = _plan(entry, check, target)
     if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
         raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
@@ -232,10 +260,28 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
     prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), tuple(picked + chain_lines(entry, check)))
-    if not plan.complete and target.kind != "newest":
+    forged = check.stop is not None and check.stop.kind == "forged"
+    if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
-    return prep
+    return _signed(cfg, prep, key, accept_unsigned)
+
+
+def _key(cfg: "Config") -> Optional[bytes]:
+    from etcd_agent.backup import keys
+
+    return keys.local_key(cfg).key
+
+
+def _signed(cfg: "Config", prep: Prepared, key: Optional[bytes], accept: bool) -> Prepared:
+    """``prep`` with the plan's line about the chain's signatures; refused when it is not signed
+    with the manifest key and ``accept`` is not given (``segsign.verdict``)."""
+    from etcd_agent.backup import keys
+
+    line, refusal = segsign.verdict(prep.check.segments, key is not None, keys.key_path(cfg), accept)
+    if refusal is not None:
+        raise RefusedError(f"{prep.entry.name}: {refusal}")
+    return dataclasses.replace(prep, signatures=line)
 
 
 def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
@@ -250,6 +296,33 @@ def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
             lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
     lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
     return lines
+
+
+def _read_sealed(cfg: "Config", entry: "Entry", identities: "Identities", staging: str) -> "Entry":
+    """An encrypted full backup no check of this host remembers (copied here from elsewhere):
+    decrypted through the bounded reader into ``staging`` as it streams (every chunk authenticated,
+    the plaintext checked as a plain snapshot is), its revision and snapshot sha256 (what its chain
+    names) read from its own db, the copy removed. A fault is one refusal naming it: a key that
+    opens nothing, a damaged header (its MAC), a damaged chunk, a file cut short."""
+    from dataclasses import replace
+
+    from etcd_agent.backup.keys import local_key
+    from etcd_agent.backup.reader import open_archive
+    from etcd_agent.errors import BackupCorrupt
+
+    try:
+        arc = open_archive(entry.path, staging_dir=staging, hash_snapshot=True, key=local_key(cfg).key,
+                           identities=identities, need_plaintext=True)
+    except BackupCorrupt as exc:  # IdentityRefused (a RefusedError) names the key file itself
+        problem = exc.details[0] if exc.details else exc.message
+        raise RefusedError(f"{entry.name}: {problem}; it cannot be restored (use another backup); nothing "
+                           "touched") from None
+    try:
+        snap, ident = arc.plaintext()
+        return replace(entry, revision=ident.revision, snapshot_sha256=snap.sha256 or entry.snapshot_sha256,
+                       member_ids=tuple(m.id_hex for m in ident.members))
+    finally:
+        arc.close()
 
 
 def _plan(entry: "Entry", check: ChainCheck, target: Target) -> Plan:
@@ -337,45 +410,115 @@ def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
     return hints
 
 
-def scratch_options(cfg: "Config") -> ScratchOptions:
+def scratch_options(cfg: "Config", encrypted: bool = False) -> ScratchOptions:
     """The cluster's own etcd release (the replayed db is then what it writes), on loopback, in a
-    private dir beside the backups (the same filesystem that holds them has room for one more)."""
+    private dir beside the backups (the same filesystem that holds them has room for one more);
+    ``encrypted``: in ``private_dir``, never under the backup dir."""
     e = cfg.etcd
     if not e.etcdutl:
         raise RefusedError("a point-in-time restore needs etcdutl (etcd >= 3.5) for its throwaway replay member: "
                            "set [etcd] etcdutl; nothing touched")
     return ScratchOptions(binaries=EtcdBinaries(etcd=e.binary, etcdutl=e.etcdutl, etcdctl=e.etcdctl),
-                          parent_dir=pitr_dir(cfg))
+                          parent_dir=work_dir(cfg, encrypted))
 
 
 def lock(cfg: "Config") -> OperationLock:
     """One point-in-time restore at a time on this host (held from the replay to the restore's
     end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
-    d = pitr_dir(cfg)
-    makedirs(d, 0o700)
-    held = OperationLock(os.path.join(d, ".lock"), "point-in-time replay").acquire()
-    # and stops the etcd a killed replay left running; etcd-open-*: the decrypted segments it staged
-    remove_left(d, ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX))
+    held = _lock(cfg, "point-in-time replay")
+    sweep(cfg)
     return held
 
 
+def _lock(cfg: "Config", operation: str) -> OperationLock:
+    d = pitr_dir(cfg)
+    makedirs(d, 0o700)
+    return OperationLock(os.path.join(d, ".lock"), operation).acquire()
+
+
+def sweep(cfg: "Config") -> List[str]:
+    """What dead runs left (call it holding ``lock``): the etcds still running in their work dirs
+    are stopped and the dirs removed - decrypted segments, scratch data - and the decrypted
+    backups of readers that died; the paths removed."""
+    from etcd_agent.backup.reader import remove_stale_stages
+
+    removed = [os.path.join(pitr_dir(cfg), n) for n in remove_left(pitr_dir(cfg), WORK_PREFIXES)]
+    private = private_dir(cfg)
+    if os.path.isdir(private):
+        removed += [os.path.join(private, n) for n in remove_left(private, WORK_PREFIXES)]
+        removed += [os.path.join(private, n) for n in remove_stale_stages(private)]
+    if removed:
+        log.warning("removed what a killed point-in-time restore left: %s", ", ".join(removed))
+    return removed
+
+
+def leftovers(cfg: "Config") -> List[str]:
+    """What a killed point-in-time restore left on this host, one line each (``status``): its
+    work dirs, their size, whether they hold plaintext, the etcds still running in them. [] while
+    a replay runs (they are its own). The next command of any kind removes them (``clean``)."""
+    from etcd_agent.backup.reader import stale_stages
+
+    from .leftovers import etcds_in, left_dirs
+
+    if not lock_free(cfg):
+        return []
+    private = private_dir(cfg)
+    found = [(d, False) for d in left_dirs(pitr_dir(cfg), WORK_PREFIXES)]
+    found += [(d, True) for d in left_dirs(private, WORK_PREFIXES)]
+    found += [(os.path.join(private, n), True) for n in stale_stages(private)]
+    lines = []
+    for d, plain in found:
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(d) for f in fs
+                   if os.path.isfile(os.path.join(r, f)))
+        pids = [p.pid for p in etcds_in([d])]
+        lines.append(f"{d}: {size / 1e6:.1f} MB{' of decrypted (plaintext) data' if plain else ''}"
+                     + (f"; etcd pid {', '.join(map(str, pids))} still running in it" if pids else ""))
+    return lines
+
+
+def clean(cfg: "Config") -> List[str]:
+    """``sweep`` when no replay runs; what it removed. Creates nothing: without ``.pitr`` no
+    replay ever ran here, and only the decrypted copies of dead readers can be left."""
+    from etcd_agent.backup.reader import remove_stale_stages
+    from etcd_agent.errors import BusyError
+
+    if not os.path.isdir(pitr_dir(cfg)):
+        private = private_dir(cfg)
+        return [os.path.join(private, n) for n in remove_stale_stages(private)]
+    try:
+        held = _lock(cfg, "point-in-time leftovers cleanup")
+    except BusyError:
+        return []  # a replay runs: its dirs are its own
+    try:
+        return sweep(cfg)
+    finally:
+        held.release()
+
+
+def lock_free(cfg: "Config") -> bool:
+    """No point-in-time replay runs on this host (its dirs are then a dead run's)."""
+    from etcd_agent.state.locks import held_by
+
+    return held_by(os.path.join(pitr_dir(cfg), ".lock")) is None
+
+
 def open_staging(cfg: "Config") -> str:
-    """A private (0700) dir under ``pitr_dir`` for the decrypted segments of one restore; call it
-    holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
+    """A private (0700) dir under ``private_dir`` for the decrypted segments of one restore; call
+    it holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
     import tempfile
 
-    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=pitr_dir(cfg))
+    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=work_dir(cfg, True))
 
 
 def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None) -> Tuple[str, ReplayResult, bool]:
-    """Replay into ``<backup dir>/.pitr/<kept name>`` (reused when a crashed run left it):
-    (path, result, reused). Call it holding ``lock``."""
-    d = pitr_dir(cfg)
+    """Replay into ``<backup dir>/.pitr/<kept name>`` (with ``identities``: ``private_dir``),
+    reused when a crashed run left it: (path, result, reused). Call it holding ``lock``."""
+    d = work_dir(cfg, identities is not None)
     out = os.path.join(d, p.kept_name)
     side = out + ".json"
     if os.path.isfile(out) and os.path.isfile(side):
         try:
-            with open(side, encoding="utf-8") as fh:
+            with open_regular(side) as fh:
                 res = ReplayResult.from_json(json.loads(fh.read(1 << 22)))
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
@@ -390,7 +533,8 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     # again without it (an older one, or the full backup, and the chain verified from there)
     paths = [s.path for s in p.check.segments] + list(p.check.lost)
     st = p.start
-    res = replay(st.path if st else p.entry.path, paths, p.target, output=out, options=scratch_options(cfg),
+    res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
+                 options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
                  checkpoint=(st.checkpoint.sha256, st.revision) if st else None)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
@@ -408,9 +552,10 @@ def remove_kept(path: str) -> None:
 def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
     """``--from`` naming a kept replay (what a crashed point-in-time restore's journal names)."""
     path = os.path.abspath(spec)
-    if os.path.dirname(path) != os.path.abspath(pitr_dir(cfg)) or not os.path.isfile(path + ".json"):
+    if os.path.dirname(path) not in (os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg))) \
+            or not os.path.isfile(path + ".json"):
         return None
-    with open(path + ".json", encoding="utf-8") as fh:
+    with open_regular(path + ".json") as fh:
         return path, ReplayResult.from_json(json.loads(fh.read(1 << 22)))
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
+from . import segsign
 from .errors import ChainBroken, SegmentCorrupt
 from .rpc import StreamEnded
 from .segchain import BaseBackup, check_chain, verified
@@ -132,12 +134,13 @@ class WatchOptions:
     queue_size: int = 4096
     lease_refresh_limit: int = 10000
     # encrypt every segment to these age recipients ([backup] encrypt_to) and sign its seal with
-    # the manifest key (``segseal``); () writes plain segments
+    # the manifest key (``segseal``); () writes plain segments, their footers signed (``segsign``)
     recipients: Tuple["X25519Recipient", ...] = ()
     sign_key: Optional[bytes] = field(default=None, repr=False)
 
 
-def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBackup] = None) -> Optional[ChainPosition]:
+def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBackup] = None, *,
+                      key: Optional[bytes] = None) -> Optional[ChainPosition]:
     """The end of the chain continuing the full backup ``base`` (at ``base_revision``) already in
     ``out_dir`` (None: no chain yet). Only a chain that continues exactly that backup is resumed
     (``segchain.continues``): never one of another backup at the same revision, such as the
@@ -146,16 +149,38 @@ def find_resume_point(out_dir: str, base_revision: int, base: Optional[BaseBacku
     Links are followed by headers and footers only (cheap); the last segment is then read in
     full, and if it is damaged the one before it is tried: a resumed chain only ever continues
     from a segment that verifies. (``check_chain`` before a restore verifies every link.)
+
+    ``key``: the manifest key the watcher signs with. What it writes next names the segment it
+    resumes after by sha256, so its signature vouches for that segment and, by their links,
+    every one before it (``segsign``): it resumes only after a segment signed with that key, and
+    without a key never after signed ones. Otherwise ChainBroken: a new full backup starts a
+    new chain, and the forged or unsigned tail is never signed over.
     """
     check = check_chain(list_segments(out_dir), base_revision, verify=False, base=base)
     if check.stop is not None:
         log.warning("delta chain of revision %d in %s: %s", base_revision, out_dir, check.stop.reason)
-    for info in reversed(check.segments):
+    for i in range(len(check.segments) - 1, -1, -1):
         try:
-            return ChainPosition.after(verified(info.path))
+            last = verified(check.segments[i].path, key)
         except SegmentCorrupt as exc:
-            log.warning("cannot resume after %s: %s; trying the segment before it", info.path, exc.problem)
+            log.warning("cannot resume after %s: %s; trying the segment before it", check.segments[i].path,
+                        exc.problem)
+            continue
+        _vouch_for(last, check.segments[:i], key)
+        return ChainPosition.after(last)
     return None
+
+
+def _vouch_for(last: SegmentInfo, before: Tuple[SegmentInfo, ...], key: Optional[bytes]) -> None:
+    """ChainBroken unless a watcher signing with ``key`` may continue the chain after ``last``."""
+    name = os.path.basename(last.disk_path)
+    if key is not None and last.signature != "valid":
+        what = "not signed" if last.signature == "unsigned" else "not signed with this cluster's manifest key"
+        raise ChainBroken(last.start_revision, f"the chain's last segment {name} is {what}: the next segment's "
+                                               "signature would vouch for it")
+    if key is None and (last.signature not in ("", "unsigned") or any(segsign.rank(s) for s in before)):
+        raise ChainBroken(last.end_revision + 1, f"the chain up to {name} is signed and this host has no manifest "
+                                                 "key: its next segments would be unsigned")
 
 
 def member_break(pos: ChainPosition, cluster_id: int, revision: int, last: int) -> Optional[ChainBroken]:

@@ -123,8 +123,9 @@ def _snapshot_file(full_snapshot: str, workdir: str,
     there with ``identities``. Returns (path, sha256 of its bytes as read; None for a bare db)."""
     from etcd_agent.backup.reader import open_archive
     from etcd_agent.backup.tarstream import sniff
+    from etcd_agent.fs import open_regular
 
-    with open(full_snapshot, "rb") as fh:
+    with open_regular(full_snapshot, follow_symlinks=True) as fh:  # a full backup or a checkpoint: the backup dir's
         head = fh.read(512)
     if sniff(head) == "unknown":
         return full_snapshot, None  # a bare snapshot db

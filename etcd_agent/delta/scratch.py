@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, 
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
+from etcd_agent.pdeath import die_with_parent
 from etcd_agent.waiting import poll
 
 from .errors import ScratchError
@@ -242,6 +243,8 @@ class ScratchEtcd:
                 user=ids[0] if ids else None,
                 group=ids[1] if ids else None,
                 extra_groups=[] if ids else None,
+                # killed with its run, even by -9 (the dir is then removed by the next run's sweep)
+                preexec_fn=die_with_parent(),
             )
         except OSError as exc:
             raise ScratchError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None

@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .errors import NotASegment, SegmentCorrupt
+from ..fs import open_regular
+from . import segsign
+from .errors import NotASegment, SegmentCorrupt, SegmentForged
 from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
 from .segreader import read_header, read_summary, verify_segment
 from .segseal import verify_sealed
@@ -50,7 +52,7 @@ def continues(h: SegmentHeader, base: Optional[BaseBackup]) -> bool:
 class ChainStop:
     """Where and why a chain stops being usable; nothing at or after ``at_revision`` is trusted."""
 
-    kind: str  # "gap" | "corrupt" | "mismatch" | "future"
+    kind: str  # "gap" | "corrupt" | "mismatch" | "future" | "forged" (``segsign``)
     reason: str
     at_revision: int
     path: Optional[str]
@@ -116,6 +118,7 @@ def check_chain(
     not_after_ms: Optional[int] = None,
     opener: Optional[Opener] = None,
     verify_from: Optional[int] = None,
+    key: Optional[bytes] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -123,8 +126,8 @@ def check_chain(
     and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
     Segments of other chains among ``paths`` are ignored; a chain that cannot continue the full
     backup ``base`` (``continues``) and a file that does not begin as a segment are passed over,
-    named in ``ChainCheck.passed``; a segment naming another base than its chain's first stops it. ``verify=False`` reads only headers and footers
-    (cheap, for finding where a watcher resumes) and cannot see damage inside. With
+    named in ``ChainCheck.passed``; a segment naming another base than its chain's first stops it.
+    ``verify=False`` reads only headers and footers (cheap, for finding where a watcher resumes) and cannot see damage inside. With
     ``not_after_ms`` (a restore: now plus a margin) a segment dated after it - by its name, its
     footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
     target could otherwise be met by a revision that happened later. Encrypted segments
@@ -133,6 +136,8 @@ def check_chain(
     segments that reach that revision are verified; the ones before it are followed by their
     headers and footers alone (a replay from a checkpoint reads nothing of them: see
     ``segments.Checkpoint``), and the first verified one's link to them is not checked.
+    ``key`` (the manifest key) checks verified segments' signatures; with it or without, a
+    segment less authenticated than one before it stops the chain as "forged" (``segsign``).
     """
     by_start: Dict[int, List[str]] = {}
     for p in paths:
@@ -148,6 +153,7 @@ def check_chain(
     because = ""
     expect = start_revision + 1
     prev: Optional[SegmentInfo] = None
+    best = 0  # the best-proven origin of the segments followed (``segsign.rank``)
     while True:
         cands = [p for p in by_start.get(expect, []) if p not in used]
         problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
@@ -157,12 +163,12 @@ def check_chain(
             rng = parse_name(os.path.basename(p))
             full = verify and (verify_from is None or rng is None or rng[1] >= verify_from)
             try:
-                info = _load_info(p, full, max_bytes, opener)
+                info = _load_info(p, full, max_bytes, opener, key)
             except NotASegment as exc:
                 passed.append((p, f"{exc.problem}: not a segment of any chain, whatever its name"))
                 continue
             except SegmentCorrupt as exc:
-                problems.append(("corrupt", p, exc.problem))
+                problems.append(("forged" if isinstance(exc, SegmentForged) else "corrupt", p, exc.problem))
                 continue
             h = info.header
             if h.base_revision != start_revision:
@@ -182,6 +188,10 @@ def check_chain(
                 # starts): passed over too, not "not the first segment" - nothing of ours is lost
                 passed.append((p, f"segment {h.seq} of chain {h.chain_id[:8]}, which {names_base(h)}: "
                                   "another full backup's chain"))
+                continue
+            forged = segsign.weaker(info, best)
+            if forged:
+                problems.append(("forged", p, forged))
                 continue
             if prev is None:
                 ok = h.seq == 0 and h.prev_sha256 == ""
@@ -205,14 +215,19 @@ def check_chain(
                 firsts.append(info)
                 continue
             if ok:
-                chosen = info
-                break
+                # of two that fit (a forged twin beside a signed segment), the better-proven one
+                if chosen is None or segsign.rank(info) > segsign.rank(chosen):
+                    chosen = info
+                if segsign.rank(chosen) == segsign.RANK["valid"]:
+                    break
+                continue
             problems.append(("mismatch", p, why))
         if firsts:
             chosen, because, others = _first(firsts, base)
             passed += others
         if chosen is not None:
             good.append(chosen)
+            best = max(best, segsign.rank(chosen))
             used.add(chosen.disk_path)
             prev = chosen
             expect = chosen.end_revision + 1
@@ -255,12 +270,13 @@ def names_base(h: SegmentHeader) -> str:
 
 def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[SegmentInfo, str, List[Tuple[str, str]]]:
     """The first segment of the chain that continues ``base`` among several that may (two chains
-    at one revision), why, and the others passed over. A sha256 match is proof; without one the
+    at one revision), why, and the others passed over. A sha256 match is proof; then the
+    better-proven (``segsign.rank``: a forged twin beside a signed segment is not taken); then the
     chain that started soonest after the backup was taken (the daemon starts its chain right
     after its backup: a later one continues a later backup at the same revision)."""
-    def rank(i: SegmentInfo) -> Tuple[bool, int, str]:
+    def rank(i: SegmentInfo) -> Tuple[bool, int, int, str]:
         exact = bool(base is not None and base.sha256 and i.header.base_sha256 == base.sha256)
-        return (not exact, i.header.start_time_ms, i.path)
+        return (not exact, -segsign.rank(i), i.header.start_time_ms, i.path)
 
     order = sorted(firsts, key=rank)
     best, h = order[0], order[0].header
@@ -299,19 +315,20 @@ def _dated_after(path: str, info: SegmentInfo, not_after_ms: Optional[int]) -> s
     return ""
 
 
-def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener] = None) -> SegmentInfo:
+def _load_info(path: str, verify: bool, max_bytes: int, opener: Optional[Opener] = None,
+               key: Optional[bytes] = None) -> SegmentInfo:
     if verify and is_sealed(path):
-        return opener(path) if opener is not None else verify_sealed(path)
+        return opener(path) if opener is not None else verify_sealed(path, key=key)
     if verify:
-        return verify_segment(path, max_bytes=max_bytes)
+        return verify_segment(path, max_bytes=max_bytes, key=key)
     header, footer = read_summary(path)
     return SegmentInfo(path, os.path.getsize(path), "", header, footer)
 
 
-def verified(path: str) -> SegmentInfo:
+def verified(path: str, key: Optional[bytes] = None) -> SegmentInfo:
     """One segment checked as far as it can be here: a plain one whole, an encrypted one without
-    its key (what a watcher resumes after: its sha256, header and footer)."""
-    return _load_info(path, True, MAX_SEGMENT)
+    its key (what a watcher resumes after: its sha256, header and footer); signatures with ``key``."""
+    return _load_info(path, True, MAX_SEGMENT, key=key)
 
 
 def _theirs(h: SegmentHeader, base: Optional[BaseBackup], foreign: Set[str]) -> bool:
@@ -346,7 +363,7 @@ def tail_sha256(path: str) -> str:
     """sha256 of a whole file (what the next segment's header must name)."""
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     except OSError as exc:

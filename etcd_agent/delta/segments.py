@@ -39,6 +39,7 @@ milliseconds of the commit while the watch is live). Revisions received while ca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -54,6 +55,7 @@ DIGEST = 32
 REC_TXN, REC_LEASE, REC_FOOTER = 1, 2, 3
 PUT, DELETE = 0, 1
 FLAG_CATCHUP = 0x01
+SIG_ALG = "hmac-sha256"  # a signed footer's (``segsign``), as an encrypted segment's seal's (``segseal``)
 
 MAX_JSON = 64 * 1024
 # one record is one revision; etcd's own request limit is --max-request-bytes (1.5 MiB default,
@@ -240,6 +242,9 @@ class SegmentFooter:
     catchup_until: int = 0  # revisions <= this were received while catching up (0: none)
     # full backups taken inside the chain that it vouches for (optional: older readers ignore it)
     checkpoints: Tuple[Checkpoint, ...] = ()
+    # (manifest key id, hex HMAC-SHA256) of a plain segment signed by the daemon (``segsign``;
+    # optional: older readers ignore it); an encrypted segment's seal carries its signature instead
+    signature: Optional[Tuple[str, str]] = None
 
     def to_json(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {
@@ -253,7 +258,15 @@ class SegmentFooter:
         }
         if self.checkpoints:  # absent rather than empty: older readers see the footer they know
             d["checkpoints"] = [c.to_json() for c in self.checkpoints]
+        if self.signature is not None:
+            d["signature"] = signature_json(self.signature)
         return d
+
+    def unsigned(self) -> "SegmentFooter":
+        return dataclasses.replace(self, signature=None)
+
+    def with_signature(self, signature: Tuple[str, str]) -> "SegmentFooter":
+        return dataclasses.replace(self, signature=signature)
 
     @classmethod
     def from_json(cls, d: Any) -> "SegmentFooter":
@@ -268,12 +281,28 @@ class SegmentFooter:
             confirmed=_req(d, "confirmed", bool),
             catchup_until=_req(d, "catchup_until", int),
             checkpoints=_checkpoints(d.get("checkpoints")),
+            signature=parse_signature(d.get("signature")),
         )
         if min(f.end_revision, f.txns, f.events, f.leases, f.catchup_until) < 0:
             raise ValueError("negative count in footer")
         if any(c.revision > f.end_revision for c in f.checkpoints):
             raise ValueError("a checkpoint past the segment's end: the chain cannot vouch for it")
         return f
+
+
+def signature_json(sig: Tuple[str, str]) -> Dict[str, str]:
+    """A signature (key id, hex mac) as a footer or a seal writes it."""
+    return {"alg": SIG_ALG, "key_id": sig[0], "mac": sig[1]}
+
+
+def parse_signature(v: Any) -> Optional[Tuple[str, str]]:
+    """(key id, hex mac) of a footer's or a seal's "signature" (None: absent); ValueError if malformed."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or v.get("alg") != SIG_ALG or set(v) != {"alg", "key_id", "mac"} or \
+            not all(isinstance(v[k], str) and 0 < len(v[k]) <= 128 for k in ("key_id", "mac")):
+        raise ValueError(f"malformed signature (want {{alg: {SIG_ALG}, key_id, mac}})")
+    return str(v["key_id"]), str(v["mac"])
 
 
 def _checkpoints(v: Any) -> Tuple[Checkpoint, ...]:
@@ -309,6 +338,14 @@ class SegmentInfo:
     # an encrypted segment: ``path``/``sha256``/``size`` are then those of the file on disk when
     # checked without the key, and ``path`` is the decrypted copy once opened with it
     sealed: Optional[SealFacts] = None
+    # a plain segment's footer signature as checked (``segsign.state``): "" not checked (headers
+    # and footers only), "valid" | "unsigned" | "unknown-key"
+    footer_signature: str = ""
+
+    @property
+    def signature(self) -> str:
+        """How its origin is proven: the seal's signature (encrypted), else the footer's."""
+        return self.sealed.signature if self.sealed is not None else self.footer_signature
 
     @property
     def disk_path(self) -> str:

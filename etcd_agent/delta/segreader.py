@@ -12,7 +12,9 @@ import struct
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
+from etcd_agent.fs import open_regular, regular_fd
 
+from . import segsign
 from .errors import NotASegment, SegmentCorrupt
 from .segments import (
     DELETE,
@@ -47,7 +49,7 @@ from .segseal import read_seal
 
 def _read_file(path: str, max_bytes: int) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = regular_fd(path)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
     try:
@@ -100,7 +102,7 @@ def read_header(path: str) -> SegmentHeader:
     if is_sealed(path):
         return read_seal(path).header
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             data = fh.read(12 + MAX_JSON)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot read: {exc.strerror or exc}") from None
@@ -115,7 +117,7 @@ def read_summary(path: str) -> Tuple[SegmentHeader, SegmentFooter]:
         seal = read_seal(path)
         return seal.header, seal.footer
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             head = fh.read(12 + MAX_JSON)
             header, _ = _header_of(path, head)
             size = os.fstat(fh.fileno()).st_size
@@ -160,10 +162,11 @@ def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:
     return Segment(info, tuple(txns))
 
 
-def verify_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> SegmentInfo:
+def verify_segment(path: str, *, max_bytes: int = MAX_SEGMENT, key: Optional[bytes] = None) -> SegmentInfo:
     """What ``read_segment(path).info`` returns, checked exactly as strictly, but without building
-    an object per event (the chain check's pass: it needs only the verdict and the info)."""
-    return scan_segment(path, None, max_bytes=max_bytes)
+    an object per event (the chain check's pass: it needs only the verdict and the info). With
+    ``key`` (the manifest key) its footer's signature is checked (``segsign.state``)."""
+    return scan_segment(path, None, max_bytes=max_bytes, key=key)
 
 
 # one event as the scan hands it over: (kind, key, value, create revision, version, lease)
@@ -174,12 +177,14 @@ TxnSink = Callable[[int, int, int, Optional[List[RawEvent]]], None]
 
 
 def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEGMENT,
-                 want_events: bool = True) -> SegmentInfo:
+                 want_events: bool = True, key: Optional[bytes] = None) -> SegmentInfo:
     """Read and check a whole segment as ``read_segment`` does, handing each checked revision to
     ``sink`` (None: check only) as plain tuples instead of Txn/Event objects. The digest is
     checked before any record is parsed, so ``sink`` only ever sees bytes the digest covers;
     the footer's counts are checked after the last record (a sink must be ready to discard
-    what it got if this raises). ``want_events`` False: ``sink`` gets None for the events."""
+    what it got if this raises). ``want_events`` False: ``sink`` gets None for the events.
+    The footer's signature is checked with ``key`` (SegmentForged if it does not match; the
+    info's ``signature`` says valid, unsigned or unknown-key)."""
     data = _read_file(path, max_bytes)
     size = len(data)
     if data[:8] != MAGIC:
@@ -187,12 +192,16 @@ def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEG
     if size < len(MAGIC) + 4 + REC_HEAD.size + TRAILER:
         raise SegmentCorrupt(path, f"truncated ({size} bytes)")
     body_end = size - DIGEST
-    # the digest first: any damage at all is reported as what it is
-    digest = hashlib.sha256(memoryview(data)[:body_end])
+    # the digest first: any damage at all is reported as what it is; hashed in two parts, so the
+    # sha256 of the bytes before the footer (what its signature covers) comes in the same pass
+    (footer_at,) = U64.unpack_from(data, body_end - 8)
+    split = min(footer_at, body_end)
+    digest = hashlib.sha256(memoryview(data)[:split])
+    before_footer = digest.digest()
+    digest.update(memoryview(data)[split:body_end])
     if digest.digest() != data[body_end:]:
         raise SegmentCorrupt(path, f"sha256 digest mismatch ({size} bytes): damaged or truncated")
     header, pos = _header_of(path, data)
-    (footer_at,) = U64.unpack_from(data, body_end - 8)
     records_end = body_end - 8
     if not pos <= footer_at <= records_end - REC_HEAD.size:
         raise SegmentCorrupt(path, f"footer offset {footer_at} out of bounds")
@@ -215,7 +224,8 @@ def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEG
     # the whole file's sha256 (what the next segment names) continues the body's: one pass, not two
     digest.update(memoryview(data)[body_end:])
     whole = digest.hexdigest()
-    return SegmentInfo(path, size, whole, header, footer, tuple(leases))
+    signature = segsign.state(path, footer, before_footer, key)
+    return SegmentInfo(path, size, whole, header, footer, tuple(leases), footer_signature=signature)
 
 
 _REC_HEAD_SIZE = REC_HEAD.size

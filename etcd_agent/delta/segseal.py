@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
+from etcd_agent.fs import regular_fd
 
-from .errors import NotASegment, ReplayError, SegmentCorrupt
+from .errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
 from .segments import (
     MAX_SEGMENT,
     SEALED_EXT,
@@ -47,6 +48,8 @@ from .segments import (
     SegmentHeader,
     SegmentInfo,
     json_bytes,
+    parse_signature,
+    signature_json,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
@@ -56,7 +59,6 @@ SEAL_MAGIC = b"ETCDDSEA"
 SEAL_BLOCK = 8192  # the age file starts here
 SEAL_FORMAT = "etcd-agent-delta-sealed"
 SEAL_VERSION = 1
-SIG_ALG = "hmac-sha256"
 # age's overhead on the largest segment: a header of 20 recipients (~2 KiB), the nonce, a tag a chunk
 AGE_OVERHEAD_MAX = 64 * 1024 + 16 + (MAX_SEGMENT // (64 * 1024) + 1) * 16
 READ = 1 << 20
@@ -103,7 +105,7 @@ class Seal:
     def to_bytes(self) -> bytes:
         d = self.body()
         if self.signature is not None:
-            d["signature"] = {"alg": SIG_ALG, "key_id": self.signature[0], "mac": self.signature[1]}
+            d["signature"] = signature_json(self.signature)
         return json_bytes(d)
 
     def signed(self, key: bytes) -> "Seal":
@@ -141,13 +143,7 @@ class Seal:
         if not isinstance(recips, list) or not recips or len(recips) > 64 or \
                 not all(isinstance(r, str) and r.startswith("age1") and len(r) < 100 for r in recips):
             raise ValueError("recipients must be 1 to 64 age1... public keys")
-        sig = d.get("signature")
-        signature = None
-        if sig is not None:
-            if not isinstance(sig, dict) or sig.get("alg") != SIG_ALG or set(sig) != {"alg", "key_id", "mac"} or \
-                    not all(isinstance(sig[k], str) and 0 < len(sig[k]) <= 128 for k in ("key_id", "mac")):
-                raise ValueError("malformed signature")
-            signature = (sig["key_id"], sig["mac"])
+        signature = parse_signature(d.get("signature"))
         return cls(SegmentHeader.from_json(d.get("header")), SegmentFooter.from_json(d.get("footer")),
                    int(d["plain_size"]), str(d["plain_sha256"]), int(d["age_size"]), str(d["age_sha256"]),
                    tuple(recips), signature)
@@ -208,7 +204,7 @@ def seal_block(seal: Seal) -> bytes:
 
 def _open(path: str) -> Tuple[int, int]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = regular_fd(path)
     except OSError as exc:
         raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
     try:
@@ -274,7 +270,7 @@ def _facts(seal: Seal, path: str, signature: str, opened: bool) -> SealFacts:
 def _signature(path: str, seal: Seal, key: Optional[bytes]) -> str:
     state = seal.signature_state(key)
     if state == "invalid":
-        raise SegmentCorrupt(path, "its seal does not match its signature (manifest key): changed after it was written")
+        raise SegmentForged(path, "its seal does not match its signature (manifest key): changed after it was written")
     return state
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple
 
 from etcd_agent.fs import fsync_dir
 
+from . import segsign
 from .errors import DeltaError
 from .segments import (
     DELETE,
@@ -79,7 +80,8 @@ class SegmentWriter:
 
     With ``recipients`` the segment is encrypted to them as it is written (``segseal``: no
     plaintext byte reaches the disk) and sealed when it closes, signed with ``sign_key`` (the
-    manifest key) when there is one; it is then named ``<segment name>.age``.
+    manifest key) when there is one; it is then named ``<segment name>.age``. A plain segment's
+    footer is signed with ``sign_key`` (``segsign``).
     """
 
     def __init__(self, directory: str, header: SegmentHeader, *, buffer_size: int = 1 << 20,
@@ -91,6 +93,7 @@ class SegmentWriter:
         os.fchmod(fd, 0o600)
         self._fh: Optional[BinaryIO] = os.fdopen(fd, "w+b", buffering=buffer_size)
         self._sealer: Optional["SealingSink"] = None
+        self._sign_key = sign_key
         self._hash = hashlib.sha256()
         self._pending: List[bytes] = []
         self._pending_size = 0
@@ -181,6 +184,9 @@ class SegmentWriter:
         )
         assert self._fh is not None, "segment already closed"
         try:
+            self._flush_pending()  # every byte before the footer hashed: what its signature covers
+            if self._sign_key is not None and self._sealer is None:  # (an encrypted one's seal is signed)
+                footer = segsign.sign(footer, self._sign_key, self._hash.digest())
             body = json_bytes(footer.to_json())
             footer_at = self.size
             self._write(REC_HEAD.pack(REC_FOOTER, len(body)) + body + U64.pack(footer_at))

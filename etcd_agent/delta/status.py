@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from etcd_agent.fs import write_atomic
+from etcd_agent.fs import open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
@@ -219,7 +219,7 @@ class BreakRecord:
 def read_breaks(directory: str) -> Tuple[int, List[BreakRecord]]:
     """(breaks ever recorded, the newest MAX_BREAKS of them)."""
     try:
-        with open(os.path.join(directory, BREAKS_FILE), encoding="utf-8") as fh:
+        with open_regular(os.path.join(directory, BREAKS_FILE)) as fh:
             raw = json.loads(fh.read(1 << 20))
         total = int(raw.get("total", 0))
         return total, [BreakRecord.from_json(x) for x in raw.get("breaks", [])]

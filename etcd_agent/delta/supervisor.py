@@ -326,6 +326,8 @@ class DeltaSupervisor:
                         "restore by hand; the backups from before it are kept as its rollback points", exc.reason)
         except OSError as err:
             log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err)
+        except AgentError as err:  # an unreadable record: kept as found (prune holds), said
+            log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err.message)
 
     def _find_newest(self, cfg: Config) -> None:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
@@ -431,8 +433,12 @@ class DeltaSupervisor:
         from etcd_agent.backup.service import recipients_of
 
         recipients = tuple(recipients_of(cfg))
-        # encrypted segments' seals are signed with the manifest key this host has (if any)
-        sign_key = keys.local_key(cfg).key if recipients else None
+        # every segment (an encrypted one's seal, a plain one's footer) is signed with the manifest
+        # key this host has: the full backup that starts each chain fetched or created it
+        sign_key = keys.local_key(cfg).key
+        if sign_key is None:
+            log.warning("delta: no manifest key at %s: segments are written unsigned (a point-in-time restore then "
+                        "needs --accept-unsigned-chain); the next full backup fetches it from etcd", keys.key_path(cfg))
         opts = WatchOptions(close_seconds=d.close_seconds, close_bytes=d.close_bytes, idle_seconds=d.idle_seconds,
                             batch_seconds=d.batch_seconds,
                             max_outage=d.max_outage, recipients=recipients, sign_key=sign_key)

@@ -233,7 +233,7 @@ class DeltaWatcher:
                              holder=Holder(base_revision=self.base_revision, endpoint=self.endpoint)).acquire()
         try:
             remove_stale_temps(self.out_dir)
-            resumed = find_resume_point(self.out_dir, self.base_revision, self.base)
+            resumed = find_resume_point(self.out_dir, self.base_revision, self.base, key=self.opt.sign_key)
             if resumed is not None:
                 self.pos = resumed
                 self._last_event_ms = resumed.start_time_ms

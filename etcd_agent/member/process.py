@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import Config
 from ..errors import OperationFailed
@@ -43,6 +45,7 @@ class ProcessBackend:
         self.pid_file = os.path.join(self.run_dir, f"{member}.pid")
         self.log_file = os.path.join(self.run_dir, f"{member}.log")
         self._child: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
+        self._watched: Optional[int] = None  # the pid a watch_exit thread waits on
 
     # ------------------------------------------------------------ files
 
@@ -142,6 +145,40 @@ class ProcessBackend:
             return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
+
+    def watch_exit(self, on_exit: Callable[[int], None]) -> Optional[int]:
+        """Call ``on_exit(pid)``, from a thread of its own, the moment this member's etcd exits,
+        so the daemon need not wait for its next cycle to notice. The kernel tells through a pidfd
+        (for a child of ours, or one an earlier agent started). One thread per etcd: a second call
+        for the same one does nothing. Returns the pid watched, or None when none of ours runs or
+        the kernel has no pidfd (Linux < 5.3: the next cycle notices, as before)."""
+        proc = self._process()
+        if proc is None:
+            return None
+        if self._watched == proc.pid:
+            return proc.pid
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            return None
+        if self.pid() != proc.pid:  # it exited before the pidfd was open (its pid maybe reused)
+            os.close(fd)
+            return None
+        self._watched = proc.pid
+        threading.Thread(target=self._await_exit, args=(fd, proc.pid, on_exit), name=f"etcd-exit-{self.member}",
+                         daemon=True).start()
+        return proc.pid
+
+    def _await_exit(self, fd: int, pid: int, on_exit: Callable[[int], None]) -> None:
+        try:
+            waiter = select.poll()
+            waiter.register(fd, select.POLLIN)  # readable once the process has exited
+            waiter.poll()
+        finally:
+            os.close(fd)
+        if self._watched == pid:
+            self._watched = None
+        on_exit(pid)
 
     def _reap(self) -> None:
         if self._child is not None:

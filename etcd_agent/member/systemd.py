@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from ..config import Config
 from ..errors import CommandError
@@ -75,13 +75,17 @@ class SystemdBackend:
         """A stop job queued, not waited for: ``stop`` then joins the same job and waits."""
         self._systemctl("stop", "--no-block", self.unit)
 
+    def watch_exit(self, on_exit: Callable[[int], None]) -> Optional[int]:
+        """Not here: the unit's etcd is systemd's child; the daemon's next cycle sees its exit."""
+        return None
+
     def restart(self) -> None:
         self._systemctl("reset-failed", self.unit, check=False)
         self._systemctl("restart", "--no-block", self.unit)
 
     def show(self) -> Dict[str, str]:
         out = self._systemctl(
-            "show", self.unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus,ExecMainPID,LoadState",
+            "show", self.unit, "-p", "ActiveState,SubState,NRestarts,ExecMainStatus,ExecMainPID,MainPID,LoadState",
             check=False,
         )
         props: Dict[str, str] = {}
@@ -100,6 +104,14 @@ class SystemdBackend:
 
     def is_active(self) -> bool:
         return self.state() in ("active", "activating", "reloading")
+
+    def pid(self) -> Optional[int]:
+        """The unit's main process (what the unit runs: etcd), None when it has none."""
+        try:
+            pid = int(self.show().get("MainPID", "0") or "0")
+        except (CommandError, ValueError):
+            return None
+        return pid or None
 
     def describe(self) -> str:
         p = self.show()

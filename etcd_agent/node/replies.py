@@ -70,6 +70,29 @@ class HaltReply(StepReply):
 
 
 @dataclass(frozen=True)
+class StopReply(StepReply):
+    STEP = "stop"
+    # etcds of this member stopped besides the backend's own: running without a pid file
+    strays: Tuple[str, ...] = ()
+
+    def note(self) -> str:
+        return self.skipped or ("also stopped " + "; ".join(self.strays) if self.strays else "")
+
+
+@dataclass(frozen=True)
+class ServingReply(StepReply):
+    """``serving``: who serves the member after the start (not journaled: checked each time)."""
+
+    STEP = "serving"
+    pid: Optional[int] = None
+    cluster_id: Optional[str] = None
+    revision: Optional[int] = None
+
+    def note(self) -> str:
+        return self.skipped or f"pid {self.pid}, cluster {self.cluster_id}, revision {self.revision}"
+
+
+@dataclass(frozen=True)
 class AsideReply(StepReply):
     STEP = "aside"
     moved: Optional[str] = None  # the data dir's name aside; None: there was none
@@ -140,7 +163,7 @@ class RollbackReply(StepReply):
 
 
 _BY_STEP: Dict[str, Type[StepReply]] = {k.STEP: k for k in (
-    BeginReply, FenceReply, HaltReply, AsideReply, ReceiveReply, RestoreReply, InstallReply, ChownReply, RepairReply,
+    BeginReply, FenceReply, HaltReply, StopReply, ServingReply, AsideReply, ReceiveReply, RestoreReply, InstallReply, ChownReply, RepairReply,
     UnfenceReply, RollbackReply)}
 
 
@@ -220,7 +243,7 @@ class BackupReply(Document):
 
 
 __all__ = [
-    "StepReply", "BeginReply", "FenceReply", "AsideReply", "ReceiveReply", "RestoreReply", "InstallReply",
+    "StepReply", "BeginReply", "FenceReply", "StopReply", "ServingReply", "AsideReply", "ReceiveReply", "RestoreReply", "InstallReply",
     "ChownReply", "RepairReply", "UnfenceReply", "RollbackReply", "MemberSteps", "StepsReply", "Decision",
     "CleanupReply", "LockReply", "ReleaseReply", "UpgradeReply", "BackupReply",
 ]

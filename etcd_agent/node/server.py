@@ -7,26 +7,40 @@ host's operation lock, when the caller asked for it - ends at end-of-file, when 
 been silent for ``SILENCE_LIMIT`` seconds, or on SIGTERM/SIGHUP, always after the step that is
 running finished (a step never stops half-way because its caller went away: it is journaled, and
 the next run resumes or rolls back from there). Logs go to stderr.
+
+A step that is still running ``STOP_GRACE`` seconds after the session ended (stuck on a read that
+never returns, a helper that hangs) is not waited for: its helpers (this process group's other
+processes) and this process end, and the lock with them. Without that, a caller killed with -9
+left its session running for ever, holding the host's lock against every later command.
 """
 from __future__ import annotations
 
 import logging
+import math
+import os
 import queue
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional
 
 from .. import __version__
 from ..config import Config
-from ..errors import AgentError, BusyError, OperationFailed, RefusedError
+from ..errors import EXIT_FAILED, AgentError, BusyError, OperationFailed, RefusedError
 from ..state.locks import SHORT_WAIT, Holder, OperationLock, SessionOwner, lock_path_for
 from ..typedjson import Document, JsonObject
+from ..waiting import SYSTEM_CLOCK, Clock, poll
 from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
 from .replies import LockReply
 
 log = logging.getLogger(__name__)
+
+# how long a step may still run once its session is over (the caller closed it, died, went silent,
+# or SIGTERM/SIGHUP): a journaled step that ends within it is kept; one that does not is stuck
+STOP_GRACE = 30.0
+HELPER_TERM_WAIT = 5.0
 
 
 @dataclass
@@ -65,10 +79,13 @@ class _Stop:
 
 
 def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
-          silence_limit: float = SILENCE_LIMIT, stop: Callable[[], str] = lambda: "", protocol: int = PROTOCOL) -> int:
+          silence_limit: float = SILENCE_LIMIT, stop: Callable[[], str] = lambda: "", protocol: int = PROTOCOL,
+          stuck: Optional[Callable[[str, str], None]] = None) -> int:
     """Run one session; returns the process exit code. ``stop()`` returning a reason ends the
     session after the running step (``node serve`` sets it from SIGTERM/SIGHUP). ``protocol``
-    is what this end speaks (tests play an agent of another version with it)."""
+    is what this end speaks (tests play an agent of another version with it). ``stuck(step,
+    why)`` is called when a step is still running ``STOP_GRACE`` seconds after the session ended
+    (``node serve``: ``end_stuck_session``, which does not return); None: keep waiting for it."""
     hello_line = stdin.readline(MAX_LINE + 1)
     if not hello_line:
         return 0  # the caller went away before saying anything
@@ -91,7 +108,7 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
         if not _write(stdout, Welcome(protocol, __version__, socket.gethostname()).to_json()):
             return 0
         log.info("node session for %s started%s", hello.owner.describe(), " (host lock held)" if ctx.lock else "")
-        why = _loop(ctx, stdin, stdout, handlers, silence_limit, stop)
+        why = _loop(ctx, stdin, stdout, handlers, silence_limit, stop, stuck)
         log.info("node session for %s ended: %s", hello.owner.describe(), why)
         return 0
     finally:
@@ -99,10 +116,76 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
             ctx.lock.release()
 
 
+class _State:
+    """What the watchdog reads: the step running now, and why the session is over ("": it is not)."""
+
+    def __init__(self) -> None:
+        self.step: Optional[str] = None
+        self.over = ""
+
+
+def _watch(over: Callable[[], str], state: _State, stuck: Callable[[str, str], None], grace: float,
+           clock: Clock = SYSTEM_CLOCK) -> None:
+    """Once the session is over (``over()`` says why), give the running step ``grace`` seconds,
+    then call ``stuck`` if one still runs."""
+    why = poll(over, timeout=math.inf, what="the end of the session", interval=0.5, clock=clock)
+    clock.sleep(grace)
+    step = state.step
+    if step is not None:
+        stuck(step, why)
+
+
+def end_stuck_session(step: str, why: str) -> None:
+    """A step outlived its session by ``STOP_GRACE``: end its helpers and this process (and so
+    the lock). Its journal says how far it got: the next run resumes or rolls back from there."""
+    log.error("node step %s still running %.0fs after the session ended (%s): stopping it, its helpers and this "
+              "session; the host's journal lets the next run resume or roll back", step, STOP_GRACE, why)
+    for pid in _helpers():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    time.sleep(HELPER_TERM_WAIT)
+    for pid in _helpers():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    logging.shutdown()
+    os._exit(EXIT_FAILED)
+
+
+def _helpers() -> List[int]:
+    """This process's descendants in its own process group: what its steps started (etcdutl, ...).
+    A member etcd started by the process backend has a session of its own and is left alone."""
+    import psutil
+
+    me = psutil.Process()
+    out = []
+    for child in me.children(recursive=True):
+        try:
+            if os.getpgid(child.pid) == os.getpgrp():
+                out.append(child.pid)
+        except OSError:
+            continue
+    return out
+
+
 def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Handler],
-          silence_limit: float, stop: Callable[[], str]) -> str:
+          silence_limit: float, stop: Callable[[], str], stuck: Optional[Callable[[str, str], None]]) -> str:
     requests: "queue.Queue[Any]" = queue.Queue()
     last_heard = [time.monotonic()]
+    state = _State()
+
+    def over() -> str:
+        if state.over or stop():
+            return state.over or stop()
+        silent = time.monotonic() - last_heard[0]
+        return f"the caller was silent for {silent:.0f}s" if silent > silence_limit else ""
+
+    if stuck is not None:
+        threading.Thread(target=_watch, args=(over, state, stuck, STOP_GRACE), name="node-watchdog",
+                         daemon=True).start()
 
     def reader() -> None:
         while True:
@@ -112,7 +195,8 @@ def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[st
                 requests.put(_Stop(f"stdin unreadable ({exc})"))
                 return
             if not line:
-                requests.put(_Stop("the caller closed the session"))
+                state.over = "the caller closed the session (or died)"
+                requests.put(_Stop(state.over))
                 return
             last_heard[0] = time.monotonic()
             if len(line) > MAX_LINE:
@@ -139,7 +223,11 @@ def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[st
             continue
         if isinstance(item, _Stop):
             return item.why
-        reply = _dispatch(ctx, item, handlers)
+        state.step = str(item.get("step", "?"))
+        try:
+            reply = _dispatch(ctx, item, handlers)
+        finally:
+            state.step = None
         if not _write(stdout, reply.to_json()):
             return "the caller stopped reading"
 

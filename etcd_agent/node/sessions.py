@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 from ..config import Config, Member
-from ..errors import AgentError, BusyError, HostUnreachable, RefusedError
+from ..errors import AgentError, BusyError, CommandTimedOut, HostUnreachable, RefusedError
 from ..hosts.base import Host
 from ..locality import is_local, machine_identity
 from ..typedjson import Document
@@ -82,6 +82,12 @@ def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> List[Tuple[Any, Op
 
 def message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
+
+
+def no_answer(exc: Optional[BaseException]) -> bool:
+    """The host did not answer (cut off, its session gone, a step timed out), as opposed to
+    answering with a refusal or a failure."""
+    return exc is None or isinstance(exc, (HostUnreachable, CommandTimedOut))
 
 
 def open_sessions(cfg: Config, nodes: List[HostNode], owner: Owner, say: Progress,

@@ -142,6 +142,11 @@ def finish(ctx: NodeContext, args: Args) -> Document:
     )
 
 
+def serving(ctx: NodeContext, args: Args) -> Document:
+    """Read-only: who serves the member now (``NodeRestore.serving``)."""
+    return _node(ctx, args).serving(args.opt_integer("min_revision"))
+
+
 def cleanup(ctx: NodeContext, args: Args) -> Document:
     keep, dry_run = args.integer("keep"), args.flag("dry_run")
     if not dry_run:
@@ -179,7 +184,7 @@ def lock(ctx: NodeContext, args: Args) -> Document:
 def handlers() -> Dict[str, Handler]:
     table: Dict[str, Handler] = {
         "lock": lock,
-        "precheck": precheck, "begin": begin, "steps": steps, "receive": receive, "finish": finish,
+        "precheck": precheck, "begin": begin, "steps": steps, "receive": receive, "finish": finish, "serving": serving,
         "cleanup": cleanup, "upgrade-member": upgrade_member, "release-version": release_version, "backup": backup,
     }
     for name in SIMPLE_STEPS:

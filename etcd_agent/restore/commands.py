@@ -9,9 +9,10 @@ from ..errors import AgentError, OperationFailed, RefusedError
 from ..node.client import new_owner
 from ..node.replies import CleanupReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
+from .journal import JournalSummary
 from .live import Progress
 from .orchestrate import Options, Restore
-from .precheck import NodeFacts
+from .precheck import NodeFacts, rollback_refusal, split_by_restore
 
 
 def rollback_open(
@@ -27,14 +28,19 @@ def rollback_open(
     r = Restore(cfg, Options(spec="", progress=progress), nodes=nodes)
     r.open_all("restore rollback")
     try:
-        open_ops: Dict[str, str] = {}
-        for n in r.nodes:
-            for m in n.members:
-                f = n.ask(NodeFacts, "precheck", member=m.name)
-                if f.journal is not None and f.journal.open:
-                    open_ops[m.name] = f.journal.op
+        journals: Dict[str, Optional[JournalSummary]] = {
+            m.name: n.ask(NodeFacts, "precheck", member=m.name).journal for n in r.nodes for m in n.members}
+        open_ops = {m: j.op for m, j in journals.items() if j is not None and j.open}
         if not open_ops:
+            split = split_by_restore(journals)
+            if split:
+                raise OperationFailed("no unfinished restore is journaled, but members are in two clusters",
+                                      details=split)
             return {"rolled_back": {}, "note": "no unfinished restore is journaled"}
+        refused = rollback_refusal(journals)
+        if refused:  # a member finished it: rolling back the rest would leave two clusters
+            raise RefusedError("not rolled back: members finished the restore and serve the restored cluster; "
+                               "nothing changed", details=refused)
         what = ", ".join(f"{m} (op {op})" for m, op in sorted(open_ops.items()))
         if dry_run:
             return {"would_roll_back": dict(sorted(open_ops.items())),
@@ -49,8 +55,9 @@ def rollback_open(
             ok, lines = r.rollback([cfg.member(m) for m, o in open_ops.items() if o == op])
             out[op] = {"ok": ok, "report": lines}
             if not ok:
-                raise OperationFailed(f"rollback of restore {op} incomplete: run `etcd-agent restore rollback --yes` "
-                                      "again once the hosts below answer", details=lines)
+                again = (f"run `etcd-agent restore rollback --yes` again once {', '.join(r.unanswered)} answer"
+                         if r.unanswered else "see why below, then run `etcd-agent restore rollback --yes` again")
+                raise OperationFailed(f"rollback of restore {op} incomplete: {again}", details=lines)
         return {"rolled_back": out}
     finally:
         r.close_all()

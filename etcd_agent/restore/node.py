@@ -26,6 +26,7 @@ from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
 from ..hosts.base import Result
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
+from ..member import serving
 from ..member.dblock import db_locked, db_path
 from ..member.local import LocalMember, backend_for
 from ..member.process import etcd_owner
@@ -85,6 +86,14 @@ class NodeRestore:
         self.journal_path = J.path_in(self.work_dir)
         self.host = LocalHost(member)
         self.backend = backend_for(self.cfg, member)
+        self.spots = serving.spots_for(self.cfg, member, self.data_dir)
+
+    def _servers(self) -> List[serving.Server]:
+        """What serves this member on this host, whatever started it (``member.serving``)."""
+        return serving.find(self.spots, self.backend.kind, self._main_pid())
+
+    def _main_pid(self) -> Optional[int]:
+        return self.backend.pid() if self.backend.kind == "systemd" else None
 
     # ------------------------------------------------------------ journal
 
@@ -150,6 +159,12 @@ class NodeRestore:
             running = self.backend.is_active()
         except AgentError:
             running = False
+        try:
+            servers = self._servers()
+        except (OSError, AgentError) as exc:
+            servers = [serving.Server(pid=0, command="?", how=(f"(the processes serving it could not be listed: {exc})",),
+                                      ours=False, holds_data=False)]
+        running = running or any(s.ours for s in servers)  # an etcd of ours whose pid file is gone
         fence_ok, fence_detail = self._fence_possible()
         t = cfg.tls
         rec = bootstrap.read(cfg, m.name)
@@ -170,6 +185,7 @@ class NodeRestore:
             lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
             db_member_ids=db_ids, db_note=db_note,
             etcdctl_path=cfg.etcd.etcdctl, etcdutl_path=cfg.etcd.etcdutl,
+            foreign=tuple(s.sentence() for s in servers if not s.ours),
         )
 
     def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:
@@ -216,7 +232,8 @@ class NodeRestore:
         if j is None:
             j = J.Journal(op=str(self.op), member=self.member.name, backup=backup, token=token,
                           initial_cluster=initial_cluster, sha256=sha256, size=size, bump=bump,
-                          fence_owner=fence_owner, new_cluster=new_cluster, was_running=self.backend.is_active())
+                          fence_owner=fence_owner, new_cluster=new_cluster,
+                          was_running=self.backend.is_active() or any(s.ours for s in self._servers()))
             J.save(self.journal_path, j)
         return self._step("begin", lambda j: R.BeginReply(was_running=j.was_running))
 
@@ -254,7 +271,17 @@ class NodeRestore:
                 # restored one its own `start` began - never signal it
                 return R.HaltReply(how="stopped earlier in this restore")
             if not self.backend.is_active():
-                return R.HaltReply(how="not running")
+                # no pid file (lost, or a killed run's etcd that never got one), yet an etcd of
+                # ours may serve: stopped like any other, its data not moved from under it
+                strays = [s for s in self._servers() if s.ours]
+                if not strays:
+                    return R.HaltReply(how="not running")
+                self._pending(j, "halt", J.Pending())  # from here on, rollback starts it again
+                t = time.monotonic()
+                for s in strays:
+                    serving.stop(s, self.spots, self.backend.kind)
+                return R.HaltReply(how=f"exited: {', '.join(f'pid {s.pid}' for s in strays)}, running without "
+                                       "a pid file", waited=time.monotonic() - t)
             seen = db_locked(self.data_dir)
             self._pending(j, "halt", J.Pending())  # from here on, rollback starts it again
             t = time.monotonic()
@@ -276,7 +303,9 @@ class NodeRestore:
             self.backend.stop(30.0)
             if self.backend.is_active():
                 raise OperationFailed(f"{self.member.name}: etcd still running after stop ({self.backend.describe()})")
-            return R.StepReply()
+            # whatever else serves this member: ours stopped, anything else named and refused
+            strays = serving.clear(self.spots, self.backend.kind)
+            return R.StopReply(strays=tuple(s.sentence() for s in strays))
         return self._step("stop", do)
 
     def aside(self) -> R.StepReply:
@@ -284,11 +313,12 @@ class NodeRestore:
             pend = j.pending.get("aside")
             if pend and pend.target and not os.path.lexists(self.data_dir) and os.path.lexists(pend.target):
                 return R.AsideReply(moved=pend.target)  # moved before a crash, not journaled yet
-            if self.backend.is_active():
+            live = self._servers()
+            if self.backend.is_active() or live:
                 # something started etcd again since `stop` (a supervisor that is not hands-off):
                 # never move a live member's data from under it
-                raise OperationFailed(f"{self.member.name}: etcd runs again ({self.backend.describe()}); "
-                                      "its data dir is not moved")
+                why = "; ".join(s.sentence() for s in live) or self.backend.describe()
+                raise OperationFailed(f"{self.member.name}: etcd runs again ({why}); its data dir is not moved")
             if not os.path.lexists(self.data_dir):
                 return R.AsideReply(moved=None)
             target = free_name(self.data_dir, "pre-restore")
@@ -460,6 +490,29 @@ class NodeRestore:
             return None if self.backend.is_active() else "done before; etcd was not running: started again"
         return self._step("start", do, again=gone)
 
+    def serving(self, min_revision: Optional[int]) -> R.ServingReply:
+        """After the start (and the cluster's convergence): this member is served by the etcd its
+        backend just started, alone, from the restored data dir, answering for the restored
+        cluster at a revision of at least ``min_revision`` (the snapshot's, bumped). Else the
+        restore fails and rolls back: an old etcd still answering is no restore. Read-only, not
+        journaled: a resumed restore checks again."""
+        from ..etcd.client import EtcdClient
+
+        j = self._mine()
+        me = serving.served_by(self.spots, self.backend.kind, self.backend.pid())
+        want = P.restored_cluster_id(j.initial_cluster, j.token)
+        url = self.member.client_url
+        with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
+            st = c.status(url)
+        if st.cluster_id != want:
+            raise OperationFailed(f"{self.member.name}: {url} (pid {me.pid}) answers for cluster {st.cluster_id:x}, "
+                                  f"not the restored cluster {want:x}")
+        if min_revision is not None and st.revision < min_revision:
+            raise OperationFailed(f"{self.member.name}: {url} (pid {me.pid}) is at revision {st.revision}, below the "
+                                  f"snapshot's bumped revision {min_revision}")
+        return R.ServingReply(step="serving", member=self.member.name, pid=me.pid, cluster_id=f"{want:x}",
+                              revision=st.revision)
+
     def unfence(self) -> R.StepReply:
         return self._step("unfence", self._unfence)
 
@@ -496,9 +549,11 @@ class NodeRestore:
         from ..backup import boundaries
 
         aside = j.record(R.AsideReply)
-        b = boundaries.Boundary(op=j.op, time=j.created, from_backup=os.path.basename(j.backup) or None,
-                                from_sha256=j.sha256, set_aside=tuple(p for p in [aside.moved if aside else None] if p),
-                                cluster_id=cluster_id)
+        name, sha256, to_revision = boundaries.source_of(j.backup, j.sha256)
+        chain = boundaries.chain_of(self.cfg.backup.dir, name) if name and to_revision is not None else None
+        b = boundaries.Boundary(op=j.op, time=j.created, from_backup=name, from_sha256=sha256,
+                                set_aside=tuple(p for p in [aside.moved if aside else None] if p),
+                                cluster_id=cluster_id, chain_id=chain, to_revision=to_revision)
         try:
             ensure_private_dir(self.cfg.backup.dir)
             boundaries.record(self.cfg.backup.dir, b)

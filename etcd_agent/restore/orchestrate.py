@@ -14,7 +14,8 @@ host in one ``steps`` call for all its members, which it runs at once; the leade
 the same call as everyone's set-aside and restore (it only has to follow its followers' stop).
 Any failure after
 ``begin`` rolls every member back and reports what is true afterwards; when a host cannot be
-rolled back the error names it and the command to run once it is back.
+rolled back the error names it and the command to run once it is back. A resumed restore that a
+member finished, or whose restored cluster a member serves, only goes forward (``Resume``).
 """
 from __future__ import annotations
 
@@ -34,11 +35,20 @@ from ..fs import ensure_private_dir
 from ..node.client import NodeClient, new_owner
 from ..node.protocol import Owner
 from ..node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
-from ..node.sessions import HostNode, close_sessions, group_hosts, message, open_sessions, parallel
+from ..node.sessions import HostNode, close_sessions, group_hosts, message, no_answer, open_sessions, parallel
 from . import plan as P
 from .journal import JournalSummary
 from .live import EtcdCluster, LiveCluster, Progress
-from .precheck import NodeFacts, check_host, default_token, resume_decision, token_problem
+from .precheck import (
+    NodeFacts,
+    Resume,
+    check_host,
+    default_token,
+    resume_decision,
+    resume_state,
+    set_aside_problems,
+    token_problem,
+)
 from .ship import Standby, ship_snapshot
 from .source import Source
 from .source import open_source as _open_source
@@ -117,6 +127,8 @@ class Restore:
         self.owner: Optional[Owner] = None
         self._make_nodes = nodes or group_hosts
         self.unreachable: Dict[str, str] = {}
+        self.resume = Resume()  # a resumed restore: who finished it, who serves the restored cluster
+        self.unanswered: List[str] = []  # the hosts the last rollback could not reach
         self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
         self._evidence: "Optional[Future[Evidence]]" = None
         self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
@@ -192,6 +204,11 @@ class Restore:
         outcome = Outcome(plan, timings=self.timings)
         for hp in plan.hosts:
             self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
+        if plan.resuming:
+            self.resume = self._resume_state(plan, facts)
+            self.say(f"resuming restore {plan.op}: {self.resume.describe()}; " + (
+                "it only goes forward (finishing the others), never back" if self.resume.forward else
+                "a failure rolls every member back"))
         if self.opts.dry_run:
             outcome.duration = time.monotonic() - t0
             return outcome
@@ -262,6 +279,11 @@ class Restore:
                 hp.problems += check_host(cfg, cfg.member(hp.member), facts[hp.member], snapshot_size=source.size,
                                             snapshot_version=source.etcd_version, agent_version=__version__,
                                             resuming=resume is not None)
+                if self.node_of(hp.member).local and resume is None:
+                    dd = facts[hp.member].data_dir
+                    kept = [(label, p, os.path.realpath(p)) for label, p in
+                            (("the backup", source.path), ("the backup dir", cfg.backup.dir))]
+                    hp.problems += set_aside_problems(dd, os.path.realpath(dd), kept)
         return plan
 
     # ------------------------------------------------------------ the steps
@@ -285,10 +307,21 @@ class Restore:
         evidence = dataclasses.replace(ev, hosts=tuple(hosts), lineage=tuple(lineage), notes=tuple(notes))
         return judge(source.identity, self.cfg, evidence, new_cluster=new_cluster)
 
+    def _resume_state(self, plan: P.Plan, facts: Dict[str, NodeFacts]) -> Resume:
+        """What the hosts show of the restore being resumed: the members that finished it (their
+        journals) and those whose running etcd answers as the restored cluster (its ids)."""
+        return resume_state({m: f.journal for m, f in facts.items()}, self.cluster.member_ids(), plan.op,
+                            plan.initial_cluster, plan.token)
+
+    def _active(self) -> List[Member]:
+        """Every member but those that finished this restore already (a resumed one)."""
+        return [m for n in self.nodes for m in n.members if m.name not in self.resume.finished]
+
     def _phase(self, name: str, fn: Callable[[Member], Any], members: Optional[Sequence[Member]] = None) -> None:
-        """``fn`` for every member: hosts in parallel, a host's own members one after another."""
+        """``fn`` for every member (that has not finished): hosts in parallel, a host's own members
+        one after another."""
         t = time.monotonic()
-        todo = list(members) if members is not None else [m for n in self.nodes for m in n.members]
+        todo = list(members) if members is not None else self._active()
         by_host: Dict[str, List[Member]] = {}
         for m in todo:
             by_host.setdefault(self.node_of(m.name).where, []).append(m)
@@ -368,7 +401,7 @@ class Restore:
             followers = self._followers()
             self.timings["leader"] = time.monotonic() - t
             fenced_at = time.monotonic()
-            everyone = [m for n in self.nodes for m in n.members]
+            everyone = self._active()
             self._batch("fence", [(m, ["fence"]) for m in everyone])
             # the followers first, until each has closed its data (``halt``: its exit takes etcd
             # 3.5 another second); then the leader, which finds them gone and stops at once. Each
@@ -381,6 +414,7 @@ class Restore:
                 self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
             )
             outcome.timings["wait"] = time.monotonic() - t
+            self._served(plan, source)
             t = time.monotonic()
             self.cluster.record_lineage(list(source.member_ids))
             outcome.cleanup = self.cluster.k8s_cleanup()
@@ -390,22 +424,47 @@ class Restore:
             self._unfence(outcome)
             outcome.downtime = time.monotonic() - fenced_at
         except BaseException as exc:
+            details = exc.details if isinstance(exc, AgentError) else [message(exc)]
+            if self.resume.forward:  # members serve the restored cluster: rolling back would split it
+                raise self._unfinished(plan, exc, details) from exc
             if isinstance(exc, KeyboardInterrupt):
                 self.say("interrupted: rolling every member back")
-            details = exc.details if isinstance(exc, AgentError) else [message(exc)]
             ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
             if ok:
                 msg = f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
+            elif self.unanswered:
+                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once "
+                       f"{', '.join(self.unanswered)} answer again, run `etcd-agent restore rollback --yes` on any master")
             else:
-                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once the hosts named below "
-                       "answer again, run `etcd-agent restore rollback --yes` on any master")
+                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below; once that is "
+                       "fixed, run `etcd-agent restore rollback --yes` on any master")
             raise OperationFailed(msg, details=list(details) + lines) from exc
         t = time.monotonic()
         ids = self.cluster.member_ids()
         self.timings["ids"] = time.monotonic() - t
-        self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
-                                                   cluster_id=ids[m.name][1] if m.name in ids else None,
-                                                   ancestors=list(source.member_ids)))
+        self.resume = dataclasses.replace(self.resume, serving=tuple(ids))  # every member runs the restored data
+        try:
+            self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
+                                                       cluster_id=ids[m.name][1] if m.name in ids else None,
+                                                       ancestors=list(source.member_ids)))
+        except OperationFailed as exc:
+            raise self._unfinished(plan, exc, exc.details) from exc
+
+    def _unfinished(self, plan: P.Plan, exc: BaseException, details: Sequence[str]) -> OperationFailed:
+        """A restore that can only go forward stopped short: nothing is rolled back (members serve
+        the restored cluster); the same command finishes it."""
+        return OperationFailed(
+            f"restore {self.op} not finished ({message(exc)}); not rolled back: {self.resume.describe()}, and "
+            f"rolling back the others would leave two clusters - run `etcd-agent restore --from {plan.backup} --yes` "
+            "again to finish it (below: what stopped it)", details=list(details))
+
+    def _served(self, plan: P.Plan, source: Source) -> None:
+        """Healthy is not restored: an old etcd (one without a pid file, one started by hand)
+        answers health checks too. Each member's host checks that its serving process is the one
+        just started, from the restored data dir, answering for the restored cluster at the
+        bumped revision; a member that is not fails the restore, which then rolls back."""
+        least = source.revision + P.BUMP_REVISION if plan.bump and source.revision is not None else None
+        self._phase("serving", lambda m: self._call(m, "serving", min_revision=least))
 
     def _unfence(self, outcome: Outcome) -> None:
         """The apiservers start again one host at a time: each host's unfence, then (with
@@ -414,6 +473,8 @@ class Restore:
         t = time.monotonic()
         owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
         for m in self.cfg.members:
+            if m.name in self.resume.finished:
+                continue
             self._call(m, "unfence")
             if not owners[m.name] or self.cfg.kubernetes.fence == "none":
                 continue
@@ -433,7 +494,7 @@ class Restore:
         its followers stalls while it hands leadership to peers that are going); every member
         when no leader answers."""
         leader = self.cluster.leader()
-        return [m for m in self.cfg.members if m.name != leader]
+        return [m for m in self.cfg.members if m.name != leader and m.name not in self.resume.finished]
 
     # ------------------------------------------------------------ staging: copy or ship, restore
 
@@ -443,7 +504,7 @@ class Restore:
         here and restore it at once, on a thread of their own, while it is shipped to the others,
         which then restore theirs: the local restore overlaps the ship. Both halves end before
         anything is raised, so a rollback never races a step still running."""
-        everyone = [m for n in self.nodes for m in n.members]
+        everyone = self._active()
         here = [m for m in everyone if self.node_of(m.name).local]
         away = [m for m in everyone if not self.node_of(m.name).local]
         copied: Dict[str, str] = {}  # member -> sha256 of its copy
@@ -522,6 +583,7 @@ class Restore:
         self.say("rolling back every member")
         lines: List[str] = []
         ok = True
+        self.unanswered = []
 
         def one(m: Member) -> RollbackReply:
             n = self.node_of(m.name)
@@ -538,6 +600,8 @@ class Restore:
                 if isinstance(err, RefusedError) and "no journal" in err.message:
                     continue  # this member never began
                 ok = False
+                if no_answer(err):
+                    self.unanswered.append(where)
                 lines.append(f"{m.name} ({where}): NOT rolled back: {message(err) if err else 'no answer'}")
             else:
                 state = "etcd running" if res.running else (

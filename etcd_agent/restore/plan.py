@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..cluster.lineage import LINEAGE_KEY
 from ..config import Config, Member, merged
+from ..etcd.snapvalues import cluster_id_from, member_id_from
 from ..etcd.tools import snapshot_restore_argv
 from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
 from .precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
@@ -31,6 +32,17 @@ REWRITE_KEYS = (
     "ETCD_INITIAL_CLUSTER_TOKEN",
 )
 ASIDE_TAGS = ("pre-restore", "failed-restore")
+
+
+def restored_cluster_id(initial_cluster: str, token: str) -> int:
+    """The cluster id ``snapshot restore`` gives the members of ``initial_cluster`` with ``token``
+    (etcd derives each member id from its peer URLs and the token, the cluster id from those):
+    what a member answers once it serves the restored data, and an old etcd never does."""
+    urls: Dict[str, List[str]] = {}
+    for pair in initial_cluster.split(","):
+        name, _, url = pair.partition("=")
+        urls.setdefault(name, []).append(url)
+    return cluster_id_from([member_id_from(u, token) for u in urls.values()])
 ASIDE_RE = re.compile(r"^(?P<base>.+)\.(?P<tag>pre-restore|failed-restore)-(?P<stamp>\d{8}T\d{6}Z)(?:\.(?P<n>\d+))?$")
 
 

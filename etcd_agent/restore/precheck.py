@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..config import NAME_RE, Config, Member
+from ..etcd.snapvalues import cluster_id_from, member_id_from
 from ..node.protocol import PROTOCOL
 from ..typedjson import Document
-from .journal import JournalSummary
+from .journal import DONE, ROLLED_BACK, JournalSummary
 
 # Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
 NODE_PROTOCOL = PROTOCOL
@@ -59,6 +60,9 @@ class NodeFacts(Document):
     # upgrade (None from agents that do not say: the plan assumes this config's)
     etcdctl_path: Optional[str] = None
     etcdutl_path: Optional[str] = None
+    # processes serving this member (its data dir open, its ports) that this agent did not start:
+    # one sentence each (``member.serving``); a restore never moves a data dir from under them
+    foreign: Tuple[str, ...] = ()
 
 
 def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
@@ -165,10 +169,23 @@ def check_host(
         p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
     for f in facts.tls_missing:
         p.append(f"TLS file {f} is missing")
+    for who in facts.foreign:
+        p.append(f"{who}, and this agent did not start it ({facts.backend} backend): stop it, then restore again")
     j = facts.journal
     if j is not None and j.open and not resuming:
         p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
     return p
+
+
+def set_aside_problems(data_dir: str, resolved_data_dir: str,
+                       kept: List[Tuple[str, str, str]]) -> List[str]:
+    """What this host keeps (label, path as given, path with its links followed) that really lies
+    inside the data dir the restore sets aside: it would go aside with it, and `restore cleanup`
+    would delete it. Compared resolved, so a link from elsewhere cannot hide it."""
+    return [f"{label} {path} lies inside {data_dir} once links are resolved ({resolved}), and this restore "
+            f"sets that data dir aside; move it out of the data dir first"
+            for label, path, resolved in kept
+            if resolved == resolved_data_dir or resolved.startswith(resolved_data_dir.rstrip("/") + "/")]
 
 
 def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: str,
@@ -187,12 +204,108 @@ def resume_decision(journals: Mapping[str, Optional[JournalSummary]], backup: st
         return None, [f"members are journaled in different unfinished restores ({', '.join(sorted(ops))}): "
                       "roll them back with `etcd-agent restore rollback --yes` first"]
     first = next(iter(open_.values()))
+    back = sorted(m for m, j in journals.items() if j is not None and j.op == first.op and j.state == ROLLED_BACK)
+    if back:  # a rollback was cut off: going forward now would leave those members behind
+        return None, [f"restore {first.op} was being rolled back (rolled back on {', '.join(back)}, not on "
+                      f"{', '.join(sorted(open_))}): finish that with `etcd-agent restore rollback --yes` first"]
     same = first.backup == backup and (sha256 is None or first.sha256 in (None, sha256))
     if not same:
+        done = finished_members(journals, first.op)
+        undo = (f"; it cannot be undone: {', '.join(done)} finished it" if done
+                else ", or `etcd-agent restore rollback --yes` to undo it")
         return None, [f"an unfinished restore {first.op} from {first.backup} is journaled; re-run "
-                      f"`etcd-agent restore --from {first.backup} --yes` to resume it, or "
-                      "`etcd-agent restore rollback --yes` to undo it"]
+                      f"`etcd-agent restore --from {first.backup} --yes` to resume it{undo}"]
     return first, []
+
+
+# ---------------------------------------------------------------- forward or back: what the hosts show
+
+
+def finished_members(journals: Mapping[str, Optional[JournalSummary]], op: str) -> List[str]:
+    """The members whose journal says restore ``op`` is done: they serve the restored cluster and
+    cannot be rolled back, so the others may only be taken forward."""
+    return sorted(m for m, j in journals.items() if j is not None and j.op == op and j.state == DONE)
+
+
+def restored_ids(initial_cluster: str, token: str) -> Tuple[Dict[str, int], int]:
+    """(member name -> member id, cluster id) of the cluster a restore makes: etcd derives them
+    from the peer URLs and the token (``snapshot restore`` passes no time)."""
+    urls: Dict[str, List[str]] = {}
+    for pair in initial_cluster.split(","):
+        name, _, url = pair.partition("=")
+        urls.setdefault(name, []).append(url)
+    ids = {name: member_id_from(u, token) for name, u in urls.items()}
+    return ids, cluster_id_from(list(ids.values()))
+
+
+def serving_restored(live: Mapping[str, Tuple[str, str]], initial_cluster: str, token: str) -> List[str]:
+    """The members whose running etcd answers (``live``: member -> (its id, cluster id), hex) as
+    that member of the restored cluster: its restored data dir is the one in use."""
+    ids, cluster = restored_ids(initial_cluster, token)
+    return sorted(m for m, (mid, cid) in live.items() if m in ids and _hex(cid) == cluster and _hex(mid) == ids[m])
+
+
+def _hex(text: str) -> Optional[int]:
+    try:
+        return int(text, 16)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a re-run finds of the restore it resumes: who finished it, whose etcd serves the
+    restored cluster. Either means forward only: rolling the others back would leave two clusters."""
+
+    finished: Tuple[str, ...] = ()
+    serving: Tuple[str, ...] = ()
+
+    @property
+    def forward(self) -> bool:
+        return bool(self.finished or self.serving)
+
+    def describe(self) -> str:
+        parts = ([f"finished on {', '.join(self.finished)}"] if self.finished else []) + (
+            [f"the restored cluster served by {', '.join(self.serving)}"] if self.serving else [])
+        return "; ".join(parts) or "no member serves the restored cluster yet"
+
+
+def resume_state(journals: Mapping[str, Optional[JournalSummary]], live: Mapping[str, Tuple[str, str]], op: str,
+                 initial_cluster: str, token: str) -> Resume:
+    """``Resume`` from each member's journal and what its running etcd answers (``live``)."""
+    return Resume(tuple(finished_members(journals, op)), tuple(serving_restored(live, initial_cluster, token)))
+
+
+def split_by_restore(journals: Mapping[str, Optional[JournalSummary]]) -> List[str]:
+    """One line per restore that some members finished and others rolled back (an agent before
+    this rule could do that): those members are in two clusters, and nothing is left to resume or
+    roll back - only a new restore puts them on one again."""
+    out = []
+    for op in sorted({j.op for j in journals.values() if j is not None}):
+        states = {m: j.state for m, j in journals.items() if j is not None and j.op == op}
+        done = sorted(m for m, st in states.items() if st == DONE)
+        back = sorted(m for m, st in states.items() if st == ROLLED_BACK)
+        if done and back:
+            out.append(f"restore {op} finished on {', '.join(done)} but was rolled back on {', '.join(back)}: "
+                       "they are in two clusters; restore a backup again to put every member on one")
+    return out
+
+
+def rollback_refusal(journals: Mapping[str, Optional[JournalSummary]]) -> List[str]:
+    """Why ``restore rollback`` must not roll back the open journals: a member finished the same
+    restore (it serves the restored cluster, and a finished restore is not rolled back), so rolling
+    back only the others would leave two clusters. [] when it may roll back."""
+    out = []
+    for op in sorted({j.op for j in journals.values() if j is not None and j.open}):
+        done = finished_members(journals, op)
+        if not done:
+            continue
+        rest = sorted(m for m, j in journals.items() if j is not None and j.op == op and j.open)
+        backup = next(j.backup for j in journals.values() if j is not None and j.op == op)
+        out.append(f"restore {op} is finished on {', '.join(done)}, which serve the restored cluster: rolling back "
+                   f"{', '.join(rest)} alone would leave two clusters; finish it instead with "
+                   f"`etcd-agent restore --from {backup} --yes`")
+    return out
 
 
 def default_token(cluster_name: str, stamp: str) -> str:

@@ -7,8 +7,8 @@ not, no manifest). Cheap first: headers, manifest, signature and the snapshot's 
 (its members, from a few pages of its db) are read without reading the whole snapshot; a plain
 tar's snapshot is then shipped straight from the archive (no copy here) and hashed as it is read,
 a compressed one is decompressed once into a private staging dir. An encrypted one
-(``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into that private staging dir on
-this master only: the other masters receive the plaintext through their node sessions, as always.
+(``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into a private staging dir outside
+the backup dir (``delta.pitr.private_dir``) on this master only: the other masters receive the plaintext through their node sessions, as always.
 Without an identity it is refused before anything is touched.
 
 ``open_pitr_source`` (``restore --to-time/--to-revision/--to newest``) reads the full backup the
@@ -31,6 +31,7 @@ from ..backup.reader import Archive, open_archive
 from ..config import Config
 from ..errors import RefusedError
 from ..etcd.snapdb import SnapshotIdentity
+from ..fs import open_regular
 from ..state.locks import OperationLock
 from .plan import SourceFacts
 
@@ -70,7 +71,7 @@ class Source:
         if self.archive is not None:
             return self.archive.plaintext()[0].open()
         assert self.snapshot_path is not None
-        fh = open(self.snapshot_path, "rb")
+        fh = open_regular(self.snapshot_path, follow_symlinks=True)
         fh.seek(self.offset)
         return fh
 
@@ -120,6 +121,10 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     if kept is not None:
         return kept
     path = resolve_from(cfg, spec).path
+    if identities is not None:  # its plaintext never under the backup dir (copied off-host)
+        from ..delta.pitr import work_dir
+
+        staging_parent = work_dir(cfg, True)
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
                        identities=identities, need_plaintext=True)
     try:
@@ -153,13 +158,15 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
 
 def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
-                     identities: Optional["Identities"] = None, checkpoints: bool = True) -> Source:
+                     identities: Optional["Identities"] = None, checkpoints: bool = True,
+                     accept_unsigned: bool = False) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
-    dir under the backup dir's ``.pitr``, removed once replayed). ``checkpoints`` False: the replay
-    starts from the full backup whatever checkpoints its chain vouches for."""
+    dir outside the backup dir, ``pitr.private_dir``, removed once replayed). ``checkpoints`` False: the replay
+    starts from the full backup whatever checkpoints its chain vouches for. ``accept_unsigned``:
+    a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
     import shutil
 
     from ..delta import pitr
@@ -174,7 +181,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
         try:  # the decrypted segments live only until the replay has run (or failed)
             while True:
                 prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
-                                    checkpoints=checkpoints, skip=skip)
+                                    checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
                 base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
                 try:
                     _chain_matches(prep, base)
@@ -200,7 +207,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
-        lines += _encryption_lines(prep)
+        lines += _encryption_lines(prep) + ([prep.signatures] if prep.signatures else [])
         src = _replayed(path, res, base, lines)
     except BaseException:
         held.release()
@@ -266,7 +273,7 @@ def _replayed(path: str, res: "ReplayResult", base: Source, lines: List[str]) ->
     if base.identity is None:
         raise RefusedError(f"{base.path}: the full backup's members could not be read; nothing touched")
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     replayed = read_identity(path)

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import List, Optional, Type
 
 from ..errors import BackupError, BusyError, OperationFailed
+from ..proctime import start_ticks
 from ..safejson import UnsafeJson, loads
 from ..typedjson import Document
 from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
@@ -61,6 +62,7 @@ class Holder(Document):
     base_revision: Optional[int] = None  # a delta watcher's chain (``delta.chains.active_base``)
     endpoint: Optional[str] = None
     text: Optional[str] = None  # an old plain-text record, or a damaged one
+    start_ticks: Optional[int] = None  # ``pid``'s start (``proctime``): a reused pid is not the holder
 
 
 def lock_path_for(backup_dir: str) -> str:
@@ -110,8 +112,10 @@ class OperationLock:
 
         def busy(rec: Holder, waited: str = "") -> BusyError:
             os.close(fd)
+            stale = stale_note(rec)
             return BusyError(f"busy: {describe_holder(rec) or 'another etcd-agent operation'} holds "
-                             f"{self.path}{waited}; {self.operation} not started, nothing touched")
+                             f"{self.path}{waited}; {self.operation} not started, nothing touched"
+                             + (f". STALE: {stale}" if stale else ""))
 
         try:
             try:
@@ -126,7 +130,8 @@ class OperationLock:
             os.close(fd)
             raise BackupError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
         rec = dataclasses.replace(self.holder, operation=self.operation, pid=os.getpid(), host=socket.gethostname(),
-                                  since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                                  since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  start_ticks=start_ticks(os.getpid()))
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(rec.to_json(), sort_keys=True) + "\n").encode(), 0)
         self._fd = fd
@@ -179,21 +184,74 @@ def read_holder_fd(fd: int) -> Holder:
 
 
 def describe_holder(rec: Holder) -> str:
-    """``rec`` as one phrase: ``restore 2026...-ab12 driven from master1 (pid 4242) since ...``."""
+    """``rec`` as one phrase naming command, host, pid and since (``etcd-agent restore 2026...-ab12``
+    from master1 (pid 4242) since ...); a node session's own pid when it is not the run's."""
     if rec == Holder():
         return ""
     if rec.text is not None:
         return rec.text
+    owner = rec.owner or SessionOwner()
+    # a sparse owner (an orchestrator that could not name itself) falls back on the lock's own record
+    what = owner.command or rec.operation or "an operation"
+    host = owner.host or rec.host or "an unnamed host"
+    pid = owner.pid or rec.pid
+    out = f"`etcd-agent {what}` from {host} (pid {pid or '?'}) since {rec.since or '?'}"
+    if rec.owner is not None and rec.pid and rec.pid != pid:
+        out += f", through its node session (pid {rec.pid} on {rec.host or '?'})"
+    return out
+
+
+def stale_note(rec: Holder) -> str:
+    """Why the holder of a held lock is not a live run, and what to do; "" when it is (or cannot
+    be told: a run on another host). The flock itself dies with its process, so a held lock whose
+    run is gone means a process the run started still holds it: a node session whose step never
+    ended (``node serve`` ends it ``STOP_GRACE`` seconds after its caller)."""
+    here = socket.gethostname()
+    if rec.text is not None or rec.host != here or not rec.pid:
+        return ""
+    if not _same_process(rec.pid, rec.start_ticks, rec.since):
+        return (f"the process that took it is gone (pid {rec.pid} is gone), yet the lock is held by a process it left "
+                f"behind: find it with `fuser -v {LOCK_NAME}` in the backup dir and stop it")
     owner = rec.owner
-    what = str(owner.command) if owner else (rec.operation or "an operation")
-    where = f"{owner.host} (pid {owner.pid})" if owner else f"{rec.host} (pid {rec.pid})"
-    return f"`etcd-agent {what}` from {where} since {rec.since or '?'}"
+    if owner is None or owner.host != here or not owner.pid or owner.pid == rec.pid:
+        return ""
+    if _same_process(owner.pid, None, rec.since):
+        return ""
+    return (f"the run that took it is gone (pid {owner.pid} is gone); its node session (pid {rec.pid}) still holds the lock "
+            f"and ends by itself within a minute; if it does not, stop it: `kill {rec.pid}` (the hosts' journals "
+            "let the same command resume, or `etcd-agent restore rollback` roll back)")
+
+
+def _same_process(pid: int, ticks: Optional[int], since: Optional[str]) -> bool:
+    """``pid`` still runs and is the process recorded: same start ticks when recorded, else not
+    started after ``since`` (a pid reused since then is another process)."""
+    now_ticks = start_ticks(pid)
+    if now_ticks is None:
+        return False
+    if ticks is not None:
+        return now_ticks == ticks
+    if not since:
+        return True
+    import calendar
+
+    import psutil
+
+    try:
+        started = psutil.Process(pid).create_time()
+        taken = calendar.timegm(time.strptime(since, "%Y-%m-%dT%H:%M:%SZ"))
+    except (psutil.Error, ValueError):
+        return True  # cannot tell: not named stale
+    return started <= taken + 1  # ``since`` has whole seconds
 
 
 def holder_of(backup_dir: str) -> Optional[Holder]:
     """The live holder of this host's lock, or None when it is free (the flock decides, not the
     file: a record left by a dead holder is not a holder)."""
-    path = lock_path_for(backup_dir)
+    return held_by(lock_path_for(backup_dir))
+
+
+def held_by(path: str) -> Optional[Holder]:
+    """The live holder of the lock file ``path``, or None when it is free (or absent)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:

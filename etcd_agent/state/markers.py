@@ -91,7 +91,7 @@ def restore_hint(rec: Dict[str, Any]) -> str:
     """The two commands that end a restore left open."""
     backup = rec.get("backup") or "<the same backup>"
     return (f"`etcd-agent restore --from {backup} --yes` resumes it, "
-            "`etcd-agent restore rollback` rolls every member back")
+            "`etcd-agent restore rollback` rolls every member back (refused once a member has finished it)")
 
 
 # ---------------------------------------------------------------- "left on purpose" mark

@@ -123,16 +123,16 @@ def test_scripted_serve_session_is_the_real_server() -> None:
 
 def test_a_malformed_reply_is_refused_where_it_is_read(tmp_path: object) -> None:
     from etcd_agent.errors import ProtocolError
-    from etcd_agent.node.replies import StepReply
+    from etcd_agent.node.replies import RepairReply, StepReply
 
     c = cfg(str(tmp_path / "x"))  # type: ignore[operator]
     script = Script(c)
     script.steps["start"] = lambda member, args: {"step": "start", "member": 7}
-    script.steps["stop"] = lambda member, args: {"step": "stop", "member": member, "at": 1, "extra": {"x": 1}}
+    script.steps["repair"] = lambda member, args: {"step": "repair", "member": member, "at": 1, "extra": {"x": 1}}
     with client(str(tmp_path), script) as nc:
         nc.call("lock")
         with pytest.raises(ProtocolError) as ei:
             nc.ask(StepReply, "start", member="h1", op="x")
         assert ei.value.message == "h1: node start reply: StepReply.member must be a string, not a number"
         # the session is still good: the next reply is read, its unknown key dropped
-        assert nc.ask(StepReply, "stop", member="h1", op="x") == StepReply(step="stop", member="h1", at=1.0)
+        assert nc.ask(StepReply, "repair", member="h1", op="x") == RepairReply(step="repair", member="h1", at=1.0)

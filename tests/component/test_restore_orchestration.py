@@ -103,7 +103,7 @@ def test_a_restore_runs_every_step_in_order_followers_before_the_leader(bed: Bed
     assert out.done and out.downtime is not None
     for m in ("h1", "h2", "h3"):  # the followers halt (until their db is closed), then everyone stops
         assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
-            [] if m == "h2" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
+            [] if m == "h2" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "serving", "unfence", "finish"]
     steps = [(s, m) for _h, s, m in bed.script.calls]
     assert max(steps.index(("halt", m)) for m in ("h1", "h3")) < steps.index(("stop", "h2"))  # the leader last
     assert set(bed.script.received.values()) == {bed.source.sha256}  # every member got the same bytes
@@ -131,7 +131,7 @@ def test_members_of_one_host_stop_together_and_the_leader_after_them(tmp_path: o
     assert sorted(bed.order("halt")) == ["h2", "h3"] and sorted(bed.order("stop")) == ["h1", "h2", "h3"]
     for m in ("h1", "h2", "h3"):  # every member's stop (its exit) rides with its prepare steps
         assert bed.script.steps_of(m) == ["precheck", "begin", "receive", "restore", "fence"] + (
-            [] if m == "h1" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "unfence", "finish"]
+            [] if m == "h1" else ["halt"]) + ["stop", "aside", "install", "chown", "repair", "start", "serving", "unfence", "finish"]
 
 
 def test_one_members_failure_among_its_hosts_names_it_the_others_steps_ran(tmp_path: object) -> None:
@@ -157,6 +157,18 @@ def test_a_failure_rolls_every_member_back_and_says_so(bed: Bed) -> None:
     assert "start" not in bed.script.steps_of("h1")
     # the staged restore runs before the fence: a member that cannot restore stops nothing
     assert "fence" not in bed.script.steps_of("h1") and "stop" not in bed.script.steps_of("h1")
+
+
+def test_healthy_but_served_by_an_old_etcd_is_no_restore(bed: Bed) -> None:
+    # every member converged (the scripted cluster says so), but on h2 the old etcd still answers
+    bed.script.fail("serving", "h2", OperationFailed("h2: the restored etcd is pid 42, yet pid 7 (/usr/bin/etcd) "
+                                                     "listens on 10.0.0.2:2379"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert "every member was rolled back" in ei.value.message
+    assert any("pid 7 (/usr/bin/etcd)" in d for d in ei.value.details), ei.value.details
+    assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
+    assert "unfence" not in bed.script.steps_of("h1") and "finish" not in bed.script.steps_of("h1")
 
 
 def test_a_host_lost_mid_restore_is_named_with_the_next_command(bed: Bed) -> None:
@@ -283,3 +295,95 @@ def test_a_snapshot_proven_ours_says_how(bed: Bed) -> None:
     bed.script.facts["h1"] = {"bootstrap_member_id": ids[0]}
     out = bed.restore(dry_run=True).run()
     assert out.plan.ok and any(e.startswith("proven:") and ids[0] in e for e in out.plan.evidence), out.plan.evidence
+
+
+def _journaled(bed: Bed, state: str, steps: Sequence[str], token: str = "tok-1") -> Dict[str, object]:
+    ic = ",".join(f"{m.name}={m.peer_url}" for m in bed.cfg.members)
+    return {"op": "20261201T000000Z-abcd", "state": state, "sha256": bed.source.sha256, "token": token,
+            "backup": bed.source.path, "initial_cluster": ic, "new_cluster": False, "steps": list(steps)}
+
+
+UNFENCED = ["begin", "receive", "restore", "fence", "halt", "stop", "aside", "install", "chown", "repair", "start",
+            "unfence"]
+
+
+def test_a_member_that_finished_is_left_alone_and_the_others_finished(bed: Bed) -> None:
+    """Killed when h1 had journaled finish and h2, h3 had not: the re-run finishes h2 and h3 and
+    never asks h1 for a step (its journal says done: a step there would be refused)."""
+    bed.script.facts["h1"] = {"journal": _journaled(bed, "done", UNFENCED + ["finish"])}
+    for m in ("h2", "h3"):
+        bed.script.facts[m] = {"journal": _journaled(bed, "running", UNFENCED)}
+    out = bed.restore().run()
+    assert out.done and out.plan.resuming
+    assert bed.script.steps_of("h1") == ["precheck"]
+    for m in ("h2", "h3"):
+        assert bed.script.steps_of(m)[-2:] == ["unfence", "finish"] and "rollback" not in bed.script.steps_of(m)
+
+
+def test_a_resume_that_fails_after_a_member_finished_is_not_rolled_back(bed: Bed) -> None:
+    bed.script.facts["h1"] = {"journal": _journaled(bed, "done", UNFENCED + ["finish"])}
+    for m in ("h2", "h3"):
+        bed.script.facts[m] = {"journal": _journaled(bed, "running", UNFENCED)}
+    bed.cluster.converge = False
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore(health_timeout=1.0).run()
+    msg = ei.value.message
+    assert "not finished" in msg and "not rolled back" in msg and "finished on h1" in msg, msg
+    assert f"etcd-agent restore --from {bed.source.path} --yes" in msg
+    assert bed.order("rollback") == []
+
+
+def test_a_resume_whose_members_serve_the_restored_cluster_goes_only_forward(bed: Bed) -> None:
+    """None finished, but h2's etcd answers with the ids the restore makes (its token and peer
+    URLs): a failure now must not roll back."""
+    from etcd_agent.restore.precheck import restored_ids
+
+    for m in ("h1", "h2", "h3"):
+        bed.script.facts[m] = {"journal": _journaled(bed, "running", UNFENCED[:-1])}
+    ids, cluster = restored_ids(str(_journaled(bed, "running", [])["initial_cluster"]), "tok-1")
+    bed.cluster.member_ids = lambda: {"h2": (f"{ids['h2']:x}", f"{cluster:x}")}  # type: ignore[method-assign]
+    bed.script.fail("unfence", "h3", OperationFailed("h3: apiserver unit failed to start"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert "not rolled back" in ei.value.message and "served by h2" in ei.value.message, ei.value.message
+    assert bed.order("rollback") == []
+    # the same with no member serving it: every member rolled back, as before
+    bed.script.calls.clear()
+    bed.cluster.member_ids = lambda: {"h2": ("abc", "def")}  # type: ignore[method-assign]
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    assert "every member was rolled back" in ei.value.message
+    assert sorted(bed.order("rollback")) == ["h1", "h2", "h3"]
+
+
+def test_rollback_refused_when_a_member_finished_the_restore(bed: Bed) -> None:
+    bed.script.facts["h1"] = {"journal": _journaled(bed, "done", UNFENCED + ["finish"])}
+    for m in ("h2", "h3"):
+        bed.script.facts[m] = {"journal": _journaled(bed, "running", UNFENCED)}
+    for dry in (True, False):
+        with pytest.raises(RefusedError) as ei:
+            rollback_open(bed.cfg, dry_run=dry, nodes=scripted_nodes(bed.script, bed.hosts))
+        assert ei.value.exit_code == EXIT_REFUSED
+        assert any("finished on h1" in d and "h2, h3 alone would leave two clusters" in d for d in ei.value.details)
+    assert bed.order("rollback") == []
+
+
+def test_rollback_incomplete_names_only_hosts_that_did_not_answer(bed: Bed) -> None:
+    bed.script.fail("restore", "h3", OperationFailed("h3: snapshot restore failed (exit 1): disk full"))
+    bed.script.fail("rollback", "h2", OperationFailed("h2: cannot rename the data dir back: read-only file system"))
+    with pytest.raises(OperationFailed) as ei:
+        bed.restore().run()
+    msg = ei.value.message
+    assert "ROLLBACK INCOMPLETE" in msg and "answer again" not in msg, msg
+    assert any(d.startswith("h2") and "NOT rolled back" in d and "read-only" in d for d in ei.value.details)
+
+
+def test_rollback_names_members_left_in_two_clusters(bed: Bed) -> None:
+    """No open journal, but one restore finished on h1, h2 and rolled back on h3 (what a re-run
+    by an older agent left): not "no unfinished restore is journaled", but the split, named."""
+    for m, state in (("h1", "done"), ("h2", "done"), ("h3", "rolled-back")):
+        bed.script.facts[m] = {"journal": _journaled(bed, state, UNFENCED)}
+    with pytest.raises(OperationFailed) as ei:
+        rollback_open(bed.cfg, nodes=scripted_nodes(bed.script, bed.hosts))
+    assert "two clusters" in ei.value.message
+    assert any("finished on h1, h2 but was rolled back on h3" in d for d in ei.value.details), ei.value.details

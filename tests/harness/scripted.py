@@ -59,7 +59,7 @@ class Script:
         # frame), before any scripted failure: a test's probe of what runs at the same time
         self.hooks: Dict[Tuple[str, str], Callable[[], None]] = {}
         self.lock = threading.Lock()
-        for name in ("begin", "restore", "fence", "halt", "stop", "aside", "install", "chown", "repair", "start", "unfence", "finish",
+        for name in ("begin", "restore", "fence", "halt", "stop", "aside", "install", "chown", "repair", "start", "serving", "unfence", "finish",
                      "rollback", "receive", "lock", "cleanup", "backup", "upgrade-member", "release-version"):
             self.steps[name] = self._ok(name)
         self.steps["precheck"] = self._precheck

@@ -5,6 +5,7 @@ a tampered ciphertext caught; verify without the key saying what it checked and 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -306,6 +307,111 @@ def test_the_delta_chain_beside_encrypted_backups_is_encrypted_too(tmp_path: Any
         assert mine[0].encrypted < len(mine[0].paths)
         print(f"\nFIGURE age-delta: {len(names)} segments, all .seg.age, none holds a plaintext byte of the "
                   f"Secrets; age -d by hand gives the v1 segments ({sum(map(len, plains))} bytes)")
+    finally:
+        d.stop()
+        d.c.stop()
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_copied_encrypted_backup_with_to_revision_is_read_with_the_identity(tmp_path: Any) -> None:
+    """A full backup copied into the backup dir (no check of this host remembers its revision) and
+    encrypted: with --identity its revision is read by decrypting it, and the point-in-time restore
+    goes on; a wrong key, a flipped ciphertext byte, a damaged seal (the age header's MAC) and a
+    file cut short are each named in one sentence, exit 3, nothing touched."""
+    from tests.integration.continuous import (
+        agent,
+        full_backups,
+        make_bed,
+        put,
+        rpc,
+        start_all,
+        wait_durable,
+        wait_watching,
+    )
+
+    keyfile, recipient = keypair(tmp_path, "ops.key")
+    wrong, _ = keypair(tmp_path, "wrong.key")
+    d = make_bed(str(tmp_path / "bed"), 1, backup=f'encrypt_to = ["{recipient}"]\n')
+    try:
+        start_all(d)
+        c = d.c
+        wait_watching(c)
+        full = full_backups(c)[0]
+        r = rpc(c)
+        target = 0
+        for i in range(30):
+            target = put(r, f"/pitr/{i:03d}", b"v")
+        wait_durable(c, target)
+        d.stop()
+        # copied here from elsewhere: a new inode, so no check of this host knows its revision
+        path = os.path.join(c.cfg.backup.dir, full)
+        shutil.copy2(path, str(tmp_path / "copy"))
+        os.replace(str(tmp_path / "copy"), path)
+        with tarfile.open(path) as tar:
+            member = tar.getmember("etcd_snapshot.db.age")
+            start, size = member.offset_data, member.size
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            head = fh.read(4096)
+        mac_at = start + head.index(b"\n--- ") + len(b"\n--- ") + 5  # a base64 character of the header MAC
+        damaged = {}
+        for label in ("ciphertext flipped", "seal damaged", "cut short"):
+            damaged[label] = str(tmp_path / f"{label.replace(' ', '-')}.tar")
+            shutil.copy(path, damaged[label])
+        _flip(damaged["ciphertext flipped"], start + size // 2)
+        with open(damaged["seal damaged"], "r+b") as fh:
+            fh.seek(mac_at)
+            ch = fh.read(1)
+            fh.seek(mac_at)
+            fh.write(b"B" if ch == b"A" else b"A")
+        os.truncate(damaged["cut short"], start + size // 2)
+        # the age file cut short inside an archive written anew around it (a copy tool that stopped)
+        damaged["age file cut short"] = str(tmp_path / "age-cut-short.tar")
+        with tarfile.open(path) as src, tarfile.open(damaged["age file cut short"], "w") as dst:
+            for ti in src.getmembers():
+                data = src.extractfile(ti).read()  # type: ignore[union-attr]
+                if ti.name == "etcd_snapshot.db.age":
+                    data = data[:len(data) // 2]
+                    ti.size = len(data)
+                dst.addfile(ti, io.BytesIO(data))
+        pitr_dir = os.path.join(c.cfg.backup.dir, ".pitr")
+
+        def untouched() -> List[Tuple[str, int, int]]:
+            """tree_state but the restore's lock files (their holder records); nothing staged left."""
+            assert not [n for n in os.listdir(pitr_dir) if n != ".lock"] if os.path.isdir(pitr_dir) else True
+            return [t for t in tree_state(c) if not t[0].endswith(".lock")]
+
+        before = untouched()
+
+        said = {}
+        for label, src, key in (("wrong identity", path, wrong), *((lb, p, keyfile) for lb, p in damaged.items())):
+            res = agent(c, "restore", "--from", src, "--to-revision", str(target), "--dry-run", "--identity", key)
+            lines = [ln for ln in res.stderr.splitlines() if ln.strip() and " restore: " not in ln]
+            assert res.returncode == 3 and len(lines) == 1, (label, res.returncode, res.stderr)
+            assert "Traceback" not in res.stderr and "unknown without reading it" not in lines[0], (label, lines)
+            said[label] = lines[0]
+            assert untouched() == before, label
+        assert "none of the 1 key in identity file" in said["wrong identity"]
+        assert "fails authentication" in said["ciphertext flipped"]
+        assert "header MAC does not match" in said["seal damaged"]
+        assert "truncated" in said["cut short"]
+        assert "incomplete stream" in said["age file cut short"] or "truncated" in said["age file cut short"]
+
+        res = agent(c, "restore", "--from", full, "--to-revision", str(target), "--dry-run", "--identity", keyfile)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"reached revision {target}" in res.stdout, res.stdout
+        assert untouched() == before
+        print("\nFIGURE copied encrypted backup, --to-revision with --identity: exit 0, replayed to revision "
+              f"{target}")
+        for label, line in said.items():
+            print(f"FIGURE copied encrypted backup, {label}: exit 3: {line}")
     finally:
         d.stop()
         d.c.stop()

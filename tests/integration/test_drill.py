@@ -320,3 +320,47 @@ def test_a_runbook_tarball_after_a_delete_and_a_compaction(cluster_factory, dril
     assert f"as etcd served revision {rev} with 19 keys" in res.stdout
     assert "no manifest, so no signed claim to hold them against" in res.stdout
     assert "the bytes are the ones etcd's own sha256 trailer covers (nothing proves who wrote them)" in res.stdout
+
+
+def test_a_drill_of_an_encrypted_backup_takes_the_identity_and_says_what_it_needs(cluster_factory, drill_root,
+                                                                                  tmp_path):
+    """The masters hold only public keys: the drill of an encrypted backup decrypts it with
+    --identity; without one it fails saying so (the daemon's scheduled drill too), with a wrong
+    one it is refused; never a traceback."""
+    from etcd_agent.daemon.drill import DrillScheduler
+    from tests.integration.test_backup_age import keypair
+
+    keyfile, recipient = keypair(tmp_path, "ops.key")
+    wrong, _ = keypair(tmp_path, "wrong.key")
+    c = cluster_factory(1, extra=f'encrypt_to = ["{recipient}"]\n' + drill_extra(drill_root))
+    c.start_static()
+    fill(c.cfg)
+    path = take_backup(c.cfg, member="m1").path
+    name = os.path.basename(path)
+
+    res = agent(c.config_path, "drill")
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    head = res.stdout.splitlines()[0]
+    print(f"\nFIGURE encrypted drill, no key: exit 1: {head}")
+    assert f"restore drill of {name}: FAILED" in head and "its snapshot is encrypted (age, to 1 recipient(s): age1" in head
+    assert "--identity FILE" in head
+
+    res = agent(c.config_path, "drill", "--identity", wrong)
+    assert "Traceback" not in res.stderr + res.stdout and res.returncode == 3, (res.stdout, res.stderr)
+    print(f"FIGURE encrypted drill, wrong key: exit 3: {res.stderr.strip().splitlines()[-1]}")
+    assert "none of the 1 key in identity file" in res.stderr
+
+    res = agent(c.config_path, "drill", "--identity", keyfile)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    print(f"FIGURE encrypted drill, with the key: {res.stdout.splitlines()[0]}")
+    assert res.stdout.startswith(f"restore drill of {name}: PASSED in ")
+    assert f"decrypted with {keyfile}" in res.stdout and "as etcd served revision" in res.stdout
+    assert prom(os.path.join(drill_root, "d.prom"))["etcd_agent_restore_drill_last_result"] == 1.0
+    assert not [n for n in os.listdir(os.path.join(drill_root, "d")) if n != ".drill.lock"]  # nothing left staged
+
+    # the daemon's scheduled drill: no key, one sentence saying what it needs, recorded as the cluster's
+    sched = DrillScheduler()
+    report = sched._drill(c.cfg)
+    assert not report.ok and "its snapshot is encrypted" in (report.problem or "")
+    assert "--identity FILE" in (report.problem or "")

@@ -111,6 +111,12 @@ def test_point_in_time_between_two_writes_with_the_lease_rule(bed) -> None:  # t
           f"absent, leased key restored with {ttl}s left; restore wall time {wall:.1f}s")
     out = json.loads(res.stdout)
     assert out["done"] is True
+    # recorded as from the full backup, its chain and the target: not from the throwaway replay
+    from etcd_agent.backup import boundaries
+
+    [rec] = [b for b in boundaries.read(c.cfg.backup.dir) if b.op == out["plan"]["op"]]
+    assert rec.from_backup in os.listdir(c.cfg.backup.dir) and ".to-" not in rec.from_backup, rec
+    assert rec.to_revision is not None and last_before <= rec.to_revision < first_after and rec.chain_id, rec
     assert not os.listdir(os.path.join(c.cfg.backup.dir, ".pitr")) or not [
         n for n in os.listdir(os.path.join(c.cfg.backup.dir, ".pitr")) if n.endswith(".db")], "replay left behind"
 

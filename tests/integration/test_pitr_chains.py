@@ -1,7 +1,8 @@
 """Chains as a product, one member and its daemon on etcd 3.5.16: a damaged segment stops the
 replay at the last good point; chain bounds make the daemon take a full backup; retention keeps
 a full backup and its chain together (an orphaned chain is pruned with its reason); the daemon's
-Prometheus endpoint and the textfile carry the delta metrics; remote copies of segments."""
+Prometheus endpoint and the textfile carry the delta metrics; remote copies of segments; the
+daemon signs its segments, and a forged tail or an unsigned chain is refused."""
 from __future__ import annotations
 
 import os
@@ -12,9 +13,10 @@ from typing import Iterator, Optional
 
 import pytest
 
+from etcd_agent.backup import keys
 from etcd_agent.daemon.metrics import samples
 from etcd_agent.delta import chains
-from etcd_agent.delta.segreader import read_header
+from etcd_agent.delta.segreader import read_header, verify_segment
 from tests.harness.loopback import free_port_pairs
 from tests.harness.s3server import S3Server
 from tests.integration.continuous import (
@@ -31,6 +33,8 @@ from tests.integration.continuous import (
     wait_for,
     wait_watching,
 )
+from tests.integration.delta.test_hostile_chains import tree
+from tests.integration.delta.test_signed_chains import EVIL, append_tail, strip_signatures
 
 pytestmark = pytest.mark.integration
 
@@ -193,3 +197,56 @@ def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(
     assert pr.returncode == 0, pr.stderr
     assert "remote delta chain after revision" in pr.stdout, pr.stdout
     assert keys() and all(f"p/delta-{first:016d}/" not in k for k in keys()), keys()
+
+
+def test_forged_tails_are_refused_and_an_unsigned_chain_needs_the_flag(bed) -> None:  # type: ignore[no-untyped-def]
+    """A forged tail appended to the daemon's signed chain (a well-formed segment from the segment
+    writer, unsigned or signed with a made-up key) is refused by `restore --to newest`, dry run and
+    --yes alike, the data dir untouched; a legacy (unsigned) chain only with --accept-unsigned-chain."""
+    d = bed()
+    c = d.c
+    start_all(d)
+    wait_watching(c)
+    rev = batch(c, "/signed/", 20)
+    wait_durable(c, rev)
+    time.sleep(1.5)  # close_seconds = 1: the open segment closed
+    d.stop()
+    bdir = c.cfg.backup.dir
+    key = keys.local_key(c.cfg).key
+    assert key is not None, "the daemon's full backup left no manifest key beside the config"
+    assert all(verify_segment(p, key=key).signature == "valid" for p in segment_files(c))
+    ok = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    line = next(ln.strip() for ln in ok.stdout.splitlines() if "delta chain signed" in ln)
+    assert "signed with this cluster's manifest key" in line, line
+    print(f"\nFIGURE signed chain: plan: {line}")
+    data = os.path.join(c.dir, "data")  # the member's data dir (its etcd is down with its daemon)
+    before = tree(data)
+
+    for label, sign_key in (("unsigned", None), ("wrong key", bytes(32))):
+        forged = append_tail(bdir, sign_key)
+        name = os.path.basename(forged)
+        for mode in ("--dry-run", "--yes"):
+            res = agent(c, "restore", "--from", "latest", "--to", "newest", mode)
+            assert res.returncode == 3, res.stdout + res.stderr
+            first = res.stderr.strip().splitlines()[0]
+            assert name in first and "forged" in first and first.endswith("nothing touched"), res.stderr
+            print(f"\nFIGURE forged tail ({label}) {mode}: exit 3: {first}")
+        assert tree(data) == before, "a refused restore touched the member's data dir"
+        os.unlink(forged)
+
+    strip_signatures(bdir)
+    res = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+    assert res.returncode == 3, res.stdout + res.stderr
+    first = res.stderr.strip().splitlines()[0]
+    assert "not signed" in first and "--accept-unsigned-chain" in first, res.stderr
+    print(f"FIGURE unsigned chain, no flag: exit 3: {first}")
+    dry = agent(c, "restore", "--from", "latest", "--to", "newest", "--dry-run", "--accept-unsigned-chain")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    line = next(ln.strip() for ln in dry.stdout.splitlines() if "not signed" in ln)
+    print(f"FIGURE unsigned chain, --accept-unsigned-chain: plan: {line}")
+    res = agent(c, "restore", "--from", "latest", "--to", "newest", "--yes", "--accept-unsigned-chain")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = dump(rpc(c))
+    assert EVIL not in got
+    assert {k for k in got if k.startswith("/signed/")} == {f"/signed/{i:03d}" for i in range(20)}

@@ -311,3 +311,26 @@ def test_killed_orchestrator_resumes(cluster_factory, capsys) -> None:  # type: 
         print(f"\nFIGURE resume after kill: {time.monotonic() - t:.2f}s")
     assert counts(c, "/k/", "/later/") == [100, 0]
     assert len(set(revisions(c))) == 1
+
+
+def test_a_backup_reached_through_a_link_into_a_data_dir_is_refused(cluster_factory, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A backup that really lies inside a data dir this restore sets aside would go aside with it
+    (and `restore cleanup --keep 0` would delete it): refused at the pre-check, nothing touched."""
+    c = make(cluster_factory)
+    put_many(c, "/k/", 20)
+    b = take_backup(c.cfg, member="m1")
+    inside = os.path.join(c.cfg.data_dir("m2"), "kept")
+    os.mkdir(inside)
+    shutil.copy2(b.path, inside)
+    link = tmp_path / "elsewhere"
+    link.symlink_to(inside)
+    before = {m.name: sorted(os.listdir(c.cfg.data_dir(m.name))) for m in c.cfg.members}
+    pids = [lm.backend.pid() for lm in c.members]
+    capsys.readouterr()
+    assert cli(c, "restore", "--from", str(link / os.path.basename(b.path)), "--yes") == 3
+    err = capsys.readouterr().err
+    assert (f"{link / os.path.basename(b.path)} lies inside {c.cfg.data_dir('m2')} once links are resolved"
+            in err), err
+    assert [lm.backend.pid() for lm in c.members] == pids
+    assert {m.name: sorted(os.listdir(c.cfg.data_dir(m.name))) for m in c.cfg.members} == before
+    assert not any(os.path.exists(work_dir_for(c.cfg.data_dir(m.name), m.name)) for m in c.cfg.members)

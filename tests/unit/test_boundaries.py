@@ -6,6 +6,8 @@ import os
 import stat
 from typing import Any
 
+import pytest
+
 from etcd_agent.backup import boundaries as B
 
 T = 1_800_000_000.0
@@ -65,3 +67,102 @@ def test_a_hostile_record_is_ignored_not_trusted(tmp_path: Any) -> None:
     with open(os.path.join(d, B.FILE), "w") as fh:
         fh.write("[" * 100_000)
     assert B.read(d) == []
+
+
+HOSTILE_RECORDS = {
+    "garbage": b"\x00\xffnot json",
+    "empty": b"",
+    "time 1e300": b'{"restores": [{"op": "r1", "time": 1e300}]}',
+    "time 1e400": b'{"restores": [{"op": "r1", "time": 1e400}]}',
+    "time of 400 digits": b'{"restores": [{"op": "r1", "time": ' + b"9" * 400 + b"}]}",
+    "time NaN": b'{"restores": [{"op": "r1", "time": NaN}]}',
+    "time negative": b'{"restores": [{"op": "r1", "time": -5}]}',
+    "nested bomb": b'{"restores": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "not an object": b"[1, 2]",
+    "restores not a list": b'{"restores": 5}',
+    "an entry not an object": b'{"restores": [{"op": "r1", "time": 1800000000}, "junk"]}',
+}
+
+
+def test_the_record_reader_reads_any_content_without_a_traceback(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    for what, raw in HOSTILE_RECORDS.items():
+        with open(os.path.join(d, B.FILE), "wb") as fh:
+            fh.write(raw)
+        for b in B.read(d):  # the listing's view: what could be read, each describable
+            b.describe()
+            assert 946684800 <= b.time <= 7258118400, what
+        rec = B.load(d)
+        assert rec.problem is not None and B.FILE in rec.problem, what
+        assert "\n" not in rec.problem and "Traceback" not in rec.problem, what
+
+
+def test_a_fifo_device_or_dir_as_the_record_is_unreadable_at_once(tmp_path: Any) -> None:
+    from tests.unit.test_fs import deadline
+
+    path = os.path.join(str(tmp_path), B.FILE)
+    os.mkfifo(path)
+    with deadline(5):
+        assert B.read(str(tmp_path)) == []
+        assert "is a FIFO, not a regular file" in (B.load(str(tmp_path)).problem or "")
+    os.unlink(path)
+    os.mkdir(path)
+    assert "is a directory, not a regular file" in (B.load(str(tmp_path)).problem or "")
+    os.rmdir(path)
+    os.symlink("/dev/zero", path)
+    assert B.load(str(tmp_path)).problem is not None
+
+
+def test_record_refuses_to_overwrite_an_unreadable_record(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    with open(os.path.join(d, B.FILE), "wb") as fh:
+        fh.write(b'{"restores": [{"op": "r1", "time": 1e300}]}')
+    with pytest.raises(B.RecordUnreadable) as ei:
+        B.record(d, B.Boundary(op="r2", time=T))
+    assert ei.value.message.startswith("restore r2 at ") and "prune deletes nothing" in ei.value.message
+    assert open(os.path.join(d, B.FILE), "rb").read() == b'{"restores": [{"op": "r1", "time": 1e300}]}'
+
+
+def _record_many(d: str, who: str, n: int) -> None:
+    for i in range(n):  # as the daemon records a restore by hand, and as a restore's member does
+        B.record(d, B.Boundary(op=f"detected-{who}-{i}", time=T + i, kind="detected", reason="another cluster id")
+                 if int(who[1:]) % 2 else B.Boundary(op=f"{who}-{i}", time=T + i, from_backup="etcd-x.tar"))
+
+
+def test_concurrent_records_lose_no_entry(tmp_path: Any) -> None:
+    """The daemon's `detected` record and a restore's, written at once by separate processes:
+    each read-modify-write is under the backup dir's lock, so none is lost."""
+    import multiprocessing
+
+    d = str(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_many, args=(d, f"p{k}", 8)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(b.op for b in B.read(d)) == sorted(("detected-" if k % 2 else "") + f"p{k}-{i}"
+                                                     for k in range(4) for i in range(8))
+
+
+def test_a_point_in_time_restore_records_its_full_backup_and_target_not_the_replay(tmp_path: Any) -> None:
+    """The replay (``<full>.to-N.db`` under .pitr) is thrown away; what the restore came from,
+    and what retention must keep, is the full backup (and with it its chain)."""
+    from etcd_agent.config import parse_text
+    from etcd_agent.restore import journal as J
+    from etcd_agent.restore.node import NodeRestore
+
+    cfg, errors = parse_text(f'[cluster]\nname = "k"\n[etcd]\ndata_dir = "{tmp_path}/m1.etcd"\n'
+                             f'[backup]\ndir = "{tmp_path}/backups"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n')
+    assert cfg is not None and not errors, errors
+    full = "etcd-2026-12-01-10-00-00.tar"
+    j = J.Journal(op="op1", member="m1", backup=f"{tmp_path}/backups/.pitr/{full}.to-42.db", token="t",
+                  initial_cluster="", sha256="cd" * 32, size=1, bump=None, fence_owner=False, new_cluster=False,
+                  was_running=True, created=T)
+    NodeRestore(cfg, "m1", "op1")._record_boundary(j, None)
+    [b] = B.read(cfg.backup.dir)
+    assert (b.from_backup, b.to_revision, b.from_sha256) == (full, 42, None)
+    assert b.describe().endswith(f"(from {full} + its delta chain to revision 42)")
+    held = B.by_name(B.holds([b], [at(full, T - 600), at("other", T - 300)], exists=lambda p: False))
+    assert list(held) == [full]

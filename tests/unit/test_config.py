@@ -397,3 +397,38 @@ def test_ssh_stream_names_what_carries_the_snapshot_and_nothing_else():
     assert parse_text(GOOD)[0].ssh.stream == "auto"
     _, errors = parse_text(GOOD + '[ssh]\nstream = "scp"\n')
     assert len(errors) == 1 and "ssh.stream must be one of auto, openssh, paramiko" in errors[0], errors
+
+
+@pytest.mark.parametrize("linked", ["backup.dir", "etcd.data_dir"])
+def test_dirs_are_compared_after_resolving_links(tmp_path, linked):
+    """A backup dir that is a link into the data dir would go aside with it at the next restore
+    (and `restore cleanup` would delete it): refused however the paths are spelt, either way round."""
+    outer, inner = tmp_path / "outer", tmp_path / "outer" / "inner"
+    inner.mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(inner)
+    data, backup = (outer, link) if linked == "backup.dir" else (link, outer)
+    _, errors = parse_text(GOOD + f'[etcd]\ndata_dir = "{data}"\n[backup]\ndir = "{backup}"\n')
+    assert errors == [f"etcd.data_dir {str(data)!r} and backup.dir {str(backup)!r} overlap once links are resolved "
+                      f"({linked} is {str(inner)!r}); give each a directory of its own"]
+    # links that lead apart pass
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    other = tmp_path / "other_link"
+    other.symlink_to(apart)
+    assert parse_text(GOOD + f'[etcd]\ndata_dir = "{outer}"\n[backup]\ndir = "{other}"\n')[1] == []
+
+
+def test_config_validate_names_a_backup_dir_linked_into_the_data_dir(tmp_path, capsys):
+    from etcd_agent.cli.main import main
+
+    data = tmp_path / "etcd" / "{name}"
+    (tmp_path / "etcd" / "a" / "b").mkdir(parents=True)
+    link = tmp_path / "etcd_backup"
+    link.symlink_to(tmp_path / "etcd" / "a" / "b")
+    conf = tmp_path / "agent.toml"
+    conf.write_text(GOOD + f'[etcd]\ndata_dir = "{data}"\n[backup]\ndir = "{link}"\n')
+    assert main(["config", "validate", str(conf)]) == 2
+    err = capsys.readouterr().err
+    assert f"etcd.data_dir {str(tmp_path / 'etcd' / 'a')!r} and backup.dir {str(link)!r} overlap once links" in err
+    assert "Traceback" not in err

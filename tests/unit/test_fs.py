@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import stat
@@ -139,6 +140,30 @@ def test_read_regular_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(NotARegularFile) as ei:
         read_regular(str(f), 1023)
     assert ei.value.strerror == "is larger than 1023 bytes"
+
+
+def test_open_regular_refuses_a_fifo_a_device_a_dir_and_a_symlink_without_blocking(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd_agent.fs import open_regular
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_bytes(b"data")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    cases = {str(tmp_path / "fifo"): "is a FIFO, not a regular file", "/dev/zero": "is a character device, not a regular file",
+             str(tmp_path): "is a directory, not a regular file"}
+    for path, why in cases.items():
+        with deadline(5), pytest.raises(NotARegularFile) as ei:
+            open_regular(path)
+        assert ei.value.strerror == why, path
+    with pytest.raises(OSError) as el:
+        open_regular(str(tmp_path / "link"))  # never followed: the backup dir's files are its own
+    assert el.value.errno == errno.ELOOP and el.value.strerror == "is a symlink (not followed), not a regular file"
+    with open_regular(str(tmp_path / "link"), follow_symlinks=True) as fh:
+        assert fh.read() == b"data"
+    with open_regular(str(tmp_path / "file")) as fh:  # blocking again: an ordinary reader
+        assert os.get_blocking(fh.fileno()) and fh.read() == b"data"
+    with pytest.raises(NotARegularFile) as eb:
+        open_regular(str(tmp_path / "file"), limit=3)
+    assert eb.value.strerror == "is larger than 3 bytes"
 
 
 def test_a_staged_file_lands_whole_under_its_name_or_not_at_all(tmp_path) -> None:  # type: ignore[no-untyped-def]

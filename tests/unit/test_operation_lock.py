@@ -88,3 +88,55 @@ def test_a_held_locks_record_is_read_as_found(tmp_path: Any, record: bytes, name
     finally:
         os.close(fd)
     assert holder_of(str(tmp_path)) is None  # the flock decides, not the record left behind
+
+
+def _gone_pid() -> int:
+    """The pid of a real process that has exited (and been reaped)."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait(10)
+    return proc.pid
+
+
+def test_a_busy_refusal_names_host_command_pid_and_since_even_from_a_sparse_record(tmp_path: Any) -> None:
+    # an owner record without a host (what an orchestrator that could not name itself sends):
+    # the refusal still names a host, a pid and a time, from the lock's own record
+    path = str(tmp_path / ".etcd-agent.lock")
+    held = OperationLock(path, "restore --from x", holder=Holder(owner=SessionOwner(command="restore --from x"))).acquire()
+    try:
+        with pytest.raises(BusyError) as ei:
+            OperationLock(path, "backup").acquire()
+        import os
+        import socket
+
+        msg = ei.value.message
+        assert f"`etcd-agent restore --from x` from {socket.gethostname()} (pid {os.getpid()}) since 20" in msg, msg
+    finally:
+        held.release()
+
+
+def test_a_lock_whose_run_is_gone_is_named_stale_with_what_to_do(tmp_path: Any) -> None:
+    # the orchestrator on this host died; its node session (here: this process) still holds the lock
+    import os
+    import socket
+
+    path = str(tmp_path / ".etcd-agent.lock")
+    dead = _gone_pid()
+    held = OperationLock(path, "restore 5", holder=Holder(owner=SessionOwner("restore 5", socket.gethostname(), dead))).acquire()
+    try:
+        with pytest.raises(BusyError) as ei:
+            OperationLock(path, "restore 6").acquire()
+        msg = ei.value.message
+        assert f"(pid {dead}) since" in msg and "STALE" in msg, msg
+        assert f"pid {dead} is gone" in msg and f"kill {os.getpid()}" in msg, msg
+    finally:
+        held.release()
+    # a live owner is not stale
+    held = OperationLock(path, "restore 7", holder=Holder(owner=SessionOwner("restore 7", socket.gethostname(), os.getpid()))).acquire()
+    try:
+        with pytest.raises(BusyError) as ei:
+            OperationLock(path, "restore 8").acquire()
+        assert "STALE" not in ei.value.message
+    finally:
+        held.release()

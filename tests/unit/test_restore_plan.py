@@ -204,6 +204,45 @@ def test_resume_decision() -> None:
     assert got is not None and got.op == "o3"
 
 
+def test_resume_forward_from_the_hosts() -> None:
+    """A re-run goes only forward when a member finished the restore (its journal) or its etcd
+    answers as the restored cluster (the ids etcd derives from the peer URLs and the token)."""
+    ic = "a=http://a:2380,b=http://b:2380,c=http://c:2380"
+    ids, cluster = C.restored_ids(ic, "tok")
+    assert set(ids) == {"a", "b", "c"} and len(set(ids.values())) == 3
+    other_ids, other_cluster = C.restored_ids(ic, "old-token")  # the old cluster: another token
+    assert other_cluster != cluster
+    live = {"a": (f"{ids['a']:x}", f"{cluster:x}"), "b": (f"{other_ids['b']:x}", f"{other_cluster:x}"),
+            "c": (f"{ids['b']:x}", f"{cluster:x}")}  # c answers with another member's id: not c of the restore
+    assert C.serving_restored(live, ic, "tok") == ["a"]
+    journals = {"a": _journal("o", "done"), "b": _journal("o"), "c": _journal("o"), "d": _journal("x", "done")}
+    r = C.resume_state(journals, live, "o", ic, "tok")
+    assert r.finished == ("a",) and r.serving == ("a",) and r.forward
+    assert "finished on a" in r.describe()
+    back = C.resume_state({"a": _journal("o"), "b": _journal("o")}, {"b": live["b"]}, "o", ic, "tok")
+    assert not back.forward and back.describe() == "no member serves the restored cluster yet"
+    # another backup given while a member finished: resuming is the only way out, not a rollback
+    got, problems = C.resume_decision(journals, "/b/y.tar", "s")
+    assert got is None and "finished it" in problems[0] and "rollback" not in problems[0]
+    # a rollback cut off half-way (a rolled back, b not): never forward, the rollback finished first
+    got, problems = C.resume_decision({"a": _journal("o", "rolled-back"), "b": _journal("o")}, "/b/x.tar", "s")
+    assert got is None and "was being rolled back (rolled back on a, not on b)" in problems[0], problems
+    assert "etcd-agent restore rollback --yes" in problems[0]
+
+
+def test_rollback_refused_when_a_member_finished() -> None:
+    assert C.rollback_refusal({"a": _journal("o"), "b": _journal("o"), "c": None}) == []
+    assert C.rollback_refusal({"a": _journal("o"), "b": _journal("old", "done")}) == []  # another restore
+    got = C.rollback_refusal({"a": _journal("o", "done"), "b": _journal("o", "done"), "c": _journal("o")})
+    assert len(got) == 1 and "finished on a, b" in got[0] and "rolling back c alone would leave two clusters" in got[0]
+    assert "etcd-agent restore --from /b/x.tar --yes" in got[0]
+    # what an older agent's re-run could leave: finished here, rolled back there - two clusters
+    assert C.split_by_restore({"a": _journal("o", "done"), "b": _journal("o", "rolled-back")}) == [
+        "restore o finished on a but was rolled back on b: they are in two clusters; restore a backup again to put "
+        "every member on one"]
+    assert C.split_by_restore({"a": _journal("o", "done"), "b": _journal("p", "rolled-back"), "c": None}) == []
+
+
 def test_rewrite_conf_keeps_tuning() -> None:
     c = cfg()
     m = c.member("master2")

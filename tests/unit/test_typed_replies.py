@@ -18,8 +18,10 @@ from etcd_agent.node.replies import (
     RepairReply,
     RestoreReply,
     RollbackReply,
+    ServingReply,
     StepReply,
     StepsReply,
+    StopReply,
     UpgradeReply,
 )
 from etcd_agent.restore import journal as J
@@ -42,7 +44,7 @@ def test_a_reply_is_read_as_its_steps_type() -> None:
     assert r == FenceReply(step="fence", member="m1", at=12.0, method="unit", was_active=True)
     assert isinstance(r.at, float)
     # a step without fields of its own, and one this agent does not know, are the base reply
-    assert type(StepReply.from_json({"step": "stop", "member": "m1"}, W)) is StepReply
+    assert type(StepReply.from_json({"step": "start", "member": "m1"}, W)) is StepReply
     assert type(StepReply.from_json({"step": "frobnicate", "member": "m1"}, W)) is StepReply
 
 
@@ -54,6 +56,8 @@ def test_every_reply_survives_the_wire_unchanged() -> None:
         RestoreReply(step="restore", member="m1", argv=("etcdutl", "snapshot", "restore"), output="/d.restoring"),
         RepairReply(step="repair", member="m1", conf="kept", unit="missing", unit_created=True),
         RollbackReply(step="rollback", member="m1", did=("etcd stopped",), running=True, was_running=True),
+        StopReply(step="stop", member="m1", strays=("pid 4242 (/usr/bin/etcd) listens on 10.0.0.1:2379",)),
+        ServingReply(step="serving", member="m1", pid=4242, cluster_id="19df0d2c6c21d2d", revision=1_000_000_102),
     ]
     for r in replies:
         line = json.dumps(r.to_json())  # exactly what crosses: JSON text
@@ -75,7 +79,7 @@ def test_a_missing_field_is_refused_by_name() -> None:
     assert "StepReply lacks its field 'step'" in refused(StepReply, {"member": "m1"})
     assert "FenceReply lacks its field 'member'" in refused(StepReply, {"step": "fence", "method": "unit"})
     assert "UpgradeReply lacks its field 'outcome'" in refused(UpgradeReply, {"member": "m1", "version": "3.5.16"})
-    assert "StepReply.member must not be null" in refused(StepReply, {"step": "stop", "member": None})
+    assert "StepReply.member must not be null" in refused(StepReply, {"step": "start", "member": None})
 
 
 def test_a_field_of_the_wrong_type_is_refused_by_name() -> None:
@@ -84,7 +88,7 @@ def test_a_field_of_the_wrong_type_is_refused_by_name() -> None:
     # a boolean is not an integer, nor a string a number
     assert "ReceiveReply.size must be an integer, not a boolean" in refused(
         StepReply, {"step": "receive", "member": "m1", "size": True})
-    assert "StepReply.at must be a number, not a string" in refused(StepReply, {"step": "stop", "member": "m1", "at": "1"})
+    assert "StepReply.at must be a number, not a string" in refused(StepReply, {"step": "start", "member": "m1", "at": "1"})
     assert "RestoreReply.argv must be a list, not a string" in refused(
         StepReply, {"step": "restore", "member": "m1", "argv": "etcdutl snapshot restore"})
     assert "RestoreReply.argv[1] must be a string, not an object" in refused(

@@ -17,7 +17,7 @@ from typing import Any, Iterator, List
 
 import pytest
 
-from etcd_agent.backup import archive, keys
+from etcd_agent.backup import archive
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
 from etcd_agent.delta import chains, pitr
@@ -73,11 +73,17 @@ def ALL(h: SegmentHeader) -> SegmentHeader:  # noqa: N802 - a marker: every segm
     return dataclasses.replace(h, base_sha256=ELSEWHERE_SHA)
 
 
+def prep(cfg: Any, spec: str, target: Target) -> Any:
+    """``pitr.prepare`` of these unsigned chains (their signatures: test_signed_chains): whose chain
+    it is, not that nobody signed it, is what these tests judge."""
+    return pitr.prepare(cfg, spec, target, accept_unsigned=True)
+
+
 def refused(cfg: Any, d: str, spec: str, target: Target) -> str:
     root = os.path.dirname(d)
     before = tree(root)
     with pytest.raises(RefusedError) as exc:
-        pitr.prepare(cfg, spec, target)
+        prep(cfg, spec, target)
     assert tree(root) == before
     msg = exc.value.message
     assert "\n" not in msg and msg.endswith("nothing touched"), msg
@@ -104,7 +110,7 @@ def test_one_segment_naming_another_full_backup_stops_the_chain_there(bed: Any) 
     msg = refused(cfg, d, FULL, Target.to_revision(END))
     print(f"\nFIGURE one segment naming another base: {msg}")
     assert os.path.basename(segs[1]) in msg and "another full backup" in msg, msg
-    p = pitr.prepare(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
+    p = prep(cfg, FULL, Target.to_revision(7))  # before it: the good prefix
     assert p.plan.complete and [s.path for s in p.check.segments] == segs[:1]
     (listed,) = chains.scan(d).chains  # `backup list`, retention and the daemon see the same stop
     assert listed.stop is not None and listed.stop.at_revision == 8 and listed.end_revision == 7
@@ -114,12 +120,7 @@ def test_restore_knows_the_backup_by_its_signed_manifest_as_backup_list_does(tmp
     """A backup whose snapshot sha256 only its signed manifest states (no check recorded): `backup
     list` (with the key) calls a chain naming another base ORPHANED; restore must judge it alike."""
     cfg, d, segs = bed
-    conf = str(tmp_path / "etc" / "agent.toml")
-    os.makedirs(os.path.dirname(conf), mode=0o700)
-    cfg = dataclasses.replace(cfg, path=conf)
-    with open(keys.key_path(cfg), "w") as fh:
-        fh.write(KEY.hex() + "\n")
-    os.chmod(keys.key_path(cfg), 0o600)
+    cfg = plain.with_key(cfg, tmp_path, KEY)
     signed = "etcd-2019-08-07-12-00-00.tar"
     os.unlink(os.path.join(d, FULL))
     full(d, signed, SNAP, FULL_MS - 3600_000, record=False, key=KEY)
@@ -144,13 +145,13 @@ def test_two_chains_at_one_revision_the_plan_names_the_one_it_replays_and_why(be
     cfg, d, segs = bed
     full(d, FULL2, SNAP34, FULL2_MS)
     theirs = write_chain(d, 3, [2, 6], chain_id="6f" * 16, t0=FULL2_MS + 1000, base_sha256=SNAP34_SHA)
-    p = pitr.prepare(cfg, FULL, Target.to_revision(10))
+    p = prep(cfg, FULL, Target.to_revision(10))
     assert [s.path for s in p.check.segments] == segs
     said = " ".join(p.choice)
     print(f"\nFIGURE two chains at revision 3, --from {FULL}: {said}")
     assert "5e5e5e5e" in said and "6f6f6f6f" in said and os.path.basename(theirs[0].path) in said, said
     assert SNAP_SHA[:12] in said, said  # why: the sha256 its first segment names is this backup's
-    q = pitr.prepare(cfg, FULL2, Target.to_revision(10))
+    q = prep(cfg, FULL2, Target.to_revision(10))
     assert [s.path for s in q.check.segments] == [i.path for i in theirs]
     assert "6f6f6f6f" in " ".join(q.choice) and "5e5e5e5e" in " ".join(q.choice)
 
@@ -164,7 +165,7 @@ def test_a_chainless_backup_beside_another_ones_chain_loses_nothing(bed: Any) ->
         os.unlink(s)
     write_chain(d, 3, [0, 4, 3], chain_id="5e" * 16, t0=FULL_MS + 1000, base_sha256=SNAP_SHA)
     full(d, FULL2, SNAP34, FULL2_MS)
-    p = pitr.prepare(cfg, FULL2, Target.newest())
+    p = prep(cfg, FULL2, Target.newest())
     assert p.plan.complete and p.check.stop is None and p.plan.stop_revision == 3, p.plan.because
     said = " ".join(p.choice)
     print(f"\nFIGURE --from a chainless backup beside another's chain: {said}")
@@ -180,7 +181,7 @@ def test_latest_takes_the_backup_whose_chain_reaches_the_target_naming_the_newer
     cfg, d, _segs = bed
     full(d, "etcd-2019-08-07-13-00-01.tar", SNAP34, FULL_MS + 1000)
     for target in (Target.newest(), Target.to_revision(END), Target.to_time(pitr.ms_to_datetime(FULL_MS + 1200))):
-        p = pitr.prepare(cfg, "latest", target)
+        p = prep(cfg, "latest", target)
         said = " ".join(p.choice)
         print(f"\nFIGURE --from latest --to {target.describe()}: {p.entry.name}: {said}")
         assert p.entry.name == FULL and p.plan.complete and p.plan.stop_revision > 3, said
@@ -192,7 +193,7 @@ def test_latest_still_takes_a_newer_backup_whose_history_is_newer(bed: Any) -> N
     keeps the revision) is the newest history; the older chain is not taken for it."""
     cfg, d, _segs = bed
     full(d, FULL2, SNAP34, FULL2_MS)
-    p = pitr.prepare(cfg, "latest", Target.newest())
+    p = prep(cfg, "latest", Target.newest())
     assert p.entry.name == FULL2 and p.plan.stop_revision == 3
 
 
@@ -205,7 +206,7 @@ def test_a_junk_file_named_like_a_segment_is_no_gap(bed: Any, start: int) -> Non
     junk = os.path.join(d, segment_name(start, start + 3, FULL_MS + 5000))
     with open(junk, "wb") as fh:
         fh.write(b"not a segment at all\n" * 10)
-    p = pitr.prepare(cfg, FULL, Target.newest())
+    p = prep(cfg, FULL, Target.newest())
     assert p.plan.complete and p.check.stop is None and p.plan.stop_revision == END, p.plan.because
     said = " ".join(p.choice)
     print(f"\nFIGURE junk named like a segment at {start}: {said}")
@@ -226,7 +227,7 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     os.unlink(os.path.join(d, FULL))
     full(d, unknown, SNAP, FULL_MS - 3600_000, record=False)
     forged = relink(segs, 0, ALL)
-    p = pitr.prepare(cfg, unknown, Target.to_revision(END))
+    p = prep(cfg, unknown, Target.to_revision(END))
     assert "not known here" in " ".join(p.choice)  # the plan says it matched by time
     out = str(tmp_path / "out.db")
     work = tmp_path / "work"

@@ -1,5 +1,5 @@
 """Hostile encrypted delta chains (``.seg.age``) handed to a point-in-time restore: each refused
-in one sentence, nothing written beyond the replay's dir (``<backup dir>/.pitr``: its lock, and
+in one sentence, nothing written beyond the replay's dirs (``<backup dir>/.pitr``: its lock, and
 the private staging dir of decrypted segments, which is gone after the refusal). Pure: the bed
 of test_hostile_chains with its chain encrypted, no etcd; ``open_pitr_source`` is what
 `restore --to-*` runs first, here with the replay it never reaches cut off.
@@ -170,9 +170,11 @@ CASES = [bit_flip, cut_at_chunk_boundary, other_cluster, ten_thousand_recipients
 
 
 def outside_pitr(root: str) -> Any:
-    """The tree without the replay's dir (and without the backup dir's own mtime, which its
-    creation changes)."""
-    return {p: v for p, v in plain.tree(root).items() if "/.pitr" not in p and not p.endswith("/backups")}
+    """The tree without the replay's dirs - ``.pitr`` in the backup dir, the private dir of its
+    plaintext in the state dir (``pitr.private_dir``) - and without the backup and state dirs' own
+    mtimes, which their creation changes."""
+    return {p: v for p, v in plain.tree(root).items()
+            if "/.pitr" not in p and f"/{pitr.PRIVATE_DIR}" not in p and not p.endswith(("/backups", "/state"))}
 
 
 def refused_cleanly(cfg: Any, root: str, before: Any, what: str, msg: str) -> None:
@@ -184,6 +186,8 @@ def refused_cleanly(cfg: Any, root: str, before: Any, what: str, msg: str) -> No
     assert "\n" not in msg, msg
     assert after == before and written == 0, sorted(set(after) ^ set(before))
     assert left == [".lock"], left
+    private = pitr.private_dir(cfg)
+    assert not os.path.isdir(private) or os.listdir(private) == [], os.listdir(private)
 
 
 def test_the_encrypted_chain_as_written_is_accepted_and_opened(sealed_bed: Any) -> None:
