@@ -10,11 +10,13 @@ passed over and why.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from .chains import ChainSummary, Scan
 from .replay import Target
+from .segchain import ChainCheck
 from .segments import ms_to_datetime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,3 +88,17 @@ def pick(sc: Scan, candidates: Sequence["Entry"], target: Target) -> Tuple["Entr
                         f"it reaches only revision {r.revision} at "
                         f"{ms_to_datetime(r.time_ms).isoformat(timespec='milliseconds')}"))
     return best.entry, lines
+
+
+def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
+    """Which chain the replay takes and why, and each file at its base passed over, and why."""
+    lines = []
+    if check.segments:
+        h = check.segments[0].header
+        if check.base_revision != entry.revision:
+            lines.append(f"delta chain {h.chain_id[:8]} after revision {check.base_revision}: {entry.name} (revision "
+                         f"{entry.revision}) was taken inside it, the replay folds it from there")
+        else:
+            lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
+    lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
+    return lines

@@ -259,7 +259,8 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
                            "older full backup; nothing touched")
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), tuple(picked + chain_lines(entry, check)))
+    choice = tuple(picked + fullpick.chain_lines(entry, check))
+    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), choice)
     forged = check.stop is not None and check.stop.kind == "forged"
     if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
@@ -282,20 +283,6 @@ def _signed(cfg: "Config", prep: Prepared, key: Optional[bytes], accept: bool) -
     if refusal is not None:
         raise RefusedError(f"{prep.entry.name}: {refusal}")
     return dataclasses.replace(prep, signatures=line)
-
-
-def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
-    """Which chain the replay takes and why, and each file at its base passed over, and why."""
-    lines = []
-    if check.segments:
-        h = check.segments[0].header
-        if check.base_revision != entry.revision:
-            lines.append(f"delta chain {h.chain_id[:8]} after revision {check.base_revision}: {entry.name} (revision "
-                         f"{entry.revision}) was taken inside it, the replay folds it from there")
-        else:
-            lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
-    lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
-    return lines
 
 
 def _read_sealed(cfg: "Config", entry: "Entry", identities: "Identities", staging: str) -> "Entry":
