@@ -6,7 +6,8 @@ Two full backups can share a revision (an operator's ``backup`` with no write si
 daemon's; an etcd 3.4 restore keeps the revision): the newer may have no chain while the other's
 holds every revision since. Which one reaches further is read from headers and footers here; the
 restore then verifies the chosen chain whole (``pitr.prepare``) and the plan names the backups
-passed over and why.
+passed over and why, and which chain it replays and the files at its base it passed over
+(``chain_lines``).
 """
 from __future__ import annotations
 
