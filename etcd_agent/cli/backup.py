@@ -149,7 +149,10 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup here that it continues "
                     f"(pruned at the next backup or prune): {c.describe()}")
     for path, why in found.unreadable:
-        rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
+        if path in found.junk:  # by its content: no chain's, whatever its name says (never a gap)
+            rows.append(f"NOT A SEGMENT {os.path.basename(path)}: {why}; named like one, passed over by every chain")
+        else:
+            rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
     if record.problem:
         rows.append(f"PRUNE HELD: {boundaries.unreadable_message(record.problem)}")
     best, skipped = latest(entries)
@@ -162,7 +165,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
             "orphan_chains": [c.to_json() for c in orphans],
             "restores": [b.to_json() for b in restores],
             "restore_record_problem": record.problem,
-            "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable],
+            "damaged_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p not in found.junk],
+            "not_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p in found.junk],
             "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}
     return Output(data, "\n".join(rows))
 

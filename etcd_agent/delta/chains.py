@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..fs import regular_fd
-from .errors import SegmentCorrupt
+from .errors import NotASegment, SegmentCorrupt
 from .segchain import BaseBackup, ChainStop, check_chain, continues
 from .segments import Checkpoint, SegmentHeader, SegmentInfo, is_sealed, list_segments, ms_to_datetime, parse_name
 from .segreader import read_summary
@@ -123,6 +123,8 @@ class ChainSummary:
 class Scan:
     chains: Tuple[ChainSummary, ...]  # by base revision, then by when they started
     unreadable: Tuple[Tuple[str, str], ...] = field(default=())  # (path, problem): no header to go by
+    # of those, files that do not begin as a segment does: named like one, no chain's (not damage)
+    junk: Tuple[str, ...] = field(default=())
 
     def for_full(self, revision: int, base: Optional[BaseBackup]) -> Optional[ChainSummary]:
         """The chain continuing the full backup ``base`` at ``revision`` (the one a watcher
@@ -147,11 +149,14 @@ def scan(directory: str) -> Scan:
     by_chain: Dict[Tuple[int, str], List[str]] = {}
     firsts: Dict[Tuple[int, str], SegmentHeader] = {}
     unreadable: List[Tuple[str, str]] = []
+    junk: List[str] = []
     for p in paths:
         try:
             header, _footer = read_summary(p)
         except SegmentCorrupt as exc:
             unreadable.append((p, exc.problem))
+            if isinstance(exc, NotASegment):
+                junk.append(p)
             continue
         k = (header.base_revision, header.chain_id)
         by_chain.setdefault(k, []).append(p)
@@ -178,7 +183,7 @@ def scan(directory: str) -> Scan:
             stop=check.stop, chain_id=k[1], first=firsts.get(k), checkpoints=cps,
             events_after_checkpoint=None if newest is None else events_after(segs, newest, check.end_revision),
         ))
-    return Scan(tuple(chains), tuple(unreadable))
+    return Scan(tuple(chains), tuple(unreadable), tuple(junk))
 
 
 def events_after(segments: Sequence[SegmentInfo], revision: int, stop: int) -> int:

@@ -28,7 +28,7 @@ from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
 
-from . import segsign, status
+from . import chains, fullpick, segsign, status
 from .chains import events_after
 from .errors import ReplayError
 from .leftovers import remove_left
@@ -169,10 +169,11 @@ def work_dir(cfg: "Config", encrypted: bool) -> str:
 
 
 def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", List[str]]:
-    """``--from`` with a target. ``latest`` is the newest good full backup at or before the
-    target (a later one cannot be rolled back to it) that is not a checkpoint (a checkpoint is
-    where a chain's replay may start, found from the chain; never the base of one); anything
-    else resolves as usual."""
+    """``--from`` with a target, and the plan's lines on the choice. ``latest`` is the newest
+    good full backup at or before the target (a later one cannot be rolled back to it) whose
+    delta chain reaches it (``fullpick``: a newer backup at the same revision may have none), that
+    is not a checkpoint (a checkpoint is where a chain's replay may start, found from the chain;
+    never the base of one); anything else resolves as usual."""
     from etcd_agent.backup import catalog, keys
 
     if spec.strip() != "latest":
@@ -181,18 +182,17 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
     entries = [e for e in entries if not e.checkpoint_of]
     goods = catalog.good(entries)
     if target.kind == "newest":
-        best, skipped = catalog.latest(entries)
+        _best, skipped = catalog.latest(entries)
         for s in skipped:
             log.warning("%s", s)
-        if best is None:
+        if not goods:
             raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
-        return best, []
-    for e in goods:
-        if target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms:
-            return e, []
-        if target.kind == "revision" and e.revision is not None and target.revision is not None \
-                and e.revision <= target.revision:
-            return e, []
+    cands = [e for e in goods if target.kind == "newest"
+             or (target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms)
+             or (target.kind == "revision" and e.revision is not None and target.revision is not None
+                 and e.revision <= target.revision)]
+    if cands:
+        return fullpick.pick(chains.scan(cfg.backup.dir), cands, target)
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")
@@ -259,7 +259,8 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
                            "older full backup; nothing touched")
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), tuple(picked + chain_lines(entry, check)))
+    choice = tuple(picked + fullpick.chain_lines(entry, check))
+    prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), choice)
     forged = check.stop is not None and check.stop.kind == "forged"
     if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
@@ -282,20 +283,6 @@ def _signed(cfg: "Config", prep: Prepared, key: Optional[bytes], accept: bool) -
     if refusal is not None:
         raise RefusedError(f"{prep.entry.name}: {refusal}")
     return dataclasses.replace(prep, signatures=line)
-
-
-def chain_lines(entry: "Entry", check: ChainCheck) -> List[str]:
-    """Which chain the replay takes and why, and each file at its base passed over, and why."""
-    lines = []
-    if check.segments:
-        h = check.segments[0].header
-        if check.base_revision != entry.revision:
-            lines.append(f"delta chain {h.chain_id[:8]} after revision {check.base_revision}: {entry.name} (revision "
-                         f"{entry.revision}) was taken inside it, the replay folds it from there")
-        else:
-            lines.append(f"delta chain {h.chain_id[:8]} continues {entry.name}: {check.chosen_because}")
-    lines += [f"passed over {os.path.basename(p)}: {why}" for p, why in check.passed]
-    return lines
 
 
 def _read_sealed(cfg: "Config", entry: "Entry", identities: "Identities", staging: str) -> "Entry":

@@ -141,6 +141,20 @@ def _snapshot_file(full_snapshot: str, workdir: str,
     return dest, src.sha256
 
 
+def _own_chain(full_snapshot: str, got: Optional[str], restored: int, check: ChainCheck) -> None:
+    """The chain names exactly this snapshot (the sha256 of the bytes just read) when it names
+    one: the catalogue may not have known the backup's sha256 (no check recorded, no signed
+    manifest) and matched the chain by time; the content decides before anything is replayed."""
+    first = check.segments[0].header if check.segments else None
+    if first is None or not first.base_sha256 or got is None or check.base_revision != restored:
+        return
+    if got != first.base_sha256:
+        raise ReplayError(f"the delta chain's first segment {os.path.basename(check.segments[0].disk_path)} names the "
+                          f"full backup with snapshot sha256 {first.base_sha256[:16]}..., but "
+                          f"{os.path.basename(full_snapshot)}'s snapshot is {got[:16]}...: another backup's chain, "
+                          "not replayed onto it")
+
+
 def _checkpoint_file(path: str, workdir: str, identities: Optional["Identities"], sha256: str,
                      revision: int) -> str:
     """A checkpoint's snapshot, staged as ``_snapshot_file`` does, and only if it is what the chain
@@ -223,14 +237,16 @@ def replay(
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
     try:
+        got: Optional[str] = None
         if checkpoint is not None:
             snap = _checkpoint_file(full_snapshot, work, identities, *checkpoint)
         else:
-            snap = _snapshot_file(full_snapshot, work, identities)[0]
+            snap, got = _snapshot_file(full_snapshot, work, identities)
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
             check = check_chain(segment_paths, base)
+        _own_chain(full_snapshot, got, restored, check)
         plan = plan_replay(check, target)
         log.info("replaying %d segment(s) onto revision %d, stopping at %d (%s)", len(plan.segments), restored,
                  plan.stop_revision, plan.because)

@@ -2,14 +2,16 @@
 
 ``check_chain`` follows the links (revisions contiguous, the same chain id, each header naming
 the previous file's sha256) and returns the good prefix with the first gap, damaged file or
-broken link as a ``ChainStop``: nothing at or after it is ever trusted.
+broken link as a ``ChainStop``: nothing at or after it is ever trusted. Whose chain a segment is
+comes from its content (the base sha256 every segment names), never from its file name: another
+full backup's chain, and a file that is no segment at all, are passed over and named.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..fs import open_regular
 from . import segsign
@@ -122,9 +124,10 @@ def check_chain(
 
     Returns the good prefix and, if the chain does not run cleanly to its last segment, where
     and why it stops (a revision gap or missing segment, a corrupt file, a broken hash link).
-    Segments of other chains among ``paths`` are ignored, and so is a chain that cannot continue
-    the full backup ``base`` (``continues``). ``verify=False`` reads only headers and footers
-    (cheap, for finding where a watcher resumes) and cannot see damage inside. With
+    Segments of other chains among ``paths`` are ignored; a chain that cannot continue the full
+    backup ``base`` (``continues``) and a file that does not begin as a segment are passed over,
+    named in ``ChainCheck.passed``; a segment naming another base than its chain's first stops it.
+    ``verify=False`` reads only headers and footers (cheap, for finding where a watcher resumes) and cannot see damage inside. With
     ``not_after_ms`` (a restore: now plus a margin) a segment dated after it - by its name, its
     footer or its mtime: a clock that jumped, or a planted file - stops the chain too: a time
     target could otherwise be met by a revision that happened later. Encrypted segments
@@ -146,6 +149,7 @@ def check_chain(
     good: List[SegmentInfo] = []
     used = set()
     passed: List[Tuple[str, str]] = []
+    foreign: Set[str] = set()  # chain ids whose first segment continues another full backup
     because = ""
     expect = start_revision + 1
     prev: Optional[SegmentInfo] = None
@@ -176,6 +180,13 @@ def check_chain(
             if prev is None and h.seq == 0 and not continues(h, base):
                 # the chain of another full backup at the same revision: named, never replayed
                 passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
+                                  "another full backup's chain"))
+                foreign.add(h.chain_id)
+                continue
+            if prev is None and h.seq != 0 and _theirs(h, base, foreign):
+                # the next segment of that chain (its first was idle, or ended before this one
+                # starts): passed over too, not "not the first segment" - nothing of ours is lost
+                passed.append((p, f"segment {h.seq} of chain {h.chain_id[:8]}, which {names_base(h)}: "
                                   "another full backup's chain"))
                 continue
             forged = segsign.weaker(info, best)
@@ -225,7 +236,7 @@ def check_chain(
         last_time = prev.footer.end_time_ms if prev else None
         later = sorted(
             (s, p) for s, lst in by_start.items() if s > expect for p in lst
-            if _same_chain(p, start_revision, prev, base, passed)
+            if _same_chain(p, start_revision, prev, base, passed, foreign)
         )
         seen = tuple(passed)
         if problems:
@@ -259,14 +270,13 @@ def names_base(h: SegmentHeader) -> str:
 
 def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[SegmentInfo, str, List[Tuple[str, str]]]:
     """The first segment of the chain that continues ``base`` among several that may (two chains
-    at one revision), why, and the others passed over. A sha256 match is proof; without one the
+    at one revision), why, and the others passed over. A sha256 match is proof; then the
+    better-proven (``segsign.rank``: a forged twin beside a signed segment is not taken); then the
     chain that started soonest after the backup was taken (the daemon starts its chain right
-    after its backup: a later one continues a later backup at the same revision). Before all of
-    that, the better-proven one (``segsign.rank``): a forged unsigned twin of a signed first
-    segment never wins by its name or its time."""
-    def rank(i: SegmentInfo) -> Tuple[int, bool, int, str]:
+    after its backup: a later one continues a later backup at the same revision)."""
+    def rank(i: SegmentInfo) -> Tuple[bool, int, int, str]:
         exact = bool(base is not None and base.sha256 and i.header.base_sha256 == base.sha256)
-        return (-segsign.rank(i), not exact, i.header.start_time_ms, i.path)
+        return (not exact, -segsign.rank(i), i.header.start_time_ms, i.path)
 
     order = sorted(firsts, key=rank)
     best, h = order[0], order[0].header
@@ -279,7 +289,8 @@ def _first(firsts: List[SegmentInfo], base: Optional[BaseBackup]) -> Tuple[Segme
     else:
         why = f"its first segment {name} {names_base(h)}, matched by revision and time"
     if len(order) > 1:
-        why += f"; of {len(order)} chains that could continue it, the one that started first after it"
+        why += (f"; of {len(order)} chains that could continue it, the one that names its sha256, then the "
+                "best-proven, then the one that started first after it")
     others = [(o.path, f"the first segment of chain {o.header.chain_id[:8]}, which also {names_base(o.header)} but "
                        + (f"is less proven ({segsign.describe(o)}) than {name} ({segsign.describe(best)})"
                           if segsign.rank(o) < segsign.rank(best) else
@@ -323,8 +334,15 @@ def verified(path: str, key: Optional[bytes] = None) -> SegmentInfo:
     return _load_info(path, True, MAX_SEGMENT, key=key)
 
 
+def _theirs(h: SegmentHeader, base: Optional[BaseBackup], foreign: Set[str]) -> bool:
+    """Is this later segment (seq > 0) of a chain that continues another full backup, by the
+    base sha256 it names or by its chain id (whose first segment did)?"""
+    return h.chain_id in foreign or bool(base is not None and base.sha256 and h.base_sha256
+                                         and h.base_sha256 != base.sha256)
+
+
 def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base: Optional[BaseBackup],
-                passed: List[Tuple[str, str]]) -> bool:
+                passed: List[Tuple[str, str]], foreign: Set[str]) -> bool:
     """Could this later file belong to the chain being followed? Unreadable files count as yes:
     a damaged segment must be reported as lost, never skipped silently. A file that is no
     segment at all (not a segment's first bytes) is no; it goes to ``passed``, named."""
@@ -340,7 +358,7 @@ def _same_chain(path: str, base_revision: int, prev: Optional[SegmentInfo], base
     if prev is None:  # nothing followed yet: a later file of another backup's chain is not ours
         if h.seq == 0:
             return continues(h, base)
-        return not (base is not None and base.sha256 and h.base_sha256 and h.base_sha256 != base.sha256)
+        return not _theirs(h, base, foreign)
     return h.chain_id == prev.header.chain_id
 
 

@@ -5,6 +5,7 @@ segments beside it in a backup dir, no etcd; ``pitr.prepare`` is what a restore 
 Every case counts the bytes the refusal wrote anywhere under the test's dir: 0 is the rule."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -14,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 
-from etcd_agent.backup import archive
+from etcd_agent.backup import archive, keys
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.manifest import FileEntry, Manifest
 from etcd_agent.backup.service import _record_check
@@ -56,6 +57,17 @@ def bed(tmp_path: Any) -> Iterator[Tuple[Any, str, List[str]]]:
     assert w.revision == 3
     write_chain(d, 3, [4, 3, 5], chain_id="5e" * 16, t0=FULL_MS + 1000, base_sha256=SNAP_SHA)
     yield cfg, d, list_segments(d)
+
+
+def with_key(cfg: Any, tmp_path: Any, key: bytes) -> Any:
+    """``cfg`` with a config path of its own, beside it this host's manifest key ``key``."""
+    conf = str(tmp_path / "etc" / "agent.toml")
+    os.makedirs(os.path.dirname(conf), mode=0o700)
+    cfg = dataclasses.replace(cfg, path=conf)
+    with open(keys.key_path(cfg), "w") as fh:
+        fh.write(key.hex() + "\n")
+    os.chmod(keys.key_path(cfg), 0o600)
+    return cfg
 
 
 def tree(root: str) -> Dict[str, Tuple[int, int]]:

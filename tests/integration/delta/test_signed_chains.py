@@ -48,12 +48,7 @@ def signed_bed(tmp_path: Any) -> Iterator[Tuple[Any, str, List[str]]]:
     cfg, d, segs = next(gen)
     for p in segs:  # the same chain again, signed as the daemon signs it
         os.unlink(p)
-    conf = str(tmp_path / "etc" / "agent.toml")
-    os.makedirs(os.path.dirname(conf), mode=0o700)
-    cfg = dataclasses.replace(cfg, path=conf)
-    with open(keys.key_path(cfg), "w") as fh:
-        fh.write(KEY.hex() + "\n")
-    os.chmod(keys.key_path(cfg), 0o600)
+    cfg = plain.with_key(cfg, tmp_path, KEY)
     write_chain(d, 3, [4, 3, 5], chain_id="5e" * 16, t0=plain.FULL_MS + 1000, base_sha256=plain.SNAP_SHA,
                 sign_key=KEY)
     yield cfg, d, list_segments(d)
