@@ -66,6 +66,11 @@ class Server:
         return f"{who} {'; '.join(self.how)}"
 
 
+def refusal(server: Server, kind: str) -> str:
+    """Why a restore will not go on while ``server`` (not ours) serves the member: one sentence."""
+    return f"{server.sentence()}, and this agent did not start it ({kind} backend): stop it, then restore again"
+
+
 def spots_for(cfg: Config, member: str, data_dir: str) -> Spots:
     m = cfg.member(member)
     ports: List[Tuple[str, int]] = []
@@ -268,15 +273,16 @@ def clear(spots: Spots, kind: str, main_pid: Optional[int] = None) -> List[Serve
     anything still serving it (not ours, or one that came back) fails naming it, and the caller
     moves nothing. The ones stopped."""
     servers = find(spots, kind, main_pid)
-    for s in servers:
-        if s.ours:
-            stop(s, spots, kind, main_pid)
-    left = find(spots, kind, main_pid)
+    ours = [s for s in servers if s.ours]
+    for s in ours:
+        stop(s, spots, kind, main_pid)
+    # looked for again only after a stop (a scan takes 0.1-0.4 s, and this runs while etcd is down)
+    left = find(spots, kind, main_pid) if ours else servers
     if left:
         raise OperationFailed(f"{spots.member}: {'; '.join(s.sentence() for s in left)}: this agent did not start "
                               f"{'it' if len(left) == 1 else 'them'}, so does not stop "
                               f"{'it' if len(left) == 1 else 'them'}, and moves nothing of this member's")
-    return [s for s in servers if s.ours]
+    return ours
 
 
 def served_by(spots: Spots, kind: str, pid: Optional[int]) -> Server:
