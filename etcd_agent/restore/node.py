@@ -481,6 +481,11 @@ class NodeRestore:
 
     def start(self) -> R.StepReply:
         def do(j: J.Journal) -> R.StepReply:
+            if not self.backend.is_active() and serving.listened(self.spots):
+                # an etcd of ours on the restored data without the backend's record of it: this
+                # op's own, started by a run cut off before it wrote the pid file. Stopped, so the
+                # one started now serves, recorded (anything not ours: refused, named)
+                serving.clear(self.spots, self.backend.kind, self._main_pid())
             self.backend.start()
             return R.StepReply()
 
