@@ -136,7 +136,13 @@ def _is_etcd(proc: "psutil.Process") -> bool:
     except (psutil.Error, OSError):
         return False
     names = {os.path.basename(exe)} | ({os.path.basename(cmd[0])} if cmd else set())
-    return any(n == "etcd" or n.startswith("etcd-") or n.startswith("etcd_") for n in names)
+    return any(etcd_name(n) for n in names)
+
+
+def etcd_name(name: str) -> bool:
+    """etcd, or a release's copy of it (etcd-3.5.16); never this agent (etcd-agent) nor etcd's
+    tools (etcdctl, etcdutl)."""
+    return name == "etcd" or (name.startswith(("etcd-", "etcd_")) and not name.startswith("etcd-agent"))
 
 
 def _data_marks(proc: "psutil.Process", data_dir: str, names: Set[str]) -> Tuple[List[str], bool]:
