@@ -161,9 +161,10 @@ class NodeRestore:
             running = False
         try:
             servers = self._servers()
+            foreign = tuple(serving.refusal(s, self.backend.kind) for s in servers if not s.ours)
         except (OSError, AgentError) as exc:
-            servers = [serving.Server(pid=0, command="?", how=(f"(the processes serving it could not be listed: {exc})",),
-                                      ours=False, holds_data=False)]
+            servers, foreign = [], (f"the processes serving it cannot be listed ({getattr(exc, 'message', exc)}): "
+                                    "whether its data dir is in use cannot be told",)
         running = running or any(s.ours for s in servers)  # an etcd of ours whose pid file is gone
         fence_ok, fence_detail = self._fence_possible()
         t = cfg.tls
@@ -185,7 +186,7 @@ class NodeRestore:
             lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
             db_member_ids=db_ids, db_note=db_note,
             etcdctl_path=cfg.etcd.etcdctl, etcdutl_path=cfg.etcd.etcdutl,
-            foreign=tuple(s.sentence() for s in servers if not s.ours),
+            foreign=foreign,
         )
 
     def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:
@@ -480,6 +481,11 @@ class NodeRestore:
 
     def start(self) -> R.StepReply:
         def do(j: J.Journal) -> R.StepReply:
+            if not self.backend.is_active() and serving.listened(self.spots):
+                # an etcd of ours on the restored data without the backend's record of it: this
+                # op's own, started by a run cut off before it wrote the pid file. Stopped, so the
+                # one started now serves, recorded (anything not ours: refused, named)
+                serving.clear(self.spots, self.backend.kind, self._main_pid())
             self.backend.start()
             return R.StepReply()
 

@@ -61,7 +61,8 @@ class NodeFacts(Document):
     etcdctl_path: Optional[str] = None
     etcdutl_path: Optional[str] = None
     # processes serving this member (its data dir open, its ports) that this agent did not start:
-    # one sentence each (``member.serving``); a restore never moves a data dir from under them
+    # one sentence each, why the restore cannot go on (``member.serving.refusal``); a restore
+    # never moves a data dir from under them
     foreign: Tuple[str, ...] = ()
 
 
@@ -169,8 +170,7 @@ def check_host(
         p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
     for f in facts.tls_missing:
         p.append(f"TLS file {f} is missing")
-    for who in facts.foreign:
-        p.append(f"{who}, and this agent did not start it ({facts.backend} backend): stop it, then restore again")
+    p += facts.foreign
     j = facts.journal
     if j is not None and j.open and not resuming:
         p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")

@@ -7,6 +7,7 @@ anything is touched. Real etcd 3.5.16 on loopback, the process backend, the CLI 
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from typing import List
@@ -17,10 +18,11 @@ import pytest
 from etcd_agent.backup.service import take_backup
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend
+from etcd_agent.restore.precheck import work_dir_for
 from etcd_agent.waiting import poll
 from tests.harness.loopback import LoopbackCluster
 
-from .test_restore import cli, make
+from .test_restore import AGENT, cli, make
 
 pytestmark = pytest.mark.integration
 
@@ -96,3 +98,47 @@ def test_an_etcd_started_by_hand_on_a_data_dir_is_refused(cluster_factory, capsy
     finally:
         hand.terminate()
         hand.wait(15)
+
+
+def test_a_restore_cut_off_after_its_start_resumes_onto_the_etcds_it_started(cluster_factory, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The orchestrator killed once every member's start is journaled, and the pid files gone:
+    what a restore killed between starting etcd and writing its pid file leaves. Re-running it
+    resumes; the etcds of the cut-off run, serving the restored data without the agent's record
+    of them, give way to ones it starts and records, and the restore finishes served."""
+    c = make(cluster_factory)
+    take_backup(c.cfg, member="m1")
+    with c.client() as cl:
+        cl.put("/later/k", b"written after the backup")
+    journals = [os.path.join(work_dir_for(c.cfg.data_dir(m.name), m.name), "journal.json") for m in c.cfg.members]
+
+    def started() -> bool:
+        try:
+            return all("start" in json.load(open(j)).get("steps", {}) for j in journals)
+        except (FileNotFoundError, ValueError):
+            return False
+
+    proc = subprocess.Popen([AGENT, "-c", c.config_path, "restore", "--from", "latest", "--yes"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        poll(lambda: started() or proc.poll() is not None, timeout=60, what="every member's start journaled",
+             interval=0.01)
+        assert proc.poll() is None, "restore finished before it could be cut off"
+    finally:
+        proc.kill()  # SIGKILL: cut off where it stands
+        proc.wait(10)
+    cut_off = {m.name: ProcessBackend(c.cfg, m.name).pid() for m in c.cfg.members}
+    assert all(cut_off.values()), cut_off
+    for m in c.cfg.members:
+        os.unlink(os.path.join(c.cfg.etcd.run_dir, f"{m.name}.pid"))
+    capsys.readouterr()
+
+    rc = cli(c, "restore", "--from", "latest", "--yes")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    for m in c.cfg.members:
+        pid = ProcessBackend(c.cfg, m.name).pid()
+        assert pid is not None and pid != cut_off[m.name] and serves_from(pid, c.cfg.data_dir(m.name)), (m.name, pid)
+    assert later_on_each(c) == [0, 0, 0]
+    for m in c.cfg.members:  # the cut-off run's etcds are gone (reaped, or zombies of this test)
+        pid = cut_off[m.name]
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, (m.name, pid)

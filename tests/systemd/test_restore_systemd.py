@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -277,3 +278,33 @@ def test_same_restore_serially_by_hand(rs: NspawnBed, backup: Dict) -> None:
         assert counts(cfg, f"http://{c.ip}:2379", "/k/", "/later/") == [KEYS, 0]
     record("same restore serially by hand (etcdutl, 3 hosts)", f"{hand:.1f} s (commands back to back, no "
            "typing, no checks, no rollback; the agent's wall time above includes verify, pre-checks and locks)")
+
+
+def test_an_etcd_running_outside_the_unit_is_refused(rs: NspawnBed, backup: Dict) -> None:
+    """rs2's etcd runs outside etcd.service (a transient unit with the same conf, as an operator's
+    `systemd-run` would leave it): not the unit's MainPID, so not the agent's to stop. The restore
+    is refused naming its pid and command line, and nothing is touched (issue 38, item 2)."""
+    cfg = client_config(rs.containers)
+    rs2 = rs[1]
+    binary = re.search(r"path=(\S+)", show(rs2, "etcd", "ExecStart"))
+    assert binary is not None
+    rs2.systemctl("stop", "etcd-agent", check=True)  # its daemon would start etcd.service again
+    rs2.systemctl("stop", "etcd", check=True)
+    try:
+        rs2.exec(["systemd-run", "--unit=etcd-by-hand", "-p", "EnvironmentFile=/etc/etcd/etcd.conf", "-p", "User=etcd",
+                  binary.group(1)], check=True)
+        wait_healthy(cfg, 60)
+        pid = main_pid(rs2, "etcd-by-hand")
+        before = {c.name: agentbed.untouched_state(c, DATA_DIR, (APISERVER,)) for c in rs.containers}
+        res = agent(rs[0], "restore", "--from", backup["path"], "--yes")
+        assert res.returncode == 3, res.stdout + res.stderr
+        assert f"pid {pid} ({binary.group(1)}) has {DATA_DIR}/member/snap/db open" in res.stderr, res.stderr
+        assert "this agent did not start it (systemd backend)" in res.stderr, res.stderr
+        after = {c.name: agentbed.untouched_state(c, DATA_DIR, (APISERVER,)) for c in rs.containers}
+        assert after == before and main_pid(rs2, "etcd-by-hand") == pid
+        record("etcd outside the unit", "refused (exit 3), naming its pid and command line; nothing touched")
+    finally:
+        rs2.systemctl("stop", "etcd-by-hand")
+        rs2.systemctl("start", "--no-block", "etcd")
+        rs2.systemctl("start", "etcd-agent")
+    wait_healthy(cfg, 60)

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List
 import pytest
 
 from etcd_agent.errors import OperationFailed
-from etcd_agent.member.serving import Spots, _address_matches, clear, find, served_by
+from etcd_agent.member.serving import Spots, _address_matches, clear, etcd_name, find, served_by
 
 
 @pytest.fixture
@@ -97,3 +97,8 @@ def test_anything_listening_on_the_members_port_is_found(tmp: str, procs: List) 
 ])
 def test_which_listening_addresses_take_a_members_connections(listening: str, host: str, match: bool) -> None:
     assert _address_matches(listening, host) is match
+
+
+def test_which_programs_are_etcd() -> None:
+    assert [n for n in ("etcd", "etcd-3.5.16", "etcd_v3", "etcd-agent", "etcdctl", "etcdutl", "python3") if etcd_name(n)] \
+        == ["etcd", "etcd-3.5.16", "etcd_v3"]
