@@ -64,7 +64,8 @@ def _progress(line: str) -> None:
 
 
 def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..restore.orchestrate import Options, restore
+    from ..restore.options import Options
+    from ..restore.orchestrate import restore
     from ..restore.plan import render_plan
     from .backup import load_identity
 

@@ -11,7 +11,8 @@ from ..node.replies import CleanupReply
 from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
 from .journal import JournalSummary
 from .live import Progress
-from .orchestrate import Options, Restore
+from .options import Options
+from .orchestrate import Restore
 from .precheck import NodeFacts, rollback_refusal, split_by_restore
 
 

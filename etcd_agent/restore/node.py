@@ -22,7 +22,7 @@ from .. import __version__
 from ..config import Config, Member
 from ..errors import AgentError, OperationFailed, RefusedError
 from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
-from ..fs import ensure_private_dir, makedirs, remove_stale_parts, write_atomic
+from ..fs import ensure_private_dir, makedirs, write_atomic
 from ..hosts.base import Result
 from ..hosts.local import LocalHost
 from ..locality import machine_identity
@@ -36,6 +36,7 @@ from ..state import bootstrap, lineage, markers
 from ..state.pins import pinned_config
 from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
 from . import journal as J
+from . import nodeundo as undo
 from . import plan as P
 from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
 from .receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
@@ -43,7 +44,6 @@ from .setaside import cleanup_set_aside, free_name
 
 log = logging.getLogger(__name__)
 
-CONF_ORIG = "conf.orig"
 MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
 HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
 HALT_POLL = 0.01
@@ -466,7 +466,7 @@ class NodeRestore:
             elif all(parse_conf(old).get(k) == v for k, v in values.items()):
                 rep = R.RepairReply(conf="kept")
             else:
-                write_atomic(os.path.join(self.work_dir, CONF_ORIG), old.encode(), mode=0o600)
+                write_atomic(os.path.join(self.work_dir, undo.CONF_ORIG), old.encode(), mode=0o600)
                 write_atomic(conf, P.rewrite_conf(old, values).encode(), mode=0o644)
                 rep = R.RepairReply(conf="identity/cluster keys rewritten (original kept for rollback)", conf_saved=True)
             unit = self.cfg.etcd.unit_file
@@ -598,72 +598,18 @@ class NodeRestore:
                              was_running=j.was_running)
 
     def _rollback_data(self, j: J.Journal, did: List[str]) -> None:
-        """etcd stopped if this op touched its data (left running if not); the old data dir put
-        back, the restored one kept aside as failed-restore."""
-        aside, pend = j.record(R.AsideReply), j.pending.get("aside")
-        moved = (aside.moved if aside else None) or (pend.target if pend else None)
-        installed = j.done("install") or "install" in j.pending
-        # a failure before the data dir was touched (shipping, fencing, stopping) has nothing of
-        # etcd's to undo: a member still running on its own data is left running, not restarted
-        # (``restore`` only staged beside it, with etcd serving). A halted one may still be
-        # exiting: its exit is waited for, then it is started again below.
-        touched = any(j.done(s) or s in j.pending for s in ("halt", "aside", "install", "chown", "repair", "start"))
-        if touched or not self.backend.is_active():
-            self.backend.stop(30.0)
-            did.append("etcd stopped")
-        else:
-            did.append("etcd left running: its data dir was never touched")
-        tmp = f"{self.data_dir}.restoring"
-        staged = (j.pending.get("restore") or J.Pending()).output, (j.record(R.RestoreReply) or R.RestoreReply()).output
-        if os.path.lexists(tmp) and tmp in staged:
-            shutil.rmtree(tmp)  # our own output, staged and never moved in
-            did.append(f"staged {tmp} removed")
-        if isinstance(moved, str) and os.path.lexists(moved):
-            if os.path.lexists(self.data_dir):
-                failed = free_name(self.data_dir, "failed-restore")
-                os.rename(self.data_dir, failed)
-                did.append(f"restored data moved to {failed}")
-            os.rename(moved, self.data_dir)
-            did.append(f"{moved} moved back to {self.data_dir}")
-        elif installed and os.path.lexists(self.data_dir):
-            failed = free_name(self.data_dir, "failed-restore")
-            os.rename(self.data_dir, failed)
-            did.append(f"no old data dir; restored data moved to {failed}")
+        undo.data(j, did, self.data_dir, self.backend)
 
     def _rollback_files(self, j: J.Journal, did: List[str]) -> None:
-        """etcd.conf and the unit as they were before this op."""
-        rep = j.record(R.RepairReply) or R.RepairReply()
-        conf = self.cfg.conf_file(self.member.name)
-        orig = os.path.join(self.work_dir, CONF_ORIG)
-        if rep.conf_saved and os.path.isfile(orig):
-            with open(orig, "rb") as fh:
-                write_atomic(conf, fh.read(), mode=0o644)
-            did.append(f"{conf} restored")
-        elif rep.conf_created and os.path.isfile(conf):
-            os.unlink(conf)  # there was none before: leave the host as it was
-            did.append(f"{conf} (rendered by this restore) removed")
-        if rep.unit_created and os.path.isfile(self.cfg.etcd.unit_file):
-            os.unlink(self.cfg.etcd.unit_file)
-            self.host.run(["systemctl", "daemon-reload"], timeout=60, check=False)
-            did.append(f"{self.cfg.etcd.unit_file} (rendered by this restore) removed")
+        undo.files(j, did, self.cfg, self.member.name, self.work_dir, self.host)
 
     # ------------------------------------------------------------ housekeeping
 
     def _drop_payload(self) -> None:
-        """The snapshot copy is large and has served; the journal stays until the next restore.
-        Temp files of receivers that died go too (a live receiver's stays: it is locked)."""
-        for n in (SNAPSHOT, RECEIVED):
-            try:
-                os.unlink(os.path.join(self.work_dir, n))
-            except FileNotFoundError:
-                pass
-        remove_stale_parts(self.work_dir, SNAPSHOT)
+        undo.drop_payload(self.work_dir)
 
     def _clear_work_dir(self) -> None:
-        for n in os.listdir(self.work_dir):
-            p = os.path.join(self.work_dir, n)
-            if os.path.isfile(p) and not os.path.islink(p):
-                os.unlink(p)
+        undo.clear_work_dir(self.work_dir)
 
     def cleanup(self, keep: int, dry_run: bool) -> R.CleanupReply:
         return cleanup_set_aside(self.data_dir, self.member.name, keep, dry_run)

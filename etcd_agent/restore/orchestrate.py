@@ -22,10 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..backup.identity import Evidence, HostIds, Verdict, judge
@@ -55,7 +53,8 @@ from ..node.sessions import (
 )
 from . import plan as P
 from .journal import JournalSummary
-from .live import EtcdCluster, LiveCluster, Progress
+from .live import EtcdCluster, LiveCluster
+from .options import LEFT_AS_IS, Options, Outcome, new_op_id
 from .precheck import (
     NodeFacts,
     Resume,
@@ -71,59 +70,11 @@ from .source import Source
 from .source import open_source as _open_source
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
+    pass
 
 log = logging.getLogger(__name__)
 
-# what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
-LEFT_AS_IS = ("steps still running on the hosts were not waited for and nothing more was done (a stuck one is "
-              "stopped 30 s after its session closes); run `etcd-agent restore rollback --yes` on any master to "
-              "roll every member back, or the same restore command to resume it")
-
-
-def new_op_id(stamp: str, sha256: Optional[str]) -> str:
-    """A new restore's id: when, what, and a random part - a retry within the same second of
-    a rolled-back restore of the same backup is a new restore, not that one (whose journal
-    says rolled back and would refuse it)."""
-    return f"{stamp}-{(sha256 or 'runbook')[:8]}-{secrets.token_hex(3)}"
-
 PREPARE = ["aside", "install", "chown", "repair"]  # a stopped member's steps before it starts
-
-
-@dataclass
-class Options:
-    spec: str
-    dry_run: bool = False
-    new_token: Optional[str] = None
-    new_cluster: bool = False
-    confirm: Optional[Callable[[str], bool]] = None  # shown the plan; False = abort
-    progress: Progress = lambda s: None
-    health_timeout: Optional[float] = None
-    identities: Optional["Identities"] = None  # decrypts an encrypted backup (--identity)
-
-
-@dataclass
-class Outcome:
-    plan: P.Plan
-    done: bool = False
-    duration: float = 0.0
-    timings: Dict[str, float] = field(default_factory=dict)
-    revisions: Dict[str, int] = field(default_factory=dict)
-    downtime: Optional[float] = None  # fence -> unfence
-    cleanup: List[str] = field(default_factory=list)  # what the Kubernetes cleanup did
-    ready: Dict[str, str] = field(default_factory=dict)  # member -> its apiserver's /readyz wait
-
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "plan": self.plan.to_json(),
-            "done": self.done,
-            "duration": round(self.duration, 3),
-            "downtime": None if self.downtime is None else round(self.downtime, 3),
-            "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            "revisions": self.revisions,
-            "kubernetes_cleanup": self.cleanup,
-            "apiservers": self.ready,
-        }
 
 
 # ---------------------------------------------------------------- the running cluster

@@ -16,7 +16,8 @@ from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import EXIT_BUSY, EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
 from etcd_agent.etcd.snapdb import SnapshotIdentity
 from etcd_agent.restore.commands import rollback_open
-from etcd_agent.restore.orchestrate import Options, Restore
+from etcd_agent.restore.options import Options
+from etcd_agent.restore.orchestrate import Restore
 from etcd_agent.restore.source import Source
 from tests.harness.scripted import Script, ScriptedCluster, ScriptedHost, scripted_nodes
 

@@ -25,7 +25,8 @@ import pytest
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.errors import OperationFailed
-from etcd_agent.restore.orchestrate import Options, restore
+from etcd_agent.restore.options import Options
+from etcd_agent.restore.orchestrate import restore
 from etcd_agent.restore.plan import BUMP_REVISION
 from etcd_agent.restore.precheck import work_dir_for
 from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for

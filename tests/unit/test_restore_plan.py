@@ -276,7 +276,7 @@ def test_tokens() -> None:
 
 def test_two_restores_of_one_backup_in_the_same_second_get_different_ids() -> None:
     """A retry right after a rolled-back restore is a new restore: its journal is not the old one's."""
-    from etcd_agent.restore.orchestrate import new_op_id
+    from etcd_agent.restore.options import new_op_id
 
     ids = {new_op_id("20261201T160000Z", "ab" * 32) for _ in range(50)}
     assert len(ids) == 50
