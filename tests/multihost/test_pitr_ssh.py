@@ -172,13 +172,15 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
     w = Writer([m.client_url for m in cfg.members])
     w.start()
     time.sleep(30)
+    # the disks go first, then the processes: the daemons notice an etcd's exit at once (a pidfd)
+    # and would restart one killed before its data dir was gone onto what is left of it
+    pids = [ProcessBackend(cfg, m.name).pid() for m in cfg.members]
     for m in cfg.members:
-        pid = ProcessBackend(cfg, m.name).pid()
+        shutil.rmtree(cfg.data_dir(m.name), ignore_errors=True)
+    for pid in pids:
         if pid:
             os.kill(pid, signal.SIGKILL)
     disaster = time.time()
-    for m in cfg.members:
-        shutil.rmtree(cfg.data_dir(m.name), ignore_errors=True)
     w.stop()
     time.sleep(3)  # the operator's first look; ez1's watch has closed its segment by then
     t, began = time.monotonic(), time.time()
