@@ -207,18 +207,8 @@ class ProcessBackend:
         if proc is None:
             self._cleanup_pidfile()
             return
-        import psutil
-
         log.info("%s: stopping etcd pid %d", self.member, proc.pid)
-        try:
-            proc.send_signal(signal.SIGTERM)
-            if not self._wait_exit(proc, timeout):
-                log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", self.member, proc.pid, timeout)
-                proc.kill()
-                if not self._wait_exit(proc, 5.0):
-                    raise OperationFailed(f"{self.member}: etcd pid {proc.pid} still runs after SIGKILL")
-        except psutil.NoSuchProcess:
-            pass
+        stop_by_escalation(proc, self.member, timeout, lambda: self._gone(proc))
         self._child = None
         self._cleanup_pidfile()
 
@@ -236,24 +226,11 @@ class ProcessBackend:
         except psutil.NoSuchProcess:
             pass
 
-    def _wait_exit(self, proc: Any, timeout: float) -> bool:
-        """True once ``proc`` has exited. Our own child is reaped here; another parent's (a daemon
-        or the demo that started it) may reap it only later: a zombie has exited, so it counts."""
-        import psutil
-
-        def gone() -> bool:
-            if self._child is not None and self._child.pid == proc.pid:
-                return self._child.poll() is not None
-            try:
-                return bool(proc.status() == psutil.STATUS_ZOMBIE)
-            except psutil.NoSuchProcess:
-                return True
-
-        try:
-            poll(gone, timeout=timeout, what=f"etcd pid {proc.pid} to exit", interval=0.05)
-            return True
-        except OperationFailed:
-            return False
+    def _gone(self, proc: Any) -> bool:
+        """``proc`` has exited: our own child is reaped here, another parent's is ``exited``."""
+        if self._child is not None and self._child.pid == proc.pid:
+            return self._child.poll() is not None
+        return exited(proc)
 
     def restart(self) -> None:
         self.stop()
@@ -342,3 +319,42 @@ def _write_if_changed(path: str, text: str, mode: int) -> bool:
     makedirs(os.path.dirname(os.path.abspath(path)), 0o755)  # like /etc/etcd: readable, nobody else's to swap
     write_atomic(path, data, mode=mode)
     return True
+
+
+KILL_WAIT = 5.0  # seconds a SIGKILLed etcd has to be gone
+
+
+def exited(proc: Any) -> bool:
+    """``proc`` has exited. Another parent (a daemon or the demo that started it) may reap it only
+    later: a zombie has exited, so it counts."""
+    import psutil
+
+    try:
+        return bool(proc.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def stop_by_escalation(proc: Any, member: str, timeout: float, gone: Callable[[], bool]) -> None:
+    """SIGTERM, wait up to ``timeout`` for ``gone()``, then SIGKILL and wait ``KILL_WAIT``: the one way
+    an etcd is stopped, after its caller has proven it is the one to stop. OperationFailed when it
+    still runs; a process gone before a signal is no error (other ``psutil.Error``s propagate)."""
+    import psutil
+
+    def waited(limit: float) -> bool:
+        try:
+            poll(gone, timeout=limit, what=f"etcd pid {proc.pid} to exit", interval=0.05)
+            return True
+        except OperationFailed:
+            return False
+
+    try:
+        proc.send_signal(signal.SIGTERM)
+        if waited(timeout):
+            return
+        log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", member, proc.pid, timeout)
+        proc.kill()
+    except psutil.NoSuchProcess:
+        return
+    if not waited(KILL_WAIT):
+        raise OperationFailed(f"{member}: etcd pid {proc.pid} still runs after SIGKILL")

@@ -18,15 +18,15 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
 from ..config import Config
 from ..errors import OperationFailed
+from ..proctime import start_ticks
 from ..topology import listen_client_urls
-from ..waiting import poll
+from .process import exited, stop_by_escalation
 
 if TYPE_CHECKING:  # pragma: no cover
     import psutil
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 MAX_COMMAND = 2000  # characters of a command line quoted in a sentence
 MAX_FDS = 100_000  # open files looked at per process: more, and the rest is not read
 TERM_WAIT = 30.0  # seconds an etcd has to exit on SIGTERM (it closes its db within ~10 ms)
-KILL_WAIT = 5.0
 WILDCARD = ("0.0.0.0", "::")
 
 
@@ -59,7 +58,7 @@ class Server:
     how: Tuple[str, ...]  # "has <file> open", "listens on 127.0.0.1:2379", ...
     ours: bool  # provably this member's etcd as this agent runs it: may be stopped
     holds_data: bool  # has files open under the data dir (what serving from it means)
-    started: float = 0.0  # psutil create_time: the same process when it is signalled
+    started: Optional[int] = None  # its start ticks (``proctime``): the same process when it is signalled
 
     def sentence(self) -> str:
         who = f"pid {self.pid} ({self.command})" if self.pid else "a process this agent cannot see"
@@ -232,7 +231,7 @@ def find(spots: Spots, kind: str, main_pid: Optional[int] = None) -> List[Server
                 continue
             seen.add(proc.pid)
             found.append(Server(pid=proc.pid, command=_command(proc), how=tuple(marks),
-                                ours=_ours(proc, spots, kind, main_pid), holds_data=held, started=proc.create_time()))
+                                ours=_ours(proc, spots, kind, main_pid), holds_data=held, started=start_ticks(proc.pid)))
         except (psutil.Error, OSError):
             continue  # gone while looked at
     for pid, marks in listening.items():  # a listener that went while the processes were listed
@@ -250,34 +249,15 @@ def stop(server: Server, spots: Spots, kind: str, main_pid: Optional[int] = None
         raise OperationFailed(f"{spots.member}: not stopping {server.sentence()}: this agent did not start it")
     try:
         proc = psutil.Process(server.pid)
-        if abs(proc.create_time() - server.started) > 0.01 or not _ours(proc, spots, kind, main_pid):
+        if start_ticks(server.pid) != server.started or not _ours(proc, spots, kind, main_pid):
             return  # that process is gone; its pid now names another
         log.warning("%s: stopping etcd pid %d, which serves this member without the agent's record of it (%s)",
                     spots.member, server.pid, server.command)
-        proc.send_signal(signal.SIGTERM)
+        stop_by_escalation(proc, spots.member, TERM_WAIT, lambda: exited(proc))
     except psutil.NoSuchProcess:
         return
     except psutil.Error as exc:
         raise OperationFailed(f"{spots.member}: cannot stop {server.sentence()}: {exc}") from None
-
-    def exited() -> bool:
-        try:
-            return bool(proc.status() == psutil.STATUS_ZOMBIE)  # another parent reaps it
-        except psutil.NoSuchProcess:
-            return True
-
-    try:
-        poll(exited, timeout=TERM_WAIT, what=f"etcd pid {server.pid} to exit", interval=0.05)
-        return
-    except OperationFailed:
-        log.warning("%s: etcd pid %d ignored SIGTERM for %.0fs; killing", spots.member, server.pid, TERM_WAIT)
-    try:
-        proc.kill()
-    except psutil.NoSuchProcess:
-        return
-    except psutil.Error as exc:
-        raise OperationFailed(f"{spots.member}: cannot kill {server.sentence()}: {exc}") from None
-    poll(exited, timeout=KILL_WAIT, what=f"etcd pid {server.pid} to exit after SIGKILL", interval=0.05)
 
 
 def clear(spots: Spots, kind: str, main_pid: Optional[int] = None) -> List[Server]:
