@@ -17,7 +17,7 @@ import stat
 import tempfile
 from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Union
 
-from .errors import RefusedError
+from etcd_agent.errors import RefusedError
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .config import Config, Member
-from .errors import ConfigError
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 from urllib.parse import urlsplit
 
-from .config import Config, Member
+from etcd_agent.config import Config, Member
 
 NEW = "new"
 EXISTING = "existing"

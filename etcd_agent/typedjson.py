@@ -24,7 +24,7 @@ import math
 import typing
 from typing import Any, ClassVar, Dict, Tuple, Type, TypeVar, Union
 
-from .errors import ProtocolError
+from etcd_agent.errors import ProtocolError
 
 # A decoded JSON object not yet checked: only where a document is parsed or written, nowhere else.
 JsonObject = Dict[str, Any]

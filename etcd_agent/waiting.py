@@ -21,7 +21,7 @@ from tenacity import (
     retry_if_result,
 )
 
-from .errors import EtcdUnavailable, EtcdUnhealthyCluster, Interrupted, OperationFailed
+from etcd_agent.errors import EtcdUnavailable, EtcdUnhealthyCluster, Interrupted, OperationFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,7 +21,7 @@ This package is the agent's only importer of ``cryptography``. Errors are the ag
 recipient is ``RecipientInvalid`` (config, exit 2), a missing, open or wrong identity
 ``IdentityRefused`` (exit 3), a malformed or tampered ciphertext ``CiphertextCorrupt``.
 """
-from .header import (
+from etcd_agent.age.header import (
     CHUNK,
     ENC_CHUNK,
     MAX_RECIPIENTS,
@@ -31,7 +31,7 @@ from .header import (
     parse_header,
     plaintext_size,
 )
-from .keys import (
+from etcd_agent.age.keys import (
     Identities,
     X25519Identity,
     X25519Recipient,
@@ -42,7 +42,7 @@ from .keys import (
     parse_recipient,
     parse_recipients,
 )
-from .stream import DecryptFacts, Decryptor, Encryptor, StructureCheck, StructureFacts, check_structure
+from etcd_agent.age.stream import DecryptFacts, Decryptor, Encryptor, StructureCheck, StructureFacts, check_structure
 
 FORMAT = "age"
 

@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple, Union
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..errors import CiphertextCorrupt
+from etcd_agent.errors import CiphertextCorrupt
 
 VERSION_LINE = b"age-encryption.org/v1"
 VERSION_PREFIX = b"age-encryption.org/"

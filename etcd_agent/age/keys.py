@@ -16,8 +16,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from ..errors import CiphertextCorrupt, IdentityRefused, RecipientInvalid
-from .header import MAX_RECIPIENTS, Stanza, b64encode, hkdf, stanza_bytes, x25519_share
+from etcd_agent.age.header import MAX_RECIPIENTS, Stanza, b64encode, hkdf, stanza_bytes, x25519_share
+from etcd_agent.errors import CiphertextCorrupt, IdentityRefused, RecipientInvalid
 
 X25519_LABEL = b"age-encryption.org/v1/X25519"
 MAX_IDENTITY_FILE = 64 * 1024

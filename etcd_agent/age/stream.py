@@ -20,8 +20,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, cast
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from ..errors import AgentError, CiphertextCorrupt, IdentityRefused
-from .header import (
+from etcd_agent.age.header import (
     CHUNK,
     ENC_CHUNK,
     FILE_KEY_SIZE,
@@ -42,7 +41,8 @@ from .header import (
     parse_header,
     plaintext_size,
 )
-from .keys import Identities, X25519Recipient
+from etcd_agent.age.keys import Identities, X25519Recipient
+from etcd_agent.errors import AgentError, CiphertextCorrupt, IdentityRefused
 
 ReadAt = Callable[[int, int], bytes]
 

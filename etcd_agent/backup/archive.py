@@ -42,10 +42,7 @@ from typing import (
     Tuple,
 )
 
-from ..errors import BackupCorrupt, BackupError, SnapshotFormatError
-from ..etcd.snapdb import SnapshotIdentity, parse_identity
-from ..fs import fsync_dir, open_regular
-from .manifest import (
+from etcd_agent.backup.manifest import (
     CONF,
     ENCRYPTED_FORMAT_VERSION,
     FORMAT,
@@ -58,11 +55,22 @@ from .manifest import (
     Encryption,
     Manifest,
 )
-from .outstream import SKIPPABLE_HEADER, Chunk, FileOut, ZstdFrames, compress_bound, pump, zstandard_module
-from .snapcheck import SnapshotFacts, StreamCheck
+from etcd_agent.backup.outstream import (
+    SKIPPABLE_HEADER,
+    Chunk,
+    FileOut,
+    ZstdFrames,
+    compress_bound,
+    pump,
+    zstandard_module,
+)
+from etcd_agent.backup.snapcheck import SnapshotFacts, StreamCheck
+from etcd_agent.errors import BackupCorrupt, BackupError, SnapshotFormatError
+from etcd_agent.etcd.snapdb import SnapshotIdentity, parse_identity
+from etcd_agent.fs import fsync_dir, open_regular
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import X25519Recipient
+    from etcd_agent.age import X25519Recipient
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +276,7 @@ def _write_plain(
     data_at = out.pos
     check = StreamCheck()
     if encrypt_to:
-        from ..age import Encryptor
+        from etcd_agent.age import Encryptor
 
         enc = Encryptor(encrypt_to)
         ct_sha = hashlib.sha256()  # the manifest's sha256 of the member as stored: the ciphertext
@@ -430,7 +438,7 @@ def _unlink_quietly(path: str) -> None:
 def remove_partials(directory: str) -> List[str]:
     """Remove hidden partial files left by a crashed run, and staging dirs of readers that died
     (call with the operation lock held)."""
-    from .reader import remove_stale_stages
+    from etcd_agent.backup.reader import remove_stale_stages
 
     removed = remove_stale_stages(directory)
     for entry in os.listdir(directory):
@@ -454,7 +462,7 @@ def now(utc: bool) -> datetime:
 def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
     """A tarfile reader, the compression found from the content (not the name). For code not yet
     on ``reader.open_archive``, which is the bounded reader every new caller should use."""
-    from .tarstream import sniff
+    from etcd_agent.backup.tarstream import sniff
 
     with open_regular(path, follow_symlinks=True) as fh:
         comp = sniff(fh.read(512))
@@ -471,7 +479,7 @@ def open_tar(path: str, *, seekable: bool) -> tarfile.TarFile:
 
 def read_manifest(path: str) -> Dict[str, Any]:
     """The archive's manifest as a dict (checked by the bounded reader); BackupCorrupt if none."""
-    from .reader import open_archive
+    from etcd_agent.backup.reader import open_archive
 
     with open_archive(path, hash_snapshot=False) as a:
         if a.manifest is None:

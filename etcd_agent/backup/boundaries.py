@@ -37,10 +37,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import AgentError, BackupError, ProtocolError
-from ..fs import dir_locked, open_regular, write_atomic
-from ..safejson import UnsafeJson, loads
-from ..typedjson import Document
+from etcd_agent.errors import AgentError, BackupError, ProtocolError
+from etcd_agent.fs import dir_locked, open_regular, write_atomic
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ def source_of(backup: str, sha256: Optional[str]) -> Tuple[Optional[str], Option
 
 def chain_of(directory: str, full: str) -> Optional[str]:
     """The id of the delta chain continuing backup ``full`` in ``directory`` (None: not here)."""
-    from ..delta import chains
-    from .catalog import entry_for
+    from etcd_agent.backup.catalog import entry_for
+    from etcd_agent.delta import chains
 
     try:
         e = entry_for(os.path.join(directory, full))

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..errors import AgentError, RefusedError, UsageError
-from . import checks as C
-from .checks import SYSTEM_WALL_CLOCK, WallClock
-from .drillrecord import DrillRecord, load_records
-from .drillrecord import lookup as drill_of
-from .identity import Evidence, judge, layout_problems, shares_members
-from .manifest import ORIGINS, SNAPSHOT
-from .reader import Peek, peek_archive
+from etcd_agent.backup import checks as C
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
+from etcd_agent.backup.drillrecord import DrillRecord, load_records
+from etcd_agent.backup.drillrecord import lookup as drill_of
+from etcd_agent.backup.identity import Evidence, judge, layout_problems, shares_members
+from etcd_agent.backup.manifest import ORIGINS, SNAPSHOT
+from etcd_agent.backup.reader import Peek, peek_archive
+from etcd_agent.errors import AgentError, RefusedError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
-    from ..delta.segchain import BaseBackup
-    from ..etcd.snapdb import SnapshotIdentity
+    from etcd_agent.config import Config
+    from etcd_agent.delta.segchain import BaseBackup
+    from etcd_agent.etcd.snapdb import SnapshotIdentity
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Entry:
     @property
     def base(self) -> "BaseBackup":
         """What a delta chain continuing this backup must name (``delta.segchain``)."""
-        from ..delta.segchain import BaseBackup
+        from etcd_agent.delta.segchain import BaseBackup
 
         return BaseBackup(self.snapshot_sha256 or "", int(self.time.timestamp() * 1000))
 
@@ -129,7 +129,7 @@ def name_time(name: str, utc: bool = True) -> Optional[datetime]:
 def _candidates(directory: str) -> List[str]:
     """Names that may be backups: not hidden, not a delta segment (``delta.chains`` lists those
     with the full backup they continue)."""
-    from ..delta.segments import parse_name as segment_range
+    from etcd_agent.delta.segments import parse_name as segment_range
 
     try:
         names = os.listdir(directory)
@@ -337,7 +337,7 @@ def resolve(directory: str, spec: str, *, utc: bool = True, clock: WallClock = S
 def resolve_from(cfg: "Config", spec: str) -> Entry:
     """``resolve`` against the configured backup dir. No layout check here: a restore with
     ``--new-cluster`` may take another layout's backup on purpose, and judges identity itself."""
-    from . import keys
+    from etcd_agent.backup import keys
 
     # with this host's manifest key, as `backup list` does: a signed manifest's snapshot sha256 is
     # then known, and a delta chain naming another backup's is judged by it the same way

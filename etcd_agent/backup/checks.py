@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Protocol, Tuple
 
-from ..fs import open_regular, write_atomic
+from etcd_agent.fs import open_regular, write_atomic
 
 log = logging.getLogger(__name__)
 

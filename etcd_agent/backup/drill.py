@@ -40,16 +40,24 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..config import Config
-from ..errors import AgentError, BackupCorrupt, IdentityRefused, Interrupted, OperationFailed, RefusedError, UsageError
-from ..state.locks import OperationLock
-from . import checks, drillrecord
-from .checks import SYSTEM_WALL_CLOCK, WallClock
-from .drillhost import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
-from .drillreport import DrillReport
+from etcd_agent.backup import checks, drillrecord
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
+from etcd_agent.backup.drillhost import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
+from etcd_agent.backup.drillreport import DrillReport
+from etcd_agent.config import Config
+from etcd_agent.errors import (
+    AgentError,
+    BackupCorrupt,
+    IdentityRefused,
+    Interrupted,
+    OperationFailed,
+    RefusedError,
+    UsageError,
+)
+from etcd_agent.state.locks import OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover - the age code only for an encrypted backup
-    from ..age import Identities
+    from etcd_agent.age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +133,7 @@ class _Drill:
         self.ident: Any = None
 
     def _local_member(self) -> Optional[str]:
-        from ..locality import local_members
+        from etcd_agent.locality import local_members
 
         if self.cfg.local.name is not None:  # the daemon's own member, or [local] name
             return self.cfg.local.name
@@ -218,7 +226,7 @@ class _Drill:
             log.warning("restore drill of %s failed while %s: %s", name, r.step, r.problem)
 
     def resolve(self) -> None:
-        from .catalog import resolve_from
+        from etcd_agent.backup.catalog import resolve_from
 
         entry = resolve_from(self.cfg, self.spec)
         self.entry = entry
@@ -226,8 +234,8 @@ class _Drill:
         self.before = os.stat(entry.path)
 
     def read(self, stage: str) -> None:
-        from .keys import local_key
-        from .reader import open_archive
+        from etcd_agent.backup.keys import local_key
+        from etcd_agent.backup.reader import open_archive
 
         r = self.report
         size = self.before.st_size if self.before is not None else 0
@@ -260,10 +268,10 @@ class _Drill:
                               "key of one of its recipients, where such a key is kept")
 
     def snapshot_status(self) -> Tuple[Dict[str, Any], Dict[str, int]]:
-        from ..etcd.snapdb import read_identity
-        from ..etcd.tools import snapshot_status
-        from ..hosts.local import LocalHost
-        from ..state.pins import pinned_config
+        from etcd_agent.etcd.snapdb import read_identity
+        from etcd_agent.etcd.tools import snapshot_status
+        from etcd_agent.hosts.local import LocalHost
+        from etcd_agent.state.pins import pinned_config
 
         r, a, ident = self.report, self.arc, self.ident
         pcfg = pinned_config(self.cfg, self.member) if self.member else self.cfg
@@ -307,11 +315,11 @@ class _Drill:
         return st, entries
 
     def start(self) -> Any:
-        from ..delta.scratch import EtcdBinaries, ScratchOptions, start_scratch
-        from ..errors import CommandError
-        from ..etcd.tools import version_of
-        from ..hosts.local import LocalHost
-        from ..state.pins import pinned_config
+        from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions, start_scratch
+        from etcd_agent.errors import CommandError
+        from etcd_agent.etcd.tools import version_of
+        from etcd_agent.hosts.local import LocalHost
+        from etcd_agent.state.pins import pinned_config
 
         r, dr = self.report, self.cfg.drill
         pcfg = pinned_config(self.cfg, self.member) if self.member else self.cfg
@@ -366,7 +374,7 @@ class _Drill:
         return rev or 1  # an empty store starts at revision 1
 
     def read_member(self, s: Any, entries: Dict[str, int]) -> "_Served":
-        from ..etcd.snapkeys import KeyspaceDigest, record_of
+        from etcd_agent.etcd.snapkeys import KeyspaceDigest, record_of
 
         r = self.report
         want = self.expected_revision()
@@ -408,7 +416,7 @@ class _Drill:
         return _Served(digest.count, digest.hexdigest(), values)
 
     def compare(self, api: "_Served", status: Dict[str, Any]) -> None:
-        from ..etcd.snapkeys import scan
+        from etcd_agent.etcd.snapkeys import scan
 
         r, a = self.report, self.arc
         try:
@@ -494,7 +502,7 @@ class _Served:
 
 
 def _at_least(version: str, want: Tuple[int, int, int]) -> bool:
-    from ..etcd.versions import parse
+    from etcd_agent.etcd.versions import parse
 
     try:
         return parse(version).key >= want

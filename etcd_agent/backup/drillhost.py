@@ -16,9 +16,9 @@ import os
 import stat
 from typing import Iterator, List
 
-from ..delta.leftovers import remove_left
-from ..errors import RefusedError
-from ..fs import makedirs
+from etcd_agent.delta.leftovers import remove_left
+from etcd_agent.errors import RefusedError
+from etcd_agent.fs import makedirs
 
 log = logging.getLogger(__name__)
 

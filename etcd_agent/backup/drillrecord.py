@@ -22,14 +22,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
-from .. import safejson
-from ..fs import makedirs, open_regular, write_atomic
-from .checks import Stamp, stamp_of
+from etcd_agent import safejson
+from etcd_agent.backup.checks import Stamp, stamp_of
+from etcd_agent.fs import makedirs, open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
 
-    from ..config import Config
+    from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import logging
 import os
 from typing import TYPE_CHECKING, FrozenSet, List, Optional, Set, Tuple
 
-from ..errors import AgentError
-from ..fs import open_regular
-from ..member.dblock import db_path
-from .identity import Evidence, HostIds, KnownMember
+from etcd_agent.backup.identity import Evidence, HostIds, KnownMember
+from etcd_agent.errors import AgentError
+from etcd_agent.fs import open_regular
+from etcd_agent.member.dblock import db_path
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
+    from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,10 @@ def parse_lineage(raw: Optional[bytes]) -> Tuple[Tuple[FrozenSet[int], ...], Fro
 
 def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
     """Member ids in this host's data dirs and bootstrap records."""
-    from ..errors import ConfigError
-    from ..etcd.snapdb import read_identity
-    from ..locality import local_members
-    from ..state.bootstrap import record_path
+    from etcd_agent.errors import ConfigError
+    from etcd_agent.etcd.snapdb import read_identity
+    from etcd_agent.locality import local_members
+    from etcd_agent.state.bootstrap import record_path
 
     hosts: List[HostIds] = []
     notes: List[str] = []
@@ -89,8 +89,8 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
 
 def gather(cfg: "Config", *, timeout: float = 2.0, local: bool = True) -> Evidence:
     """Everything this host can find; never raises."""
-    from ..cluster.lineage import LINEAGE_KEY
-    from ..etcd.client import EtcdClient
+    from etcd_agent.cluster.lineage import LINEAGE_KEY
+    from etcd_agent.etcd.client import EtcdClient
 
     running: Optional[Tuple[KnownMember, ...]] = None
     cluster_id: Optional[int] = None

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
-from ..etcd.snapdb import SnapshotIdentity
+from etcd_agent.etcd.snapdb import SnapshotIdentity
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
+    from etcd_agent.config import Config
 
 
 @dataclass(frozen=True)

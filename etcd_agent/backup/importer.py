@@ -23,22 +23,22 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
-from .. import __version__
-from ..config import Config
-from ..errors import RefusedError
-from ..etcd.snapdb import SnapshotIdentity
-from ..fs import ensure_private_dir
-from ..state.locks import OperationLock, lock_path_for
-from . import archive, checks, keys
-from .catalog import name_time
-from .checks import SYSTEM_WALL_CLOCK, WallClock
-from .identity import Evidence, Verdict, judge
-from .manifest import FileEntry, Manifest, ManifestMember
-from .reader import Archive, SnapshotSource, open_archive, peek_archive
-from .snapcheck import SnapshotFacts
+from etcd_agent import __version__
+from etcd_agent.backup import archive, checks, keys
+from etcd_agent.backup.catalog import name_time
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
+from etcd_agent.backup.identity import Evidence, Verdict, judge
+from etcd_agent.backup.manifest import FileEntry, Manifest, ManifestMember
+from etcd_agent.backup.reader import Archive, SnapshotSource, open_archive, peek_archive
+from etcd_agent.backup.snapcheck import SnapshotFacts
+from etcd_agent.config import Config
+from etcd_agent.errors import RefusedError
+from etcd_agent.etcd.snapdb import SnapshotIdentity
+from etcd_agent.fs import ensure_private_dir
+from etcd_agent.state.locks import OperationLock, lock_path_for
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
+    from etcd_agent.age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def import_backup(
             if arc.unit is not None:
                 files[archive.UNIT] = arc.unit
             else:
-                from ..member.local import LocalMember
+                from etcd_agent.member.local import LocalMember
 
                 local = cfg.member(cfg.local.name) if cfg.local.name else cfg.members[0]
                 files[archive.UNIT] = LocalMember(cfg, local).unit_text().encode()
@@ -177,7 +177,7 @@ def import_backup(
                 )
                 return man  # the writer adds what it encrypted, then signs
 
-            from .service import recipients_of
+            from etcd_agent.backup.service import recipients_of
 
             written = archive.write_archive(directory, name, chunks=_chunks(snap), files=files, build_manifest=build,
                                             mtime=int(when.timestamp()), key=keystate.key, encrypt_to=recipients_of(cfg))

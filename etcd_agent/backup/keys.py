@@ -27,12 +27,12 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional
 
-from ..errors import AgentError
-from ..fs import open_regular, write_atomic
+from etcd_agent.errors import AgentError
+from etcd_agent.fs import open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
-    from ..etcd.client import EtcdClient
+    from etcd_agent.config import Config
+    from etcd_agent.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
 

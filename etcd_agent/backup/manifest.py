@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..errors import BackupCorrupt, SnapshotFormatError
-from ..etcd.snapdb import bounded_json
+from etcd_agent.errors import BackupCorrupt, SnapshotFormatError
+from etcd_agent.etcd.snapdb import bounded_json
 
 FORMAT = "etcd-agent-backup"
 FORMAT_VERSION = 2  # what a plain backup's manifest is written as

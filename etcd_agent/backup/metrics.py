@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Dict, Iterable, Optional
 
-from ..config import Config
+from etcd_agent.config import Config
 
 if TYPE_CHECKING:  # pragma: no cover - prometheus_client is imported when a file is written
     from prometheus_client.metrics_core import Metric
@@ -86,7 +86,7 @@ def record_backup(
 
 
 def _prune_held(cfg: Config) -> bool:
-    from .boundaries import load
+    from etcd_agent.backup.boundaries import load
 
     return load(cfg.backup.dir).problem is not None
 
@@ -95,7 +95,7 @@ def read_metrics(path: str) -> Dict[str, float]:
     """The values in a metrics file written by ``record_backup`` (names without prefix/_total)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ..fs import open_regular
+    from etcd_agent.fs import open_regular
 
     with open_regular(path, follow_symlinks=True, limit=1 << 20) as fh:  # a FIFO there must not hang a backup
         text = fh.read(1 << 20).decode("utf-8")
@@ -127,7 +127,7 @@ def _previous(path: str) -> Dict[str, float]:
 def _write(path: str, values: Dict[str, float]) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ..fs import write_atomic
+    from etcd_agent.fs import write_atomic
 
     registry = CollectorRegistry()
     registry.register(_Snapshot(values))

@@ -27,7 +27,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
-from ..errors import BackupError
+from etcd_agent.errors import BackupError
 
 Chunk = Union[bytes, memoryview]
 BATCH = 1 << 20  # bytes handed to the writer thread at once

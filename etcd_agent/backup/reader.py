@@ -36,18 +36,18 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO, List, Optional, Tuple
 
-from ..errors import AgentError, BackupCorrupt, RefusedError, SnapshotFormatError
-from ..etcd.snapdb import SnapshotIdentity, parse_identity
-from ..fs import NotARegularFile, open_regular, regular_fd
-from . import manifest as M
-from .manifest import Manifest
-from .readpass import DEFAULT_LIMITS, HOSTILE, STAGE_PREFIX, Limits, Reading
-from .sealed import Sealed, compare, locked
-from .snapcheck import SnapshotFacts
-from .tarstream import BLOCK, sniff
+from etcd_agent.backup import manifest as M
+from etcd_agent.backup.manifest import Manifest
+from etcd_agent.backup.readpass import DEFAULT_LIMITS, HOSTILE, STAGE_PREFIX, Limits, Reading
+from etcd_agent.backup.sealed import Sealed, compare, locked
+from etcd_agent.backup.snapcheck import SnapshotFacts
+from etcd_agent.backup.tarstream import BLOCK, sniff
+from etcd_agent.errors import AgentError, BackupCorrupt, RefusedError, SnapshotFormatError
+from etcd_agent.etcd.snapdb import SnapshotIdentity, parse_identity
+from etcd_agent.fs import NotARegularFile, open_regular, regular_fd
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
+    from etcd_agent.age import Identities
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _open(r: Reading, key: Optional[bytes]) -> Archive:
     if r.check is not None:
         facts = r.check.finish()
     else:
-        from ..etcd.snapdb import read_meta
+        from etcd_agent.etcd.snapdb import read_meta
 
         meta = read_meta(lambda off, n: _pread(r.snap_path or "", r.snap_offset + off, n), r.snap_size)
         facts = SnapshotFacts(r.snap_size, None, meta.page_size, meta.txid, meta.high_water, meta.root, False)

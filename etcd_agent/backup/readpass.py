@@ -15,15 +15,15 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Dict, List, Optional
 
-from ..errors import AgentError, BackupCorrupt, IdentityRefused, RefusedError
-from . import manifest as M
-from .manifest import Manifest
-from .sealed import OVERHEAD_MAX, Sealed, check_member, decrypt_member, locked
-from .snapcheck import StreamCheck, check_size
-from .tarstream import BLOCK, CHUNK, Header, Stream, headers, normalise, refuse_type
+from etcd_agent.backup import manifest as M
+from etcd_agent.backup.manifest import Manifest
+from etcd_agent.backup.sealed import OVERHEAD_MAX, Sealed, check_member, decrypt_member, locked
+from etcd_agent.backup.snapcheck import StreamCheck, check_size
+from etcd_agent.backup.tarstream import BLOCK, CHUNK, Header, Stream, headers, normalise, refuse_type
+from etcd_agent.errors import AgentError, BackupCorrupt, IdentityRefused, RefusedError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
+    from etcd_agent.age import Identities
 
 KNOWN = (M.CONF, M.UNIT, M.SNAPSHOT, M.SNAPSHOT_AGE, M.MANIFEST)
 STAGE_PREFIX = ".etcd-agent-stage-"

@@ -15,8 +15,8 @@ import os
 import re
 from typing import Any, Iterator, Optional, Tuple
 
-from ..config import Config, RemoteSection
-from ..errors import BackupError, ConfigError
+from etcd_agent.config import Config, RemoteSection
+from etcd_agent.errors import BackupError, ConfigError
 
 
 def expand_prefix(prefix: str, cluster: str, host: Optional[str] = None) -> str:

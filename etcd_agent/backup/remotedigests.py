@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from ..config import RemoteSection
-from ..fs import open_regular
+from etcd_agent.config import RemoteSection
+from etcd_agent.fs import open_regular
 
 MiB = 1024 * 1024
 MAX_PARTS = 10000  # the S3 limit on parts per multipart upload

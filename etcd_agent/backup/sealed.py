@@ -17,13 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from ..errors import BackupCorrupt, IdentityRefused
-from .manifest import SNAPSHOT, SNAPSHOT_AGE, Manifest
-from .snapcheck import StreamCheck, check_size
-from .tarstream import CHUNK, Stream
+from etcd_agent.backup.manifest import SNAPSHOT, SNAPSHOT_AGE, Manifest
+from etcd_agent.backup.snapcheck import StreamCheck, check_size
+from etcd_agent.backup.tarstream import CHUNK, Stream
+from etcd_agent.errors import BackupCorrupt, IdentityRefused
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only for an encrypted member
-    from ..age import Identities, StructureFacts
+    from etcd_agent.age import Identities, StructureFacts
 
 # the header of an age file for 64 recipients and the tags of every chunk of the largest snapshot
 OVERHEAD_MAX = 64 * 1024 + (64 << 30) // (64 * 1024) * 16
@@ -68,7 +68,7 @@ def locked(path_hint: str, manifest: Optional[Manifest]) -> IdentityRefused:
 def decrypt_member(st: Stream, size: int, identities: "Identities", stage: str) -> Tuple[str, StreamCheck, Sealed]:
     """Decrypt ``size`` bytes of ``st`` into ``stage/etcd_snapshot.db``; (path, the plaintext's
     check, what the ciphertext showed). Raises IdentityRefused (wrong key) or BackupCorrupt."""
-    from ..age import NONCE_SIZE, Decryptor, plaintext_size
+    from etcd_agent.age import NONCE_SIZE, Decryptor, plaintext_size
 
     final = os.path.join(stage, SNAPSHOT)
     tmp = os.path.join(stage, f".{SNAPSHOT}.decrypting")
@@ -118,7 +118,7 @@ def decrypt_member(st: Stream, size: int, identities: "Identities", stage: str) 
 def check_member(st: Stream, size: int, *, hash_it: bool, archive_path: str, offset: int) -> Sealed:
     """The keyless checks of ``size`` bytes of ``st``: streamed (and hashed) through, or, in a plain
     tar when not hashing (listing), only the header read in place and the rest skipped."""
-    from ..age import StructureCheck, check_structure
+    from etcd_agent.age import StructureCheck, check_structure
 
     if st.compression == "none" and not hash_it:
         fd = os.open(archive_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)

@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import __version__
-from ..config import Config, Member
-from ..errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
-from ..etcd.snapdb import SnapshotIdentity
-from ..fs import ensure_private_dir, open_regular
-from ..locality import local_member
-from ..state.locks import OperationLock, lock_path_for
-from . import archive, boundaries, catalog, checks, keys, retention
-from .checks import SYSTEM_WALL_CLOCK, WallClock
-from .manifest import FileEntry, Manifest, ManifestMember
-from .snapcheck import SnapshotFacts
-from .verify import verify
+from etcd_agent import __version__
+from etcd_agent.backup import archive, boundaries, catalog, checks, keys, retention
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
+from etcd_agent.backup.manifest import FileEntry, Manifest, ManifestMember
+from etcd_agent.backup.snapcheck import SnapshotFacts
+from etcd_agent.backup.verify import verify
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, BackupCorrupt, BackupError, BusyError, EtcdUnavailable, RefusedError
+from etcd_agent.etcd.snapdb import SnapshotIdentity
+from etcd_agent.fs import ensure_private_dir, open_regular
+from etcd_agent.locality import local_member
+from etcd_agent.state.locks import OperationLock, lock_path_for
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class BackupResult:
 def _local_candidates(cfg: Config) -> List[Member]:
     """This machine's members; several on a one-host cluster (the demo), where any healthy one's
     snapshot is the cluster's."""
-    from ..locality import local_members, machine_identity
+    from etcd_agent.locality import local_members, machine_identity
 
     me = machine_identity() if cfg.local.name is None else None
     found = local_members(cfg, me)
@@ -121,7 +121,7 @@ def take_backup(
     if not remote_cfg.enabled or checkpoint_of is not None:
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
-    from . import remote  # imported only when [backup.remote] is enabled
+    from etcd_agent.backup import remote  # imported only when [backup.remote] is enabled
 
     try:
         remote.upload_and_verify(cfg, result.path, result.manifest)
@@ -170,9 +170,9 @@ def _take(
     lock_wait: float = 0.0,
     checkpoint_of: Optional[str] = None,
 ) -> BackupResult:
-    from ..etcd.client import EtcdClient
-    from ..etcd.tools import snapshot_status
-    from ..hosts.local import LocalHost
+    from etcd_agent.etcd.client import EtcdClient
+    from etcd_agent.etcd.tools import snapshot_status
+    from etcd_agent.hosts.local import LocalHost
 
     directory = cfg.backup.dir
     ensure_private_dir(directory)
@@ -209,7 +209,7 @@ def _take(
                 notes.append("no manifest key could be had: this backup's manifest is unsigned")
             lineage_raw: Optional[bytes] = None
             try:
-                from ..cluster.lineage import LINEAGE_KEY
+                from etcd_agent.cluster.lineage import LINEAGE_KEY
 
                 lineage_raw = client.get(LINEAGE_KEY)
             except AgentError:
@@ -281,8 +281,8 @@ def _take(
             warnings=notes, manifest=written.manifest.to_json(),
         )
         if prune:  # still under the lock: prune never races another run
-            from .evidence import local_hosts, parse_lineage
-            from .identity import Evidence, KnownMember
+            from etcd_agent.backup.evidence import local_hosts, parse_lineage
+            from etcd_agent.backup.identity import Evidence, KnownMember
 
             lineage, lcids = parse_lineage(lineage_raw)
             # this host's data dirs too: etcd 3.4 keeps an earlier incarnation's member ids in the
@@ -306,7 +306,7 @@ def recipients_of(cfg: Config) -> Tuple[Any, ...]:
     """``[backup] encrypt_to`` parsed (validated with the config already); () = not encrypted."""
     if not cfg.backup.encrypt_to:
         return ()
-    from ..age import parse_recipients
+    from etcd_agent.age import parse_recipients
 
     return parse_recipients(cfg.backup.encrypt_to)
 
@@ -347,7 +347,7 @@ def _local_files(cfg: Config, member: Member) -> Tuple[Dict[str, bytes], Dict[st
             missing[arc] = f"{path} unreadable: {exc.strerror or exc}"
             log.warning("cannot read %s: %s", path, exc)
     if archive.UNIT not in files:
-        from ..member.local import LocalMember
+        from etcd_agent.member.local import LocalMember
 
         files[archive.UNIT] = LocalMember(cfg, member).unit_text().encode()
         rendered[archive.UNIT] = (f"{missing.pop(archive.UNIT)} ({cfg.etcd.service_manager} backend): the unit "
@@ -386,7 +386,7 @@ def prune_backups(
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
-    from ..delta import chains  # a full backup and the delta chain that continues it go together
+    from etcd_agent.delta import chains  # a full backup and the delta chain that continues it go together
 
     fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
              for by_rev in goods if by_rev.name == d.name]
@@ -414,7 +414,7 @@ def prune_backups(
             os.unlink(by_name[d.name].path)
     removed = chains.apply(chain_plan)
     if removed or any(not d.keep for d in decisions):
-        from ..fs import fsync_dir
+        from etcd_agent.fs import fsync_dir
 
         fsync_dir(directory)
     return decisions + chain_decisions + quarantined
@@ -440,7 +440,7 @@ def _record_metrics(
 ) -> None:
     if not cfg.backup.metrics_file:
         return
-    from . import metrics
+    from etcd_agent.backup import metrics
 
     # record_backup never raises: metrics must not turn a good backup into a failed one
     metrics.record_backup(cfg, ok, path, size, duration, revision, remote_ok)

@@ -21,9 +21,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..errors import BackupCorrupt, SnapshotFormatError
-from ..etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
-from ..etcd.snapdb import read_meta
+from etcd_agent.errors import BackupCorrupt, SnapshotFormatError
+from etcd_agent.etcd.bbolt import MAX_PAGE_SIZE, META_SIZE, PAGE_HEADER, TRAILER, BoltMeta
+from etcd_agent.etcd.snapdb import read_meta
 
 # bytes of the stream needed to find both meta pages whatever the page size
 HEAD = MAX_PAGE_SIZE + PAGE_HEADER + META_SIZE

@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, Optional
 
-from ..errors import BackupCorrupt, RefusedError
+from etcd_agent.errors import BackupCorrupt, RefusedError
 
 BLOCK = 512
 CHUNK = 1 << 20

@@ -14,15 +14,15 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from ..errors import BackupCorrupt, IdentityRefused, RefusedError
-from .archive import MEMBER_NAMES
-from .identity import Evidence, Verdict, judge
-from .reader import Archive, open_archive
-from .readpass import DEFAULT_LIMITS, Limits
+from etcd_agent.backup.archive import MEMBER_NAMES
+from etcd_agent.backup.identity import Evidence, Verdict, judge
+from etcd_agent.backup.reader import Archive, open_archive
+from etcd_agent.backup.readpass import DEFAULT_LIMITS, Limits
+from etcd_agent.errors import BackupCorrupt, IdentityRefused, RefusedError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
-    from ..config import Config
+    from etcd_agent.age import Identities
+    from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
 

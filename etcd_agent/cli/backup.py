@@ -6,11 +6,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from ..errors import EXIT_FAILED, EXIT_OK, UsageError
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
+    from etcd_agent.config import Config
 
 # state.locks.SHORT_WAIT, as a restore waits (not imported here: the CLI starts without tenacity)
 BACKUP_WAIT = 60.0
@@ -24,7 +24,7 @@ def load_identity(path: Optional[str]) -> Any:
     """``--identity FILE`` loaded (refused unless only its owner can read it), or None."""
     if path is None:
         return None
-    from ..age import load_identities
+    from etcd_agent.age import load_identities
 
     return load_identities(path)
 
@@ -70,8 +70,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.service import take_backup
-    from ..config import security_warnings
+    from etcd_agent.backup.service import take_backup
+    from etcd_agent.config import security_warnings
 
     if not 0 <= args.wait <= 3600:
         raise UsageError("--wait must be between 0 and 3600 seconds")
@@ -94,14 +94,14 @@ def _size(n: int) -> str:
 
 
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup import keys
-    from ..backup.catalog import latest, list_backups
+    from etcd_agent.backup import keys
+    from etcd_agent.backup.catalog import latest, list_backups
 
     cfg = ctx.config()
     if args.remote:
         return _list_remote(cfg)
-    from ..backup import boundaries
-    from ..delta import chains
+    from etcd_agent.backup import boundaries
+    from etcd_agent.delta import chains
 
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
     found = chains.scan(cfg.backup.dir)
@@ -177,7 +177,7 @@ def _require_remote(cfg: "Config") -> None:
 
 
 def _list_remote(cfg: "Config") -> Output:
-    from ..backup.remote import list_remote
+    from etcd_agent.backup.remote import list_remote
 
     _require_remote(cfg)
     objs = list_remote(cfg)
@@ -190,13 +190,13 @@ def _list_remote(cfg: "Config") -> Output:
 
 
 def _client(cfg: "Config") -> Any:
-    from ..etcd.client import EtcdClient
+    from etcd_agent.etcd.client import EtcdClient
 
     return EtcdClient.from_config(cfg, timeout=2.0)
 
 
 def _resolve_file(cfg: "Config", spec: str) -> str:
-    from ..backup.catalog import resolve
+    from etcd_agent.backup.catalog import resolve
 
     if os.path.isfile(spec):
         return spec
@@ -207,11 +207,11 @@ def _resolve_file(cfg: "Config", spec: str) -> str:
 
 
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup import checks, keys
-    from ..backup.evidence import gather
-    from ..backup.verify import verify
-    from ..etcd.tools import snapshot_status
-    from ..hosts.local import LocalHost
+    from etcd_agent.backup import checks, keys
+    from etcd_agent.backup.evidence import gather
+    from etcd_agent.backup.verify import verify
+    from etcd_agent.etcd.tools import snapshot_status
+    from etcd_agent.hosts.local import LocalHost
 
     cfg = ctx.config()
     identities = load_identity(args.identity)
@@ -263,10 +263,10 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_import(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.evidence import gather
-    from ..backup.importer import import_backup
-    from ..etcd.tools import snapshot_status
-    from ..hosts.local import LocalHost
+    from etcd_agent.backup.evidence import gather
+    from etcd_agent.backup.importer import import_backup
+    from etcd_agent.etcd.tools import snapshot_status
+    from etcd_agent.hosts.local import LocalHost
 
     cfg = ctx.config()
     identities = load_identity(args.identity)
@@ -287,11 +287,11 @@ def cmd_import(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_prune(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.service import prune_locked
+    from etcd_agent.backup.service import prune_locked
 
     cfg = ctx.config()
     if args.remote:
-        from ..backup.remote import prune_remote
+        from etcd_agent.backup.remote import prune_remote
 
         _require_remote(cfg)
         decisions = prune_remote(cfg, dry_run=args.dry_run)

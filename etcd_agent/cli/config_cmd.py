@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Any
 
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
 
 
 def register(sub: Any) -> None:
@@ -20,14 +20,14 @@ def register(sub: Any) -> None:
 
 
 def cmd_sample(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..config.sample import SAMPLE
+    from etcd_agent.config.sample import SAMPLE
 
     return Output({"sample": SAMPLE}, SAMPLE)
 
 
 def cmd_validate(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..config import load, security_warnings
-    from ..config.load import MAX_CONFIG_BYTES, decode_config
+    from etcd_agent.config import load, security_warnings
+    from etcd_agent.config.load import MAX_CONFIG_BYTES, decode_config
 
     path = args.path or ctx.config_path
     if path == "-":

@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from ..errors import Interrupted
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import Interrupted
 
 
 def register(sub: Any) -> None:
@@ -38,11 +38,11 @@ def _etcdutl_for(etcd: str) -> Optional[str]:
 
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..daemon.memory import limit_arenas
+    from etcd_agent.daemon.memory import limit_arenas
 
     limit_arenas()  # a long-running process like the daemon (docs in daemon/memory.py)
-    from ..cluster.demo import Demo, install_signal_handlers
-    from ..cluster.status import cluster_status, format_table
+    from etcd_agent.cluster.demo import Demo, install_signal_handlers
+    from etcd_agent.cluster.status import cluster_status, format_table
 
     demo = Demo(args.dir, args.members, args.etcd, args.etcdctl, args.etcdutl or _etcdutl_for(args.etcd))
     install_signal_handlers(demo)

@@ -11,9 +11,9 @@ import sys
 import time
 from typing import Any
 
-from ..errors import EXIT_FAILED, EXIT_OK
-from .backup import IDENTITY_HELP
-from .main import Context, Output
+from etcd_agent.cli.backup import IDENTITY_HELP
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def _progress(line: str) -> None:
 
 
 def cmd_drill(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..backup.drill import run_drill
-    from ..daemon.drill import tell_cluster
-    from .backup import load_identity
+    from etcd_agent.backup.drill import run_drill
+    from etcd_agent.cli.backup import load_identity
+    from etcd_agent.daemon.drill import tell_cluster
 
     cfg = ctx.config()
     report = run_drill(cfg, args.spec, progress=_progress, identities=load_identity(args.identity))

@@ -10,8 +10,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import RefusedError
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import RefusedError
 
 
 def register(sub: Any) -> None:
@@ -25,8 +25,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.kubernetes import cleanup
-    from ..etcd.client import EtcdClient
+    from etcd_agent.cluster.kubernetes import cleanup
+    from etcd_agent.etcd.client import EtcdClient
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg, timeout=5.0) as client:

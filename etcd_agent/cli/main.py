@@ -21,11 +21,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
-from .. import __version__
-from ..errors import EXIT_OK, AgentError, Interrupted, UsageError
+from etcd_agent import __version__
+from etcd_agent.errors import EXIT_OK, AgentError, Interrupted, UsageError
 
 if TYPE_CHECKING:  # the config package is imported on first use: `--help` stays fast
-    from ..config import Config
+    from etcd_agent.config import Config
 
 log = logging.getLogger("etcd_agent")
 
@@ -76,7 +76,7 @@ class Context:
     def config(self) -> "Config":
         """The validated config (loaded once, on first use)."""
         if self._config is None:
-            from ..config import load
+            from etcd_agent.config import load
 
             self._config = load(self.config_path)
         return self._config
@@ -99,7 +99,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..config import DEFAULT_PATH
+    from etcd_agent.config import DEFAULT_PATH
 
     p = _Parser(
         prog="etcd-agent",
@@ -184,7 +184,7 @@ def _clean_leftovers(ctx: Context) -> None:
         cfg = ctx.config()
     except (AgentError, OSError):
         return
-    from ..delta.pitr import clean
+    from etcd_agent.delta.pitr import clean
 
     try:
         clean(cfg)

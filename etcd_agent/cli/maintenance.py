@@ -5,8 +5,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import EXIT_FAILED, EXIT_OK, RefusedError
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK, RefusedError
 
 
 def register(sub: Any) -> None:
@@ -34,9 +34,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_defrag(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.maintenance import defrag
-    from ..cluster.status import human_size
-    from ..etcd.client import EtcdClient
+    from etcd_agent.cluster.maintenance import defrag
+    from etcd_agent.cluster.status import human_size
+    from etcd_agent.etcd.client import EtcdClient
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:
@@ -53,8 +53,8 @@ def cmd_defrag(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_alarms(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.maintenance import AlarmReport, clear_nospace, list_alarms
-    from ..etcd.client import EtcdClient
+    from etcd_agent.cluster.maintenance import AlarmReport, clear_nospace, list_alarms
+    from etcd_agent.etcd.client import EtcdClient
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:
@@ -74,7 +74,7 @@ def cmd_alarms(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_repair(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.drift import execute_repair, find_drift, plan_repair
+    from etcd_agent.cluster.drift import execute_repair, find_drift, plan_repair
 
     cfg = ctx.config()
     findings = find_drift(cfg)
@@ -97,8 +97,8 @@ def cmd_repair(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_promote(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..etcd.client import EtcdClient
-    from ..member.learner import promote_when_ready
+    from etcd_agent.etcd.client import EtcdClient
+    from etcd_agent.member.learner import promote_when_ready
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg) as client:

@@ -10,13 +10,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
-from ..errors import RefusedError
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import RefusedError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cluster.scaleplan import Plan
-    from ..config import Config
-    from ..member.local import LocalMember
+    from etcd_agent.cluster.scaleplan import Plan
+    from etcd_agent.config import Config
+    from etcd_agent.member.local import LocalMember
 
 
 def register(sub: Any) -> None:
@@ -59,15 +59,15 @@ def register(sub: Any) -> None:
 
 
 def _client(cfg: "Config") -> Any:
-    from ..etcd.client import EtcdClient
+    from etcd_agent.etcd.client import EtcdClient
 
     return EtcdClient.from_config(cfg)
 
 
 def _local(ctx: Context, args: argparse.Namespace) -> Tuple["Config", "LocalMember"]:
-    from ..config import with_local
-    from ..locality import local_member, machine_identity
-    from ..member.local import LocalMember
+    from etcd_agent.config import with_local
+    from etcd_agent.locality import local_member, machine_identity
+    from etcd_agent.member.local import LocalMember
 
     cfg = ctx.config()
     member = cfg.member(args.member) if args.member else local_member(cfg, machine_identity())
@@ -89,8 +89,8 @@ def _confirm(ctx: Context, plan: "Plan", question: str, yes: bool) -> None:
 
 
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.scale import observe
-    from ..cluster.scaleplan import member_rows
+    from etcd_agent.cluster.scale import observe
+    from etcd_agent.cluster.scaleplan import member_rows
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -100,7 +100,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_add(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.scale import execute_add, plan_add
+    from etcd_agent.cluster.scale import execute_add, plan_add
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -118,7 +118,7 @@ def cmd_add(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_remove(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.scale import execute_remove, plan_remove
+    from etcd_agent.cluster.scale import execute_remove, plan_remove
 
     cfg = ctx.config()
     with _client(cfg) as client:
@@ -131,7 +131,7 @@ def cmd_remove(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_join(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.scale import execute_join, plan_join
+    from etcd_agent.cluster.scale import execute_join, plan_join
 
     cfg, lm = _local(ctx, args)
     with _client(cfg) as client:
@@ -146,7 +146,7 @@ def cmd_join(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def _leave(args: argparse.Namespace, ctx: Context, reset: bool) -> Output:
-    from ..cluster.scale import execute_leave, others_client, plan_leave
+    from etcd_agent.cluster.scale import execute_leave, others_client, plan_leave
 
     cfg, lm = _local(ctx, args)
     with others_client(cfg, lm.member) as client:

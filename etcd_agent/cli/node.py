@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
 
 
 def register(sub: Any) -> None:
@@ -34,8 +34,8 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import logging
     import signal
 
-    from ..node.server import end_stuck_session, serve
-    from ..node.steps import handlers
+    from etcd_agent.node.server import end_stuck_session, serve
+    from etcd_agent.node.steps import handlers
 
     if ctx.verbose == 0:
         logging.getLogger("etcd_agent").setLevel(logging.INFO)  # the host's side of the story, on stderr
@@ -61,10 +61,10 @@ def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:
     ended before its order (the receiver was not needed)."""
     import signal
 
-    from ..errors import AgentError, Interrupted, UsageError
-    from ..node.protocol import encode
-    from ..node.transfer import Ready
-    from ..restore.receive import receive_snapshot
+    from etcd_agent.errors import AgentError, Interrupted, UsageError
+    from etcd_agent.node.protocol import encode
+    from etcd_agent.node.transfer import Ready
+    from etcd_agent.restore.receive import receive_snapshot
 
     def say(doc: Any) -> None:
         try:

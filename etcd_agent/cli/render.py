@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
 
 
 def register(sub: Any) -> None:
@@ -21,8 +21,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_render(args: argparse.Namespace, ctx: Context) -> Output:
-    from .. import topology
-    from ..locality import local_member, machine_identity
+    from etcd_agent import topology
+    from etcd_agent.locality import local_member, machine_identity
 
     cfg = ctx.config()
     member = cfg.member(args.member) if args.member else local_member(cfg, machine_identity())
@@ -36,7 +36,7 @@ def cmd_render(args: argparse.Namespace, ctx: Context) -> Output:
         elif args.state == "existing" and boot.state != topology.EXISTING:
             boot = topology.join_bootstrap(cfg, member, topology.member_pairs(cfg.members))
     conf = topology.render_conf(cfg, member, boot)
-    from ..member.local import LocalMember
+    from etcd_agent.member.local import LocalMember
 
     unit = LocalMember(cfg, member).unit_text()
     text = f"# ---- {cfg.conf_file(member.name)}\n{conf}\n# ---- {cfg.etcd.unit_file}\n{unit}"

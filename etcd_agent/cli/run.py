@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
 
 
 def register(sub: Any) -> None:
@@ -18,10 +18,10 @@ def register(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import dataclasses
 
-    from ..daemon.memory import limit_arenas
+    from etcd_agent.daemon.memory import limit_arenas
 
     limit_arenas()  # before any thread starts (docs in daemon/memory.py)
-    from ..daemon.loop import Daemon
+    from etcd_agent.daemon.loop import Daemon
 
     if ctx.verbose == 0:
         # a daemon's one sentence per cycle is its product: INFO by default

@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from ..errors import EXIT_FAILED, EXIT_OK
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
+    from etcd_agent.config import Config
 
 
 def register(sub: Any) -> None:
@@ -18,24 +18,24 @@ def register(sub: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.status import cluster_status, format_table
+    from etcd_agent.cluster.status import cluster_status, format_table
 
     cfg = ctx.config()
     rows = cluster_status(cfg, timeout=args.timeout)
     healthy = all(r.healthy for r in rows)
     last = _last_backup(cfg)
-    from ..state import markers
+    from etcd_agent.state import markers
 
     restoring = markers.read_restores(cfg)  # this host's members with a restore in progress
-    from ..config import security_warnings
+    from etcd_agent.config import security_warnings
 
     warnings = security_warnings(cfg)
-    from ..backup.boundaries import load, unreadable_message
+    from etcd_agent.backup.boundaries import load, unreadable_message
 
     problem = load(cfg.backup.dir).problem
     if problem:  # retention deletes nothing until it is fixed: the disk fills, and nothing else says so
         warnings = [*warnings, f"PRUNE HELD: {unreadable_message(problem)}"]
-    from ..delta.pitr import leftovers
+    from etcd_agent.delta.pitr import leftovers
 
     left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
     lock = _lock_holder(cfg)
@@ -63,7 +63,7 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
 
 def _lock_holder(cfg: "Config") -> Optional[Dict[str, str]]:
     """Who holds this host's operation lock (None: free, or unreadable here), and why it is stale."""
-    from ..state.locks import describe_holder, holder_of, stale_note
+    from etcd_agent.state.locks import describe_holder, holder_of, stale_note
 
     try:
         rec = holder_of(cfg.backup.dir)
@@ -78,7 +78,7 @@ def _last_backup(cfg: "Config") -> Optional[Dict[str, Any]]:
     """The newest complete backup in this host's backup dir, with its age."""
     import time
 
-    from ..backup.catalog import list_backups
+    from etcd_agent.backup.catalog import list_backups
 
     try:
         entries = [e for e in list_backups(cfg.backup.dir, utc=cfg.backup.utc) if e.complete]

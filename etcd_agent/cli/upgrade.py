@@ -11,8 +11,8 @@ import argparse
 import sys
 from typing import Any, Tuple
 
-from ..errors import RefusedError, UsageError
-from .main import Context, Output
+from etcd_agent.cli.main import Context, Output
+from etcd_agent.errors import RefusedError, UsageError
 
 
 def register(sub: Any) -> None:
@@ -39,8 +39,8 @@ def _say(line: str) -> None:
 
 
 def cmd_upgrade(args: argparse.Namespace, ctx: Context) -> Output:
-    from ..cluster.upgrade import MemberStep, check_releases, plan_upgrade, run_upgrade
-    from ..etcd.client import EtcdClient
+    from etcd_agent.cluster.upgrade import MemberStep, check_releases, plan_upgrade, run_upgrade
+    from etcd_agent.etcd.client import EtcdClient
 
     cfg = ctx.config()
     with EtcdClient.from_config(cfg, timeout=5.0) as client:

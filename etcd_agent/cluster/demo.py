@@ -16,15 +16,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
-from ..config import Config, load, with_local
-from ..errors import Interrupted, RefusedError, UsageError
-from ..etcd.client import EtcdClient
-from ..fs import makedirs
-from ..member.local import LocalMember
-from ..member.process import ProcessBackend
+from etcd_agent.config import Config, load, with_local
+from etcd_agent.errors import Interrupted, RefusedError, UsageError
+from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.fs import makedirs
+from etcd_agent.member.local import LocalMember
+from etcd_agent.member.process import ProcessBackend
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..delta.supervisor import DeltaSupervisor
+    from etcd_agent.delta.supervisor import DeltaSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Demo:
                     "use another --dir or the same --members"
                 )
             resumed = any(os.path.isdir(os.path.join(old.data_dir(m.name), "member")) for m in old.members)
-        from ..fs import write_atomic
+        from etcd_agent.fs import write_atomic
 
         write_atomic(self.config_path, text.encode(), mode=0o600)
         self.cfg = load(self.config_path)
@@ -218,7 +218,7 @@ class Demo:
         watch covers the cluster, as the watcher's lock would make it on a one-host cluster of
         daemons). It takes the first full backup itself, keeps its hands off while a restore is
         journaled for the member, and starts a new chain for the restored cluster afterwards."""
-        from ..delta.supervisor import DeltaSupervisor
+        from etcd_agent.delta.supervisor import DeltaSupervisor
 
         assert self.cfg is not None
         watched = with_local(self.cfg, self.cfg.members[0].name)
@@ -285,7 +285,7 @@ class Demo:
 def hands_off(cfg: Config, member: str) -> str:
     """Why nothing may restart ``member`` now ("" when something may): the same markers the
     daemon's decision reads (a restore in progress, a live upgrade step)."""
-    from ..state import markers
+    from etcd_agent.state import markers
 
     rec = markers.read_restore(cfg, member)
     if rec is not None:

@@ -16,11 +16,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Set
 
-from ..config import Config, with_local
-from ..errors import EtcdError, RefusedError
-from ..etcd.client import EtcdClient, MemberInfo
-from ..topology import conf_vars, join_bootstrap, parse_conf, static_bootstrap
-from ..waiting import SYSTEM_CLOCK, Clock
+from etcd_agent.config import Config, with_local
+from etcd_agent.errors import EtcdError, RefusedError
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
+from etcd_agent.topology import conf_vars, join_bootstrap, parse_conf, static_bootstrap
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def _conf_findings(cfg: Config, name: str, conf: Dict[str, str], listed: Set[str
 
 def local_confs(cfg: Config) -> Dict[str, str]:
     """Conf files readable on this host: every member's on a one-host cluster, else the local one's."""
-    from ..errors import ConfigError
-    from ..locality import local_member, machine_identity
+    from etcd_agent.errors import ConfigError
+    from etcd_agent.locality import local_member, machine_identity
 
     if len({m.host for m in cfg.members}) == 1:
         names = [m.name for m in cfg.members]
@@ -122,7 +122,7 @@ def local_confs(cfg: Config) -> Dict[str, str]:
 
 def local_tokens(cfg: Config, confs: Dict[str, str]) -> Dict[str, str]:
     """The cluster token of each local member's cluster (a restore's, recorded on this host)."""
-    from ..state.bootstrap import effective_token
+    from etcd_agent.state.bootstrap import effective_token
 
     return {name: effective_token(cfg, name) for name in confs}
 
@@ -175,8 +175,8 @@ def plan_repair(cfg: Config, findings: List[Finding]) -> List[Fix]:
 
 def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clock = SYSTEM_CLOCK) -> List[str]:
     """Apply the safe fixes; each line says what was done."""
-    from ..member.local import MEMBERSHIP_LOCK, LocalMember
-    from ..member.quorum import can_remove
+    from etcd_agent.member.local import MEMBERSHIP_LOCK, LocalMember
+    from etcd_agent.member.quorum import can_remove
 
     done: List[str] = []
     with EtcdClient.from_config(cfg, timeout=5.0) as c:
@@ -209,7 +209,7 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clo
             else:
                 boot = join_bootstrap(cfg, m, [(x.name, x.peer_urls[0]) for x in members if x.started and x.peer_urls])
             lm = LocalMember(with_local(cfg, m.name), m)
-            from ..topology import render_conf
+            from etcd_agent.topology import render_conf
 
             lm.backend.write_conf(render_conf(lm.cfg, m, boot))
             done.append(f"re-rendered {cfg.conf_file(m.name)}")

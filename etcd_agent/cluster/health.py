@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, NoReturn, Optional, Tuple
 
-from ..config import Config
-from ..errors import EtcdError, OperationFailed, RefusedError
-from ..etcd.client import EndpointStatus, EtcdClient
-from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
+from etcd_agent.config import Config
+from etcd_agent.errors import EtcdError, OperationFailed, RefusedError
+from etcd_agent.etcd.client import EndpointStatus, EtcdClient
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]

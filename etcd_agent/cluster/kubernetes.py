@@ -25,9 +25,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..config import Config, Member
-from ..etcd.client import EtcdClient
-from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
+from etcd_agent.config import Config, Member
+from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, List
 
-from ..config import Config
+from etcd_agent.config import Config
 
 LINEAGE_KEY = "/etcd-agent/restore/lineage"
 MAX_ENTRIES = 50
@@ -20,7 +20,7 @@ MAX_ENTRIES = 50
 
 def record_lineage(cfg: Config, member_ids: List[str]) -> None:
     """Append ``member_ids`` (hex) to the running cluster's lineage."""
-    from ..etcd.client import EtcdClient
+    from etcd_agent.etcd.client import EtcdClient
 
     if not member_ids:
         return

@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import Config
-from ..errors import EtcdError, OperationFailed, RefusedError
-from ..etcd.client import EndpointStatus, EtcdClient
-from .health import cluster_health, statuses, wait_cluster_healthy
+from etcd_agent.cluster.health import cluster_health, statuses, wait_cluster_healthy
+from etcd_agent.config import Config
+from etcd_agent.errors import EtcdError, OperationFailed, RefusedError
+from etcd_agent.etcd.client import EndpointStatus, EtcdClient
 
 log = logging.getLogger(__name__)
 

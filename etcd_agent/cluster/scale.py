@@ -23,31 +23,31 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-from ..config import Config, Member
-from ..errors import (
+from etcd_agent.cluster.scaleplan import ClusterView, Plan, decide_add, decide_join, decide_leave, decide_remove
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import (
     BusyError,
     EtcdError,
     EtcdMemberNotFound,
     OperationFailed,
     RefusedError,
 )
-from ..etcd.client import EtcdClient, MemberInfo
-from ..member.local import (
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
+from etcd_agent.member.local import (
     MEMBERSHIP_LOCK,
     LocalMember,
     add_member_idempotent,
     find_member,
 )
-from ..member.quorum import has_quorum
-from ..state import markers
-from ..waiting import (
+from etcd_agent.member.quorum import has_quorum
+from etcd_agent.state import markers
+from etcd_agent.waiting import (
     MEMBERSHIP_TIMEOUT,
     MEMBERSHIP_TRANSIENT,
     NotYet,
     poll,
     retry_transient,
 )
-from .scaleplan import ClusterView, Plan, decide_add, decide_join, decide_leave, decide_remove
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def execute_join(cfg: Config, client: EtcdClient, lm: LocalMember, *, learner: b
         decide_join(cfg, observe(client), lm.member, has_data=lm.has_data())
         markers.clear_left(cfg, lm.member.name)  # an operator's join undoes an earlier leave: the daemon may manage it again
         if learner:
-            from ..member.learner import join_as_learner
+            from etcd_agent.member.learner import join_as_learner
 
             info = join_as_learner(lm, client, timeout=2 * cfg.etcd.start_timeout)
         else:

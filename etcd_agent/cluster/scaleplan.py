@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from ..config import NAME_RE, Config, Member
-from ..config.validation import url_problem
-from ..errors import RefusedError, UsageError
-from ..etcd.client import MemberInfo
-from ..member.local import MEMBERSHIP_LOCK, find_member
-from ..member.quorum import can_add, can_remove, has_quorum
-from ..topology import initial_cluster
+from etcd_agent.config import NAME_RE, Config, Member
+from etcd_agent.config.validation import url_problem
+from etcd_agent.errors import RefusedError, UsageError
+from etcd_agent.etcd.client import MemberInfo
+from etcd_agent.member.local import MEMBERSHIP_LOCK, find_member
+from etcd_agent.member.quorum import can_add, can_remove, has_quorum
+from etcd_agent.topology import initial_cluster
 
 # ---------------------------------------------------------------- what a decision reads
 

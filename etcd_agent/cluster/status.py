@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..config import Config
-from ..errors import EtcdError
-from ..etcd.client import EtcdClient, MemberInfo
+from etcd_agent.config import Config
+from etcd_agent.errors import EtcdError
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
 
 
 @dataclass
@@ -88,7 +88,7 @@ def cluster_status(cfg: Config, timeout: float = 2.0) -> List[MemberStatus]:
                     r.id = m.hex_id
                     r.errors.append("added to the cluster but never started")
     if members:  # duplicates, name mismatches, drifted etcd.conf (see drift.py)
-        from .drift import flag_rows
+        from etcd_agent.cluster.drift import flag_rows
 
         flag_rows(cfg, rows, members)
     return rows

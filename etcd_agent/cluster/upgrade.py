@@ -25,16 +25,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..config import Config
-from ..errors import AgentError, EtcdError, OperationFailed, RefusedError
-from ..etcd.client import EndpointStatus, EtcdClient
-from ..etcd.versions import check_step, parse, plan_hops
-from ..fs import makedirs, write_atomic
-from ..node.client import new_owner
-from ..node.replies import BackupReply, ReleaseReply, UpgradeReply
-from ..node.sessions import HostNode, close_sessions, group_hosts, local_node, message, node_of, open_sessions, parallel
-from ..waiting import NotYet, poll
-from .health import cluster_health, statuses, wait_cluster_healthy
+from etcd_agent.cluster.health import cluster_health, statuses, wait_cluster_healthy
+from etcd_agent.config import Config
+from etcd_agent.errors import AgentError, EtcdError, OperationFailed, RefusedError
+from etcd_agent.etcd.client import EndpointStatus, EtcdClient
+from etcd_agent.etcd.versions import check_step, parse, plan_hops
+from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.node.client import new_owner
+from etcd_agent.node.replies import BackupReply, ReleaseReply, UpgradeReply
+from etcd_agent.node.sessions import (
+    HostNode,
+    close_sessions,
+    group_hosts,
+    local_node,
+    message,
+    node_of,
+    open_sessions,
+    parallel,
+)
+from etcd_agent.waiting import NotYet, poll
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -315,7 +324,7 @@ class Upgrade:
         local = local_node(self.nodes)
         if local is not None:
             return local.ask(BackupReply, "backup", member=source, timeout=max(600.0, self.step_timeout)).path
-        from ..backup.service import take_backup
+        from etcd_agent.backup.service import take_backup
 
         return take_backup(self.cfg, member=source, full_verify=True, prune=False).path
 

@@ -4,8 +4,8 @@
 them, ``validation`` checks a built config (every problem at once), ``security`` warns about files
 that expose secrets, ``sample`` is the commented default. Importers use this package.
 """
-from .load import load, parse_text
-from .model import (
+from etcd_agent.config.load import load, parse_text
+from etcd_agent.config.model import (
     ADDRESSING_STYLES,
     BOOTSTRAP_MODES,
     BUCKET_RE,
@@ -38,7 +38,7 @@ from .model import (
     merged,
     with_local,
 )
-from .security import security_warnings
+from etcd_agent.config.security import security_warnings
 
 __all__ = [
     "ADDRESSING_STYLES", "BOOTSTRAP_MODES", "BUCKET_RE", "COMPRESSIONS", "DEFAULT_PATH", "FENCE_METHODS",

@@ -11,9 +11,7 @@ import typing
 import unicodedata
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ConfigError
-from ..fs import NotARegularFile, read_regular
-from .model import (
+from etcd_agent.config.model import (
     DEFAULT_PATH,
     SECTIONS,
     Config,
@@ -22,7 +20,9 @@ from .model import (
     MemberSection,
     TlsSection,
 )
-from .validation import validate
+from etcd_agent.config.validation import validate
+from etcd_agent.errors import ConfigError
+from etcd_agent.fs import NotARegularFile, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..errors import ConfigError
+from etcd_agent.errors import ConfigError
 
 DEFAULT_PATH = "/etc/etcd-agent/agent.toml"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from .model import PATH_RE, BackupSection, Config, DaemonSection, EtcdSection, KubernetesSection
+from etcd_agent.config.model import PATH_RE, BackupSection, Config, DaemonSection, EtcdSection, KubernetesSection
 
 # Directories that are the system's, not the agent's: no configured directory may be one of them
 # (the agent creates its dirs, moves a data dir aside, deletes what it holds); below them is fine

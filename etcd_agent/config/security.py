@@ -11,7 +11,7 @@ import os
 import stat
 from typing import List, Optional
 
-from .model import Config
+from etcd_agent.config.model import Config
 
 READ_BY_OTHERS = 0o044
 WRITE_BY_OTHERS = 0o022

@@ -12,7 +12,7 @@ import re
 from typing import Callable, Dict, List, Optional
 from urllib.parse import urlsplit
 
-from .model import (
+from etcd_agent.config.model import (
     ADDRESSING_STYLES,
     BOOTSTRAP_MODES,
     BUCKET_RE,
@@ -32,7 +32,7 @@ from .model import (
     Member,
     RemoteSection,
 )
-from .paths import path_problem, validate_paths
+from etcd_agent.config.paths import path_problem, validate_paths
 
 # Intervals and timeouts: beyond a week is a typo (and overflows the OS's timers).
 MAX_SECONDS = 7 * 86400
@@ -325,8 +325,8 @@ def _validate_encrypt_to(b: BackupSection) -> List[str]:
     that never quotes it), at most MAX_RECIPIENTS, and not together with compression."""
     if not b.encrypt_to:
         return []
-    from ..age import MAX_RECIPIENTS, parse_recipient  # cryptography: only for configs that encrypt
-    from ..errors import RecipientInvalid
+    from etcd_agent.age import MAX_RECIPIENTS, parse_recipient  # cryptography: only for configs that encrypt
+    from etcd_agent.errors import RecipientInvalid
 
     errs: List[str] = []
     for i, text in enumerate(b.encrypt_to):

@@ -20,14 +20,14 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from ..backup.drillrecord import DrillRecord
-from ..errors import AgentError, BusyError
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
+from etcd_agent.backup.drillrecord import DrillRecord
+from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backup.drillreport import DrillReport
-    from ..config import Config
-    from ..etcd.client import EtcdClient
+    from etcd_agent.backup.drillreport import DrillReport
+    from etcd_agent.config import Config
+    from etcd_agent.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def decide(last: Optional[DrillRecord], every: float, now: float) -> Schedule:
 
 def read_record(client: "EtcdClient") -> Optional[DrillRecord]:
     """The cluster's last drill (None: none recorded, or not a record)."""
-    from .. import safejson
+    from etcd_agent import safejson
 
     raw = client.get(RECORD_KEY)
     if raw is None:
@@ -96,7 +96,7 @@ def write_record(client: "EtcdClient", rec: DrillRecord) -> None:
 def tell_cluster(cfg: "Config", report: "DrillReport") -> Optional[str]:
     """Record a drill run outside the daemon (``etcd-agent drill``) as the cluster's last one, so
     the schedule counts it; best effort (None, or why it could not)."""
-    from ..etcd.client import EtcdClient
+    from etcd_agent.etcd.client import EtcdClient
 
     try:
         with EtcdClient.from_config(cfg, timeout=3.0) as c:
@@ -132,7 +132,7 @@ class DrillScheduler:
         now = self.clock.now().timestamp()
         if now < self._next_check:
             return None
-        from ..etcd.client import EtcdClient
+        from etcd_agent.etcd.client import EtcdClient
 
         try:
             with EtcdClient.from_config(cfg, timeout=2.0) as c:
@@ -149,7 +149,7 @@ class DrillScheduler:
         return f"restore drill due ({s.reason})"
 
     def _run(self, cfg: "Config", member: str) -> None:
-        from ..etcd.client import EtcdClient
+        from etcd_agent.etcd.client import EtcdClient
 
         try:
             with EtcdClient.from_config(cfg, timeout=5.0) as c:
@@ -186,7 +186,7 @@ class DrillScheduler:
     def _drill(self, cfg: "Config") -> "DrillReport":
         if self._runner is not None:
             return self._runner(cfg, "latest", clock=self.clock, cancel=self._cancel.is_set)
-        from ..backup.drill import run_drill
+        from etcd_agent.backup.drill import run_drill
 
         return run_drill(cfg, "latest", clock=self.clock, cancel=self._cancel.is_set)
 

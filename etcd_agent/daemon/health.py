@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..member.quorum import has_quorum, quorum
+from etcd_agent.member.quorum import has_quorum, quorum
 
 # after this many restarts that did not bring etcd back while the others keep quorum, the local
 # data is considered corrupt and the member is replaced

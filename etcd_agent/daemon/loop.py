@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..config import Config, Member, load, security_warnings, with_local
-from ..errors import (
+from etcd_agent.config import Config, Member, load, security_warnings, with_local
+from etcd_agent.daemon import health
+from etcd_agent.errors import (
     AgentError,
     BusyError,
     ConfigError,
@@ -29,13 +30,12 @@ from ..errors import (
     OperationFailed,
     RefusedError,
 )
-from ..etcd.client import EtcdClient, MemberInfo
-from ..locality import local_member, machine_identity
-from ..member.local import MEMBERSHIP_LOCK, LocalMember, find_member
-from ..member.quorum import can_add, can_remove
-from ..state import bootstrap, markers
-from ..topology import EXISTING, Bootstrap, join_bootstrap, parse_conf, static_bootstrap
-from . import health
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
+from etcd_agent.locality import local_member, machine_identity
+from etcd_agent.member.local import MEMBERSHIP_LOCK, LocalMember, find_member
+from etcd_agent.member.quorum import can_add, can_remove
+from etcd_agent.state import bootstrap, markers
+from etcd_agent.topology import EXISTING, Bootstrap, join_bootstrap, parse_conf, static_bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Daemon:
         self._last_maintenance = -MAINTENANCE_EVERY
         self._last_restart = float("-inf")  # monotonic time of the last RESTART action
         self._watched: Optional[int] = None  # the etcd pid whose exit wakes the loop
-        from .drill import DrillScheduler
+        from etcd_agent.daemon.drill import DrillScheduler
 
         self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
         self._apply(cfg or load(config_path))
@@ -235,7 +235,7 @@ class Daemon:
         if a == health.RENDER:
             return self._render_existing()
         if a == health.PROMOTE:
-            from ..member.learner import promote_when_ready
+            from etcd_agent.member.learner import promote_when_ready
 
             endpoints = [u for u in self._others() if self._answers(u)] or self._others()
             with EtcdClient.from_config(self.cfg, endpoints, timeout=5.0) as c:
@@ -319,7 +319,7 @@ class Daemon:
                     if not ok:
                         raise RefusedError(f"not adding this member: {why}")
                 if learner:
-                    from ..member.learner import join_as_learner
+                    from etcd_agent.member.learner import join_as_learner
 
                     new = join_as_learner(lm, c, timeout=2 * self.cfg.etcd.start_timeout)
                     done.append(f"joined as learner {new.hex_id} with state=existing, promoted once caught up")
@@ -368,7 +368,7 @@ class Daemon:
         if now - self._last_maintenance < MAINTENANCE_EVERY:
             return None
         self._last_maintenance = now
-        from ..cluster import maintenance
+        from etcd_agent.cluster import maintenance
 
         done: List[str] = []
         try:
@@ -383,7 +383,7 @@ class Daemon:
                     if alarms and mt.auto_disarm_nospace:
                         done += maintenance.clear_nospace(self.cfg, c).actions
                     elif mt.auto_defrag:
-                        from . import metrics
+                        from etcd_agent.daemon import metrics
 
                         for i in maintenance.defrag(self.cfg, c):
                             if i.defrag and i.seconds is not None:
@@ -401,14 +401,14 @@ class Daemon:
     def run(self) -> None:
         log.info("etcd-agent daemon for member %s (%s backend, every %.0fs)", self.me.name,
                  self.local.backend.kind, self.cfg.daemon.interval)
-        from . import (
+        from etcd_agent.daemon import (
             metrics,  # Prometheus endpoint on [daemon] metrics_address; no-op when unset
         )
 
         metrics.start(self)
         # continuous backup ([backup.delta]) on threads of its own: a cycle never waits for it
-        from ..delta.status import DeltaCollector
-        from ..delta.supervisor import DeltaSupervisor
+        from etcd_agent.delta.status import DeltaCollector
+        from etcd_agent.delta.supervisor import DeltaSupervisor
 
         self.delta = DeltaSupervisor(lambda: (self.cfg, self.me))
         if self.cfg.daemon.metrics_address:

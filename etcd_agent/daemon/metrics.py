@@ -16,10 +16,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..config import Config
+from etcd_agent.config import Config
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .loop import Daemon
+    from etcd_agent.daemon.loop import Daemon
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class AgentMetrics:
         self.upg_failed = Gauge(p + "upgrade_failed", "1 if the last upgrade stopped on a failure.", registry=r)
         self.upg_target = Gauge(p + "upgrade_target_info", "Target of the last upgrade (value 1).", ["version"], registry=r)
         self.cycle_ts = Gauge(p + "last_cycle_timestamp_seconds", "Unix time of the last daemon cycle.", registry=r)
-        from ..backup.drillrecord import DrillCollector
+        from etcd_agent.backup.drillrecord import DrillCollector
 
         # restore drills, from this host's drill state (the daemon's drills and those run by hand)
         self.drill = DrillCollector()
@@ -90,9 +90,9 @@ class AgentMetrics:
         self.cycle_ts.set(time.time())
 
     def _etcd(self, cfg: Config) -> None:
-        from ..cluster.maintenance import fragmentation
-        from ..errors import EtcdError
-        from ..etcd.client import EtcdClient
+        from etcd_agent.cluster.maintenance import fragmentation
+        from etcd_agent.errors import EtcdError
+        from etcd_agent.etcd.client import EtcdClient
 
         self.members.set(len(cfg.members))
         self.version.clear()
@@ -129,7 +129,7 @@ class AgentMetrics:
         self.has_leader.set(int(leader_seen))
 
     def _backups(self, cfg: Config) -> None:
-        from ..backup.catalog import list_backups
+        from etcd_agent.backup.catalog import list_backups
 
         entries = [e for e in list_backups(cfg.backup.dir, utc=cfg.backup.utc) if e.complete]
         self.backup_count.set(len(entries))
@@ -139,7 +139,7 @@ class AgentMetrics:
             self.backup_age.set(max(0.0, time.time() - newest))
             self.backup_size.set(entries[0].size)
         if cfg.backup.metrics_file and os.path.exists(cfg.backup.metrics_file):
-            from ..backup.metrics import read_metrics
+            from etcd_agent.backup.metrics import read_metrics
 
             vals = read_metrics(cfg.backup.metrics_file)
             if "last_duration_seconds" in vals:
@@ -147,7 +147,7 @@ class AgentMetrics:
             self.backup_fail.set(vals.get("failures", 0.0))
 
     def _drill(self, cfg: Config) -> None:
-        from ..backup.drillrecord import load_state
+        from etcd_agent.backup.drillrecord import load_state
 
         self.drill.state = load_state(cfg)
 

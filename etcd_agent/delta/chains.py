@@ -23,11 +23,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..fs import regular_fd
-from .errors import NotASegment, SegmentCorrupt
-from .segchain import BaseBackup, ChainStop, check_chain, continues
-from .segments import Checkpoint, SegmentHeader, SegmentInfo, is_sealed, list_segments, ms_to_datetime, parse_name
-from .segreader import read_summary
+from etcd_agent.delta.errors import NotASegment, SegmentCorrupt
+from etcd_agent.delta.segchain import BaseBackup, ChainStop, check_chain, continues
+from etcd_agent.delta.segments import (
+    Checkpoint,
+    SegmentHeader,
+    SegmentInfo,
+    is_sealed,
+    list_segments,
+    ms_to_datetime,
+    parse_name,
+)
+from etcd_agent.delta.segreader import read_summary
+from etcd_agent.fs import regular_fd
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,13 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from etcd_agent.daemon.memory import release_freed_memory
+from etcd_agent.delta.segments import Checkpoint, parse_name
 from etcd_agent.errors import AgentError, BusyError
-
-from .segments import Checkpoint, parse_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config, DeltaSection
-
-    from .chains import ChainSummary
-    from .watcher import DeltaWatcher
+    from etcd_agent.delta.chains import ChainSummary
+    from etcd_agent.delta.watcher import DeltaWatcher
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence, Set, Tuple
 
-from .errors import ReplayError
-from .segments import PUT, Txn
-from .segreader import RawEvent
+from etcd_agent.delta.errors import ReplayError
+from etcd_agent.delta.segments import PUT, Txn
+from etcd_agent.delta.segreader import RawEvent
 
 # per entry beyond its key and value: the dict slot, the tuple, the ints (measured ~200 B)
 _ENTRY_OVERHEAD = 200

@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional, Set
 
+from etcd_agent.delta.rpc import EtcdRpc
+from etcd_agent.delta.segments import LeaseRecord
 from etcd_agent.errors import EtcdError
-
-from .rpc import EtcdRpc
-from .segments import LeaseRecord
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,10 @@ import threading
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 from etcd_agent.config import Config, Member
+from etcd_agent.delta import chains
+from etcd_agent.delta.segments import list_segments, parse_name
+from etcd_agent.delta.segreader import read_header
 from etcd_agent.errors import AgentError
-
-from . import chains
-from .segments import list_segments, parse_name
-from .segreader import read_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.retention import Decision

@@ -24,20 +24,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from etcd_agent.delta import chains, fullpick, segsign, status
+from etcd_agent.delta.chains import events_after
+from etcd_agent.delta.errors import ReplayError
+from etcd_agent.delta.leftovers import remove_left
+from etcd_agent.delta.replay import Plan, ReplayResult, Target, find_base, plan_replay
+from etcd_agent.delta.replayrun import replay
+from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions
+from etcd_agent.delta.segchain import ChainCheck, Opener, check_chain
+from etcd_agent.delta.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
+from etcd_agent.delta.segseal import open_sealed
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
-
-from . import chains, fullpick, segsign, status
-from .chains import events_after
-from .errors import ReplayError
-from .leftovers import remove_left
-from .replay import Plan, ReplayResult, Target, find_base, plan_replay
-from .replayrun import replay
-from .scratch import EtcdBinaries, ScratchOptions
-from .segchain import ChainCheck, Opener, check_chain
-from .segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
-from .segseal import open_sealed
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -444,8 +443,7 @@ def leftovers(cfg: "Config") -> List[str]:
     work dirs, their size, whether they hold plaintext, the etcds still running in them. [] while
     a replay runs (they are its own). The next command of any kind removes them (``clean``)."""
     from etcd_agent.backup.reader import stale_stages
-
-    from .leftovers import etcds_in, left_dirs
+    from etcd_agent.delta.leftovers import etcds_in, left_dirs
 
     if not lock_free(cfg):
         return []

@@ -15,11 +15,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from . import segsign
-from .errors import ChainBroken, SegmentCorrupt
-from .rpc import StreamEnded
-from .segchain import BaseBackup, check_chain, verified
-from .segments import SegmentHeader, SegmentInfo, list_segments
+from etcd_agent.delta import segsign
+from etcd_agent.delta.errors import ChainBroken, SegmentCorrupt
+from etcd_agent.delta.rpc import StreamEnded
+from etcd_agent.delta.segchain import BaseBackup, check_chain, verified
+from etcd_agent.delta.segments import SegmentHeader, SegmentInfo, list_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient

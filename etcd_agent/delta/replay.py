@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from .errors import ReplayError, SegmentCorrupt
-from .leases import LeaseFate
-from .segchain import ChainCheck, ChainStop
-from .segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
-from .segreader import read_header, read_segment
+from etcd_agent.delta.errors import ReplayError, SegmentCorrupt
+from etcd_agent.delta.leases import LeaseFate
+from etcd_agent.delta.segchain import ChainCheck, ChainStop
+from etcd_agent.delta.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
+from etcd_agent.delta.segreader import read_header, read_segment
 
 
 @dataclass(frozen=True)

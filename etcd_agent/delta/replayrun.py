@@ -42,18 +42,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
+from etcd_agent.delta import keyspace, proto
+from etcd_agent.delta.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
+from etcd_agent.delta.leases import MIN_TTL, fate_of, lease_fates
+from etcd_agent.delta.replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
+from etcd_agent.delta.rpc import EtcdRpc, KeepAliveStream
+from etcd_agent.delta.scratch import ScratchEtcd, ScratchOptions, scratch_etcd
+from etcd_agent.delta.segchain import ChainCheck, check_chain
+from etcd_agent.delta.segments import LeaseRecord, ms_to_datetime
+from etcd_agent.delta.segreader import RawEvent, scan_segment
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
-
-from . import keyspace, proto
-from .errors import CheckpointUnusable, ReplayError, SegmentCorrupt
-from .leases import MIN_TTL, fate_of, lease_fates
-from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
-from .rpc import EtcdRpc, KeepAliveStream
-from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
-from .segchain import ChainCheck, check_chain
-from .segments import LeaseRecord, ms_to_datetime
-from .segreader import RawEvent, scan_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities

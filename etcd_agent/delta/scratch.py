@@ -33,14 +33,13 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from etcd_agent.delta.errors import ScratchError
+from etcd_agent.delta.rpc import EtcdRpc
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent
 from etcd_agent.waiting import poll
-
-from .errors import ScratchError
-from .rpc import EtcdRpc
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.etcd.client import EtcdClient

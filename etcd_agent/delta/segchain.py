@@ -13,12 +13,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from ..fs import open_regular
-from . import segsign
-from .errors import NotASegment, SegmentCorrupt, SegmentForged
-from .segments import MAX_SEGMENT, SegmentHeader, SegmentInfo, is_sealed, ms_to_datetime, name_time_ms, parse_name
-from .segreader import read_header, read_summary, verify_segment
-from .segseal import verify_sealed
+from etcd_agent.delta import segsign
+from etcd_agent.delta.errors import NotASegment, SegmentCorrupt, SegmentForged
+from etcd_agent.delta.segments import (
+    MAX_SEGMENT,
+    SegmentHeader,
+    SegmentInfo,
+    is_sealed,
+    ms_to_datetime,
+    name_time_ms,
+    parse_name,
+)
+from etcd_agent.delta.segreader import read_header, read_summary, verify_segment
+from etcd_agent.delta.segseal import verify_sealed
+from etcd_agent.fs import open_regular
 
 # an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)
 Opener = Callable[[str], SegmentInfo]

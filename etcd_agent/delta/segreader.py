@@ -12,11 +12,9 @@ import struct
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
-from etcd_agent.fs import open_regular, regular_fd
-
-from . import segsign
-from .errors import NotASegment, SegmentCorrupt
-from .segments import (
+from etcd_agent.delta import segsign
+from etcd_agent.delta.errors import NotASegment, SegmentCorrupt
+from etcd_agent.delta.segments import (
     DELETE,
     DIGEST,
     EVENT_HEAD,
@@ -44,7 +42,8 @@ from .segments import (
     Txn,
     is_sealed,
 )
-from .segseal import read_seal
+from etcd_agent.delta.segseal import read_seal
+from etcd_agent.fs import open_regular, regular_fd
 
 
 def _read_file(path: str, max_bytes: int) -> bytes:

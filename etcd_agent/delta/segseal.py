@@ -36,10 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
-from etcd_agent.fs import regular_fd
-
-from .errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
-from .segments import (
+from etcd_agent.delta.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
+from etcd_agent.delta.segments import (
     MAX_SEGMENT,
     SEALED_EXT,
     U32,
@@ -51,6 +49,7 @@ from .segments import (
     parse_signature,
     signature_json,
 )
+from etcd_agent.fs import regular_fd
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
     from etcd_agent.age import Encryptor, Identities, X25519Recipient
@@ -318,9 +317,8 @@ def open_sealed(path: str, identities: "Identities", staging_dir: str, *, key: O
     IdentityRefused before a byte is written; damage anywhere is SegmentCorrupt and removes the copy.
     """
     from etcd_agent.age import Decryptor
+    from etcd_agent.delta.segreader import verify_segment
     from etcd_agent.errors import CiphertextCorrupt
-
-    from .segreader import verify_segment
 
     name = os.path.basename(path)
     if not name.endswith(SEALED_EXT):

@@ -11,11 +11,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple
 
-from etcd_agent.fs import fsync_dir
-
-from . import segsign
-from .errors import DeltaError
-from .segments import (
+from etcd_agent.delta import segsign
+from etcd_agent.delta.errors import DeltaError
+from etcd_agent.delta.segments import (
     DELETE,
     DIGEST,
     EVENT_HEAD,
@@ -41,11 +39,11 @@ from .segments import (
     json_bytes,
     segment_name,
 )
+from etcd_agent.fs import fsync_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient
-
-    from .segseal import SealingSink
+    from etcd_agent.delta.segseal import SealingSink
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +107,7 @@ class SegmentWriter:
         self.catchup_until = 0
         try:
             if recipients:
-                from .segseal import SealingSink
+                from etcd_agent.delta.segseal import SealingSink
 
                 self._sealer = SealingSink(self._fh, recipients, sign_key)
             head = json_bytes(header.to_json())

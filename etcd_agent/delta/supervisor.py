@@ -29,17 +29,16 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from etcd_agent.config import Config, Member
 from etcd_agent.daemon.memory import release_freed_memory
+from etcd_agent.delta import chains, checkpoints, status
+from etcd_agent.delta.errors import ChainBroken
+from etcd_agent.delta.position import WatcherStatus, WatchOptions
+from etcd_agent.delta.segchain import BaseBackup
+from etcd_agent.delta.segments import SegmentInfo, parse_name
+from etcd_agent.delta.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
 
-from . import chains, checkpoints, status
-from .errors import ChainBroken
-from .position import WatcherStatus, WatchOptions
-from .segchain import BaseBackup
-from .segments import SegmentInfo, parse_name
-from .watcher import DeltaWatcher
-
 if TYPE_CHECKING:  # pragma: no cover
-    from .offsite import Uploader
+    from etcd_agent.delta.offsite import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +447,7 @@ class DeltaSupervisor:
             self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
         if cfg.backup.remote.enabled and self._uploader is None:
-            from . import offsite
+            from etcd_agent.delta import offsite
 
             self._uploader = offsite.Uploader(self._source)
             self._uploader.start()

@@ -40,20 +40,26 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
+from etcd_agent.delta import proto
+from etcd_agent.delta.errors import ChainBroken, DeltaError
+from etcd_agent.delta.leasewatch import LeaseTracker
+from etcd_agent.delta.position import (
+    ChainPosition,
+    WatcherStatus,
+    WatchOptions,
+    cancel_error,
+    find_resume_point,
+    member_break,
+)
+from etcd_agent.delta.rpc import EtcdRpc, StreamEnded
+from etcd_agent.delta.segchain import BaseBackup
+from etcd_agent.delta.segments import PUT, Checkpoint, SegmentInfo, Txn
+from etcd_agent.delta.segwriter import SegmentWriter, remove_stale_temps
+from etcd_agent.delta.vouching import Census, Vouching
+from etcd_agent.delta.watchevents import Fragments, by_revision, decode
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
 from etcd_agent.state.locks import Holder, OperationLock
-
-from . import proto
-from .errors import ChainBroken, DeltaError
-from .leasewatch import LeaseTracker
-from .position import ChainPosition, WatcherStatus, WatchOptions, cancel_error, find_resume_point, member_break
-from .rpc import EtcdRpc, StreamEnded
-from .segchain import BaseBackup
-from .segments import PUT, Checkpoint, SegmentInfo, Txn
-from .segwriter import SegmentWriter, remove_stale_temps
-from .vouching import Census, Vouching
-from .watchevents import Fragments, by_revision, decode
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import TlsSection

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Set, Tuple
 
-from ..errors import SnapshotFormatError
+from etcd_agent.errors import SnapshotFormatError
 
 ReadAt = Callable[[int, int], bytes]
 """``read_at(offset, n)``: n bytes from ``offset`` (fewer only at the end of the file)."""

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from google.protobuf.message import Message
 
-from ..errors import (
+from etcd_agent.errors import (
     BusyError,
     EtcdError,
     EtcdMemberNotFound,
@@ -27,12 +27,12 @@ from ..errors import (
     EtcdUnhealthyCluster,
     OperationFailed,
 )
-from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
-from . import wire
-from .pb import rpc_pb2 as pb
+from etcd_agent.etcd import wire
+from etcd_agent.etcd.pb import rpc_pb2 as pb
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config, TlsSection
+    from etcd_agent.config import Config, TlsSection
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)

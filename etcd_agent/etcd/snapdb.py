@@ -47,8 +47,8 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import SnapshotFormatError
-from .bbolt import (
+from etcd_agent.errors import SnapshotFormatError
+from etcd_agent.etcd.bbolt import (
     BUCKET_LEAF_FLAG,
     MAX_COUNT_PAGES,
     MAX_KEY,
@@ -58,7 +58,7 @@ from .bbolt import (
     _Bucket,
     _Reader,
 )
-from .snapvalues import (
+from etcd_agent.etcd.snapvalues import (
     ConfState,
     Downgrade,
     Member,

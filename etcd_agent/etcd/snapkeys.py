@@ -26,12 +26,12 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
-from ..errors import SnapshotFormatError
-from . import wire
-from .bbolt import BUCKET_LEAF_FLAG, MAX_COUNT_PAGES, MAX_KEY, ReadAt, _Bucket, _Page, _Reader
-from .pb import kv_pb2
-from .snapdb import KEY_BUCKET, MAX_ROOT_BUCKETS
-from .snapvalues import MAX_REVISION
+from etcd_agent.errors import SnapshotFormatError
+from etcd_agent.etcd import wire
+from etcd_agent.etcd.bbolt import BUCKET_LEAF_FLAG, MAX_COUNT_PAGES, MAX_KEY, ReadAt, _Bucket, _Page, _Reader
+from etcd_agent.etcd.pb import kv_pb2
+from etcd_agent.etcd.snapdb import KEY_BUCKET, MAX_ROOT_BUCKETS
+from etcd_agent.etcd.snapvalues import MAX_REVISION
 
 MAX_VALUE = 256 * 1024 * 1024  # one KeyValue; etcd's --max-request-bytes is 1.5 MiB by default
 WHOLE_PAGE = 1024 * 1024  # a leaf page up to this size is read in one go, bigger ones piecemeal

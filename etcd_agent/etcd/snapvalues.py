@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import SnapshotFormatError
-from .bbolt import MAX_VALUE
+from etcd_agent.errors import SnapshotFormatError
+from etcd_agent.etcd.bbolt import MAX_VALUE
 
 MAX_JSON_DEPTH = 8
 MAX_REVISION = (1 << 63) - 1  # etcd keeps revisions in int64

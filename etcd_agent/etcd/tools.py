@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from ..errors import BackupCorrupt, CommandError
+from etcd_agent.errors import BackupCorrupt, CommandError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
-    from ..hosts.base import Host
+    from etcd_agent.config import Config
+    from etcd_agent.hosts.base import Host
 
 # etcdctl v3 API; 3.4 defaults to it already, being explicit keeps 3.3-era environments honest.
 ETCDCTL_ENV = {"ETCDCTL_API": "3"}

@@ -2,6 +2,6 @@
 which members a host runs is ``locality``'s question, how to drive them ``node.sessions``'."""
 from __future__ import annotations
 
-from .base import Host, Result, Session
+from etcd_agent.hosts.base import Host, Result, Session
 
 __all__ = ["Host", "Result", "Session"]

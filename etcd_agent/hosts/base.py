@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
-from ..errors import CommandError
+from etcd_agent.errors import CommandError
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class LineBuffer:
     def line(self, timeout: float, limit: int) -> bytes:
         import time
 
-        from ..errors import CommandTimedOut, OperationFailed
+        from etcd_agent.errors import CommandTimedOut, OperationFailed
 
         deadline = time.monotonic() + timeout
         while True:

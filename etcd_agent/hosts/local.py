@@ -12,9 +12,9 @@ import threading
 import time
 from typing import IO, Deque, Mapping, Optional, Sequence, Union
 
-from ..errors import CommandError, CommandTimedOut, HostUnreachable
-from ..fs import enlarge_pipe, fsync_dir, write_atomic
-from .base import LineBuffer, Result
+from etcd_agent.errors import CommandError, CommandTimedOut, HostUnreachable
+from etcd_agent.fs import enlarge_pipe, fsync_dir, write_atomic
+from etcd_agent.hosts.base import LineBuffer, Result
 
 
 class LocalHost:

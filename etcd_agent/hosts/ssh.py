@@ -33,11 +33,11 @@ sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
 import paramiko  # noqa: E402
 from paramiko.sftp import CMD_EXTENDED  # noqa: E402
 
-from ..config import SshSection
-from ..errors import CommandTimedOut, HostKeyRejected, HostUnreachable
-from .base import Result, Session
-from .local import LocalSession
-from .sshsession import CHUNK, SshSession
+from etcd_agent.config import SshSection
+from etcd_agent.errors import CommandTimedOut, HostKeyRejected, HostUnreachable
+from etcd_agent.hosts.base import Result, Session
+from etcd_agent.hosts.local import LocalSession
+from etcd_agent.hosts.sshsession import CHUNK, SshSession
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Deque, Optional, Union
 
 import paramiko
 
-from ..errors import HostUnreachable, OperationFailed
-from ..waiting import poll
-from .base import LineBuffer
+from etcd_agent.errors import HostUnreachable, OperationFailed
+from etcd_agent.hosts.base import LineBuffer
+from etcd_agent.waiting import poll
 
 CHUNK = 32768
 

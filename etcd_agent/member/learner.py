@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..config import Config
-from ..errors import EtcdError, EtcdMemberNotFound, EtcdUnavailable, OperationFailed
-from ..etcd.client import EtcdClient, MemberInfo
-from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
-from .local import LocalMember, find_member
+from etcd_agent.config import Config
+from etcd_agent.errors import EtcdError, EtcdMemberNotFound, EtcdUnavailable, OperationFailed
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
+from etcd_agent.member.local import LocalMember, find_member
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 

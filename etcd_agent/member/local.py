@@ -12,10 +12,10 @@ import os
 import time
 from typing import Callable, List, Optional, Protocol
 
-from ..config import Config, Member
-from ..errors import EtcdPeerExists, OperationFailed, RefusedError
-from ..etcd.client import EtcdClient, MemberInfo
-from ..topology import (
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import EtcdPeerExists, OperationFailed, RefusedError
+from etcd_agent.etcd.client import EtcdClient, MemberInfo
+from etcd_agent.topology import (
     Bootstrap,
     join_bootstrap,
     render_conf,
@@ -23,7 +23,7 @@ from ..topology import (
     seed_bootstrap,
     static_bootstrap,
 )
-from ..waiting import (
+from etcd_agent.waiting import (
     MEMBERSHIP_TIMEOUT,
     MEMBERSHIP_TRANSIENT,
     NotYet,
@@ -59,10 +59,10 @@ class Backend(Protocol):
 
 def backend_for(cfg: Config, member: str) -> Backend:
     if cfg.etcd.service_manager == "process":
-        from .process import ProcessBackend
+        from etcd_agent.member.process import ProcessBackend
 
         return ProcessBackend(cfg, member)
-    from .systemd import SystemdBackend
+    from etcd_agent.member.systemd import SystemdBackend
 
     return SystemdBackend(cfg, member)
 
@@ -71,7 +71,7 @@ class LocalMember:
     """One member on this host."""
 
     def __init__(self, cfg: Config, member: Member, backend: Optional[Backend] = None) -> None:
-        from ..state.pins import pinned_config
+        from etcd_agent.state.pins import pinned_config
 
         cfg = pinned_config(cfg, member.name)  # a rolling upgrade's binary, if one is pinned
         self.cfg = cfg
@@ -107,7 +107,7 @@ class LocalMember:
 
     def unit_text(self) -> str:
         """etcd.service for this member, ExecStart= at its pinned release (read now, not at init)."""
-        from ..state.pins import pinned_binary
+        from etcd_agent.state.pins import pinned_binary
 
         return render_unit(self.cfg, self.member, pinned_binary(self.cfg, self.member.name))
 

@@ -16,12 +16,12 @@ import subprocess
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from ..config import Config
-from ..errors import OperationFailed
-from ..fs import makedirs, open_append, write_atomic
-from ..proctime import start_ticks
-from ..topology import parse_conf
-from ..waiting import poll
+from etcd_agent.config import Config
+from etcd_agent.errors import OperationFailed
+from etcd_agent.fs import makedirs, open_append, write_atomic
+from etcd_agent.proctime import start_ticks
+from etcd_agent.topology import parse_conf
+from etcd_agent.waiting import poll
 
 if TYPE_CHECKING:  # pragma: no cover - psutil is imported where a process is looked at
     import psutil

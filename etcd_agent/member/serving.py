@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
-from ..config import Config
-from ..errors import OperationFailed
-from ..proctime import start_ticks
-from ..topology import listen_client_urls
-from .process import exited, stop_by_escalation
+from etcd_agent.config import Config
+from etcd_agent.errors import OperationFailed
+from etcd_agent.member.process import exited, stop_by_escalation
+from etcd_agent.proctime import start_ticks
+from etcd_agent.topology import listen_client_urls
 
 if TYPE_CHECKING:  # pragma: no cover
     import psutil

@@ -10,11 +10,11 @@ import logging
 import os
 from typing import Callable, Dict, Optional
 
-from ..config import Config
-from ..errors import CommandError
-from ..fs import missing_dirs
-from ..hosts.base import Host
-from ..hosts.local import LocalHost
+from etcd_agent.config import Config
+from etcd_agent.errors import CommandError
+from etcd_agent.fs import missing_dirs
+from etcd_agent.hosts.base import Host
+from etcd_agent.hosts.local import LocalHost
 
 log = logging.getLogger(__name__)
 

@@ -13,22 +13,22 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
-from ..config import Config, Member
-from ..errors import AgentError, Interrupted, OperationFailed, RefusedError
-from ..etcd.client import EtcdClient
-from ..etcd.versions import parse
-from ..hosts.local import LocalHost
-from ..node.replies import UpgradeReply
-from ..state.markers import clear_upgrading, mark_upgrading
-from ..state.pins import read_pin, release_tools, restore_pin, write_pin
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, Interrupted, OperationFailed, RefusedError
+from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.etcd.versions import parse
+from etcd_agent.hosts.local import LocalHost
+from etcd_agent.node.replies import UpgradeReply
+from etcd_agent.state.markers import clear_upgrading, mark_upgrading
+from etcd_agent.state.pins import read_pin, release_tools, restore_pin, write_pin
 
 log = logging.getLogger(__name__)
 
 
 def upgrade_member(cfg: Config, name: str, version: str, timeout: float) -> UpgradeReply:
     """Step this host's member ``name`` to ``version``; roll back to the old binary on failure."""
-    from ..etcd.tools import version_of
-    from .local import LocalMember
+    from etcd_agent.etcd.tools import version_of
+    from etcd_agent.member.local import LocalMember
 
     m = cfg.member(name)
     tools = release_tools(cfg, version)
@@ -85,7 +85,7 @@ def _crash_watch(member: Any) -> Callable[[], bool]:
 
 
 def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout: float) -> None:
-    from .local import LocalMember
+    from etcd_agent.member.local import LocalMember
 
     LocalMember(cfg, m).backend.stop()
     restore_pin(cfg, m.name, old_pin)
@@ -98,7 +98,7 @@ def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout
 
 def release_versions(cfg: Config, version: str) -> Dict[str, Optional[str]]:
     """What the tools of release ``version`` in ``[etcd] versions_dir`` report (None: missing or broken)."""
-    from ..etcd.tools import version_of
+    from etcd_agent.etcd.tools import version_of
 
     out: Dict[str, Optional[str]] = {}
     for tool, path in release_tools(cfg, version).items():

@@ -17,11 +17,22 @@ import threading
 from types import TracebackType
 from typing import Any, List, Optional, Type, TypeVar
 
-from ..config import DEFAULT_PATH, Config
-from ..errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
-from ..hosts.base import Host, Session
-from ..typedjson import Document, JsonObject
-from .protocol import MAX_LINE, PING_EVERY, PROTOCOL, Hello, Owner, Reply, Request, Welcome, decode, encode
+from etcd_agent.config import DEFAULT_PATH, Config
+from etcd_agent.errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
+from etcd_agent.hosts.base import Host, Session
+from etcd_agent.node.protocol import (
+    MAX_LINE,
+    PING_EVERY,
+    PROTOCOL,
+    Hello,
+    Owner,
+    Reply,
+    Request,
+    Welcome,
+    decode,
+    encode,
+)
+from etcd_agent.typedjson import Document, JsonObject
 
 log = logging.getLogger(__name__)
 D = TypeVar("D", bound=Document)

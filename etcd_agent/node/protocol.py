@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
-from ..errors import AgentError, OperationFailed, error_from_json
-from ..safejson import UnsafeJson, loads
-from ..typedjson import JsonObject
+from etcd_agent.errors import AgentError, OperationFailed, error_from_json
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import JsonObject
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
@@ -181,7 +181,7 @@ class Args:
         self.step = step
 
     def _get(self, key: str, ok: Any, what: str, optional: bool) -> Any:
-        from ..errors import RefusedError
+        from etcd_agent.errors import RefusedError
 
         v = self.raw.get(key)
         if v is None and optional:
@@ -219,7 +219,7 @@ def _is_int(v: Any) -> bool:
 
 def str_list(args: Args, key: str) -> List[str]:
     """A list-of-strings argument ([] when absent)."""
-    from ..errors import RefusedError
+    from etcd_agent.errors import RefusedError
 
     v = args.raw.get(key, [])
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
-from ..typedjson import Document, JsonObject
+from etcd_agent.typedjson import Document, JsonObject
 
 
 @dataclass(frozen=True)

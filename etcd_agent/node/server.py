@@ -26,14 +26,26 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, List, Optional
 
-from .. import __version__
-from ..config import Config
-from ..errors import EXIT_FAILED, AgentError, BusyError, OperationFailed, RefusedError
-from ..state.locks import SHORT_WAIT, Holder, OperationLock, SessionOwner, lock_path_for
-from ..typedjson import Document, JsonObject
-from ..waiting import SYSTEM_CLOCK, Clock, poll
-from .protocol import MAX_LINE, PROTOCOL, SILENCE_LIMIT, Args, Hello, Owner, Reply, Request, Welcome, decode, encode
-from .replies import LockReply
+from etcd_agent import __version__
+from etcd_agent.config import Config
+from etcd_agent.errors import EXIT_FAILED, AgentError, BusyError, OperationFailed, RefusedError
+from etcd_agent.node.protocol import (
+    MAX_LINE,
+    PROTOCOL,
+    SILENCE_LIMIT,
+    Args,
+    Hello,
+    Owner,
+    Reply,
+    Request,
+    Welcome,
+    decode,
+    encode,
+)
+from etcd_agent.node.replies import LockReply
+from etcd_agent.state.locks import SHORT_WAIT, Holder, OperationLock, SessionOwner, lock_path_for
+from etcd_agent.typedjson import Document, JsonObject
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, poll
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +66,7 @@ class NodeContext:
     def take_lock(self) -> LockReply:
         """This host's operation lock for the rest of the session (BusyError naming the holder)."""
         if self.lock is None or not self.lock.held:
-            from ..fs import ensure_private_dir
+            from etcd_agent.fs import ensure_private_dir
 
             ensure_private_dir(self.cfg.backup.dir)
             # this host's own backup (the daemon's or cron's) ends by itself: wait for it

@@ -13,14 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
-from ..config import Config, Member
-from ..errors import AgentError, BusyError, CommandTimedOut, HostUnreachable, RefusedError
-from ..hosts.base import Host
-from ..locality import is_local, machine_identity
-from ..typedjson import Document
-from .client import NodeClient
-from .protocol import Owner
-from .replies import LockReply
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, BusyError, CommandTimedOut, HostUnreachable, RefusedError
+from etcd_agent.hosts.base import Host
+from etcd_agent.locality import is_local, machine_identity
+from etcd_agent.node.client import NodeClient
+from etcd_agent.node.protocol import Owner
+from etcd_agent.node.replies import LockReply
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -47,7 +47,7 @@ class HostNode:
 
 def group_hosts(cfg: Config) -> List[HostNode]:
     """Members grouped by the host that runs them (config order)."""
-    from ..hosts.local import LocalHost
+    from etcd_agent.hosts.local import LocalHost
 
     me = machine_identity() if cfg.local.name is None else None
     out: Dict[str, HostNode] = {}
@@ -56,7 +56,7 @@ def group_hosts(cfg: Config) -> List[HostNode]:
             key = "local"
             node = out.get(key) or HostNode(key, LocalHost("local"), True, [])
         else:
-            from ..hosts.ssh import SshHost
+            from etcd_agent.hosts.ssh import SshHost
 
             key = m.ssh_host
             node = out.get(key) or HostNode(key, SshHost(m.name, m.ssh_host, cfg.ssh), False, [])

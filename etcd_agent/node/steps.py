@@ -10,26 +10,26 @@ import logging
 import os
 from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
-from ..errors import AgentError, OperationFailed, RefusedError
-from ..typedjson import Document
-from .protocol import Args, str_list
-from .replies import BackupReply, MemberSteps, ReleaseReply, StepReply, StepsReply
-from .server import Handler, NodeContext
+from etcd_agent.errors import AgentError, OperationFailed, RefusedError
+from etcd_agent.node.protocol import Args, str_list
+from etcd_agent.node.replies import BackupReply, MemberSteps, ReleaseReply, StepReply, StepsReply
+from etcd_agent.node.server import Handler, NodeContext
+from etcd_agent.typedjson import Document
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..restore.node import NodeRestore
+    from etcd_agent.restore.node import NodeRestore
 
 log = logging.getLogger(__name__)
 
 
 def _node(ctx: NodeContext, args: Args) -> "NodeRestore":
-    from ..restore.node import NodeRestore
+    from etcd_agent.restore.node import NodeRestore
 
     return NodeRestore(ctx.cfg, args.text("member"), args.opt_text("op"))
 
 
 def precheck(ctx: NodeContext, args: Args) -> Document:
-    from ..restore.node import NodeRestore
+    from etcd_agent.restore.node import NodeRestore
 
     return NodeRestore(ctx.cfg, args.text("member")).precheck()
 
@@ -68,7 +68,7 @@ def steps(ctx: NodeContext, args: Args) -> Document:
     plan = member_steps(args)
     ctx.require_lock("steps")
     op = args.opt_text("op")
-    from ..restore.node import NodeRestore
+    from etcd_agent.restore.node import NodeRestore
 
     def runner(member: str) -> Callable[[str], StepReply]:
         node = NodeRestore(ctx.cfg, member, op)
@@ -85,7 +85,7 @@ def run_members(plan: List[Tuple[str, List[str]]], runner: Runner) -> StepsReply
     """Each member's steps in order, stopping at its first failure; the members at once (two etcds
     of one host stopped one after the other would each wait out etcd's peer shutdown). Every
     member's results come back, and its error when it failed; what it finished is journaled."""
-    from .sessions import parallel
+    from etcd_agent.node.sessions import parallel
 
     def run(item: Tuple[str, List[str]]) -> MemberSteps:
         member, names = item
@@ -155,14 +155,14 @@ def cleanup(ctx: NodeContext, args: Args) -> Document:
 
 
 def upgrade_member(ctx: NodeContext, args: Args) -> Document:
-    from ..member.upgrade import upgrade_member as step
+    from etcd_agent.member.upgrade import upgrade_member as step
 
     ctx.require_lock("upgrade-member")
     return step(ctx.cfg, args.text("member"), args.text("to"), args.number("timeout", 120.0))
 
 
 def release_version(ctx: NodeContext, args: Args) -> Document:
-    from ..member.upgrade import release_versions
+    from etcd_agent.member.upgrade import release_versions
 
     got = release_versions(ctx.cfg, args.text("version"))
     return ReleaseReply(got.get("binary"), got.get("etcdctl"), got.get("etcdutl"))
@@ -170,7 +170,7 @@ def release_version(ctx: NodeContext, args: Args) -> Document:
 
 def backup(ctx: NodeContext, args: Args) -> Document:
     """A verified backup written here, under the lock this session already holds."""
-    from ..backup.service import take_backup
+    from etcd_agent.backup.service import take_backup
 
     ctx.require_lock("backup")
     b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False)

@@ -33,9 +33,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from ..config.model import NAME_RE  # a member name, and an op id (stamp-sha-random) within it
-from ..errors import OperationFailed, RefusedError
-from ..safejson import UnsafeJson, loads
+from etcd_agent.config.model import NAME_RE  # a member name, and an op id (stamp-sha-random) within it
+from etcd_agent.errors import OperationFailed, RefusedError
+from etcd_agent.safejson import UnsafeJson, loads
 
 CODECS = ("none", "zstd")
 ZSTD_LEVEL = 1  # on two cores, level 1 moves the most bytes per CPU-second; higher levels gain ~3%

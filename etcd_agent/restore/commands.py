@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from ..config import Config
-from ..errors import AgentError, OperationFailed, RefusedError
-from ..node.client import new_owner
-from ..node.replies import CleanupReply
-from ..node.sessions import HostNode, close_sessions, group_hosts, open_sessions
-from .journal import JournalSummary
-from .live import Progress
-from .options import Options
-from .orchestrate import Restore
-from .precheck import NodeFacts, rollback_refusal, split_by_restore
+from etcd_agent.config import Config
+from etcd_agent.errors import AgentError, OperationFailed, RefusedError
+from etcd_agent.node.client import new_owner
+from etcd_agent.node.replies import CleanupReply
+from etcd_agent.node.sessions import HostNode, close_sessions, group_hosts, open_sessions
+from etcd_agent.restore.journal import JournalSummary
+from etcd_agent.restore.live import Progress
+from etcd_agent.restore.options import Options
+from etcd_agent.restore.orchestrate import Restore
+from etcd_agent.restore.precheck import NodeFacts, rollback_refusal, split_by_restore
 
 
 def rollback_open(

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Type, TypeVar
 
-from ..errors import OperationFailed
-from ..fs import write_atomic
-from ..node.replies import StepReply
-from ..safejson import UnsafeJson, loads
-from ..typedjson import Document
+from etcd_agent.errors import OperationFailed
+from etcd_agent.fs import write_atomic
+from etcd_agent.node.replies import StepReply
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document
 
 JOURNAL = "journal.json"
 MAX_JOURNAL = 1 << 20

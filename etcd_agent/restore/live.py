@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
-from ..backup.evidence import gather
-from ..backup.identity import Evidence
-from ..cluster.health import wait_converged
-from ..cluster.lineage import record_lineage
-from ..config import Config, Member
-from ..errors import AgentError
+from etcd_agent.backup.evidence import gather
+from etcd_agent.backup.identity import Evidence
+from etcd_agent.cluster.health import wait_converged
+from etcd_agent.cluster.lineage import record_lineage
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError
 
 Progress = Callable[[str], None]
 
@@ -58,7 +58,7 @@ class EtcdCluster:
         return gather(self.cfg, local=False)
 
     def leader(self) -> Optional[str]:
-        from ..etcd.client import EtcdClient
+        from etcd_agent.etcd.client import EtcdClient
 
         with EtcdClient.from_config(self.cfg, timeout=1.0) as c:
             for m in self.cfg.members:
@@ -73,7 +73,7 @@ class EtcdCluster:
         return wait_converged(self.cfg, timeout, say)
 
     def member_ids(self) -> Dict[str, Tuple[str, str]]:
-        from ..etcd.client import EtcdClient
+        from etcd_agent.etcd.client import EtcdClient
 
         out: Dict[str, Tuple[str, str]] = {}
         with EtcdClient.from_config(self.cfg, timeout=3.0) as c:
@@ -89,14 +89,14 @@ class EtcdCluster:
         record_lineage(self.cfg, member_ids)
 
     def k8s_cleanup(self) -> List[str]:
-        from ..cluster.kubernetes import cleanup
-        from ..etcd.client import EtcdClient
+        from etcd_agent.cluster.kubernetes import cleanup
+        from etcd_agent.etcd.client import EtcdClient
 
         with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
             plan = cleanup(self.cfg, c, dry_run=False)
         return [f"deleted {r.key}: {r.why}" for r in plan.delete] + plan.notes
 
     def wait_ready(self, member: Member) -> Optional[float]:
-        from ..cluster.kubernetes import wait_ready
+        from etcd_agent.cluster.kubernetes import wait_ready
 
         return wait_ready(self.cfg, member)

@@ -18,29 +18,29 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple, TypeVar
 
-from .. import __version__
-from ..config import Config, Member
-from ..errors import AgentError, OperationFailed, RefusedError
-from ..etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
-from ..fs import ensure_private_dir, makedirs, write_atomic
-from ..hosts.base import Result
-from ..hosts.local import LocalHost
-from ..locality import machine_identity
-from ..member import serving
-from ..member.dblock import db_locked, db_path
-from ..member.local import LocalMember, backend_for
-from ..member.process import etcd_owner
-from ..node import replies as R
-from ..safejson import UnsafeJson, loads
-from ..state import bootstrap, lineage, markers
-from ..state.pins import pinned_config
-from ..topology import EXISTING, Bootstrap, parse_conf, render_conf
-from . import journal as J
-from . import nodeundo as undo
-from . import plan as P
-from .precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
-from .receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
-from .setaside import cleanup_set_aside, free_name
+from etcd_agent import __version__
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, OperationFailed, RefusedError
+from etcd_agent.etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
+from etcd_agent.fs import ensure_private_dir, makedirs, write_atomic
+from etcd_agent.hosts.base import Result
+from etcd_agent.hosts.local import LocalHost
+from etcd_agent.locality import machine_identity
+from etcd_agent.member import serving
+from etcd_agent.member.dblock import db_locked, db_path
+from etcd_agent.member.local import LocalMember, backend_for
+from etcd_agent.member.process import etcd_owner
+from etcd_agent.node import replies as R
+from etcd_agent.restore import journal as J
+from etcd_agent.restore import nodeundo as undo
+from etcd_agent.restore import plan as P
+from etcd_agent.restore.precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
+from etcd_agent.restore.receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
+from etcd_agent.restore.setaside import cleanup_set_aside, free_name
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.state import bootstrap, lineage, markers
+from etcd_agent.state.pins import pinned_config
+from etcd_agent.topology import EXISTING, Bootstrap, parse_conf, render_conf
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class NodeRestore:
     def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:
         """The member ids in this data dir's own db: which cluster this host runs, readable with
         etcd down (evidence for whose backup may be restored here)."""
-        from ..etcd.snapdb import read_identity
+        from etcd_agent.etcd.snapdb import read_identity
 
         db = db_path(self.data_dir)
         try:
@@ -502,7 +502,7 @@ class NodeRestore:
         cluster at a revision of at least ``min_revision`` (the snapshot's, bumped). Else the
         restore fails and rolls back: an old etcd still answering is no restore. Read-only, not
         journaled: a resumed restore checks again."""
-        from ..etcd.client import EtcdClient
+        from etcd_agent.etcd.client import EtcdClient
 
         j = self._mine()
         me = serving.served_by(self.spots, self.backend.kind, self.backend.pid())
@@ -552,7 +552,7 @@ class NodeRestore:
     def _record_boundary(self, j: J.Journal, cluster_id: Optional[str]) -> None:
         """The restore as a boundary of this host's backup history (``backup.boundaries``). A
         failure to record it fails nothing: the restore is done."""
-        from ..backup import boundaries
+        from etcd_agent.backup import boundaries
 
         aside = j.record(R.AsideReply)
         name, sha256, to_revision = boundaries.source_of(j.backup, j.sha256)

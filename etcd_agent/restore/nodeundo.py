@@ -7,14 +7,14 @@ import os
 import shutil
 from typing import List
 
-from ..config import Config
-from ..fs import remove_stale_parts, write_atomic
-from ..hosts.base import Host
-from ..member.local import Backend
-from ..node import replies as R
-from . import journal as J
-from .receive import RECEIVED, SNAPSHOT
-from .setaside import free_name
+from etcd_agent.config import Config
+from etcd_agent.fs import remove_stale_parts, write_atomic
+from etcd_agent.hosts.base import Host
+from etcd_agent.member.local import Backend
+from etcd_agent.node import replies as R
+from etcd_agent.restore import journal as J
+from etcd_agent.restore.receive import RECEIVED, SNAPSHOT
+from etcd_agent.restore.setaside import free_name
 
 CONF_ORIG = "conf.orig"  # etcd.conf as it was before `repair` rewrote it
 

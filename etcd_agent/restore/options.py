@@ -6,11 +6,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from . import plan as P
-from .live import Progress
+from etcd_agent.restore import plan as P
+from etcd_agent.restore.live import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
+    from etcd_agent.age import Identities
 
 # what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
 LEFT_AS_IS = ("steps still running on the hosts were not waited for and nothing more was done (a stuck one is "

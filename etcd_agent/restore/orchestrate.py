@@ -26,9 +26,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..backup.identity import Evidence, HostIds, Verdict, judge
-from ..config import Config, Member
-from ..errors import (
+from etcd_agent.backup.identity import Evidence, HostIds, Verdict, judge
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import (
     AgentError,
     HostUnreachable,
     Interrupted,
@@ -37,11 +37,11 @@ from ..errors import (
     UsageError,
     error_from_json,
 )
-from ..fs import ensure_private_dir
-from ..node.client import NodeClient, new_owner
-from ..node.protocol import Owner
-from ..node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
-from ..node.sessions import (
+from etcd_agent.fs import ensure_private_dir
+from etcd_agent.node.client import NodeClient, new_owner
+from etcd_agent.node.protocol import Owner
+from etcd_agent.node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
+from etcd_agent.node.sessions import (
     HostNode,
     StopWaiting,
     close_sessions,
@@ -51,11 +51,11 @@ from ..node.sessions import (
     open_sessions,
     parallel,
 )
-from . import plan as P
-from .journal import JournalSummary
-from .live import EtcdCluster, LiveCluster
-from .options import LEFT_AS_IS, Options, Outcome, new_op_id
-from .precheck import (
+from etcd_agent.restore import plan as P
+from etcd_agent.restore.journal import JournalSummary
+from etcd_agent.restore.live import EtcdCluster, LiveCluster
+from etcd_agent.restore.options import LEFT_AS_IS, Options, Outcome, new_op_id
+from etcd_agent.restore.precheck import (
     NodeFacts,
     Resume,
     check_host,
@@ -65,9 +65,9 @@ from .precheck import (
     set_aside_problems,
     token_problem,
 )
-from .ship import Standby, ship_snapshot
-from .source import Source
-from .source import open_source as _open_source
+from etcd_agent.restore.ship import Standby, ship_snapshot
+from etcd_agent.restore.source import Source
+from etcd_agent.restore.source import open_source as _open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -230,7 +230,7 @@ class Restore:
 
     def _plan(self, source: Source, facts: Dict[str, NodeFacts], host_problems: Dict[str, List[str]]) -> P.Plan:
         """The plan with every refusal filled in: resume conflicts, identity, each host's checks."""
-        from .. import __version__
+        from etcd_agent import __version__
 
         cfg = self.cfg
         journals: Dict[str, Optional[JournalSummary]] = {m: f.journal for m, f in facts.items()}

@@ -10,12 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..cluster.lineage import LINEAGE_KEY
-from ..config import Config, Member, merged
-from ..etcd.snapvalues import cluster_id_from, member_id_from
-from ..etcd.tools import snapshot_restore_argv
-from ..topology import Bootstrap, conf_vars, initial_cluster, member_pairs
-from .precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
+from etcd_agent.cluster.lineage import LINEAGE_KEY
+from etcd_agent.config import Config, Member, merged
+from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
+from etcd_agent.etcd.tools import snapshot_restore_argv
+from etcd_agent.restore.precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
+from etcd_agent.topology import Bootstrap, conf_vars, initial_cluster, member_pairs
 
 # What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.
 BUMP_REVISION = 1_000_000_000
@@ -294,7 +294,7 @@ def build_plan(
     resuming: bool,
 ) -> Plan:
     """The whole restore, per host, with every argument; problems filled in by the caller."""
-    from ..cluster.kubernetes import master_addresses, rule_text
+    from etcd_agent.cluster.kubernetes import master_addresses, rule_text
 
     ic = initial_cluster(member_pairs(cfg.members))
     bump, note = bump_decision(cfg, facts)

@@ -27,16 +27,16 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
-from ..backup.snapcheck import StreamCheck
-from ..config import Config
-from ..errors import BackupCorrupt, BusyError, OperationFailed, RefusedError
-from ..fs import StagedFile, boot_id, enlarge_pipe, write_atomic
-from ..node.protocol import PROTOCOL
-from ..node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
-from ..state.locks import holder_of
-from ..typedjson import Document
-from . import journal as J
-from .precheck import work_dir_for
+from etcd_agent.backup.snapcheck import StreamCheck
+from etcd_agent.config import Config
+from etcd_agent.errors import BackupCorrupt, BusyError, OperationFailed, RefusedError
+from etcd_agent.fs import StagedFile, boot_id, enlarge_pipe, write_atomic
+from etcd_agent.node.protocol import PROTOCOL
+from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
+from etcd_agent.restore import journal as J
+from etcd_agent.restore.precheck import work_dir_for
+from etcd_agent.state.locks import holder_of
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..config import Config, Member
-from ..errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
-from ..hosts.base import Host, Session
-from ..node.client import agent_argv
-from ..node.protocol import PROTOCOL, SILENCE_LIMIT, Owner, decode
-from ..node.sessions import HostNode, message, parallel
-from ..node.transfer import (
+from etcd_agent.config import Config, Member
+from etcd_agent.errors import AgentError, CommandTimedOut, HostUnreachable, OperationFailed, error_from_json
+from etcd_agent.hosts.base import Host, Session
+from etcd_agent.node.client import agent_argv
+from etcd_agent.node.protocol import PROTOCOL, SILENCE_LIMIT, Owner, decode
+from etcd_agent.node.sessions import HostNode, message, parallel
+from etcd_agent.node.transfer import (
     CodecChoice,
     Encoder,
     End,
@@ -46,7 +46,7 @@ from ..node.transfer import (
     end_frame,
     order_frame,
 )
-from .source import Source
+from etcd_agent.restore.source import Source
 
 log = logging.getLogger(__name__)
 

@@ -27,18 +27,18 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Callable, Dict, List, Optional, Tuple
 
-from ..backup.reader import Archive, open_archive
-from ..config import Config
-from ..errors import RefusedError
-from ..etcd.snapdb import SnapshotIdentity
-from ..fs import open_regular
-from ..state.locks import OperationLock
-from .plan import SourceFacts
+from etcd_agent.backup.reader import Archive, open_archive
+from etcd_agent.config import Config
+from etcd_agent.errors import RefusedError
+from etcd_agent.etcd.snapdb import SnapshotIdentity
+from etcd_agent.fs import open_regular
+from etcd_agent.restore.plan import SourceFacts
+from etcd_agent.state.locks import OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..age import Identities
-    from ..delta.pitr import Prepared
-    from ..delta.replay import ReplayResult
+    from etcd_agent.age import Identities
+    from etcd_agent.delta.pitr import Prepared
+    from etcd_agent.delta.replay import ReplayResult
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Source:
         if self.archive is not None:
             self.archive.close()
         if self.remove_on_close is not None:
-            from ..delta.pitr import remove_kept
+            from etcd_agent.delta.pitr import remove_kept
 
             remove_kept(self.remove_on_close)
         if self.lock is not None:
@@ -114,15 +114,15 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     """The backup ``spec`` names, read and checked (``hash_now``: hash the whole snapshot now, as
     a dry run does; otherwise it is hashed as it is shipped). An encrypted one is decrypted with
     ``identities`` (IdentityRefused without them, or with a wrong key: exit 3, nothing touched)."""
-    from ..backup.catalog import resolve_from
-    from ..backup.keys import local_key
+    from etcd_agent.backup.catalog import resolve_from
+    from etcd_agent.backup.keys import local_key
 
     kept = _kept_replay(cfg, spec)
     if kept is not None:
         return kept
     path = resolve_from(cfg, spec).path
     if identities is not None:  # its plaintext never under the backup dir (copied off-host)
-        from ..delta.pitr import work_dir
+        from etcd_agent.delta.pitr import work_dir
 
         staging_parent = work_dir(cfg, True)
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
@@ -169,9 +169,9 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
     import shutil
 
-    from ..delta import pitr
-    from ..delta.errors import CheckpointUnusable
-    from ..delta.replay import Target
+    from etcd_agent.delta import pitr
+    from etcd_agent.delta.errors import CheckpointUnusable
+    from etcd_agent.delta.replay import Target
 
     parsed = Target.parse(target)
     held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
@@ -228,7 +228,7 @@ def _encryption_lines(prep: "Prepared") -> List[str]:
 
 def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
     """``--from`` naming a replay a crashed point-in-time restore left (its journal names it)."""
-    from ..delta import pitr
+    from etcd_agent.delta import pitr
 
     found = pitr.kept_result(cfg, spec)
     if found is None:
@@ -268,7 +268,7 @@ def _chain_matches(prep: "Prepared", base: Source) -> None:
 
 
 def _replayed(path: str, res: "ReplayResult", base: Source, lines: List[str]) -> Source:
-    from ..etcd.snapdb import read_identity
+    from etcd_agent.etcd.snapdb import read_identity
 
     if base.identity is None:
         raise RefusedError(f"{base.path}: the full backup's members could not be read; nothing touched")

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from ..config import Config
-from ..fs import makedirs, write_atomic
-from ..safejson import UnsafeJson, loads
+from etcd_agent.config import Config
+from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.safejson import UnsafeJson, loads
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import os
 import time
 from typing import List, Sequence, Set
 
-from ..config import Config
-from ..fs import makedirs, write_atomic
-from ..safejson import UnsafeJson, loads
+from etcd_agent.config import Config
+from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.safejson import UnsafeJson, loads
 
 MAX_ENTRIES = 50
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import List, Optional, Type
 
-from ..errors import BackupError, BusyError, OperationFailed
-from ..proctime import start_ticks
-from ..safejson import UnsafeJson, loads
-from ..typedjson import Document
-from ..waiting import SYSTEM_CLOCK, Clock, NotYet, poll
+from etcd_agent.errors import BackupError, BusyError, OperationFailed
+from etcd_agent.proctime import start_ticks
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document
+from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
 log = logging.getLogger(__name__)
 

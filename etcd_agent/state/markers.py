@@ -18,9 +18,9 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from ..config import Config
-from ..fs import makedirs, write_atomic
-from ..proctime import start_ticks
+from etcd_agent.config import Config
+from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.proctime import start_ticks
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import os
 import time
 from typing import Any, Dict, Optional
 
-from ..config import Config, merged
-from ..fs import makedirs, write_atomic
+from etcd_agent.config import Config, merged
+from etcd_agent.fs import makedirs, write_atomic
 
 log = logging.getLogger(__name__)
 
