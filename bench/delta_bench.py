@@ -47,13 +47,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.chain.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
+from etcd_agent.chain.writer import SegmentWriter  # noqa: E402
 from etcd_agent.delta import chains, proto  # noqa: E402
 from etcd_agent.delta.replay import Target  # noqa: E402
 from etcd_agent.delta.replayrun import replay  # noqa: E402
 from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
-from etcd_agent.delta.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
-from etcd_agent.delta.segwriter import SegmentWriter  # noqa: E402
 from etcd_agent.waiting import poll  # noqa: E402
 from tests.integration.continuous import agent, make_bed  # noqa: E402
 from tests.integration.test_daemon import wait_healthy  # noqa: E402
@@ -368,8 +368,8 @@ def main() -> None:
         segs = list_segments(c.cfg.backup.dir)
         check = None
         if identities is not None:  # what a restore does: the chain opened into a private dir
-            from etcd_agent.delta.segchain import check_chain
-            from etcd_agent.delta.segseal import open_sealed
+            from etcd_agent.chain.check import check_chain
+            from etcd_agent.chain.seal import open_sealed
 
             staging = tempfile.mkdtemp(prefix="open-", dir=work)
             t = time.monotonic()
@@ -436,7 +436,7 @@ def finish(report: Dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _base(path: str) -> Optional[int]:
-    from etcd_agent.delta.segreader import read_header
+    from etcd_agent.chain.reader import read_header
 
     try:
         return read_header(path).base_revision

@@ -32,8 +32,8 @@ from etcd_agent.backup.reader import Peek, peek_archive
 from etcd_agent.errors import AgentError, RefusedError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.chain.check import BaseBackup
     from etcd_agent.config import Config
-    from etcd_agent.delta.segchain import BaseBackup
     from etcd_agent.etcd.snapdb import SnapshotIdentity
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Entry:
     @property
     def base(self) -> "BaseBackup":
         """What a delta chain continuing this backup must name (``delta.segchain``)."""
-        from etcd_agent.delta.segchain import BaseBackup
+        from etcd_agent.chain.check import BaseBackup
 
         return BaseBackup(self.snapshot_sha256 or "", int(self.time.timestamp() * 1000))
 
@@ -129,7 +129,7 @@ def name_time(name: str, utc: bool = True) -> Optional[datetime]:
 def _candidates(directory: str) -> List[str]:
     """Names that may be backups: not hidden, not a delta segment (``delta.chains`` lists those
     with the full backup they continue)."""
-    from etcd_agent.delta.segments import parse_name as segment_range
+    from etcd_agent.chain.segments import parse_name as segment_range
 
     try:
         names = os.listdir(directory)

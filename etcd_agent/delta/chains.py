@@ -23,9 +23,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from etcd_agent.delta.errors import NotASegment, SegmentCorrupt
-from etcd_agent.delta.segchain import BaseBackup, ChainStop, check_chain, continues
-from etcd_agent.delta.segments import (
+from etcd_agent.chain.check import BaseBackup, ChainStop, check_chain, continues
+from etcd_agent.chain.errors import NotASegment, SegmentCorrupt
+from etcd_agent.chain.reader import read_summary
+from etcd_agent.chain.segments import (
     Checkpoint,
     SegmentHeader,
     SegmentInfo,
@@ -34,7 +35,6 @@ from etcd_agent.delta.segments import (
     ms_to_datetime,
     parse_name,
 )
-from etcd_agent.delta.segreader import read_summary
 from etcd_agent.fs import regular_fd
 
 log = logging.getLogger(__name__)

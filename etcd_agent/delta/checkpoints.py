@@ -8,8 +8,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
+from etcd_agent.chain.segments import Checkpoint, parse_name
 from etcd_agent.daemon.memory import release_freed_memory
-from etcd_agent.delta.segments import Checkpoint, parse_name
 from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover

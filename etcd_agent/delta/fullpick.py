@@ -15,10 +15,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+from etcd_agent.chain.check import ChainCheck
+from etcd_agent.chain.segments import ms_to_datetime
 from etcd_agent.delta.chains import ChainSummary, Scan
 from etcd_agent.delta.replay import Target
-from etcd_agent.delta.segchain import ChainCheck
-from etcd_agent.delta.segments import ms_to_datetime
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry

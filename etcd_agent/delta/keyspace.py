@@ -19,9 +19,9 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence, Set, Tuple
 
-from etcd_agent.delta.errors import ReplayError
-from etcd_agent.delta.segments import PUT, Txn
-from etcd_agent.delta.segreader import RawEvent
+from etcd_agent.chain.errors import ReplayError
+from etcd_agent.chain.reader import RawEvent
+from etcd_agent.chain.segments import PUT, Txn
 
 # per entry beyond its key and value: the dict slot, the tuple, the ints (measured ~200 B)
 _ENTRY_OVERHEAD = 200

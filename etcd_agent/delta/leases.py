@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
-from etcd_agent.delta.segments import LeaseRecord, ms_to_datetime
+from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
 
 MIN_TTL = 5
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional, Set
 
+from etcd_agent.chain.segments import LeaseRecord
 from etcd_agent.delta.rpc import EtcdRpc
-from etcd_agent.delta.segments import LeaseRecord
 from etcd_agent.errors import EtcdError
 
 log = logging.getLogger(__name__)

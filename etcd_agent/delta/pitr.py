@@ -24,16 +24,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from etcd_agent.delta import chains, fullpick, segsign, status
+from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.check import ChainCheck, Opener, check_chain
+from etcd_agent.chain.errors import ReplayError
+from etcd_agent.chain.seal import open_sealed
+from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
+from etcd_agent.delta import chains, fullpick, status
 from etcd_agent.delta.chains import events_after
-from etcd_agent.delta.errors import ReplayError
 from etcd_agent.delta.leftovers import remove_left
 from etcd_agent.delta.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions
-from etcd_agent.delta.segchain import ChainCheck, Opener, check_chain
-from etcd_agent.delta.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
-from etcd_agent.delta.segseal import open_sealed
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock

@@ -15,11 +15,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from etcd_agent.delta import segsign
-from etcd_agent.delta.errors import ChainBroken, SegmentCorrupt
+from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.check import BaseBackup, check_chain, verified
+from etcd_agent.chain.errors import ChainBroken, SegmentCorrupt
+from etcd_agent.chain.segments import SegmentHeader, SegmentInfo, list_segments
 from etcd_agent.delta.rpc import StreamEnded
-from etcd_agent.delta.segchain import BaseBackup, check_chain, verified
-from etcd_agent.delta.segments import SegmentHeader, SegmentInfo, list_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient

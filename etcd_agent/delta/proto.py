@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from etcd_agent.delta.segments import DELETE, PUT, Event
+from etcd_agent.chain.segments import DELETE, PUT, Event
 from etcd_agent.etcd.pb import kv_pb2, rpc_pb2
 from etcd_agent.etcd.wire import parse
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from etcd_agent.delta.errors import ReplayError, SegmentCorrupt
+from etcd_agent.chain.check import ChainCheck, ChainStop
+from etcd_agent.chain.errors import ReplayError, SegmentCorrupt
+from etcd_agent.chain.reader import read_header, read_segment
+from etcd_agent.chain.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
 from etcd_agent.delta.leases import LeaseFate
-from etcd_agent.delta.segchain import ChainCheck, ChainStop
-from etcd_agent.delta.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
-from etcd_agent.delta.segreader import read_header, read_segment
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from etcd_agent.delta.errors import ScratchError
+from etcd_agent.chain.errors import ScratchError
 from etcd_agent.delta.rpc import EtcdRpc
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.fs import fsync_dir

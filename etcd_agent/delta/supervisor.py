@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
+from etcd_agent.chain.check import BaseBackup
+from etcd_agent.chain.errors import ChainBroken
+from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
 from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.delta import chains, checkpoints, status
-from etcd_agent.delta.errors import ChainBroken
 from etcd_agent.delta.position import WatcherStatus, WatchOptions
-from etcd_agent.delta.segchain import BaseBackup
-from etcd_agent.delta.segments import SegmentInfo, parse_name
 from etcd_agent.delta.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
 

@@ -40,8 +40,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
+from etcd_agent.chain.check import BaseBackup
+from etcd_agent.chain.errors import ChainBroken, DeltaError
+from etcd_agent.chain.segments import PUT, Checkpoint, SegmentInfo, Txn
+from etcd_agent.chain.vouching import Census, Vouching
+from etcd_agent.chain.writer import SegmentWriter, remove_stale_temps
 from etcd_agent.delta import proto
-from etcd_agent.delta.errors import ChainBroken, DeltaError
 from etcd_agent.delta.leasewatch import LeaseTracker
 from etcd_agent.delta.position import (
     ChainPosition,
@@ -52,10 +56,6 @@ from etcd_agent.delta.position import (
     member_break,
 )
 from etcd_agent.delta.rpc import EtcdRpc, StreamEnded
-from etcd_agent.delta.segchain import BaseBackup
-from etcd_agent.delta.segments import PUT, Checkpoint, SegmentInfo, Txn
-from etcd_agent.delta.segwriter import SegmentWriter, remove_stale_temps
-from etcd_agent.delta.vouching import Census, Vouching
 from etcd_agent.delta.watchevents import Fragments, by_revision, decode
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir

@@ -169,8 +169,8 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
     import shutil
 
+    from etcd_agent.chain.errors import CheckpointUnusable
     from etcd_agent.delta import pitr
-    from etcd_agent.delta.errors import CheckpointUnusable
     from etcd_agent.delta.replay import Target
 
     parsed = Target.parse(target)

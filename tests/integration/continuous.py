@@ -134,7 +134,7 @@ def textfile(c: LoopbackCluster) -> Dict[str, float]:
 
 
 def segment_files(c: LoopbackCluster) -> List[str]:
-    from etcd_agent.delta.segments import list_segments
+    from etcd_agent.chain.segments import list_segments
 
     return list_segments(c.cfg.backup.dir)
 

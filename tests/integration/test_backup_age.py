@@ -250,7 +250,7 @@ def test_the_delta_chain_beside_encrypted_backups_is_encrypted_too(tmp_path: Any
     """With encrypt_to the daemon's delta segments are age files to the same recipients (.seg.age):
     no file of the backup dir holds a Secret in the clear, and the distribution's age decrypts a
     segment by hand (the age file starts after the seal's 8 KiB) to a segment holding it."""
-    from etcd_agent.delta.segseal import SEAL_BLOCK
+    from etcd_agent.chain.seal import SEAL_BLOCK
     from etcd_agent.waiting import poll
     from tests.integration.continuous import make_bed, start_all
 

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Tuple
 import psutil
 import pytest
 
+from etcd_agent.chain.segments import TEMP_PREFIX, parse_name
 from etcd_agent.delta import chains
-from etcd_agent.delta.segments import TEMP_PREFIX, parse_name
 from tests.harness.procs import agent_run
 from tests.integration.continuous import (
     agent,
@@ -323,7 +323,7 @@ def _disk_full(d: Any, c: Any, backup_dir: str) -> None:
     assert busy < 2.5, f"the daemon spins on the full disk: {busy:.1f}s of CPU in 5s"
     # what a listing or a restore reads: every file named as a segment is whole and signed
     from etcd_agent.backup import keys
-    from etcd_agent.delta.segchain import verified
+    from etcd_agent.chain.check import verified
 
     key = keys.local_key(c.cfg).key
     for s in segment_files(c):

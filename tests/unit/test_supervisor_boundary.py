@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from etcd_agent.backup import boundaries
-from etcd_agent.delta.errors import ChainBroken
+from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.delta.supervisor import DeltaSupervisor, Full
 
 

@@ -20,9 +20,9 @@ import pytest
 from etcd_agent.backup import archive
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
+from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.delta import chains, pitr
 from etcd_agent.delta.replay import Target
-from etcd_agent.delta.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.errors import RefusedError
 
 from . import test_hostile_chains as plain
@@ -218,7 +218,7 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     """No check recorded, no signed manifest: the catalogue cannot tell the backup's sha256 and
     matches the chain by time; the replay reads the snapshot's bytes and refuses a chain naming
     another one before it starts anything."""
-    from etcd_agent.delta.errors import ReplayError
+    from etcd_agent.chain.errors import ReplayError
     from etcd_agent.delta.replayrun import replay
     from etcd_agent.delta.scratch import ScratchOptions
 

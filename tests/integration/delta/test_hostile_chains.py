@@ -19,12 +19,12 @@ from etcd_agent.backup import archive, keys
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.manifest import FileEntry, Manifest
 from etcd_agent.backup.service import _record_check
+from etcd_agent.chain.reader import read_segment
+from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
+from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.config import parse_text
 from etcd_agent.delta import pitr
 from etcd_agent.delta.replay import Target
-from etcd_agent.delta.segments import SegmentHeader, list_segments, segment_name
-from etcd_agent.delta.segreader import read_segment
-from etcd_agent.delta.segwriter import SegmentWriter
 from etcd_agent.errors import RefusedError
 
 from .test_segments import write_chain

@@ -4,8 +4,8 @@ import os
 import random
 import stat
 
+from etcd_agent.chain.segments import DELETE, PUT, Event, Txn
 from etcd_agent.delta.keyspace import KeySpace
-from etcd_agent.delta.segments import DELETE, PUT, Event, Txn
 
 
 def chain(n_revisions, seed=3):
@@ -66,7 +66,7 @@ def test_spilled_equals_in_memory_and_memory_stays_bounded(tmp_path):
 def test_out_of_order_revision_is_refused(tmp_path):
     import pytest
 
-    from etcd_agent.delta.errors import ReplayError
+    from etcd_agent.chain.errors import ReplayError
 
     with KeySpace(str(tmp_path)) as ks:
         ks.apply(Txn(5, 1, (Event(PUT, b"a", b"1", 5, 5, 1, 0),)))

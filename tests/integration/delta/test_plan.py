@@ -4,10 +4,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from etcd_agent.delta.errors import ReplayError
+from etcd_agent.chain.check import check_chain
+from etcd_agent.chain.errors import ReplayError
+from etcd_agent.chain.segments import list_segments, ms_to_datetime
 from etcd_agent.delta.replay import Target, plan_replay
-from etcd_agent.delta.segchain import check_chain
-from etcd_agent.delta.segments import list_segments, ms_to_datetime
 
 from .test_segments import T0, write_chain
 

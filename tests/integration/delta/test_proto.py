@@ -1,8 +1,8 @@
 """The delta's messages (pure): etcd's generated classes read into segment events, bounded."""
 import pytest
 
+from etcd_agent.chain.segments import DELETE, PUT, Event
 from etcd_agent.delta import proto
-from etcd_agent.delta.segments import DELETE, PUT, Event
 from etcd_agent.etcd.pb import kv_pb2, rpc_pb2
 
 LIMIT = 1 << 20

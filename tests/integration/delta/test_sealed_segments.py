@@ -7,13 +7,13 @@ import subprocess
 import pytest
 
 from etcd_agent.age import generate_identity, load_identities, parse_recipient
-from etcd_agent.delta.errors import SegmentCorrupt
+from etcd_agent.chain.check import check_chain
+from etcd_agent.chain.errors import SegmentCorrupt
+from etcd_agent.chain.reader import read_header, read_segment, read_summary
+from etcd_agent.chain.seal import SEAL_BLOCK, open_sealed, read_seal, verify_sealed
+from etcd_agent.chain.segments import SegmentHeader, Txn, list_segments, parse_name
+from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.delta.position import find_resume_point
-from etcd_agent.delta.segchain import check_chain
-from etcd_agent.delta.segments import SegmentHeader, Txn, list_segments, parse_name
-from etcd_agent.delta.segreader import read_header, read_segment, read_summary
-from etcd_agent.delta.segseal import SEAL_BLOCK, open_sealed, read_seal, verify_sealed
-from etcd_agent.delta.segwriter import SegmentWriter
 from etcd_agent.errors import IdentityRefused
 
 from .test_segments import put, write_chain
@@ -168,7 +168,7 @@ def test_a_chain_that_turns_encryption_on_is_one_chain(tmp_path, keypair):
 def test_an_encrypted_segment_vouches_for_a_checkpoint_readable_without_the_key(tmp_path, keypair):
     """The checkpoints an encrypted segment vouches for are in its seal's footer (a restore lists
     them without the key) and, opened with the key, in the segment inside: both must agree."""
-    from etcd_agent.delta.segments import Checkpoint
+    from etcd_agent.chain.segments import Checkpoint
 
     ids, rcpt, _ = keypair
     d = str(tmp_path / "b")

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from etcd_agent.delta.errors import DeltaError, SegmentCorrupt
-from etcd_agent.delta.segchain import check_chain
-from etcd_agent.delta.segments import DELETE, PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments, parse_name
-from etcd_agent.delta.segreader import read_segment, read_summary
-from etcd_agent.delta.segwriter import SegmentWriter, remove_stale_temps
+from etcd_agent.chain.check import check_chain
+from etcd_agent.chain.errors import DeltaError, SegmentCorrupt
+from etcd_agent.chain.reader import read_segment, read_summary
+from etcd_agent.chain.segments import DELETE, PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments, parse_name
+from etcd_agent.chain.writer import SegmentWriter, remove_stale_temps
 
 T0 = 1_700_000_000_000
 
@@ -246,9 +246,9 @@ SHA_BEFORE, SHA_AFTER = "a" * 64, "b" * 64
 def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path):
     """etcd 3.4 restores keep the snapshot's revision: the backup taken after a restore has the
     revision of the one restored from. Its chain is its own, never the chain of before."""
+    from etcd_agent.chain.check import BaseBackup
     from etcd_agent.delta import chains
     from etcd_agent.delta.position import find_resume_point
-    from etcd_agent.delta.segchain import BaseBackup
 
     d = str(tmp_path)
     before = write_chain(d, 29, [5, 3], chain_id="11" * 16, t0=T0, base_sha256=SHA_BEFORE)
@@ -278,8 +278,8 @@ def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path)
 
 def test_a_chain_without_a_base_hash_continues_only_a_backup_taken_before_it(tmp_path):
     """Chains written before headers named their backup: judged by time."""
+    from etcd_agent.chain.check import BaseBackup
     from etcd_agent.delta.position import find_resume_point
-    from etcd_agent.delta.segchain import BaseBackup
 
     d = str(tmp_path)
     write_chain(d, 29, [4], chain_id="33" * 16, t0=T0)
@@ -289,7 +289,7 @@ def test_a_chain_without_a_base_hash_continues_only_a_backup_taken_before_it(tmp
 
 
 def test_base_sha256_in_the_header_is_checked(tmp_path):
-    from etcd_agent.delta.segments import SegmentHeader as H
+    from etcd_agent.chain.segments import SegmentHeader as H
 
     h = H("cd" * 16, 0, 10, 11, "", T0, base_sha256=SHA_AFTER)
     assert H.from_json(h.to_json()).base_sha256 == SHA_AFTER
@@ -307,7 +307,7 @@ def with_footer(path, footer_json):
     what a writer that is not ours, or damage behind a recomputed digest, hands a reader."""
     import hashlib
 
-    from etcd_agent.delta.segments import DIGEST, REC_FOOTER, REC_HEAD, U64
+    from etcd_agent.chain.segments import DIGEST, REC_FOOTER, REC_HEAD, U64
 
     with open(path, "rb") as fh:
         data = fh.read()
@@ -320,7 +320,7 @@ def with_footer(path, footer_json):
 def test_a_footer_vouches_for_checkpoints_and_older_readers_see_the_footer_they_know(tmp_path):
     import json
 
-    from etcd_agent.delta.segments import Checkpoint, SegmentFooter
+    from etcd_agent.chain.segments import Checkpoint, SegmentFooter
 
     d = str(tmp_path)
     w = SegmentWriter(d, SegmentHeader("ab" * 16, 0, 100, 101, "", T0))

@@ -15,11 +15,9 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 
 from etcd_agent.backup import keys
-from etcd_agent.delta import pitr
-from etcd_agent.delta.errors import ChainBroken, SegmentForged
-from etcd_agent.delta.position import find_resume_point
-from etcd_agent.delta.replay import Target
-from etcd_agent.delta.segments import (
+from etcd_agent.chain.errors import ChainBroken, SegmentForged
+from etcd_agent.chain.reader import read_segment, verify_segment
+from etcd_agent.chain.segments import (
     PUT,
     REC_FOOTER,
     REC_HEAD,
@@ -29,8 +27,10 @@ from etcd_agent.delta.segments import (
     Txn,
     list_segments,
 )
-from etcd_agent.delta.segreader import read_segment, verify_segment
-from etcd_agent.delta.segwriter import SegmentWriter
+from etcd_agent.chain.writer import SegmentWriter
+from etcd_agent.delta import pitr
+from etcd_agent.delta.position import find_resume_point
+from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
 
 from . import test_hostile_chains as plain

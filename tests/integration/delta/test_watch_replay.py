@@ -4,15 +4,15 @@ import time
 
 import pytest
 
+from etcd_agent.chain.check import check_chain
+from etcd_agent.chain.errors import ChainBroken
+from etcd_agent.chain.reader import read_segment
+from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
+from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.delta import proto
-from etcd_agent.delta.errors import ChainBroken
 from etcd_agent.delta.replay import Target
 from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
-from etcd_agent.delta.segchain import check_chain
-from etcd_agent.delta.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
-from etcd_agent.delta.segreader import read_segment
-from etcd_agent.delta.segwriter import SegmentWriter
 from etcd_agent.delta.watcher import DeltaWatcher
 
 from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_watcher_caught_up
@@ -185,7 +185,7 @@ def test_lease_expired_by_target_without_its_deletes(live, tmp_path):
         assert s.rpc.lease_ttl(0x222).granted_ttl == 231  # 250 s at t0+10ms, target t0+20 s: 230.01, up
         assert s.rpc.lease_list() == [0x222]
     # one second after t0 both were alive
-    from etcd_agent.delta.segments import ms_to_datetime
+    from etcd_agent.chain.segments import ms_to_datetime
 
     res = replay(full, list_segments(segdir), Target.to_time(ms_to_datetime(t0 + 1000)), output=str(tmp_path / "e.db"))
     assert res.fixup_revisions == () and res.reached_revision == base + 3

@@ -25,11 +25,11 @@ import hashlib
 import hmac
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
-from etcd_agent.delta.errors import SegmentForged
-from etcd_agent.delta.segments import SegmentFooter, json_bytes
+from etcd_agent.chain.errors import SegmentForged
+from etcd_agent.chain.segments import SegmentFooter, json_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.delta.segments import SegmentInfo
+    from etcd_agent.chain.segments import SegmentInfo
 
 DOMAIN = b"etcd-agent-delta-segment-footer-v1\0"  # never a valid prefix of another signed thing
 # how far a segment's origin is proven: "" not checked (headers and footers only)
@@ -38,7 +38,7 @@ ACCEPT_FLAG = "--accept-unsigned-chain"
 
 
 def key_id(key: bytes) -> str:
-    from etcd_agent.delta.segseal import key_id as seal_key_id
+    from etcd_agent.chain.seal import key_id as seal_key_id
 
     return seal_key_id(key)
 

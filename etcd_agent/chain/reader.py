@@ -12,9 +12,10 @@ import struct
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
-from etcd_agent.delta import segsign
-from etcd_agent.delta.errors import NotASegment, SegmentCorrupt
-from etcd_agent.delta.segments import (
+from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.errors import NotASegment, SegmentCorrupt
+from etcd_agent.chain.seal import read_seal
+from etcd_agent.chain.segments import (
     DELETE,
     DIGEST,
     EVENT_HEAD,
@@ -42,7 +43,6 @@ from etcd_agent.delta.segments import (
     Txn,
     is_sealed,
 )
-from etcd_agent.delta.segseal import read_seal
 from etcd_agent.fs import open_regular, regular_fd
 
 

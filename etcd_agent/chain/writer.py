@@ -11,9 +11,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple
 
-from etcd_agent.delta import segsign
-from etcd_agent.delta.errors import DeltaError
-from etcd_agent.delta.segments import (
+from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.errors import DeltaError
+from etcd_agent.chain.segments import (
     DELETE,
     DIGEST,
     EVENT_HEAD,
@@ -43,7 +43,7 @@ from etcd_agent.fs import fsync_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient
-    from etcd_agent.delta.segseal import SealingSink
+    from etcd_agent.chain.seal import SealingSink
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SegmentWriter:
         self.catchup_until = 0
         try:
             if recipients:
-                from etcd_agent.delta.segseal import SealingSink
+                from etcd_agent.chain.seal import SealingSink
 
                 self._sealer = SealingSink(self._fh, recipients, sign_key)
             head = json_bytes(header.to_json())

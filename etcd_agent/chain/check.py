@@ -13,9 +13,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from etcd_agent.delta import segsign
-from etcd_agent.delta.errors import NotASegment, SegmentCorrupt, SegmentForged
-from etcd_agent.delta.segments import (
+from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.errors import NotASegment, SegmentCorrupt, SegmentForged
+from etcd_agent.chain.reader import read_header, read_summary, verify_segment
+from etcd_agent.chain.seal import verify_sealed
+from etcd_agent.chain.segments import (
     MAX_SEGMENT,
     SegmentHeader,
     SegmentInfo,
@@ -24,8 +26,6 @@ from etcd_agent.delta.segments import (
     name_time_ms,
     parse_name,
 )
-from etcd_agent.delta.segreader import read_header, read_summary, verify_segment
-from etcd_agent.delta.segseal import verify_sealed
 from etcd_agent.fs import open_regular
 
 # an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import List, Optional, Tuple
 
-from etcd_agent.delta.segments import MAX_CHECKPOINTS, Checkpoint
+from etcd_agent.chain.segments import MAX_CHECKPOINTS, Checkpoint
 
 
 class Census:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
-from etcd_agent.delta.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
-from etcd_agent.delta.segments import (
+from etcd_agent.chain.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
+from etcd_agent.chain.segments import (
     MAX_SEGMENT,
     SEALED_EXT,
     U32,
@@ -317,7 +317,7 @@ def open_sealed(path: str, identities: "Identities", staging_dir: str, *, key: O
     IdentityRefused before a byte is written; damage anywhere is SegmentCorrupt and removes the copy.
     """
     from etcd_agent.age import Decryptor
-    from etcd_agent.delta.segreader import verify_segment
+    from etcd_agent.chain.reader import verify_segment
     from etcd_agent.errors import CiphertextCorrupt
 
     name = os.path.basename(path)
