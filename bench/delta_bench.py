@@ -49,10 +49,13 @@ from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.chain.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
 from etcd_agent.chain.writer import SegmentWriter  # noqa: E402
-from etcd_agent.delta import chains, proto  # noqa: E402
+from etcd_agent.continuous import (
+    chains,
+    proto,  # noqa: E402
+)
+from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.replay import Target  # noqa: E402
 from etcd_agent.delta.replayrun import replay  # noqa: E402
-from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
 from etcd_agent.waiting import poll  # noqa: E402
 from tests.integration.continuous import agent, make_bed  # noqa: E402

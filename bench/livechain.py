@@ -25,9 +25,9 @@ import time
 from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
 from etcd_agent.config import Config
-from etcd_agent.delta import chains, proto
-from etcd_agent.delta.rpc import EtcdRpc
-from etcd_agent.delta.supervisor import DeltaSupervisor
+from etcd_agent.continuous import chains, proto
+from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.continuous.supervisor import DeltaSupervisor
 from etcd_agent.waiting import poll
 
 

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.age import generate_identity, parse_recipient  # noqa: E402
-from etcd_agent.delta.position import WatchOptions  # noqa: E402
-from etcd_agent.delta.rpc import EtcdRpc  # noqa: E402
-from etcd_agent.delta.watcher import DeltaWatcher  # noqa: E402
+from etcd_agent.continuous.position import WatchOptions  # noqa: E402
+from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
+from etcd_agent.continuous.watcher import DeltaWatcher  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 
 # plain / enc: one streaming watch; the -batched modes read it in batches every second (the

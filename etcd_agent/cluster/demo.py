@@ -24,7 +24,7 @@ from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.delta.supervisor import DeltaSupervisor
+    from etcd_agent.continuous.supervisor import DeltaSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class Demo:
         watch covers the cluster, as the watcher's lock would make it on a one-host cluster of
         daemons). It takes the first full backup itself, keeps its hands off while a restore is
         journaled for the member, and starts a new chain for the restored cluster afterwards."""
-        from etcd_agent.delta.supervisor import DeltaSupervisor
+        from etcd_agent.continuous.supervisor import DeltaSupervisor
 
         assert self.cfg is not None
         watched = with_local(self.cfg, self.cfg.members[0].name)

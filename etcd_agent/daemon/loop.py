@@ -407,8 +407,8 @@ class Daemon:
 
         metrics.start(self)
         # continuous backup ([backup.delta]) on threads of its own: a cycle never waits for it
-        from etcd_agent.delta.status import DeltaCollector
-        from etcd_agent.delta.supervisor import DeltaSupervisor
+        from etcd_agent.continuous.status import DeltaCollector
+        from etcd_agent.continuous.supervisor import DeltaSupervisor
 
         self.delta = DeltaSupervisor(lambda: (self.cfg, self.me))
         if self.cfg.daemon.metrics_address:

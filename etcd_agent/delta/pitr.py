@@ -29,8 +29,9 @@ from etcd_agent.chain.check import ChainCheck, Opener, check_chain
 from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
-from etcd_agent.delta import chains, fullpick, status
-from etcd_agent.delta.chains import events_after
+from etcd_agent.continuous import chains, status
+from etcd_agent.continuous.chains import events_after
+from etcd_agent.delta import fullpick
 from etcd_agent.delta.leftovers import remove_left
 from etcd_agent.delta.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.delta.replayrun import replay

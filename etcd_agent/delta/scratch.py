@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from etcd_agent.chain.errors import ScratchError
-from etcd_agent.delta.rpc import EtcdRpc
+from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result

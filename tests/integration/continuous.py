@@ -8,9 +8,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from etcd_agent.delta import chains, proto
-from etcd_agent.delta.rpc import EtcdRpc
-from etcd_agent.delta.status import read_breaks
+from etcd_agent.continuous import chains, proto
+from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.continuous.status import read_breaks
 from etcd_agent.waiting import poll
 from tests.harness.loopback import LoopbackCluster
 from tests.integration.test_daemon import Daemons, wait_healthy

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from etcd_agent.chain.segments import TEMP_PREFIX, parse_name
-from etcd_agent.delta import chains
+from etcd_agent.continuous import chains
 from tests.harness.procs import agent_run
 from tests.integration.continuous import (
     agent,

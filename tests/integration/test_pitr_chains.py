@@ -15,8 +15,8 @@ import pytest
 
 from etcd_agent.backup import keys
 from etcd_agent.chain.reader import read_header, verify_segment
+from etcd_agent.continuous import chains
 from etcd_agent.daemon.metrics import samples
-from etcd_agent.delta import chains
 from tests.harness.loopback import free_port_pairs
 from tests.harness.s3server import S3Server
 from tests.integration.continuous import (

@@ -12,8 +12,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from etcd_agent.delta import chains, proto
-from etcd_agent.delta.rpc import EtcdRpc
+from etcd_agent.continuous import chains, proto
+from etcd_agent.continuous.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,
     beds,

@@ -28,7 +28,7 @@ import pytest
 
 from etcd_agent.backup import boundaries, catalog
 from etcd_agent.backup.service import take_backup
-from etcd_agent.delta import chains, status
+from etcd_agent.continuous import chains, status
 from etcd_agent.errors import OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend

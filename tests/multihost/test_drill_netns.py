@@ -27,8 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from etcd_agent.config import Config, load
-from etcd_agent.delta import proto
-from etcd_agent.delta.rpc import EtcdRpc
+from etcd_agent.continuous import proto
+from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.etcd.client import EtcdClient
 from tests.harness.netns import NetnsBed, NsHost
 

@@ -8,8 +8,8 @@ from typing import Any, Dict, Optional
 import pytest
 
 from etcd_agent.config import parse_text
-from etcd_agent.delta.chains import ChainSummary, FullRef, Scan, plan_prune
-from etcd_agent.delta.status import (
+from etcd_agent.continuous.chains import ChainSummary, FullRef, Scan, plan_prune
+from etcd_agent.continuous.status import (
     BreakRecord,
     DeltaCollector,
     DeltaStatus,
@@ -17,7 +17,7 @@ from etcd_agent.delta.status import (
     record_break,
     textfile_path,
 )
-from etcd_agent.delta.supervisor import Facts, Full, decide
+from etcd_agent.continuous.supervisor import Facts, Full, decide
 from etcd_agent.errors import UsageError
 
 BASE = """
@@ -208,7 +208,7 @@ def test_restore_target_flags() -> None:
 
 
 def test_a_break_that_repeats_backs_off_instead_of_looping() -> None:
-    from etcd_agent.delta.supervisor import BREAK_BACKOFF, break_backoff
+    from etcd_agent.continuous.supervisor import BREAK_BACKOFF, break_backoff
 
     assert break_backoff(1) == 0.0 and break_backoff(2) == BREAK_BACKOFF[0]
     assert break_backoff(3) == 2 * BREAK_BACKOFF[0] and break_backoff(50) == BREAK_BACKOFF[1]
@@ -231,7 +231,7 @@ def test_a_break_that_repeats_backs_off_instead_of_looping() -> None:
 
 
 def test_a_checkpoint_is_due_when_the_chain_grew_by_its_ratio_of_the_full_backup_and_not_too_soon() -> None:
-    from etcd_agent.delta.checkpoints import due
+    from etcd_agent.continuous.checkpoints import due
 
     d = cfg_with()[0].backup.delta  # ratio 0.5, at most one every 60 s
     mb = 1 << 20

@@ -7,7 +7,7 @@ from typing import Any
 
 from etcd_agent.backup import boundaries
 from etcd_agent.chain.errors import ChainBroken
-from etcd_agent.delta.supervisor import DeltaSupervisor, Full
+from etcd_agent.continuous.supervisor import DeltaSupervisor, Full
 
 
 def supervisor(full_time: float) -> DeltaSupervisor:

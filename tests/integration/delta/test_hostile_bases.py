@@ -21,7 +21,8 @@ from etcd_agent.backup import archive
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
 from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
-from etcd_agent.delta import chains, pitr
+from etcd_agent.continuous import chains
+from etcd_agent.delta import pitr
 from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
 

@@ -13,7 +13,7 @@ from etcd_agent.chain.reader import read_header, read_segment, read_summary
 from etcd_agent.chain.seal import SEAL_BLOCK, open_sealed, read_seal, verify_sealed
 from etcd_agent.chain.segments import SegmentHeader, Txn, list_segments, parse_name
 from etcd_agent.chain.writer import SegmentWriter
-from etcd_agent.delta.position import find_resume_point
+from etcd_agent.continuous.position import find_resume_point
 from etcd_agent.errors import IdentityRefused
 
 from .test_segments import put, write_chain

@@ -247,8 +247,8 @@ def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path)
     """etcd 3.4 restores keep the snapshot's revision: the backup taken after a restore has the
     revision of the one restored from. Its chain is its own, never the chain of before."""
     from etcd_agent.chain.check import BaseBackup
-    from etcd_agent.delta import chains
-    from etcd_agent.delta.position import find_resume_point
+    from etcd_agent.continuous import chains
+    from etcd_agent.continuous.position import find_resume_point
 
     d = str(tmp_path)
     before = write_chain(d, 29, [5, 3], chain_id="11" * 16, t0=T0, base_sha256=SHA_BEFORE)
@@ -279,7 +279,7 @@ def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path)
 def test_a_chain_without_a_base_hash_continues_only_a_backup_taken_before_it(tmp_path):
     """Chains written before headers named their backup: judged by time."""
     from etcd_agent.chain.check import BaseBackup
-    from etcd_agent.delta.position import find_resume_point
+    from etcd_agent.continuous.position import find_resume_point
 
     d = str(tmp_path)
     write_chain(d, 29, [4], chain_id="33" * 16, t0=T0)

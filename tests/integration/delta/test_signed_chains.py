@@ -28,8 +28,8 @@ from etcd_agent.chain.segments import (
     list_segments,
 )
 from etcd_agent.chain.writer import SegmentWriter
+from etcd_agent.continuous.position import find_resume_point
 from etcd_agent.delta import pitr
-from etcd_agent.delta.position import find_resume_point
 from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
 

@@ -9,11 +9,11 @@ from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.reader import read_segment
 from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
 from etcd_agent.chain.writer import SegmentWriter
-from etcd_agent.delta import proto
+from etcd_agent.continuous import proto
+from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.delta.replay import Target
 from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
-from etcd_agent.delta.watcher import DeltaWatcher
 
 from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_watcher_caught_up
 

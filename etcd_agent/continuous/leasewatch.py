@@ -10,7 +10,7 @@ import logging
 from typing import Callable, Dict, List, Optional, Set
 
 from etcd_agent.chain.segments import LeaseRecord
-from etcd_agent.delta.rpc import EtcdRpc
+from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import EtcdError
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from etcd_agent.chain.check import BaseBackup
 from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
+from etcd_agent.continuous import chains, checkpoints, status
+from etcd_agent.continuous.position import WatcherStatus, WatchOptions
+from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.daemon.memory import release_freed_memory
-from etcd_agent.delta import chains, checkpoints, status
-from etcd_agent.delta.position import WatcherStatus, WatchOptions
-from etcd_agent.delta.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -45,9 +45,9 @@ from etcd_agent.chain.errors import ChainBroken, DeltaError
 from etcd_agent.chain.segments import PUT, Checkpoint, SegmentInfo, Txn
 from etcd_agent.chain.vouching import Census, Vouching
 from etcd_agent.chain.writer import SegmentWriter, remove_stale_temps
-from etcd_agent.delta import proto
-from etcd_agent.delta.leasewatch import LeaseTracker
-from etcd_agent.delta.position import (
+from etcd_agent.continuous import proto
+from etcd_agent.continuous.leasewatch import LeaseTracker
+from etcd_agent.continuous.position import (
     ChainPosition,
     WatcherStatus,
     WatchOptions,
@@ -55,8 +55,8 @@ from etcd_agent.delta.position import (
     find_resume_point,
     member_break,
 )
-from etcd_agent.delta.rpc import EtcdRpc, StreamEnded
-from etcd_agent.delta.watchevents import Fragments, by_revision, decode
+from etcd_agent.continuous.rpc import EtcdRpc, StreamEnded
+from etcd_agent.continuous.watchevents import Fragments, by_revision, decode
 from etcd_agent.errors import EtcdError
 from etcd_agent.fs import ensure_private_dir
 from etcd_agent.state.locks import Holder, OperationLock

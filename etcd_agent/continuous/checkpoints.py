@@ -14,8 +14,8 @@ from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config, DeltaSection
-    from etcd_agent.delta.chains import ChainSummary
-    from etcd_agent.delta.watcher import DeltaWatcher
+    from etcd_agent.continuous.chains import ChainSummary
+    from etcd_agent.continuous.watcher import DeltaWatcher
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import (
 
 from google.protobuf.message import Message
 
-from etcd_agent.delta import proto
+from etcd_agent.continuous import proto
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd.client import map_grpc_error, parse_endpoint
 from etcd_agent.etcd.pb import rpc_pb2
