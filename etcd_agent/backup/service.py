@@ -121,7 +121,7 @@ def take_backup(
     if not remote_cfg.enabled or checkpoint_of is not None:
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
-    from etcd_agent.backup import remote  # imported only when [backup.remote] is enabled
+    from etcd_agent.bucket import remote  # imported only when [backup.remote] is enabled
 
     try:
         remote.upload_and_verify(cfg, result.path, result.manifest)

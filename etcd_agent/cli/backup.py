@@ -177,7 +177,7 @@ def _require_remote(cfg: "Config") -> None:
 
 
 def _list_remote(cfg: "Config") -> Output:
-    from etcd_agent.backup.remote import list_remote
+    from etcd_agent.bucket.remote import list_remote
 
     _require_remote(cfg)
     objs = list_remote(cfg)
@@ -291,7 +291,7 @@ def cmd_prune(args: argparse.Namespace, ctx: Context) -> Output:
 
     cfg = ctx.config()
     if args.remote:
-        from etcd_agent.backup.remote import prune_remote
+        from etcd_agent.bucket.remote import prune_remote
 
         _require_remote(cfg)
         decisions = prune_remote(cfg, dry_run=args.dry_run)

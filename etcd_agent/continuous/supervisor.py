@@ -38,7 +38,7 @@ from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.delta.offsite import Uploader
+    from etcd_agent.bucket.offsite import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ class DeltaSupervisor:
             self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
         if cfg.backup.remote.enabled and self._uploader is None:
-            from etcd_agent.delta import offsite
+            from etcd_agent.bucket import offsite
 
             self._uploader = offsite.Uploader(self._source)
             self._uploader.start()

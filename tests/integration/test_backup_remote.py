@@ -15,7 +15,8 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from etcd_agent.backup import remote, remotebucket
+from etcd_agent.bucket import client as remotebucket
+from etcd_agent.bucket import remote
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
 from tests.harness.s3server import S3Server
@@ -234,7 +235,7 @@ def test_prune_remote_with_reasons(
     _raw_client(s3).put_object(Bucket=cfg.backup.remote.bucket, Key=f"{_prefix(cfg)}README.txt", Body=b"hi")
     assert [o.name for o in remote.list_remote(cfg)] == sorted(names, reverse=True)
 
-    with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
+    with caplog.at_level(logging.INFO, logger="etcd_agent.bucket.remote"):
         dry = remote.prune_remote(cfg, dry_run=True)
     kept = {d.name for d in dry if d.keep}
     assert kept == {
@@ -248,7 +249,7 @@ def test_prune_remote_with_reasons(
     assert len(_keys(cfg, s3)) == len(names) + 1  # dry run deleted nothing
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
+    with caplog.at_level(logging.INFO, logger="etcd_agent.bucket.remote"):
         real = remote.prune_remote(cfg, dry_run=False)
     assert [(d.name, d.keep) for d in real] == [(d.name, d.keep) for d in dry]
     assert {o.name for o in remote.list_remote(cfg)} == kept

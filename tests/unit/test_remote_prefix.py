@@ -1,4 +1,4 @@
-from etcd_agent.backup.remotebucket import expand_prefix
+from etcd_agent.bucket.client import expand_prefix
 
 
 def test_each_master_gets_its_own_folder():

@@ -37,7 +37,7 @@ def remote_name(base_revision: int, path: str) -> str:
 
 
 def upload_segment(cfg: Config, path: str, base_revision: int) -> None:
-    from etcd_agent.backup.remote import upload_file
+    from etcd_agent.bucket.remote import upload_file
 
     h = read_header(path)
     upload_file(cfg, path, remote_name(base_revision, path), lambda sha: {
@@ -47,7 +47,7 @@ def upload_segment(cfg: Config, path: str, base_revision: int) -> None:
 
 def remote_chains(cfg: Config) -> Dict[int, List[str]]:
     """base revision -> the segment names in the bucket."""
-    from etcd_agent.backup.remote import list_names
+    from etcd_agent.bucket.remote import list_names
 
     out: Dict[int, List[str]] = {}
     for name in list_names(cfg, "delta-"):
@@ -60,8 +60,8 @@ def remote_chains(cfg: Config) -> Dict[int, List[str]]:
 def prune_remote_chains(cfg: Config, kept_revisions: Set[int], *, dry_run: bool) -> List["Decision"]:
     """Delete every remote chain whose full backup's copy is not kept (the chain being written
     here is kept); one decision per chain, with its reason."""
-    from etcd_agent.backup.remote import delete_names
     from etcd_agent.backup.retention import Decision
+    from etcd_agent.bucket.remote import delete_names
 
     active = chains.active_base(cfg.backup.dir) if os.path.isdir(cfg.backup.dir) else None
     out: List[Decision] = []

@@ -23,8 +23,9 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.backup.archive import parse_name
-from etcd_agent.backup.remotebucket import Bucket
-from etcd_agent.backup.remotedigests import (
+from etcd_agent.backup.retention import BackupRef, Decision, plan
+from etcd_agent.bucket.client import Bucket
+from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     READ_CHUNK,
     Digests,
@@ -34,7 +35,6 @@ from etcd_agent.backup.remotedigests import (
     part_size_for,
     same_checksum,
 )
-from etcd_agent.backup.retention import BackupRef, Decision, plan
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import fsync_dir, open_regular
@@ -161,7 +161,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
                 log.info("deleted %s: %s", b.where(d.name), d.reason)
             except BackupError as exc:
                 failed.append(exc.message)
-    from etcd_agent.delta import offsite  # a copy and the delta chain that continues it go together
+    from etcd_agent.bucket import offsite  # a copy and the delta chain that continues it go together
 
     keep = {d.name for d in decisions if d.keep}
     kept_revisions = {int(o.metadata["revision"]) for o in objects
