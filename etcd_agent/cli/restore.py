@@ -105,7 +105,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
 def _target(args: argparse.Namespace) -> Optional[str]:
     """The point-in-time target (``newest``, a revision, an ISO time), None for a plain restore."""
     from etcd_agent.chain.errors import ReplayError
-    from etcd_agent.delta.replay import Target
+    from etcd_agent.pitr.replay import Target
 
     if args.to_newest:
         return "newest"

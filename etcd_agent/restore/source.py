@@ -37,8 +37,8 @@ from etcd_agent.state.locks import OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
-    from etcd_agent.delta.pitr import Prepared
-    from etcd_agent.delta.replay import ReplayResult
+    from etcd_agent.pitr.prepare import Prepared
+    from etcd_agent.pitr.replay import ReplayResult
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Source:
         if self.archive is not None:
             self.archive.close()
         if self.remove_on_close is not None:
-            from etcd_agent.delta.pitr import remove_kept
+            from etcd_agent.pitr.prepare import remove_kept
 
             remove_kept(self.remove_on_close)
         if self.lock is not None:
@@ -122,7 +122,7 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
         return kept
     path = resolve_from(cfg, spec).path
     if identities is not None:  # its plaintext never under the backup dir (copied off-host)
-        from etcd_agent.delta.pitr import work_dir
+        from etcd_agent.pitr.prepare import work_dir
 
         staging_parent = work_dir(cfg, True)
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
@@ -170,8 +170,8 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     import shutil
 
     from etcd_agent.chain.errors import CheckpointUnusable
-    from etcd_agent.delta import pitr
-    from etcd_agent.delta.replay import Target
+    from etcd_agent.pitr import prepare as pitr
+    from etcd_agent.pitr.replay import Target
 
     parsed = Target.parse(target)
     held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
@@ -228,7 +228,7 @@ def _encryption_lines(prep: "Prepared") -> List[str]:
 
 def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
     """``--from`` naming a replay a crashed point-in-time restore left (its journal names it)."""
-    from etcd_agent.delta import pitr
+    from etcd_agent.pitr import prepare as pitr
 
     found = pitr.kept_result(cfg, spec)
     if found is None:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from etcd_agent.delta import pitr
+from etcd_agent.pitr import prepare as pitr
 from tests.harness.loopback import orphan_etcd
 from tests.harness.releases import DEFAULT, release
 

@@ -89,7 +89,7 @@ def assert_replayed(got: Dict[bytes, KV], want: Dict[bytes, KV], base: int, reac
     the lease rule, created as before); a key untouched since the full backup (``base``) as it was in every field;
     a key the chain wrote with a mod revision above anything the original reached, its create
     revision if it lived since before ``base``, else a new one in the original creation order."""
-    from etcd_agent.delta.replayrun import LOAD_MARGIN
+    from etcd_agent.pitr.replayrun import LOAD_MARGIN
 
     assert set(got) == set(want), (sorted(set(got) ^ set(want))[:10])
     assert values(got) == values(want)

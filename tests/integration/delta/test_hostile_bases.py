@@ -22,9 +22,9 @@ from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
 from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.continuous import chains
-from etcd_agent.delta import pitr
-from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
+from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr.replay import Target
 
 from . import test_hostile_chains as plain
 from .test_hostile_chains import DATA, END, FULL, FULL_MS, SNAP, SNAP_SHA, build, rewrite, tree
@@ -220,8 +220,8 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     matches the chain by time; the replay reads the snapshot's bytes and refuses a chain naming
     another one before it starts anything."""
     from etcd_agent.chain.errors import ReplayError
-    from etcd_agent.delta.replayrun import replay
     from etcd_agent.delta.scratch import ScratchOptions
+    from etcd_agent.pitr.replayrun import replay
 
     cfg, d, segs = bed
     unknown = "etcd-2019-08-07-12-00-00.tar"

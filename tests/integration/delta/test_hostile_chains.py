@@ -23,9 +23,9 @@ from etcd_agent.chain.reader import read_segment
 from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.config import parse_text
-from etcd_agent.delta import pitr
-from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
+from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr.replay import Target
 
 from .test_segments import write_chain
 

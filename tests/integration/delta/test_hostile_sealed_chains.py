@@ -21,9 +21,9 @@ from etcd_agent import age
 from etcd_agent.backup import keys
 from etcd_agent.chain.seal import SEAL_BLOCK, SEAL_MAGIC, Seal, read_seal, seal_block
 from etcd_agent.chain.segments import U32, list_segments
-from etcd_agent.delta import pitr
-from etcd_agent.delta.replay import Target
 from etcd_agent.errors import IdentityRefused, RefusedError
+from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr.replay import Target
 from etcd_agent.restore.source import open_pitr_source
 
 from . import test_hostile_chains as plain

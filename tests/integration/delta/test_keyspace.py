@@ -5,7 +5,7 @@ import random
 import stat
 
 from etcd_agent.chain.segments import DELETE, PUT, Event, Txn
-from etcd_agent.delta.keyspace import KeySpace
+from etcd_agent.pitr.keyspace import KeySpace
 
 
 def chain(n_revisions, seed=3):

@@ -1,6 +1,6 @@
 """The lease rule (pure)."""
 from etcd_agent.chain.segments import LeaseRecord
-from etcd_agent.delta.leases import fate_of
+from etcd_agent.pitr.leases import fate_of
 
 S = 1000  # ms
 T = 1_700_000_000_000

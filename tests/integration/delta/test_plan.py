@@ -7,7 +7,7 @@ import pytest
 from etcd_agent.chain.check import check_chain
 from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.segments import list_segments, ms_to_datetime
-from etcd_agent.delta.replay import Target, plan_replay
+from etcd_agent.pitr.replay import Target, plan_replay
 
 from .test_segments import T0, write_chain
 

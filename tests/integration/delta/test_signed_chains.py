@@ -29,9 +29,9 @@ from etcd_agent.chain.segments import (
 )
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous.position import find_resume_point
-from etcd_agent.delta import pitr
-from etcd_agent.delta.replay import Target
 from etcd_agent.errors import RefusedError
+from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr.replay import Target
 
 from . import test_hostile_chains as plain
 from .test_segments import write_chain

@@ -11,9 +11,9 @@ from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Tx
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous import proto
 from etcd_agent.continuous.watcher import DeltaWatcher
-from etcd_agent.delta.replay import Target
-from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
+from etcd_agent.pitr.replay import Target
+from etcd_agent.pitr.replayrun import replay
 
 from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_watcher_caught_up
 
@@ -457,7 +457,7 @@ def test_replay_from_a_backup_archive(live, tmp_path):
     round-trips through JSON."""
     import subprocess
 
-    from etcd_agent.delta.replay import ReplayResult
+    from etcd_agent.pitr.replay import ReplayResult
 
     r = live.rpc
     put(r, b"seed", b"s")

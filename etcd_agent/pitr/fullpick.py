@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 from etcd_agent.chain.check import ChainCheck
 from etcd_agent.chain.segments import ms_to_datetime
 from etcd_agent.continuous.chains import ChainSummary, Scan
-from etcd_agent.delta.replay import Target
+from etcd_agent.pitr.replay import Target
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry

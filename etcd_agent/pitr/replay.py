@@ -16,7 +16,7 @@ from etcd_agent.chain.check import ChainCheck, ChainStop
 from etcd_agent.chain.errors import ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import read_header, read_segment
 from etcd_agent.chain.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
-from etcd_agent.delta.leases import LeaseFate
+from etcd_agent.pitr.leases import LeaseFate
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
 from etcd_agent.continuous import chains, status
 from etcd_agent.continuous.chains import events_after
-from etcd_agent.delta import fullpick
 from etcd_agent.delta.leftovers import remove_left
-from etcd_agent.delta.replay import Plan, ReplayResult, Target, find_base, plan_replay
-from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
+from etcd_agent.pitr import fullpick
+from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
+from etcd_agent.pitr.replayrun import replay
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
