@@ -54,9 +54,9 @@ from etcd_agent.continuous import (
     proto,  # noqa: E402
 )
 from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
-from etcd_agent.delta.scratch import scratch_etcd  # noqa: E402
 from etcd_agent.pitr.replay import Target  # noqa: E402
 from etcd_agent.pitr.replayrun import replay  # noqa: E402
+from etcd_agent.scratch.member import scratch_etcd  # noqa: E402
 from etcd_agent.waiting import poll  # noqa: E402
 from tests.integration.continuous import agent, make_bed  # noqa: E402
 from tests.integration.test_daemon import wait_healthy  # noqa: E402

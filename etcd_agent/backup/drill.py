@@ -315,10 +315,10 @@ class _Drill:
         return st, entries
 
     def start(self) -> Any:
-        from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions, start_scratch
         from etcd_agent.errors import CommandError
         from etcd_agent.etcd.tools import version_of
         from etcd_agent.hosts.local import LocalHost
+        from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions, start_scratch
         from etcd_agent.state.pins import pinned_config
 
         r, dr = self.report, self.cfg.drill

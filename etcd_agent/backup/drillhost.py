@@ -16,9 +16,9 @@ import os
 import stat
 from typing import Iterator, List
 
-from etcd_agent.delta.leftovers import remove_left
 from etcd_agent.errors import RefusedError
 from etcd_agent.fs import makedirs
+from etcd_agent.scratch.leftovers import remove_left
 
 log = logging.getLogger(__name__)
 

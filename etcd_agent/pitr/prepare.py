@@ -31,13 +31,13 @@ from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
 from etcd_agent.continuous import chains, status
 from etcd_agent.continuous.chains import events_after
-from etcd_agent.delta.leftovers import remove_left
-from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.pitr.replayrun import replay
+from etcd_agent.scratch.leftovers import remove_left
+from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -445,7 +445,7 @@ def leftovers(cfg: "Config") -> List[str]:
     work dirs, their size, whether they hold plaintext, the etcds still running in them. [] while
     a replay runs (they are its own). The next command of any kind removes them (``clean``)."""
     from etcd_agent.backup.reader import stale_stages
-    from etcd_agent.delta.leftovers import etcds_in, left_dirs
+    from etcd_agent.scratch.leftovers import etcds_in, left_dirs
 
     if not lock_free(cfg):
         return []

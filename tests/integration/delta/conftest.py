@@ -9,7 +9,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before anything im
 
 import pytest  # noqa: E402
 
-from etcd_agent.delta.scratch import EtcdBinaries, ScratchOptions, start_scratch  # noqa: E402
+from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions, start_scratch  # noqa: E402
 
 LIVE_OPTIONS = ScratchOptions(unsafe_no_fsync=False, max_request_bytes=1572864, max_txn_ops=128)
 HAVE_ETCD = all(os.access(p, os.X_OK) for p in (EtcdBinaries().etcd, EtcdBinaries().etcdutl, EtcdBinaries().etcdctl))

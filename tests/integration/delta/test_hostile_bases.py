@@ -220,8 +220,8 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     matches the chain by time; the replay reads the snapshot's bytes and refuses a chain naming
     another one before it starts anything."""
     from etcd_agent.chain.errors import ReplayError
-    from etcd_agent.delta.scratch import ScratchOptions
     from etcd_agent.pitr.replayrun import replay
+    from etcd_agent.scratch.member import ScratchOptions
 
     cfg, d, segs = bed
     unknown = "etcd-2019-08-07-12-00-00.tar"

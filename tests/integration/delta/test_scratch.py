@@ -8,7 +8,7 @@ import pytest
 
 from etcd_agent.chain.errors import ScratchError
 from etcd_agent.continuous import proto
-from etcd_agent.delta.scratch import PORT_RANGE, ScratchOptions, scratch_etcd
+from etcd_agent.scratch.member import PORT_RANGE, ScratchOptions, scratch_etcd
 
 from .helpers import dump
 

@@ -11,9 +11,9 @@ from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Tx
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous import proto
 from etcd_agent.continuous.watcher import DeltaWatcher
-from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
 from etcd_agent.pitr.replay import Target
 from etcd_agent.pitr.replayrun import replay
+from etcd_agent.scratch.member import ScratchOptions, scratch_etcd, start_scratch
 
 from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_watcher_caught_up
 
