@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from etcd_agent.backup import checks as C
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from etcd_agent.backup.drillrecord import DrillRecord, load_records
-from etcd_agent.backup.drillrecord import lookup as drill_of
 from etcd_agent.backup.identity import Evidence, judge, layout_problems, shares_members
 from etcd_agent.backup.manifest import ORIGINS, SNAPSHOT
 from etcd_agent.backup.reader import Peek, peek_archive
+from etcd_agent.drill.record import DrillRecord, load_records
+from etcd_agent.drill.record import lookup as drill_of
 from etcd_agent.errors import AgentError, RefusedError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover

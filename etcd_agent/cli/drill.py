@@ -36,9 +36,9 @@ def _progress(line: str) -> None:
 
 
 def cmd_drill(args: argparse.Namespace, ctx: Context) -> Output:
-    from etcd_agent.backup.drill import run_drill
     from etcd_agent.cli.backup import load_identity
-    from etcd_agent.daemon.drill import tell_cluster
+    from etcd_agent.drill.run import run_drill
+    from etcd_agent.drill.schedule import tell_cluster
 
     cfg = ctx.config()
     report = run_drill(cfg, args.spec, progress=_progress, identities=load_identity(args.identity))

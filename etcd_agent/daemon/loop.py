@@ -68,7 +68,7 @@ class Daemon:
         self._last_maintenance = -MAINTENANCE_EVERY
         self._last_restart = float("-inf")  # monotonic time of the last RESTART action
         self._watched: Optional[int] = None  # the etcd pid whose exit wakes the loop
-        from etcd_agent.daemon.drill import DrillScheduler
+        from etcd_agent.drill.schedule import DrillScheduler
 
         self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
         self._apply(cfg or load(config_path))

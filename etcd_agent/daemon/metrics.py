@@ -67,7 +67,7 @@ class AgentMetrics:
         self.upg_failed = Gauge(p + "upgrade_failed", "1 if the last upgrade stopped on a failure.", registry=r)
         self.upg_target = Gauge(p + "upgrade_target_info", "Target of the last upgrade (value 1).", ["version"], registry=r)
         self.cycle_ts = Gauge(p + "last_cycle_timestamp_seconds", "Unix time of the last daemon cycle.", registry=r)
-        from etcd_agent.backup.drillrecord import DrillCollector
+        from etcd_agent.drill.record import DrillCollector
 
         # restore drills, from this host's drill state (the daemon's drills and those run by hand)
         self.drill = DrillCollector()
@@ -147,7 +147,7 @@ class AgentMetrics:
             self.backup_fail.set(vals.get("failures", 0.0))
 
     def _drill(self, cfg: Config) -> None:
-        from etcd_agent.backup.drillrecord import load_state
+        from etcd_agent.drill.record import load_state
 
         self.drill.state = load_state(cfg)
 

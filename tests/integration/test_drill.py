@@ -19,10 +19,11 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from etcd_agent.backup import catalog, drillrecord
-from etcd_agent.backup.drill import run_drill
+from etcd_agent.backup import catalog
 from etcd_agent.backup.service import take_backup
 from etcd_agent.config import Config
+from etcd_agent.drill import record as drillrecord
+from etcd_agent.drill.run import run_drill
 from etcd_agent.etcd.client import EtcdClient
 from tests.harness.loopback import LoopbackCluster, orphan_etcd
 
@@ -327,7 +328,7 @@ def test_a_drill_of_an_encrypted_backup_takes_the_identity_and_says_what_it_need
     """The masters hold only public keys: the drill of an encrypted backup decrypts it with
     --identity; without one it fails saying so (the daemon's scheduled drill too), with a wrong
     one it is refused; never a traceback."""
-    from etcd_agent.daemon.drill import DrillScheduler
+    from etcd_agent.drill.schedule import DrillScheduler
     from tests.integration.test_backup_age import keypair
 
     keyfile, recipient = keypair(tmp_path, "ops.key")

@@ -20,11 +20,11 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from etcd_agent.backup import drillrecord
 from etcd_agent.backup.service import take_backup
 from etcd_agent.config import Config, load
-from etcd_agent.daemon.drill import RECORD_KEY, DrillScheduler
 from etcd_agent.daemon.metrics import samples
+from etcd_agent.drill import record as drillrecord
+from etcd_agent.drill.schedule import RECORD_KEY, DrillScheduler
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.waiting import NotYet, poll
 from tests.harness.loopback import LoopbackCluster, free_port_pairs

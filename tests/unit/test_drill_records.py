@@ -11,10 +11,10 @@ from typing import Dict, List, Tuple
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from etcd_agent.backup import drillrecord
-from etcd_agent.backup.drillrecord import DrillRecord, HostDrillState
 from etcd_agent.config import Config, parse_text
-from etcd_agent.daemon.drill import CLOCK_MARGIN, decide
+from etcd_agent.drill import record as drillrecord
+from etcd_agent.drill.record import DrillRecord, HostDrillState
+from etcd_agent.drill.schedule import CLOCK_MARGIN, decide
 
 DAY = 86400.0
 
@@ -157,7 +157,7 @@ def test_a_record_from_a_clock_far_ahead_is_not_trusted() -> None:
 
 
 def test_drill_dir_is_made_0711_and_a_dir_others_can_write_is_refused(tmp_path: Path) -> None:
-    from etcd_agent.backup.drillhost import prepare_dir, sweep
+    from etcd_agent.drill.host import prepare_dir, sweep
     from etcd_agent.errors import RefusedError
 
     d = tmp_path / "a" / "drill"

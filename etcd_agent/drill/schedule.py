@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from etcd_agent.backup.drillrecord import DrillRecord
+from etcd_agent.drill.record import DrillRecord
 from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.backup.drillreport import DrillReport
     from etcd_agent.config import Config
+    from etcd_agent.drill.report import DrillReport
     from etcd_agent.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class DrillScheduler:
     def _drill(self, cfg: "Config") -> "DrillReport":
         if self._runner is not None:
             return self._runner(cfg, "latest", clock=self.clock, cancel=self._cancel.is_set)
-        from etcd_agent.backup.drill import run_drill
+        from etcd_agent.drill.run import run_drill
 
         return run_drill(cfg, "latest", clock=self.clock, cancel=self._cancel.is_set)
 

@@ -40,11 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from etcd_agent.backup import checks, drillrecord
+from etcd_agent.backup import checks
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from etcd_agent.backup.drillhost import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
-from etcd_agent.backup.drillreport import DrillReport
 from etcd_agent.config import Config
+from etcd_agent.drill import record as drillrecord
+from etcd_agent.drill.host import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
+from etcd_agent.drill.report import DrillReport
 from etcd_agent.errors import (
     AgentError,
     BackupCorrupt,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from etcd_agent.backup.drillrecord import DrillRecord
+from etcd_agent.drill.record import DrillRecord
 
 
 @dataclass
