@@ -47,8 +47,8 @@ from etcd_agent.hosts.ssh import SshHost  # noqa: E402
 from etcd_agent.node.client import new_owner  # noqa: E402
 from etcd_agent.node.replies import RollbackReply, StepReply  # noqa: E402
 from etcd_agent.node.sessions import HostNode, close_sessions, open_sessions  # noqa: E402
-from etcd_agent.restore.ship import ship_snapshot  # noqa: E402
-from etcd_agent.restore.source import Source  # noqa: E402
+from etcd_agent.restore.orchestrator.ship import ship_snapshot  # noqa: E402
+from etcd_agent.restore.orchestrator.source import Source  # noqa: E402
 from tests.harness import bedlock  # noqa: E402
 from tests.harness.netns import NetnsBed  # noqa: E402
 from tests.harness.releases import DEFAULT, release  # noqa: E402

@@ -64,7 +64,7 @@ def cmd_receive(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.errors import AgentError, Interrupted, UsageError
     from etcd_agent.node.protocol import encode
     from etcd_agent.node.transfer import Ready
-    from etcd_agent.restore.receive import receive_snapshot
+    from etcd_agent.restore.host.receive import receive_snapshot
 
     def say(doc: Any) -> None:
         try:

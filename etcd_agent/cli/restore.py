@@ -65,9 +65,9 @@ def _progress(line: str) -> None:
 
 def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.cli.backup import load_identity
-    from etcd_agent.restore.options import Options
-    from etcd_agent.restore.orchestrate import restore
-    from etcd_agent.restore.plan import render_plan
+    from etcd_agent.restore.orchestrator.options import Options
+    from etcd_agent.restore.orchestrator.orchestrate import restore
+    from etcd_agent.restore.orchestrator.plan import render_plan
 
     if not args.spec:
         raise UsageError("restore needs --from BACKUP (a path, a file name, a date like 2019-08-07, or latest)")
@@ -87,8 +87,8 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     if target is None:
         out = restore(ctx.config(), opts)
     else:
-        from etcd_agent.restore.orchestrate import Restore
-        from etcd_agent.restore.source import open_pitr_source
+        from etcd_agent.restore.orchestrator.orchestrate import Restore
+        from etcd_agent.restore.orchestrator.source import open_pitr_source
 
         out = Restore(ctx.config(), opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
             cfg, spec, target, staging, progress=_progress, identities=identities,
@@ -125,7 +125,7 @@ def _target(args: argparse.Namespace) -> Optional[str]:
 
 
 def cmd_cleanup(args: argparse.Namespace, ctx: Context) -> Output:
-    from etcd_agent.restore.commands import cleanup
+    from etcd_agent.restore.orchestrator.commands import cleanup
 
     if args.keep < 0:
         raise UsageError("--keep must be >= 0")
@@ -158,7 +158,7 @@ def _cleanup_output(rows: List["CleanupReply"], dry_run: bool) -> Output:
 
 
 def cmd_rollback(args: argparse.Namespace, ctx: Context) -> Output:
-    from etcd_agent.restore.commands import rollback_open
+    from etcd_agent.restore.orchestrator.commands import rollback_open
 
     res = rollback_open(ctx.config(), _progress, dry_run=args.dry_run,
                         confirm=None if args.yes else (lambda q: ctx.confirm(q, False)))

@@ -17,19 +17,19 @@ from etcd_agent.node.server import Handler, NodeContext
 from etcd_agent.typedjson import Document
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
 log = logging.getLogger(__name__)
 
 
 def _node(ctx: NodeContext, args: Args) -> "NodeRestore":
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
     return NodeRestore(ctx.cfg, args.text("member"), args.opt_text("op"))
 
 
 def precheck(ctx: NodeContext, args: Args) -> Document:
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
     return NodeRestore(ctx.cfg, args.text("member")).precheck()
 
@@ -68,7 +68,7 @@ def steps(ctx: NodeContext, args: Args) -> Document:
     plan = member_steps(args)
     ctx.require_lock("steps")
     op = args.opt_text("op")
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
     def runner(member: str) -> Callable[[str], StepReply]:
         node = NodeRestore(ctx.cfg, member, op)

@@ -15,10 +15,10 @@ import pytest
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import EXIT_BUSY, EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
 from etcd_agent.etcd.snapdb import SnapshotIdentity
-from etcd_agent.restore.commands import rollback_open
-from etcd_agent.restore.options import Options
-from etcd_agent.restore.orchestrate import Restore
-from etcd_agent.restore.source import Source
+from etcd_agent.restore.orchestrator.commands import rollback_open
+from etcd_agent.restore.orchestrator.options import Options
+from etcd_agent.restore.orchestrator.orchestrate import Restore
+from etcd_agent.restore.orchestrator.source import Source
 from tests.harness.scripted import Script, ScriptedCluster, ScriptedHost, scripted_nodes
 
 pytestmark = pytest.mark.component
@@ -337,7 +337,7 @@ def test_a_resume_that_fails_after_a_member_finished_is_not_rolled_back(bed: Bed
 def test_a_resume_whose_members_serve_the_restored_cluster_goes_only_forward(bed: Bed) -> None:
     """None finished, but h2's etcd answers with the ids the restore makes (its token and peer
     URLs): a failure now must not roll back."""
-    from etcd_agent.restore.precheck import restored_ids
+    from etcd_agent.restore.orchestrator.precheck import restored_ids
 
     for m in ("h1", "h2", "h3"):
         bed.script.facts[m] = {"journal": _journaled(bed, "running", UNFENCED[:-1])}

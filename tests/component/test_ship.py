@@ -17,8 +17,8 @@ import pytest
 from etcd_agent.errors import EXIT_FAILED, EXIT_REFUSED, AgentError, OperationFailed, RefusedError
 from etcd_agent.node.protocol import PROTOCOL
 from etcd_agent.node.transfer import CodecChoice, Order
-from etcd_agent.restore import ship as S
-from etcd_agent.restore.source import Source
+from etcd_agent.restore.orchestrator import ship as S
+from etcd_agent.restore.orchestrator.source import Source
 from tests.component.test_restore_orchestration import Bed, identity_of
 from tests.harness.scripted import ReceiveSession, ScriptedHost
 

@@ -24,7 +24,7 @@ from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.replies import StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext, serve
 from etcd_agent.node.transfer import Decoder, FrameReader, Order, Ready, Received, StreamError
-from etcd_agent.restore.precheck import NodeFacts, work_dir_for
+from etcd_agent.restore.orchestrator.precheck import NodeFacts, work_dir_for
 from etcd_agent.typedjson import Document
 
 StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail

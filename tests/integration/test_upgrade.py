@@ -24,7 +24,7 @@ from etcd_agent.errors import EtcdError, OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.local import LocalMember
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from etcd_agent.state.pins import pin_path, read_pin
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY, NEWER, release

@@ -15,7 +15,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from tests.harness.releases import DEFAULT, release
 from tests.harness.restorebed import RestoreBed, every_member, put_many, restore_bed, revisions
 

@@ -21,7 +21,7 @@ from typing import Dict, Iterator
 import pytest
 
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from tests.harness.releases import DEFAULT, release
 from tests.harness.restorebed import RestoreBed, counts, put_many, restore_bed, revisions, wait_healthy, wait_journal
 

@@ -25,7 +25,7 @@ import pytest
 
 from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.restore.plan import BUMP_REVISION
+from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from etcd_agent.topology import initial_cluster, member_pairs
 from tests.harness import agentbed
 from tests.harness.agentbed import main_pid

@@ -150,8 +150,8 @@ def test_a_point_in_time_restore_records_its_full_backup_and_target_not_the_repl
     """The replay (``<full>.to-N.db`` under .pitr) is thrown away; what the restore came from,
     and what retention must keep, is the full backup (and with it its chain)."""
     from etcd_agent.config import parse_text
-    from etcd_agent.restore import journal as J
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host import journal as J
+    from etcd_agent.restore.host.node import NodeRestore
 
     cfg, errors = parse_text(f'[cluster]\nname = "k"\n[etcd]\ndata_dir = "{tmp_path}/m1.etcd"\n'
                              f'[backup]\ndir = "{tmp_path}/backups"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n')

@@ -15,9 +15,9 @@ import pytest
 from etcd_agent.config import parse_text
 from etcd_agent.errors import AgentError, BackupCorrupt, OperationFailed, RefusedError
 from etcd_agent.node.replies import ReceiveReply
-from etcd_agent.restore import journal as J
-from etcd_agent.restore.precheck import work_dir_for
-from etcd_agent.restore.receive import RECEIVED, SNAPSHOT, Landed, land_file
+from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT, Landed, land_file
+from etcd_agent.restore.orchestrator.precheck import work_dir_for
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # etcd 3.5.16, with its sha256 trailer
@@ -111,7 +111,7 @@ def test_a_symlink_or_a_journal_not_waiting_is_refused_before_anything_is_writte
 def test_a_receiver_whose_order_never_comes_leaves_without_a_word(bed: Any) -> None:
     """Started ahead, and the restore never got to its ship within the idle limit: it says
     nothing (an answer would count as its host's refusal) and looks at nothing."""
-    from etcd_agent.restore.receive import receive_snapshot
+    from etcd_agent.restore.host.receive import receive_snapshot
 
     cfg, wd, _d = bed
     r, w = os.pipe()
@@ -126,7 +126,7 @@ def test_a_receiver_whose_order_never_comes_leaves_without_a_word(bed: Any) -> N
 
 def test_a_receiver_cut_off_inside_its_order_says_so(bed: Any) -> None:
     from etcd_agent.node.transfer import HEADER, StreamError
-    from etcd_agent.restore.receive import receive_snapshot
+    from etcd_agent.restore.host.receive import receive_snapshot
 
     cfg, wd, _d = bed
     r, w = os.pipe()
@@ -167,7 +167,7 @@ def landed_in_another_boot(cfg: Any, wd: str, d: str, damage: bool) -> str:
 
 def test_a_snapshot_landed_before_a_restart_is_checked_again_in_full_then_trusted(bed: Any) -> None:
     from etcd_agent.fs import boot_id
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
     cfg, wd, d = bed
     sha = landed_in_another_boot(cfg, wd, d, damage=False)
@@ -178,7 +178,7 @@ def test_a_snapshot_landed_before_a_restart_is_checked_again_in_full_then_truste
 
 
 def test_a_snapshot_damaged_by_a_restart_is_removed_and_the_way_out_named(bed: Any) -> None:
-    from etcd_agent.restore.node import NodeRestore
+    from etcd_agent.restore.host.node import NodeRestore
 
     cfg, wd, d = bed
     sha = landed_in_another_boot(cfg, wd, d, damage=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from etcd_agent.config import parse_text
-from etcd_agent.restore import plan as P
-from etcd_agent.restore import precheck as C
-from etcd_agent.restore.journal import JournalSummary
+from etcd_agent.restore.host.journal import JournalSummary
+from etcd_agent.restore.orchestrator import plan as P
+from etcd_agent.restore.orchestrator import precheck as C
 from etcd_agent.topology import Bootstrap, parse_conf
 
 CFG_TEXT = """
@@ -276,7 +276,7 @@ def test_tokens() -> None:
 
 def test_two_restores_of_one_backup_in_the_same_second_get_different_ids() -> None:
     """A retry right after a rolled-back restore is a new restore: its journal is not the old one's."""
-    from etcd_agent.restore.options import new_op_id
+    from etcd_agent.restore.orchestrator.options import new_op_id
 
     ids = {new_op_id("20261201T160000Z", "ab" * 32) for _ in range(50)}
     assert len(ids) == 50

@@ -24,9 +24,9 @@ from etcd_agent.node.replies import (
     StopReply,
     UpgradeReply,
 )
-from etcd_agent.restore import journal as J
-from etcd_agent.restore.precheck import NodeFacts
-from etcd_agent.restore.receive import Landed
+from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host.receive import Landed
+from etcd_agent.restore.orchestrator.precheck import NodeFacts
 
 W = "m1 (10.0.0.1): node fence reply"
 

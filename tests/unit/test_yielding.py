@@ -10,7 +10,7 @@ from typing import Tuple
 
 import pytest
 
-from etcd_agent.restore.node import YIELD_NICE, yielding
+from etcd_agent.restore.host.node import YIELD_NICE, yielding
 
 
 def here() -> int:

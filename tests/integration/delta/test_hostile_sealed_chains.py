@@ -24,7 +24,7 @@ from etcd_agent.chain.segments import U32, list_segments
 from etcd_agent.errors import IdentityRefused, RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target
-from etcd_agent.restore.source import open_pitr_source
+from etcd_agent.restore.orchestrator.source import open_pitr_source
 
 from . import test_hostile_chains as plain
 from .test_segments import write_chain

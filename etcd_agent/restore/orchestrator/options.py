@@ -6,8 +6,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from etcd_agent.restore import plan as P
-from etcd_agent.restore.live import Progress
+from etcd_agent.restore.orchestrator import plan as P
+from etcd_agent.restore.orchestrator.live import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities

@@ -31,12 +31,12 @@ from etcd_agent.member.dblock import db_locked, db_path
 from etcd_agent.member.local import LocalMember, backend_for
 from etcd_agent.member.process import etcd_owner
 from etcd_agent.node import replies as R
-from etcd_agent.restore import journal as J
-from etcd_agent.restore import nodeundo as undo
-from etcd_agent.restore import plan as P
-from etcd_agent.restore.precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
-from etcd_agent.restore.receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
-from etcd_agent.restore.setaside import cleanup_set_aside, free_name
+from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host import undo
+from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
+from etcd_agent.restore.host.setaside import cleanup_set_aside, free_name
+from etcd_agent.restore.orchestrator import plan as P
+from etcd_agent.restore.orchestrator.precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.state import bootstrap, lineage, markers
 from etcd_agent.state.pins import pinned_config

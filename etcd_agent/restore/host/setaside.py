@@ -8,7 +8,7 @@ import shutil
 import time
 
 from etcd_agent.node.replies import CleanupReply, Decision
-from etcd_agent.restore.plan import cleanup_plan
+from etcd_agent.restore.orchestrator.plan import cleanup_plan
 
 log = logging.getLogger(__name__)
 

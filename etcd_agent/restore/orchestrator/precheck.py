@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from etcd_agent.config import NAME_RE, Config, Member
 from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
 from etcd_agent.node.protocol import PROTOCOL
-from etcd_agent.restore.journal import DONE, ROLLED_BACK, JournalSummary
+from etcd_agent.restore.host.journal import DONE, ROLLED_BACK, JournalSummary
 from etcd_agent.typedjson import Document
 
 # Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.

@@ -51,11 +51,11 @@ from etcd_agent.node.sessions import (
     open_sessions,
     parallel,
 )
-from etcd_agent.restore import plan as P
-from etcd_agent.restore.journal import JournalSummary
-from etcd_agent.restore.live import EtcdCluster, LiveCluster
-from etcd_agent.restore.options import LEFT_AS_IS, Options, Outcome, new_op_id
-from etcd_agent.restore.precheck import (
+from etcd_agent.restore.host.journal import JournalSummary
+from etcd_agent.restore.orchestrator import plan as P
+from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
+from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
+from etcd_agent.restore.orchestrator.precheck import (
     NodeFacts,
     Resume,
     check_host,
@@ -65,9 +65,9 @@ from etcd_agent.restore.precheck import (
     set_aside_problems,
     token_problem,
 )
-from etcd_agent.restore.ship import Standby, ship_snapshot
-from etcd_agent.restore.source import Source
-from etcd_agent.restore.source import open_source as _open_source
+from etcd_agent.restore.orchestrator.ship import Standby, ship_snapshot
+from etcd_agent.restore.orchestrator.source import Source
+from etcd_agent.restore.orchestrator.source import open_source as _open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     pass

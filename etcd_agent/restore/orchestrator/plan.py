@@ -14,7 +14,7 @@ from etcd_agent.cluster.lineage import LINEAGE_KEY
 from etcd_agent.config import Config, Member, merged
 from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
 from etcd_agent.etcd.tools import snapshot_restore_argv
-from etcd_agent.restore.precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
+from etcd_agent.restore.orchestrator.precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
 from etcd_agent.topology import Bootstrap, conf_vars, initial_cluster, member_pairs
 
 # What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.

@@ -12,9 +12,9 @@ from etcd_agent.fs import remove_stale_parts, write_atomic
 from etcd_agent.hosts.base import Host
 from etcd_agent.member.local import Backend
 from etcd_agent.node import replies as R
-from etcd_agent.restore import journal as J
-from etcd_agent.restore.receive import RECEIVED, SNAPSHOT
-from etcd_agent.restore.setaside import free_name
+from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT
+from etcd_agent.restore.host.setaside import free_name
 
 CONF_ORIG = "conf.orig"  # etcd.conf as it was before `repair` rewrote it
 

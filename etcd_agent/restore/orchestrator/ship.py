@@ -46,7 +46,7 @@ from etcd_agent.node.transfer import (
     end_frame,
     order_frame,
 )
-from etcd_agent.restore.source import Source
+from etcd_agent.restore.orchestrator.source import Source
 
 log = logging.getLogger(__name__)
 

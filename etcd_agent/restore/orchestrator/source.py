@@ -32,7 +32,7 @@ from etcd_agent.config import Config
 from etcd_agent.errors import RefusedError
 from etcd_agent.etcd.snapdb import SnapshotIdentity
 from etcd_agent.fs import open_regular
-from etcd_agent.restore.plan import SourceFacts
+from etcd_agent.restore.orchestrator.plan import SourceFacts
 from etcd_agent.state.locks import OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
