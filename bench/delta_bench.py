@@ -47,12 +47,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
 from etcd_agent.chain.writer import SegmentWriter  # noqa: E402
-from etcd_agent.continuous import (
-    chains,
-    proto,  # noqa: E402
-)
+from etcd_agent.continuous import proto
 from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.pitr.replay import Target  # noqa: E402
 from etcd_agent.pitr.replayrun import replay  # noqa: E402

@@ -24,8 +24,9 @@ import threading
 import time
 from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
+from etcd_agent.chain import chains
 from etcd_agent.config import Config
-from etcd_agent.continuous import chains, proto
+from etcd_agent.continuous import proto
 from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.continuous.supervisor import DeltaSupervisor
 from etcd_agent.waiting import poll

@@ -59,7 +59,7 @@ from bench.livechain import delta_config, live_chain, warm_up  # noqa: E402
 from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
-from etcd_agent.continuous import chains as delta_chains  # noqa: E402
+from etcd_agent.chain import chains as delta_chains  # noqa: E402
 from etcd_agent.continuous import proto  # noqa: E402
 from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.continuous.supervisor import DeltaSupervisor  # noqa: E402

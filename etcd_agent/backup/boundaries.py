@@ -175,7 +175,7 @@ def source_of(backup: str, sha256: Optional[str]) -> Tuple[Optional[str], Option
 def chain_of(directory: str, full: str) -> Optional[str]:
     """The id of the delta chain continuing backup ``full`` in ``directory`` (None: not here)."""
     from etcd_agent.backup.catalog import entry_for
-    from etcd_agent.continuous import chains
+    from etcd_agent.chain import chains
 
     try:
         e = entry_for(os.path.join(directory, full))

@@ -89,8 +89,8 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
 
 def gather(cfg: "Config", *, timeout: float = 2.0, local: bool = True) -> Evidence:
     """Everything this host can find; never raises."""
-    from etcd_agent.cluster.lineage import LINEAGE_KEY
     from etcd_agent.etcd.client import EtcdClient
+    from etcd_agent.etcd.lineage import LINEAGE_KEY
 
     running: Optional[Tuple[KnownMember, ...]] = None
     cluster_id: Optional[int] = None

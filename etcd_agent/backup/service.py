@@ -209,7 +209,7 @@ def _take(
                 notes.append("no manifest key could be had: this backup's manifest is unsigned")
             lineage_raw: Optional[bytes] = None
             try:
-                from etcd_agent.cluster.lineage import LINEAGE_KEY
+                from etcd_agent.etcd.lineage import LINEAGE_KEY
 
                 lineage_raw = client.get(LINEAGE_KEY)
             except AgentError:
@@ -386,7 +386,7 @@ def prune_backups(
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
-    from etcd_agent.continuous import chains  # a full backup and the delta chain that continues it go together
+    from etcd_agent.chain import chains  # a full backup and the delta chain that continues it go together
 
     fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
              for by_rev in goods if by_rev.name == d.name]

@@ -17,10 +17,10 @@ import re
 import threading
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
+from etcd_agent.chain import chains
 from etcd_agent.chain.reader import read_header
 from etcd_agent.chain.segments import list_segments, parse_name
 from etcd_agent.config import Config, Member
-from etcd_agent.continuous import chains
 from etcd_agent.errors import AgentError
 
 if TYPE_CHECKING:  # pragma: no cover

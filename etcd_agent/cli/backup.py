@@ -101,7 +101,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     if args.remote:
         return _list_remote(cfg)
     from etcd_agent.backup import boundaries
-    from etcd_agent.continuous import chains
+    from etcd_agent.chain import chains
 
     entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
     found = chains.scan(cfg.backup.dir)

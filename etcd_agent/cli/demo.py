@@ -38,7 +38,7 @@ def _etcdutl_for(etcd: str) -> Optional[str]:
 
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> Output:
-    from etcd_agent.daemon.memory import limit_arenas
+    from etcd_agent.memory import limit_arenas
 
     limit_arenas()  # a long-running process like the daemon (docs in daemon/memory.py)
     from etcd_agent.cluster.demo import Demo, install_signal_handlers

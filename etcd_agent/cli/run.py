@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import dataclasses
 
-    from etcd_agent.daemon.memory import limit_arenas
+    from etcd_agent.memory import limit_arenas
 
     limit_arenas()  # before any thread starts (docs in daemon/memory.py)
     from etcd_agent.daemon.loop import Daemon

@@ -9,12 +9,12 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from etcd_agent.chain.segments import Checkpoint, parse_name
-from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.errors import AgentError, BusyError
+from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.chain.chains import ChainSummary
     from etcd_agent.config import Config, DeltaSection
-    from etcd_agent.continuous.chains import ChainSummary
     from etcd_agent.continuous.watcher import DeltaWatcher
 
 log = logging.getLogger(__name__)

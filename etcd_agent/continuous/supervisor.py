@@ -27,15 +27,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
+from etcd_agent.chain import chains
 from etcd_agent.chain.check import BaseBackup
 from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
-from etcd_agent.continuous import chains, checkpoints, status
+from etcd_agent.continuous import checkpoints, status
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
-from etcd_agent.daemon.memory import release_freed_memory
 from etcd_agent.errors import AgentError, BusyError
+from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.bucket.offsite import Uploader

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+from etcd_agent.chain.chains import ChainSummary, Scan
 from etcd_agent.chain.check import ChainCheck
 from etcd_agent.chain.segments import ms_to_datetime
-from etcd_agent.continuous.chains import ChainSummary, Scan
 from etcd_agent.pitr.replay import Target
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -24,13 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from etcd_agent.chain import chains
 from etcd_agent.chain import sign as segsign
+from etcd_agent.chain.chains import events_after
 from etcd_agent.chain.check import ChainCheck, Opener, check_chain
 from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
-from etcd_agent.continuous import chains, status
-from etcd_agent.continuous.chains import events_after
+from etcd_agent.continuous import status
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.pitr import fullpick

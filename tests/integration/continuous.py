@@ -8,7 +8,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from etcd_agent.continuous import chains, proto
+from etcd_agent.chain import chains
+from etcd_agent.continuous import proto
 from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.continuous.status import read_breaks
 from etcd_agent.waiting import poll

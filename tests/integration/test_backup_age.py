@@ -289,7 +289,7 @@ def test_the_delta_chain_beside_encrypted_backups_is_encrypted_too(tmp_path: Any
         # the clear, and it is still one chain that checks end to end
         import signal
 
-        from etcd_agent.continuous import chains
+        from etcd_agent.chain import chains
 
         with open(d.c.config_path) as fh:
             text = fh.read()

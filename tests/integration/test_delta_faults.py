@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Tuple
 import psutil
 import pytest
 
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import TEMP_PREFIX, parse_name
-from etcd_agent.continuous import chains
 from tests.harness.procs import agent_run
 from tests.integration.continuous import (
     agent,

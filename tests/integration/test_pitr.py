@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from etcd_agent.continuous import chains
+from etcd_agent.chain import chains
 from etcd_agent.errors import OperationFailed
 from tests.integration.continuous import (
     agent,

@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 import pytest
 
 from etcd_agent.backup import keys
+from etcd_agent.chain import chains
 from etcd_agent.chain.reader import read_header, verify_segment
-from etcd_agent.continuous import chains
 from etcd_agent.daemon.metrics import samples
 from tests.harness.loopback import free_port_pairs
 from tests.harness.s3server import S3Server

@@ -12,7 +12,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from etcd_agent.continuous import chains, proto
+from etcd_agent.chain import chains
+from etcd_agent.continuous import proto
 from etcd_agent.continuous.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,

@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from etcd_agent.continuous import chains, proto
+from etcd_agent.chain import chains
+from etcd_agent.continuous import proto
 from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import EtcdError
 from tests.integration.continuous import (

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import segment_name
-from etcd_agent.continuous import chains
 from tests.integration.continuous import agent, beds, full_backups, put, rpc, start_all, wait_durable, wait_watching
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,8 @@ import pytest
 
 from etcd_agent.backup import boundaries, catalog
 from etcd_agent.backup.service import take_backup
-from etcd_agent.continuous import chains, status
+from etcd_agent.chain import chains
+from etcd_agent.continuous import status
 from etcd_agent.errors import OperationFailed
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend

@@ -16,8 +16,8 @@ from typing import Callable, Dict, Iterator, List
 
 import pytest
 
+from etcd_agent.chain import chains
 from etcd_agent.config import Config, load
-from etcd_agent.continuous import chains
 from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.waiting import poll

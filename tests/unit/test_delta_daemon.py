@@ -7,8 +7,8 @@ from typing import Any, Dict, Optional
 
 import pytest
 
+from etcd_agent.chain.chains import ChainSummary, FullRef, Scan, plan_prune
 from etcd_agent.config import parse_text
-from etcd_agent.continuous.chains import ChainSummary, FullRef, Scan, plan_prune
 from etcd_agent.continuous.status import (
     BreakRecord,
     DeltaCollector,

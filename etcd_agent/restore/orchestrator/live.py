@@ -8,9 +8,9 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 from etcd_agent.backup.evidence import gather
 from etcd_agent.backup.identity import Evidence
 from etcd_agent.cluster.health import wait_converged
-from etcd_agent.cluster.lineage import record_lineage
 from etcd_agent.config import Config, Member
 from etcd_agent.errors import AgentError
+from etcd_agent.etcd.lineage import record_lineage
 
 Progress = Callable[[str], None]
 

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from etcd_agent.cluster.lineage import LINEAGE_KEY
 from etcd_agent.config import Config, Member, merged
+from etcd_agent.etcd.lineage import LINEAGE_KEY
 from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
 from etcd_agent.etcd.tools import snapshot_restore_argv
 from etcd_agent.restore.orchestrator.precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for

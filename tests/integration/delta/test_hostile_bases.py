@@ -20,8 +20,8 @@ import pytest
 from etcd_agent.backup import archive
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.service import _record_check
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
-from etcd_agent.continuous import chains
 from etcd_agent.errors import RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target

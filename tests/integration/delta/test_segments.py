@@ -246,8 +246,8 @@ SHA_BEFORE, SHA_AFTER = "a" * 64, "b" * 64
 def test_two_chains_at_one_base_revision_each_continues_its_own_backup(tmp_path):
     """etcd 3.4 restores keep the snapshot's revision: the backup taken after a restore has the
     revision of the one restored from. Its chain is its own, never the chain of before."""
+    from etcd_agent.chain import chains
     from etcd_agent.chain.check import BaseBackup
-    from etcd_agent.continuous import chains
     from etcd_agent.continuous.position import find_resume_point
 
     d = str(tmp_path)
