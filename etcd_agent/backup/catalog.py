@@ -20,16 +20,27 @@ import re
 import stat
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
 
 from etcd_agent.backup import checks as C
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
 from etcd_agent.backup.identity import Evidence, judge, layout_problems, shares_members
 from etcd_agent.backup.manifest import ORIGINS, SNAPSHOT
 from etcd_agent.backup.reader import Peek, peek_archive
-from etcd_agent.drill.record import DrillRecord, load_records
-from etcd_agent.drill.record import lookup as drill_of
 from etcd_agent.errors import AgentError, RefusedError, UsageError
+
+
+class DrillSummary(Protocol):
+    """What a listing shows of the last restore drill of a backup (``drill.record.with_drills``
+    attaches it: drills sit above backups, the catalog only carries the record)."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    def to_json(self) -> Dict[str, Any]: ...
+
+    def summary(self) -> str: ...
+
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.chain.check import BaseBackup
@@ -61,7 +72,7 @@ class Entry:
     member_ids: Tuple[str, ...] = ()
     notes: Tuple[str, ...] = field(default=())
     encrypted: bool = False  # the snapshot member is age-encrypted (etcd_snapshot.db.age)
-    drill: Optional[DrillRecord] = None  # the last restore drill of exactly these bytes
+    drill: Optional[DrillSummary] = None  # the last restore drill of exactly these bytes
     # the snapshot db's sha256: as the agent found it checking these bytes, else a signed
     # manifest's; None when neither is known (a delta chain names it: ``delta.segchain.continues``)
     snapshot_sha256: Optional[str] = None
@@ -256,14 +267,13 @@ def list_backups(
     """Every file in ``directory`` (not hidden), newest first; good and quarantined alike."""
     out = []
     cache = C.load(directory) if os.path.isdir(directory) else {}
-    drills = load_records(directory) if os.path.isdir(directory) else {}
     for n in _candidates(directory):
         path = os.path.join(directory, n)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 continue
             e = entry_for(path, utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key, cache=cache)
-            out.append(replace(e, drill=drill_of(drills, n, os.stat(path, follow_symlinks=False))) if drills else e)
+            out.append(e)
         except FileNotFoundError:  # pruned while we looked
             continue
         except Exception as exc:  # noqa: BLE001 - one hostile file must never break the listing

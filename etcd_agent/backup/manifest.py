@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from etcd_agent.chain.sign import key_id
 from etcd_agent.errors import BackupCorrupt, SnapshotFormatError
 from etcd_agent.etcd.snapdb import bounded_json
 
@@ -226,11 +227,6 @@ class Manifest:
             return "unknown-key"
         want = hmac.new(key, self.canonical(), hashlib.sha256).hexdigest()
         return "valid" if hmac.compare_digest(want, sig.mac) else "invalid"
-
-
-def key_id(key: bytes) -> str:
-    """A short public name for a key (an HMAC of a constant: says nothing about the key)."""
-    return hmac.new(key, b"etcd-agent manifest key id", hashlib.sha256).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- strict parsing

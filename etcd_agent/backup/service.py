@@ -13,7 +13,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from etcd_agent import __version__
 from etcd_agent.backup import archive, boundaries, catalog, checks, keys, retention
@@ -58,6 +58,17 @@ class BackupResult:
         }
 
 
+
+class OffHostCopy(Protocol):
+    """The off-host copy of a new full backup (``bucket.remote.OffHostCopy``): the bucket sits
+    above the backups it copies, so the backup is handed its copier and never imports it."""
+
+    def upload(self, path: str, manifest: Mapping[str, Any]) -> None: ...
+
+    def prune(self) -> List[str]:
+        """Remote retention after a copy: the names it deleted."""
+        ...
+
 def _local_candidates(cfg: Config) -> List[Member]:
     """This machine's members; several on a one-host cluster (the demo), where any healthy one's
     snapshot is the cluster's."""
@@ -95,6 +106,7 @@ def take_backup(
     origin: str = "operator",
     lock_wait: float = 0.0,
     checkpoint_of: Optional[str] = None,
+    off_host: Optional["OffHostCopy"] = None,
 ) -> BackupResult:
     """Take one backup of ``member``'s etcd (default: a local member) into ``cfg.backup.dir``.
 
@@ -105,7 +117,9 @@ def take_backup(
     another backup, prune or import of this host holds the lock, wait up to this long for it.
     ``checkpoint_of``: the daemon's checkpoint inside that delta chain (its id): recorded in the
     signed manifest, kept by retention's checkpoint rule, and not copied off-host (a bucket
-    holds full backups and chains; a checkpoint only shortens a local replay)."""
+    holds full backups and chains; a checkpoint only shortens a local replay). ``off_host``: the
+    off-host copy (``bucket.remote.off_host(cfg)``, None when ``[backup.remote]`` is off) made of
+    a full backup once written, and the remote retention run after it."""
     start = time.monotonic()
     if checkpoint_of is not None and origin != "daemon":
         raise ValueError("only the daemon takes checkpoints")
@@ -117,14 +131,11 @@ def take_backup(
     except AgentError:
         _record_metrics(cfg, False, None, 0, time.monotonic() - start, None)
         raise
-    remote_cfg = cfg.backup.remote
-    if not remote_cfg.enabled or checkpoint_of is not None:
+    if off_host is None or checkpoint_of is not None:
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
-    from etcd_agent.bucket import remote  # imported only when [backup.remote] is enabled
-
     try:
-        remote.upload_and_verify(cfg, result.path, result.manifest)
+        off_host.upload(result.path, result.manifest)
     except AgentError as exc:
         # the local backup stands; the run still fails so cron / the timer reports it
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=False)
@@ -134,7 +145,7 @@ def take_backup(
     _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=True)
     if prune:
         try:
-            result.pruned += [f"remote:{d.name}" for d in remote.prune_remote(cfg, dry_run=False) if not d.keep]
+            result.pruned += off_host.prune()
         except AgentError as exc:
             result.warnings.append(f"remote prune failed: {exc.message}")
             log.warning("remote prune after backup failed: %s", exc.message)

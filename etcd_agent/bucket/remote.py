@@ -74,6 +74,24 @@ class RemoteObject:
 # ---------------------------------------------------------------- public entry points
 
 
+class OffHostCopy:
+    """What ``take_backup`` calls after writing a full backup (``backup.service.OffHostCopy``)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def upload(self, path: str, manifest: Mapping[str, Any]) -> None:
+        upload_and_verify(self.cfg, path, manifest)
+
+    def prune(self) -> List[str]:
+        return [f"remote:{d.name}" for d in prune_remote(self.cfg, dry_run=False) if not d.keep]
+
+
+def off_host(cfg: Config) -> Optional[OffHostCopy]:
+    """The off-host copy ``take_backup`` makes, or None when ``[backup.remote]`` is off."""
+    return OffHostCopy(cfg) if cfg.backup.remote.enabled else None
+
+
 def upload_and_verify(cfg: Config, path: str, manifest: Mapping[str, Any]) -> RemoteObject:
     """Upload a finished archive, verify the copy, return it; a bad copy is deleted, BackupError raised."""
     name = os.path.basename(path)

@@ -49,6 +49,7 @@ from etcd_agent.chain.segments import (
     parse_signature,
     signature_json,
 )
+from etcd_agent.chain.sign import key_id
 from etcd_agent.fs import regular_fd
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
@@ -66,13 +67,6 @@ READ = 1 << 20
 class StagingFailed(ReplayError):
     """The private staging dir could not take a decrypted segment (disk full ...): the restore
     stops; a chain is never cut short for it."""
-
-
-def key_id(key: bytes) -> str:
-    """Which manifest key signed a seal (as the manifests name theirs)."""
-    from etcd_agent.backup.manifest import key_id as manifest_key_id
-
-    return manifest_key_id(key)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,10 @@ def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
     cfg = ctx.config()
     for w in security_warnings(cfg):  # cron mails / syslogs stderr
         log.warning("%s", w)
-    res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune, lock_wait=args.wait)
+    from etcd_agent.bucket.remote import off_host
+
+    res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune, lock_wait=args.wait,
+                      off_host=off_host(cfg))
     text = res.path
     for w in res.warnings:
         log.warning("%s", w)
@@ -102,8 +105,10 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         return _list_remote(cfg)
     from etcd_agent.backup import boundaries
     from etcd_agent.chain import chains
+    from etcd_agent.drill.record import with_drills
 
-    entries = list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    entries = with_drills(list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key),
+                          cfg.backup.dir)
     found = chains.scan(cfg.backup.dir)
     record = boundaries.load(cfg.backup.dir)
     restores = record.boundaries

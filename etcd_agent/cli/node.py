@@ -34,8 +34,8 @@ def cmd_serve(args: argparse.Namespace, ctx: Context) -> Optional[Output]:
     import logging
     import signal
 
+    from etcd_agent.cli.nodesteps import handlers
     from etcd_agent.node.server import end_stuck_session, serve
-    from etcd_agent.node.steps import handlers
 
     if ctx.verbose == 0:
         logging.getLogger("etcd_agent").setLevel(logging.INFO)  # the host's side of the story, on stderr

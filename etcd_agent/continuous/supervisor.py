@@ -396,13 +396,14 @@ class DeltaSupervisor:
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
+        from etcd_agent.bucket.remote import off_host
 
         reason = self._broken_reason if self._broken else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
             with low_memory():
-                res = take_backup(cfg, member=me.name, origin="daemon")
+                res = take_backup(cfg, member=me.name, origin="daemon", off_host=off_host(cfg))
         except BusyError as exc:  # cron's backup (or a restore) holds the lock: its result will do
             log.info("delta: full backup deferred: %s", exc.message)
             self._retry_at = time.monotonic() + RETRY_AFTER / 2

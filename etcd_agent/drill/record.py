@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
 
 from etcd_agent import safejson
 from etcd_agent.backup.checks import Stamp, stamp_of
@@ -29,6 +29,7 @@ from etcd_agent.fs import makedirs, open_regular, write_atomic
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
 
+    from etcd_agent.backup.catalog import Entry
     from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,22 @@ def lookup(records: Dict[str, DrillRecord], name: str, st: os.stat_result) -> Op
     """The last drill of ``name`` if it drilled exactly these bytes."""
     r = records.get(name)
     return r if r is not None and r.stamp == stamp_of(st) else None
+
+
+def with_drills(entries: List["Entry"], directory: str) -> List["Entry"]:
+    """``entries`` (a listing of ``directory``) each with the last drill of exactly its bytes."""
+    records = load_records(directory) if os.path.isdir(directory) else {}
+    if not records:
+        return entries
+    out = []
+    for e in entries:
+        try:
+            st = os.stat(os.path.join(directory, e.name), follow_symlinks=False)
+        except OSError:  # pruned while we looked
+            out.append(e)
+            continue
+        out.append(replace(e, drill=lookup(records, e.name, st)))
+    return out
 
 
 def record_backup(directory: str, path: str, rec: DrillRecord, before: os.stat_result) -> None:

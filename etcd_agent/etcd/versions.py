@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+]([0-9A-Za-z.+-]+))?$")
 
@@ -194,3 +194,24 @@ def plan_hops(current: str, target: str, via: Sequence[str] = ()) -> HopPlan:
             hops.append(str(nxt))
             at = nxt
     return HopPlan(True, f"{len(hops)} hop{'s' if len(hops) != 1 else ''}: {' -> '.join([str(cur)] + hops)}", tuple(hops))
+
+
+def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    """``"3.4.23"`` -> (3, 4, 23); None when unreadable."""
+    if not text:
+        return None
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+# etcdutl gained --bump-revision/--mark-compacted in 3.5.10 (etcd PR 16165); 3.5.0-3.5.9 reject
+# them as unknown flags, so a plain "3.5+" check would fail every restore on those releases.
+BUMP_MIN_ETCDUTL = (3, 5, 10)
+
+
+def can_bump(facts_or_version: Optional[str]) -> bool:
+    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5.10+ (etcdctl 3.4 has neither)."""
+    v = parse_version(facts_or_version)
+    return v is not None and v >= BUMP_MIN_ETCDUTL

@@ -192,7 +192,7 @@ def _snapshot_revision(path: str) -> int:
 
 def _check_bump(options: ScratchOptions) -> None:
     """The load needs etcdutl's --bump-revision (3.5.10+); say so before anything starts."""
-    from etcd_agent.restore.orchestrator.precheck import BUMP_MIN_ETCDUTL, can_bump
+    from etcd_agent.etcd.versions import BUMP_MIN_ETCDUTL, can_bump
 
     try:
         out = subprocess.run([options.binaries.etcdutl, "version"], capture_output=True, timeout=30,

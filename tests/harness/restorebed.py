@@ -25,7 +25,7 @@ import pytest
 from etcd_agent.config import Config, load
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.member.process import ProcessBackend
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
+from etcd_agent.restore.host.facts import work_dir_for
 from tests.harness.netns import NetnsBed, NsHost
 
 ETCD = "/usr/bin/etcd"  # the harness's default release (3.4.23)

@@ -24,7 +24,7 @@ from etcd_agent.node.protocol import PROTOCOL, Args, encode
 from etcd_agent.node.replies import StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext, serve
 from etcd_agent.node.transfer import Decoder, FrameReader, Order, Ready, Received, StreamError
-from etcd_agent.restore.orchestrator.precheck import NodeFacts, work_dir_for
+from etcd_agent.restore.host.facts import NodeFacts, work_dir_for
 from etcd_agent.typedjson import Document
 
 StepFn = Callable[[str, Args], Dict[str, Any]]  # (member, args) -> result; raise to fail
@@ -99,7 +99,7 @@ class Script:
         """``steps``: several members' simple steps through the real server's ``run_members``
         (the members at once, each one's results and error). ``die_at`` (step, member) in the
         request: the session drops instead of answering, before any of it runs."""
-        from etcd_agent.node.steps import member_steps, run_members
+        from etcd_agent.restore.host.steps import member_steps, run_members
 
         plan = member_steps(args)
         if any(die_at == (n, member) for member, names in plan for n in names):

@@ -220,7 +220,8 @@ def test_a_corrupted_backup_fails_says_why_and_moves_the_failure_metric(cluster_
     assert after["etcd_agent_restore_drill_last_success_timestamp_seconds"] == before[
         "etcd_agent_restore_drill_last_success_timestamp_seconds"]
     # the reader refused its bytes: quarantined, so `latest` (and restore --from latest) passes it over
-    entries = {e.name: e for e in catalog.list_backups(c.cfg.backup.dir, cfg=c.cfg)}
+    entries = {e.name: e for e in drillrecord.with_drills(catalog.list_backups(c.cfg.backup.dir, cfg=c.cfg),
+                                                          c.cfg.backup.dir)}
     bad = entries[os.path.basename(newest)]
     assert not bad.complete and "sha256" in (bad.problem or "")
     assert bad.drill is not None and not bad.drill.ok
@@ -241,7 +242,8 @@ def test_a_failure_of_etcd_is_not_held_against_the_backup(cluster_factory, drill
     res = agent(str(broken), "drill")
     assert res.returncode == 1
     assert "while restoring and starting etcd: cannot run" in res.stdout.splitlines()[0]
-    entry = {e.name: e for e in catalog.list_backups(c.cfg.backup.dir, cfg=c.cfg)}[os.path.basename(path)]
+    listing = drillrecord.with_drills(catalog.list_backups(c.cfg.backup.dir, cfg=c.cfg), c.cfg.backup.dir)
+    entry = {e.name: e for e in listing}[os.path.basename(path)]
     assert entry.drill is not None and not entry.drill.ok  # the drill failed, and the listing says so ...
     assert entry.complete and entry.verified  # ... but the file is as good as its last check said
     assert not drillrecord.load_records(c.cfg.backup.dir)[entry.name].ok

@@ -188,7 +188,7 @@ def test_a_crashed_point_in_time_restore_resumes_with_the_same_command(bed) -> N
     import signal
     import subprocess
 
-    from etcd_agent.restore.orchestrator.precheck import work_dir_for
+    from etcd_agent.restore.host.facts import work_dir_for
     from tests.integration.test_restore import AGENT
 
     d = bed()

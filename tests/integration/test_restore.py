@@ -25,10 +25,10 @@ import pytest
 from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.errors import OperationFailed
+from etcd_agent.restore.host.facts import work_dir_for
 from etcd_agent.restore.orchestrator.options import Options
 from etcd_agent.restore.orchestrator.orchestrate import restore
 from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
 from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY

@@ -18,7 +18,7 @@ import pytest
 
 from etcd_agent.backup import archive
 from etcd_agent.backup.service import take_backup
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
+from etcd_agent.restore.host.facts import work_dir_for
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY
 

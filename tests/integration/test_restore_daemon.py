@@ -18,7 +18,7 @@ import pytest
 from etcd_agent.backup.service import BackupResult, take_backup
 from etcd_agent.errors import BusyError
 from etcd_agent.etcd.client import EtcdClient
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
+from etcd_agent.restore.host.facts import work_dir_for
 from etcd_agent.state import markers
 from tests.harness.loopback import LoopbackCluster
 from tests.integration.test_daemon import Daemons, wait_healthy

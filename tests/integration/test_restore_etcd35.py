@@ -25,12 +25,12 @@ from etcd_agent.backup.service import take_backup
 from etcd_agent.cli.main import main
 from etcd_agent.cluster.health import wait_converged
 from etcd_agent.errors import OperationFailed
+from etcd_agent.etcd.versions import can_bump
 from etcd_agent.hosts.local import LocalHost
 from etcd_agent.node.replies import HaltReply, RestoreReply, RollbackReply
 from etcd_agent.restore.host import journal as J
 from etcd_agent.restore.host.node import NodeRestore
 from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
-from etcd_agent.restore.orchestrator.precheck import can_bump
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY, release
 from tests.harness.watcher import Watcher, server_watchers

@@ -16,8 +16,8 @@ from etcd_agent.config import parse_text
 from etcd_agent.errors import AgentError, BackupCorrupt, OperationFailed, RefusedError
 from etcd_agent.node.replies import ReceiveReply
 from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host.facts import work_dir_for
 from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT, Landed, land_file
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # etcd 3.5.16, with its sha256 trailer

@@ -4,6 +4,9 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from etcd_agent.config import parse_text
+from etcd_agent.restore.host import conf as HC
+from etcd_agent.restore.host import facts as HF
+from etcd_agent.restore.host import setaside as HS
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
 from etcd_agent.restore.orchestrator import precheck as C
@@ -48,17 +51,17 @@ def manifest(**kw: Any) -> Dict[str, Any]:
     return m
 
 
-def facts(c: Any, name: str, **kw: Any) -> C.NodeFacts:
+def facts(c: Any, name: str, **kw: Any) -> HF.NodeFacts:
     m = c.member(name)
     d = dict(
-        member=name, protocol=C.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
+        member=name, protocol=HF.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
         etcdctl_version="3.4.23", etcdutl_version=None, free_bytes=10**10, data_dir=c.data_dir(name),
-        data_dir_state="member", work_dir=C.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
+        data_dir_state="member", work_dir=HF.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
         conf_present=True, unit_present=True, backend="systemd", running=True, fence_ok=True,
         fence_detail="", identity_match=True, peer_url=m.peer_url, client_url=m.client_url,
     )
     d.update(kw)
-    return C.NodeFacts.from_json(d, "test")
+    return HF.NodeFacts.from_json(d, "test")
 
 
 def check(c: Any, name: str, **kw: Any) -> list:
@@ -247,12 +250,12 @@ def test_rewrite_conf_keeps_tuning() -> None:
     c = cfg()
     m = c.member("master2")
     old = "# archive conf of master1\nETCD_NAME=master1\nETCD_HEARTBEAT_INTERVAL=250\nETCD_LISTEN_PEER_URLS=http://10.0.0.1:2380\nETCD_NAME=dup\n"
-    values = P.restore_conf_values(c, m, Bootstrap("master2", "existing", "master1=a,master2=b", "tok"))
-    new = parse_conf(P.rewrite_conf(old, values))
+    values = HC.restore_conf_values(c, m, Bootstrap("master2", "existing", "master1=a,master2=b", "tok"))
+    new = parse_conf(HC.rewrite_conf(old, values))
     assert new["ETCD_NAME"] == "master2" and new["ETCD_HEARTBEAT_INTERVAL"] == "250"
     assert new["ETCD_LISTEN_PEER_URLS"] == m.peer_url and new["ETCD_ADVERTISE_CLIENT_URLS"] == m.client_url
     assert new["ETCD_INITIAL_CLUSTER_TOKEN"] == "tok" and new["ETCD_INITIAL_CLUSTER"] == "master1=a,master2=b"
-    assert P.rewrite_conf(old, values).count("ETCD_NAME=") == 1
+    assert HC.rewrite_conf(old, values).count("ETCD_NAME=") == 1
 
 
 def test_cleanup_keeps_newest() -> None:
@@ -260,13 +263,13 @@ def test_cleanup_keeps_newest() -> None:
         "default.etcd", "default.etcd.pre-restore-20240101T000000Z", "default.etcd.pre-restore-20240301T000000Z",
         "default.etcd.failed-restore-20240201T000000Z", "other.etcd.pre-restore-20240401T000000Z", ".etcd-agent-restore-m1",
     ]
-    d = P.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=1)
+    d = HS.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=1)
     assert [(x.path.rsplit("/", 1)[1], x.keep) for x in d] == [
         ("default.etcd.pre-restore-20240301T000000Z", True),
         ("default.etcd.failed-restore-20240201T000000Z", False),
         ("default.etcd.pre-restore-20240101T000000Z", False),
     ]
-    assert all(not x.keep for x in P.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=0))
+    assert all(not x.keep for x in HS.cleanup_plan("/var/lib/etcd/default.etcd", entries, keep=0))
 
 
 def test_tokens() -> None:

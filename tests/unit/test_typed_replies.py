@@ -25,8 +25,8 @@ from etcd_agent.node.replies import (
     UpgradeReply,
 )
 from etcd_agent.restore.host import journal as J
+from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.receive import Landed
-from etcd_agent.restore.orchestrator.precheck import NodeFacts
 
 W = "m1 (10.0.0.1): node fence reply"
 

@@ -33,10 +33,10 @@ from etcd_agent.member.process import etcd_owner
 from etcd_agent.node import replies as R
 from etcd_agent.restore.host import journal as J
 from etcd_agent.restore.host import undo
+from etcd_agent.restore.host.conf import restore_conf_values, restored_cluster_id, rewrite_conf
+from etcd_agent.restore.host.facts import NODE_PROTOCOL, NodeFacts, work_dir_for
 from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
 from etcd_agent.restore.host.setaside import cleanup_set_aside, free_name
-from etcd_agent.restore.orchestrator import plan as P
-from etcd_agent.restore.orchestrator.precheck import NODE_PROTOCOL, NodeFacts, work_dir_for
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.state import bootstrap, lineage, markers
 from etcd_agent.state.pins import pinned_config
@@ -453,7 +453,7 @@ class NodeRestore:
         def do(j: J.Journal) -> R.StepReply:
             conf = self.cfg.conf_file(self.member.name)
             boot = Bootstrap(self.member.name, EXISTING, j.initial_cluster, j.token)
-            values = P.restore_conf_values(self.cfg, self.member, boot)
+            values = restore_conf_values(self.cfg, self.member, boot)
             try:
                 with open(conf, encoding="utf-8") as fh:
                     old: Optional[str] = fh.read()
@@ -467,7 +467,7 @@ class NodeRestore:
                 rep = R.RepairReply(conf="kept")
             else:
                 write_atomic(os.path.join(self.work_dir, undo.CONF_ORIG), old.encode(), mode=0o600)
-                write_atomic(conf, P.rewrite_conf(old, values).encode(), mode=0o644)
+                write_atomic(conf, rewrite_conf(old, values).encode(), mode=0o644)
                 rep = R.RepairReply(conf="identity/cluster keys rewritten (original kept for rollback)", conf_saved=True)
             unit = self.cfg.etcd.unit_file
             if self.cfg.etcd.service_manager != "systemd":
@@ -506,7 +506,7 @@ class NodeRestore:
 
         j = self._mine()
         me = serving.served_by(self.spots, self.backend.kind, self.backend.pid())
-        want = P.restored_cluster_id(j.initial_cluster, j.token)
+        want = restored_cluster_id(j.initial_cluster, j.token)
         url = self.member.client_url
         with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
             st = c.status(url)

@@ -34,7 +34,7 @@ from etcd_agent.fs import StagedFile, boot_id, enlarge_pipe, write_atomic
 from etcd_agent.node.protocol import PROTOCOL
 from etcd_agent.node.transfer import Decoder, FrameReader, Ready, Received, StreamError, require_codec
 from etcd_agent.restore.host import journal as J
-from etcd_agent.restore.orchestrator.precheck import work_dir_for
+from etcd_agent.restore.host.facts import work_dir_for
 from etcd_agent.state.locks import holder_of
 from etcd_agent.typedjson import Document
 

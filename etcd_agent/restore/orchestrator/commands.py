@@ -9,11 +9,12 @@ from etcd_agent.errors import AgentError, OperationFailed, RefusedError
 from etcd_agent.node.client import new_owner
 from etcd_agent.node.replies import CleanupReply
 from etcd_agent.node.sessions import HostNode, close_sessions, group_hosts, open_sessions
+from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator.live import Progress
 from etcd_agent.restore.orchestrator.options import Options
 from etcd_agent.restore.orchestrator.orchestrate import Restore
-from etcd_agent.restore.orchestrator.precheck import NodeFacts, rollback_refusal, split_by_restore
+from etcd_agent.restore.orchestrator.precheck import rollback_refusal, split_by_restore
 
 
 def rollback_open(

@@ -51,12 +51,12 @@ from etcd_agent.node.sessions import (
     open_sessions,
     parallel,
 )
+from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
 from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
 from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
 from etcd_agent.restore.orchestrator.precheck import (
-    NodeFacts,
     Resume,
     check_host,
     default_token,

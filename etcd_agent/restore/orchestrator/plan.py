@@ -6,76 +6,21 @@ this module builds the plan the operator sees (every step, the exact ``snapshot 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.config import Config, Member, merged
 from etcd_agent.etcd.lineage import LINEAGE_KEY
-from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
 from etcd_agent.etcd.tools import snapshot_restore_argv
-from etcd_agent.restore.orchestrator.precheck import BUMP_MIN_ETCDUTL, NodeFacts, can_bump, work_dir_for
-from etcd_agent.topology import Bootstrap, conf_vars, initial_cluster, member_pairs
+from etcd_agent.etcd.versions import BUMP_MIN_ETCDUTL, can_bump
+from etcd_agent.restore.host.facts import NodeFacts, work_dir_for
+from etcd_agent.topology import initial_cluster, member_pairs
 
 # What the Kubernetes docs use: far above any revision an apiserver watch cache has seen.
 BUMP_REVISION = 1_000_000_000
-# ETCD_* keys that carry a member's identity or the cluster it believes in: rewritten on repair.
-REWRITE_KEYS = (
-    "ETCD_NAME",
-    "ETCD_DATA_DIR",
-    "ETCD_LISTEN_PEER_URLS",
-    "ETCD_LISTEN_CLIENT_URLS",
-    "ETCD_INITIAL_ADVERTISE_PEER_URLS",
-    "ETCD_ADVERTISE_CLIENT_URLS",
-    "ETCD_INITIAL_CLUSTER",
-    "ETCD_INITIAL_CLUSTER_STATE",
-    "ETCD_INITIAL_CLUSTER_TOKEN",
-)
-ASIDE_TAGS = ("pre-restore", "failed-restore")
-
-
-def restored_cluster_id(initial_cluster: str, token: str) -> int:
-    """The cluster id ``snapshot restore`` gives the members of ``initial_cluster`` with ``token``
-    (etcd derives each member id from its peer URLs and the token, the cluster id from those):
-    what a member answers once it serves the restored data, and an old etcd never does."""
-    urls: Dict[str, List[str]] = {}
-    for pair in initial_cluster.split(","):
-        name, _, url = pair.partition("=")
-        urls.setdefault(name, []).append(url)
-    return cluster_id_from([member_id_from(u, token) for u in urls.values()])
-ASIDE_RE = re.compile(r"^(?P<base>.+)\.(?P<tag>pre-restore|failed-restore)-(?P<stamp>\d{8}T\d{6}Z)(?:\.(?P<n>\d+))?$")
 
 
 # ---------------------------------------------------------------- conf rewriting
-
-
-def rewrite_conf(text: str, values: Mapping[str, str]) -> str:
-    """``text`` (an EnvironmentFile) with the given keys set to ``values``; other lines (tuning,
-    comments) kept as they are; keys not present are appended."""
-    out: List[str] = []
-    done = set()
-    for raw in text.splitlines():
-        line = raw.strip()
-        key = line.split("=", 1)[0].strip() if "=" in line and not line.startswith(("#", ";")) else ""
-        if key.startswith("export "):
-            key = key[len("export "):].strip()
-        if key in values:
-            if key not in done:
-                out.append(f"{key}={values[key]}")
-                done.add(key)
-            continue  # a duplicate assignment would override ours: drop it
-        out.append(raw)
-    missing = [k for k in values if k not in done]
-    if missing:
-        out.append("# set by etcd-agent restore")
-        out += [f"{k}={values[k]}" for k in missing]
-    return "\n".join(out) + "\n"
-
-
-def restore_conf_values(cfg: Config, member: Member, boot: Bootstrap) -> Dict[str, str]:
-    """The ETCD_* identity values of ``member`` in the restored cluster (plus TLS files)."""
-    v = conf_vars(cfg, member, boot)
-    return {k: val for k, val in v.items() if k in REWRITE_KEYS or k.endswith("_FILE") or k.endswith("_AUTH")}
 
 
 # ---------------------------------------------------------------- the plan
@@ -337,28 +282,3 @@ def render_plan(plan: Plan) -> str:
 # ---------------------------------------------------------------- cleanup
 
 
-@dataclass(frozen=True)
-class AsideDecision:
-    path: str
-    keep: bool
-    reason: str
-
-
-def cleanup_plan(data_dir: str, entries: Sequence[str], keep: int) -> List[AsideDecision]:
-    """Which set-aside dirs of ``data_dir`` (names in its parent) to keep: the newest ``keep``."""
-    base = data_dir.rstrip("/")
-    parent, name = base.rsplit("/", 1) if "/" in base else (".", base)
-    found = []
-    for e in entries:
-        m = ASIDE_RE.match(e)
-        if m and m.group("base") == name:
-            found.append((m.group("stamp"), int(m.group("n") or 1), e, m.group("tag")))
-    found.sort(reverse=True)
-    out = []
-    for i, (stamp, _n, e, tag) in enumerate(found):
-        path = f"{parent}/{e}"
-        if i < keep:
-            out.append(AsideDecision(path, True, f"{tag} from {stamp}: among the newest {keep}"))
-        else:
-            out.append(AsideDecision(path, False, f"{tag} from {stamp}: older than the newest {keep}"))
-    return out

@@ -7,92 +7,16 @@ says whether this run resumes an unfinished restore. ``plan`` builds the plan fr
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.config import NAME_RE, Config, Member
 from etcd_agent.etcd.snapvalues import cluster_id_from, member_id_from
-from etcd_agent.node.protocol import PROTOCOL
+from etcd_agent.etcd.versions import parse_version
+from etcd_agent.restore.host.facts import NODE_PROTOCOL, NodeFacts
 from etcd_agent.restore.host.journal import DONE, ROLLED_BACK, JournalSummary
-from etcd_agent.typedjson import Document
-
-# Bumped when the JSON of `etcd-agent node ...` changes incompatibly; both ends must agree.
-NODE_PROTOCOL = PROTOCOL
-
 
 # ---------------------------------------------------------------- facts from `node precheck`
-
-
-@dataclass(frozen=True)
-class NodeFacts(Document):
-    """What one host reported about itself for one member (``node precheck``)."""
-
-    member: str
-    protocol: int
-    agent_version: str
-    etcd_version: Optional[str]
-    etcdctl_version: Optional[str]
-    etcdutl_version: Optional[str]
-    free_bytes: int
-    data_dir: str
-    data_dir_state: str  # absent | empty | member | other
-    work_dir: str
-    conf_file: str
-    conf_present: bool
-    unit_present: Optional[bool]  # None: the process backend has no unit
-    backend: str
-    running: bool
-    fence_ok: bool
-    fence_detail: str
-    identity_match: bool
-    tls_missing: Tuple[str, ...] = ()
-    journal: Optional[JournalSummary] = None
-    peer_url: str = ""
-    client_url: str = ""
-    # evidence of which cluster this host runs: its bootstrap record and its restore lineage
-    bootstrap_member_id: Optional[str] = None
-    bootstrap_cluster_id: Optional[str] = None
-    lineage: Tuple[Tuple[str, ...], ...] = ()
-    db_member_ids: Tuple[str, ...] = ()  # the members in the data dir's own db (read with etcd down)
-    db_note: str = ""  # why the data dir's db could not be read, if it could not
-    # the tools the host restores with: its agent.toml's, or its version pin's after a rolling
-    # upgrade (None from agents that do not say: the plan assumes this config's)
-    etcdctl_path: Optional[str] = None
-    etcdutl_path: Optional[str] = None
-    # processes serving this member (its data dir open, its ports) that this agent did not start:
-    # one sentence each, why the restore cannot go on (``member.serving.refusal``); a restore
-    # never moves a data dir from under them
-    foreign: Tuple[str, ...] = ()
-
-
-def parse_version(text: Optional[str]) -> Optional[Tuple[int, int, int]]:
-    """``"3.4.23"`` -> (3, 4, 23); None when unreadable."""
-    if not text:
-        return None
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-# etcdutl gained --bump-revision/--mark-compacted in 3.5.10 (etcd PR 16165); 3.5.0-3.5.9 reject
-# them as unknown flags, so a plain "3.5+" check would fail every restore on those releases.
-BUMP_MIN_ETCDUTL = (3, 5, 10)
-
-
-def can_bump(facts_or_version: Optional[str]) -> bool:
-    """``--bump-revision``/``--mark-compacted`` need etcdutl 3.5.10+ (etcdctl 3.4 has neither)."""
-    v = parse_version(facts_or_version)
-    return v is not None and v >= BUMP_MIN_ETCDUTL
-
-
-def work_dir_for(data_dir: str, member: str) -> str:
-    """Where one member's restore keeps its journal and shipped files: beside the data dir, so the
-    restored db lands on the same filesystem (the final step is a rename)."""
-    base = data_dir.rstrip("/")
-    parent = base.rsplit("/", 1)[0] or "/"
-    return f"{parent.rstrip('/')}/.etcd-agent-restore-{member}"
 
 
 # ---------------------------------------------------------------- pre-check rules
@@ -103,8 +27,6 @@ def required_free(snapshot_size: int) -> int:
     snapshot's size again), plus 10% and 64 MiB for the WAL. The old data dir is renamed, not
     copied, so it costs nothing."""
     return int(snapshot_size * 2 * 1.1) + 64 * 1024 * 1024
-
-
 
 
 def version_problems(snapshot_version: Optional[str], facts: NodeFacts) -> List[str]:

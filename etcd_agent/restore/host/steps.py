@@ -1,7 +1,8 @@
-"""The steps ``etcd-agent node serve`` runs, by name: the node protocol's server side.
+"""The restore's steps ``etcd-agent node serve`` runs, by name: the node protocol's server side.
 
 Each handler reads its typed arguments and calls the code that does the work on this host
-(restore steps, the upgrade of one member); the orchestrator reaches them only through
+(``NodeRestore``); ``cli/node.py`` registers this table with the other steps (the upgrade of one
+member, a backup, the session lock) into the node server; the orchestrator reaches them only through
 ``NodeClient.call(step, ...)``. Steps that change anything require the session's host lock.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 from etcd_agent.errors import AgentError, OperationFailed, RefusedError
 from etcd_agent.node.protocol import Args, str_list
-from etcd_agent.node.replies import BackupReply, MemberSteps, ReleaseReply, StepReply, StepsReply
+from etcd_agent.node.replies import MemberSteps, StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext
 from etcd_agent.typedjson import Document
 
@@ -154,38 +155,12 @@ def cleanup(ctx: NodeContext, args: Args) -> Document:
     return _node(ctx, args).cleanup(keep, dry_run)
 
 
-def upgrade_member(ctx: NodeContext, args: Args) -> Document:
-    from etcd_agent.member.upgrade import upgrade_member as step
-
-    ctx.require_lock("upgrade-member")
-    return step(ctx.cfg, args.text("member"), args.text("to"), args.number("timeout", 120.0))
-
-
-def release_version(ctx: NodeContext, args: Args) -> Document:
-    from etcd_agent.member.upgrade import release_versions
-
-    got = release_versions(ctx.cfg, args.text("version"))
-    return ReleaseReply(got.get("binary"), got.get("etcdctl"), got.get("etcdutl"))
-
-
-def backup(ctx: NodeContext, args: Args) -> Document:
-    """A verified backup written here, under the lock this session already holds."""
-    from etcd_agent.backup.service import take_backup
-
-    ctx.require_lock("backup")
-    b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False)
-    return BackupReply.from_json(b.to_json(), "node backup")  # BackupResult.to_json is the one shape
-
-
-def lock(ctx: NodeContext, args: Args) -> Document:
-    return ctx.take_lock()
-
-
 def handlers() -> Dict[str, Handler]:
+    """The restore's steps by name, for ``node serve`` to register (the node server never imports
+    the restore: it is handed this table)."""
     table: Dict[str, Handler] = {
-        "lock": lock,
         "precheck": precheck, "begin": begin, "steps": steps, "receive": receive, "finish": finish, "serving": serving,
-        "cleanup": cleanup, "upgrade-member": upgrade_member, "release-version": release_version, "backup": backup,
+        "cleanup": cleanup,
     }
     for name in SIMPLE_STEPS:
         table[name] = simple(name)
