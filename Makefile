@@ -28,7 +28,7 @@ DEMO_ETCD ?= /opt/etcd/$(DEMO_RELEASE)
 demo: deps-demo venv
 	$(VENV)/bin/etcd-agent demo --etcd $(DEMO_ETCD)/etcd --etcdctl $(DEMO_ETCD)/etcdctl
 
-# Every tier: the type check and lint, then unit, component (orchestration against scripted
+# Every tier: the type check, lint and the rooms' import contracts (import-linter), then unit, component (orchestration against scripted
 # hosts), integration (real etcd), multihost (namespaces
 # + sshd), systemd (nspawn), then the unit tier on Python 3.9. Each runs even when an earlier one
 # failed; the summary names every one that failed and the target fails if any did. pytest's exit
@@ -47,6 +47,7 @@ test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \
 	echo "== ruff"; $(VENV)/bin/ruff check etcd_agent tests bench || failed="$$failed ruff"; \
+	echo "== lint-imports"; $(VENV)/bin/lint-imports --no-cache || failed="$$failed lint-imports"; \
 	$(VENV)/bin/python -m compileall -q -j 0 etcd_agent >/dev/null || failed="$$failed compileall"; \
 	for t in $(TIERS); do \
 	  case $$t in integration) x="$(XDIST_integration)";; *) x="";; esac; \

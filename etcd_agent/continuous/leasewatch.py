@@ -10,8 +10,8 @@ import logging
 from typing import Callable, Dict, List, Optional, Set
 
 from etcd_agent.chain.segments import LeaseRecord
-from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd.rpc import EtcdRpc
 
 log = logging.getLogger(__name__)
 

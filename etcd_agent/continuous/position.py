@@ -19,7 +19,7 @@ from etcd_agent.chain import sign as segsign
 from etcd_agent.chain.check import BaseBackup, check_chain, verified
 from etcd_agent.chain.errors import ChainBroken, SegmentCorrupt
 from etcd_agent.chain.segments import SegmentHeader, SegmentInfo, list_segments
-from etcd_agent.continuous.rpc import StreamEnded
+from etcd_agent.etcd.rpc import StreamEnded
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient

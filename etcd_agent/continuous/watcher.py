@@ -45,7 +45,6 @@ from etcd_agent.chain.errors import ChainBroken, DeltaError
 from etcd_agent.chain.segments import PUT, Checkpoint, SegmentInfo, Txn
 from etcd_agent.chain.vouching import Census, Vouching
 from etcd_agent.chain.writer import SegmentWriter, remove_stale_temps
-from etcd_agent.continuous import proto
 from etcd_agent.continuous.leasewatch import LeaseTracker
 from etcd_agent.continuous.position import (
     ChainPosition,
@@ -55,9 +54,10 @@ from etcd_agent.continuous.position import (
     find_resume_point,
     member_break,
 )
-from etcd_agent.continuous.rpc import EtcdRpc, StreamEnded
 from etcd_agent.continuous.watchevents import Fragments, by_revision, decode
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc, StreamEnded
 from etcd_agent.fs import ensure_private_dir
 from etcd_agent.state.locks import Holder, OperationLock
 

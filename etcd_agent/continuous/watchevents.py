@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Iterator, List, Tuple
 
 from etcd_agent.chain.segments import Event, Txn
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import StreamEnded
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import StreamEnded
 
 MAX_FRAGMENTED = 512 * 1024 * 1024  # one response reassembled from fragments, at most
 

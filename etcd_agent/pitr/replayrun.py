@@ -46,10 +46,10 @@ from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import RawEvent, scan_segment
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc, KeepAliveStream
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd import proto
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
+from etcd_agent.etcd.rpc import EtcdRpc, KeepAliveStream
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leases import MIN_TTL, fate_of, lease_fates
 from etcd_agent.pitr.replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay

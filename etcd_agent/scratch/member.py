@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from etcd_agent.chain.errors import ScratchError
-from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from etcd_agent.chain import chains
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.continuous.status import read_breaks
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.waiting import poll
 from tests.harness.loopback import LoopbackCluster
 from tests.integration.test_daemon import Daemons, wait_healthy

@@ -13,8 +13,8 @@ from typing import Dict, List, Tuple
 import pytest
 
 from etcd_agent.chain import chains
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,
     beds,

@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 from etcd_agent.chain import chains
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,
     dump,

@@ -27,9 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from etcd_agent.config import Config, load
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.etcd import proto
 from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.etcd.rpc import EtcdRpc
 from tests.harness.netns import NetnsBed, NsHost
 
 pytestmark = pytest.mark.multihost

@@ -18,7 +18,7 @@ import pytest
 
 from etcd_agent.chain import chains
 from etcd_agent.config import Config, load
-from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.waiting import poll
 from tests.harness.netns import NetnsBed, NsHost

@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 from typing import Dict, Tuple
 
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc
 
 KV = Tuple[bytes, int, int, int, int]  # value, create_revision, mod_revision, version, lease
 

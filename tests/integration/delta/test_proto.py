@@ -2,7 +2,7 @@
 import pytest
 
 from etcd_agent.chain.segments import DELETE, PUT, Event
-from etcd_agent.continuous import proto
+from etcd_agent.etcd import proto
 from etcd_agent.etcd.pb import kv_pb2, rpc_pb2
 
 LIMIT = 1 << 20

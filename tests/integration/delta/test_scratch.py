@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from etcd_agent.chain.errors import ScratchError
-from etcd_agent.continuous import proto
+from etcd_agent.etcd import proto
 from etcd_agent.scratch.member import PORT_RANGE, ScratchOptions, scratch_etcd
 
 from .helpers import dump

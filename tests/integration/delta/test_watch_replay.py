@@ -9,8 +9,8 @@ from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.reader import read_segment
 from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Txn, list_segments
 from etcd_agent.chain.writer import SegmentWriter
-from etcd_agent.continuous import proto
 from etcd_agent.continuous.watcher import DeltaWatcher
+from etcd_agent.etcd import proto
 from etcd_agent.pitr.replay import Target
 from etcd_agent.pitr.replayrun import replay
 from etcd_agent.scratch.member import ScratchOptions, scratch_etcd, start_scratch

@@ -38,8 +38,8 @@ from typing import (
 
 from google.protobuf.message import Message
 
-from etcd_agent.continuous import proto
 from etcd_agent.errors import EtcdError
+from etcd_agent.etcd import proto
 from etcd_agent.etcd.client import map_grpc_error, parse_endpoint
 from etcd_agent.etcd.pb import rpc_pb2
 from etcd_agent.etcd.wire import serialize
