@@ -20,12 +20,11 @@ from urllib.parse import urlsplit
 import pytest
 from botocore.exceptions import ClientError
 
-from etcd_agent.backup import remote
 from etcd_agent.backup.archive import parse_name
-from etcd_agent.backup.remotebucket import Bucket
+from etcd_agent.bucket import offsite, remote
+from etcd_agent.bucket.client import Bucket
+from etcd_agent.chain.segments import segment_name
 from etcd_agent.config import Config
-from etcd_agent.delta import offsite
-from etcd_agent.delta.segments import segment_name
 from etcd_agent.errors import BackupError
 from tests.harness.rgw import RgwBed
 from tests.integration.test_backup_remote import MiB, _archive, _prefix, _sha, _with, remote_config
@@ -87,7 +86,7 @@ def test_verify_checksum_logs_the_check_that_really_ran(
 ) -> None:
     cfg = _with(cfg, verify="checksum")
     path = _archive(tmp_path, "etcd-2026-04-01-11-00-00.tar", 6 * MiB)
-    with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
+    with caplog.at_level(logging.INFO, logger="etcd_agent.bucket.remote"):
         remote.upload_and_verify(cfg, str(path), {})
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("copied "))
     assert "verified by checksum" not in line, line
