@@ -10,7 +10,9 @@ One session per host over the command's stdin/stdout, one JSON document per line
 - ``{"ping": n}`` lines keep the session alive while the caller waits; the server ends a session
   whose caller closed the stream or went silent for ``SILENCE_LIMIT`` seconds.
 
-Every line is at most ``MAX_LINE`` bytes and parsed with ``safejson`` limits.
+Every line is at most ``MAX_LINE`` bytes and parsed with ``safejson`` limits; each document is a
+``typedjson.Document``, so a malformed one is a ``ProtocolError`` naming its field ("node
+protocol: Hello.lock must be a boolean, not a string"), refused where it is read.
 """
 from __future__ import annotations
 
@@ -34,10 +36,7 @@ MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off
 SILENCE_LIMIT = 60.0
-
-
 WHERE = "node protocol"  # what a malformed document's ProtocolError starts with
-
 
 E = TypeVar("E", bound="_Enveloped")
 
