@@ -19,10 +19,9 @@ from etcd_agent.backup import archive, catalog
 from etcd_agent.backup.service import take_backup
 from etcd_agent.backup.verify import verify
 from etcd_agent.config import load
-from etcd_agent.errors import BackupError, BusyError
+from etcd_agent.errors import BackupError
 from etcd_agent.etcd.tools import snapshot_status
 from etcd_agent.hosts.local import LocalHost
-from etcd_agent.state.locks import OperationLock, lock_path_for
 from tests.harness.loopback import free_port_pairs
 from tests.harness.releases import DEFAULT, LEGACY, Release, release
 
@@ -412,14 +411,6 @@ def test_prune_dry_run_reasons(base: str, etcd: Etcd) -> None:
     assert os.path.exists(first)  # dry run
     r = cli(cfgp, "backup", "prune")
     assert r.returncode == 0 and not os.path.exists(first) and os.path.exists(second)
-
-
-def test_lock_busy_direct(base: str) -> None:
-    d = tempfile.mkdtemp(dir=base)
-    with OperationLock(lock_path_for(d), "restore"):
-        with pytest.raises(BusyError, match="restore"):
-            OperationLock(lock_path_for(d), "backup").acquire()
-    OperationLock(lock_path_for(d), "backup").acquire().release()
 
 
 def test_status_reports_the_last_backup(tmp_path):

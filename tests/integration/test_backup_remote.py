@@ -279,33 +279,6 @@ def test_credentials_file(cfg: Config, rgw: RgwBed, tmp_path: Path) -> None:
         remote.list_remote(fcfg)
 
 
-def test_config_validation_for_remote() -> None:
-    text = """
-[[member]]
-name = "m1"
-host = "127.0.0.1"
-[backup.remote]
-enabled = true
-endpoint = "https://user:pw@oss.example.com/x"
-access_key = "AKIAONLY"
-addressing_style = "sideways"
-verify = "hope"
-part_size_mb = 1
-keep_last = 0
-"""
-    _, errors = parse_text(text)
-    joined = "\n".join(errors)
-    for expected in (
-        "backup.remote.endpoint", "backup.remote.bucket is required", "given together",
-        "addressing_style", "backup.remote.verify", "part_size_mb", "backup.remote.keep_last",
-    ):
-        assert expected in joined, (expected, errors)
-    assert "pw" not in joined and "AKIAONLY" not in joined
-    _, errors = parse_text(text.replace("part_size_mb = 1", "part_size_mb = 1\nsecret_key = 7\nbogus = 1"))
-    assert "backup.remote.secret_key: expected a string, got <hidden>" in errors
-    assert "backup.remote: unknown key 'bogus'" in errors
-
-
 def test_big_upload_memory_stays_flat(cfg: Config, rgw: RgwBed, tmp_path: Path) -> None:
     import psutil
 

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from etcd_agent.cluster.status import cluster_status
-from etcd_agent.daemon import health
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.waiting import poll
 from tests.harness.loopback import LoopbackCluster
@@ -125,15 +124,6 @@ def test_daemons_bootstrap_heal_and_replace(daemons, bootstrap):
 
     d.stop()
     assert not any(lm.backend.is_active() for lm in d.c.members), "daemon stop left etcd running"
-
-
-def test_decide_never_bootstraps_twice():
-    """A host that ran a member and lost its data with nobody answering waits; it does not seed."""
-    o = health.Observation(member="m1", bootstrap="incremental", is_seed=True, has_data=False, conf_present=True,
-                           unit_state="inactive", local_healthy=False, cluster_reachable=False, voters=0,
-                           healthy_voters=0, self_listed=False, self_started=False, failures=0,
-                           ever_bootstrapped=True)
-    assert health.decide(o).action == health.WAIT
 
 
 def test_daemon_respects_leave_until_join(daemons):

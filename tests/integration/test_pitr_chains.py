@@ -16,6 +16,7 @@ from etcd_agent.backup import keys
 from etcd_agent.chain import chains
 from etcd_agent.chain.reader import read_header, verify_segment
 from etcd_agent.daemon.metrics import samples
+from tests.harness.chains import EVIL, append_tail, strip_signatures, tree
 from tests.harness.loopback import free_port_pairs
 from tests.harness.rgw import RgwBed
 from tests.integration.continuous import (
@@ -32,8 +33,6 @@ from tests.integration.continuous import (
     wait_for,
     wait_watching,
 )
-from tests.integration.delta.test_hostile_chains import tree
-from tests.integration.delta.test_signed_chains import EVIL, append_tail, strip_signatures
 
 pytestmark = pytest.mark.integration
 

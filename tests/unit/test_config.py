@@ -432,3 +432,30 @@ def test_config_validate_names_a_backup_dir_linked_into_the_data_dir(tmp_path, c
     err = capsys.readouterr().err
     assert f"etcd.data_dir {str(tmp_path / 'etcd' / 'a')!r} and backup.dir {str(link)!r} overlap once links" in err
     assert "Traceback" not in err
+
+
+def test_config_validation_for_remote() -> None:
+    text = """
+[[member]]
+name = "m1"
+host = "127.0.0.1"
+[backup.remote]
+enabled = true
+endpoint = "https://user:pw@oss.example.com/x"
+access_key = "AKIAONLY"
+addressing_style = "sideways"
+verify = "hope"
+part_size_mb = 1
+keep_last = 0
+"""
+    _, errors = parse_text(text)
+    joined = "\n".join(errors)
+    for expected in (
+        "backup.remote.endpoint", "backup.remote.bucket is required", "given together",
+        "addressing_style", "backup.remote.verify", "part_size_mb", "backup.remote.keep_last",
+    ):
+        assert expected in joined, (expected, errors)
+    assert "pw" not in joined and "AKIAONLY" not in joined
+    _, errors = parse_text(text.replace("part_size_mb = 1", "part_size_mb = 1\nsecret_key = 7\nbogus = 1"))
+    assert "backup.remote.secret_key: expected a string, got <hidden>" in errors
+    assert "backup.remote: unknown key 'bogus'" in errors

@@ -107,3 +107,12 @@ def test_unreadable_marker_still_pauses(tmp_path):
     assert rec is not None and rec.op == "?"
     assert [r.member for r in markers.read_restores(cfg)] == ["m1"]
     assert markers.clear_restore(cfg, "m1") and markers.read_restores(cfg) == []
+
+
+def test_decide_never_bootstraps_twice():
+    """A host that ran a member and lost its data with nobody answering waits; it does not seed."""
+    o = h.Observation(member="m1", bootstrap="incremental", is_seed=True, has_data=False, conf_present=True,
+                      unit_state="inactive", local_healthy=False, cluster_reachable=False, voters=0,
+                      healthy_voters=0, self_listed=False, self_started=False, failures=0,
+                      ever_bootstrapped=True)
+    assert h.decide(o).action == h.WAIT

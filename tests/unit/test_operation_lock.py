@@ -8,7 +8,7 @@ from typing import Any, Optional
 import pytest
 
 from etcd_agent.errors import BusyError
-from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, holder_of
+from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, holder_of, lock_path_for
 from tests.harness.fakes import FakeClock
 
 
@@ -140,3 +140,12 @@ def test_a_lock_whose_run_is_gone_is_named_stale_with_what_to_do(tmp_path: Any) 
         assert "STALE" not in ei.value.message
     finally:
         held.release()
+
+
+def test_lock_busy_direct(tmp_path: Any) -> None:
+    """A backup dir's lock held by a restore refuses a backup naming it; released, a backup takes it."""
+    d = str(tmp_path)
+    with OperationLock(lock_path_for(d), "restore"):
+        with pytest.raises(BusyError, match="restore"):
+            OperationLock(lock_path_for(d), "backup").acquire()
+    OperationLock(lock_path_for(d), "backup").acquire().release()

@@ -1,4 +1,5 @@
-"""Delta segments and replay: pure parts first, then real etcd 3.5.16 on loopback.
+"""The watcher, replay and throwaway etcd against real etcd 3.5.16 on loopback (the pure tests
+of segments, chains and plans are in tests/unit: test_chain_*, test_pitr_*).
 
 Every etcd started here is a ``scratch`` member (random loopback ports 10000-21998, a private
 dir) and is stopped by the fixture that started it.

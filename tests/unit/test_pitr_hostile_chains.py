@@ -26,10 +26,11 @@ from etcd_agent.config import parse_text
 from etcd_agent.errors import RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target
+from tests.harness.chains import tree
 
-from .test_segments import write_chain
+from .test_chain_segments import write_chain
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # members m1..m3, revision 3
 SNAP_SHA = hashlib.sha256(SNAP).hexdigest()
 FULL = "etcd-2019-08-07-13-00-00.tar"
@@ -68,16 +69,6 @@ def with_key(cfg: Any, tmp_path: Any, key: bytes) -> Any:
         fh.write(key.hex() + "\n")
     os.chmod(keys.key_path(cfg), 0o600)
     return cfg
-
-
-def tree(root: str) -> Dict[str, Tuple[int, int]]:
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            out[p] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def rewrite(path: str, mutate: Callable[[SegmentHeader], SegmentHeader], name: str = "") -> str:
@@ -172,7 +163,7 @@ CASES = [bit_flip, truncate_at_record, other_cluster, reordered, duplicated, for
 
 def test_the_chain_as_written_is_accepted(bed: Any) -> None:
     cfg, _d, _segs = bed
-    p = pitr.prepare(cfg, "latest", Target.to_revision(END), accept_unsigned=True)  # (signatures: test_signed_chains)
+    p = pitr.prepare(cfg, "latest", Target.to_revision(END), accept_unsigned=True)  # (signatures: test_pitr_signed_chains)
     assert p.plan.complete and p.plan.stop_revision == END
 
 

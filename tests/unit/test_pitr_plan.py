@@ -9,7 +9,7 @@ from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.segments import list_segments, ms_to_datetime
 from etcd_agent.pitr.replay import Target, plan_replay
 
-from .test_segments import T0, write_chain
+from .test_chain_segments import T0, write_chain
 
 
 def chain(tmp_path):

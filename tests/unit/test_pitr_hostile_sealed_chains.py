@@ -1,7 +1,7 @@
 """Hostile encrypted delta chains (``.seg.age``) handed to a point-in-time restore: each refused
 in one sentence, nothing written beyond the replay's dirs (``<backup dir>/.pitr``: its lock, and
 the private staging dir of decrypted segments, which is gone after the refusal). Pure: the bed
-of test_hostile_chains with its chain encrypted, no etcd; ``open_pitr_source`` is what
+of test_pitr_hostile_chains with its chain encrypted, no etcd; ``open_pitr_source`` is what
 `restore --to-*` runs first, here with the replay it never reaches cut off.
 
 Every case counts the bytes the refusal left anywhere under the test's dir outside ``.pitr``:
@@ -25,9 +25,10 @@ from etcd_agent.errors import IdentityRefused, RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target
 from etcd_agent.restore.orchestrator.source import open_pitr_source
+from tests.harness.chains import tree
 
-from . import test_hostile_chains as plain
-from .test_segments import write_chain
+from . import test_pitr_hostile_chains as plain
+from .test_chain_segments import write_chain
 
 KEY = bytes(range(32))  # the cluster's manifest key, as the daemon's host has it
 END = plain.END
@@ -173,7 +174,7 @@ def outside_pitr(root: str) -> Any:
     """The tree without the replay's dirs - ``.pitr`` in the backup dir, the private dir of its
     plaintext in the state dir (``pitr.private_dir``) - and without the backup and state dirs' own
     mtimes, which their creation changes."""
-    return {p: v for p, v in plain.tree(root).items()
+    return {p: v for p, v in tree(root).items()
             if "/.pitr" not in p and f"/{pitr.PRIVATE_DIR}" not in p and not p.endswith(("/backups", "/state"))}
 
 

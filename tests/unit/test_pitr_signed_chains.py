@@ -1,6 +1,6 @@
 """Plain delta segments signed with the cluster's manifest key (an HMAC in the footer), and what a
 point-in-time restore does with a forged, wrongly signed or unsigned tail, or a wholly unsigned
-(legacy) chain. Pure: the bed of test_hostile_chains with its chain signed, the key beside the
+(legacy) chain. Pure: the bed of test_pitr_hostile_chains with its chain signed, the key beside the
 config as a master has it, no etcd; ``pitr.prepare`` is what a restore runs first.
 
 Every refusal counts the bytes it wrote anywhere under the test's dir: 0 is the rule."""
@@ -32,14 +32,15 @@ from etcd_agent.continuous.position import find_resume_point
 from etcd_agent.errors import RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target
+from tests.harness.chains import EVIL, append_tail, strip_signatures, tree
 
-from . import test_hostile_chains as plain
-from .test_segments import write_chain
+from . import test_pitr_hostile_chains as plain
+from .test_chain_segments import write_chain
 
 KEY = bytes(range(32))  # the cluster's manifest key, as the daemon's host has it
 WRONG = bytes(range(1, 33))  # a key an attacker made up
 END = plain.END
-EVIL = "/registry/clusterrolebindings/evil"
+
 
 
 @pytest.fixture
@@ -54,19 +55,6 @@ def signed_bed(tmp_path: Any) -> Iterator[Tuple[Any, str, List[str]]]:
     yield cfg, d, list_segments(d)
 
 
-def append_tail(d: str, sign_key: Optional[bytes]) -> str:
-    """A well-formed segment continuing the chain (linked by sha256, next seq and revision) with
-    one put the cluster never saw, written by the segment writer with ``sign_key``."""
-    last = verify_segment(list_segments(d)[-1])
-    h = last.header
-    rev = last.end_revision + 1
-    t = last.footer.end_time_ms + 10
-    w = SegmentWriter(d, dataclasses.replace(h, seq=h.seq + 1, start_revision=rev, prev_sha256=last.sha256,
-                                             start_time_ms=t), sign_key=sign_key)
-    w.add_txn(Txn(rev, t, (Event(PUT, EVIL.encode(), b"cluster-admin", rev, rev, 1, 0),)))
-    return w.close(t + 10, confirmed=True).path
-
-
 def edit_footer(path: str, change: Any) -> None:
     """The footer rewritten (its signature kept) and the file's digest made right again."""
     raw = open(path, "rb").read()
@@ -79,28 +67,12 @@ def edit_footer(path: str, change: Any) -> None:
     open(path, "wb").write(new + hashlib.sha256(new).digest())
 
 
-def strip_signatures(d: str) -> None:
-    """The chain as a daemon before signed segments wrote it: the same records, no signature,
-    each header linking to the rewritten file before it."""
-    prev = ""
-    for p in list_segments(d):
-        seg = read_segment(p)
-        os.unlink(p)
-        h = seg.info.header
-        w = SegmentWriter(d, dataclasses.replace(h, prev_sha256=prev))
-        for t in seg.txns:
-            w.add_txn(t)
-        for rec in seg.info.lease_records:
-            w.add_lease(rec)
-        prev = w.close(seg.info.footer.end_time_ms, confirmed=seg.info.footer.confirmed).sha256
-
-
 def refused(cfg: Any, d: str, target: Target, **kw: Any) -> str:
     root = os.path.dirname(d)
-    before = plain.tree(root)
+    before = tree(root)
     with pytest.raises(RefusedError) as exc:
         pitr.prepare(cfg, "latest", target, **kw)
-    after = plain.tree(root)
+    after = tree(root)
     msg = exc.value.message
     assert "\n" not in msg and msg.endswith("nothing touched"), msg
     assert after == before, sorted(set(after) ^ set(before))

@@ -25,10 +25,11 @@ from etcd_agent.chain.segments import SegmentHeader, list_segments, segment_name
 from etcd_agent.errors import RefusedError
 from etcd_agent.pitr import prepare as pitr
 from etcd_agent.pitr.replay import Target
+from tests.harness.chains import tree
 
-from . import test_hostile_chains as plain
-from .test_hostile_chains import DATA, END, FULL, FULL_MS, SNAP, SNAP_SHA, build, rewrite, tree
-from .test_segments import write_chain
+from . import test_pitr_hostile_chains as plain
+from .test_chain_segments import write_chain
+from .test_pitr_hostile_chains import DATA, END, FULL, FULL_MS, SNAP, SNAP_SHA, build, rewrite
 
 SNAP34 = open(os.path.join(DATA, "snap-a-34.db"), "rb").read()  # cluster "a" again, revision 3, other bytes
 SNAP34_SHA = hashlib.sha256(SNAP34).hexdigest()
@@ -38,7 +39,7 @@ KEY = bytes(range(32))
 
 @pytest.fixture
 def bed(tmp_path: Any) -> Iterator[Any]:
-    """test_hostile_chains' bed: FULL (revision 3) and its chain 4..15, three segments."""
+    """test_pitr_hostile_chains' bed: FULL (revision 3) and its chain 4..15, three segments."""
     yield from plain.bed.__wrapped__(tmp_path)  # type: ignore[attr-defined]
 
 
@@ -75,7 +76,7 @@ def ALL(h: SegmentHeader) -> SegmentHeader:  # noqa: N802 - a marker: every segm
 
 
 def prep(cfg: Any, spec: str, target: Target) -> Any:
-    """``pitr.prepare`` of these unsigned chains (their signatures: test_signed_chains): whose chain
+    """``pitr.prepare`` of these unsigned chains (their signatures: test_pitr_signed_chains): whose chain
     it is, not that nobody signed it, is what these tests judge."""
     return pitr.prepare(cfg, spec, target, accept_unsigned=True)
 

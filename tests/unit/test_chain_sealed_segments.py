@@ -16,7 +16,7 @@ from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous.position import find_resume_point
 from etcd_agent.errors import IdentityRefused
 
-from .test_segments import put, write_chain
+from .test_chain_segments import put, write_chain
 
 KEY = b"\x07" * 32
 
