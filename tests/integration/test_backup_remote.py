@@ -123,7 +123,7 @@ def _keys(cfg: Config, s3: S3Server) -> List[str]:
     return sorted(o["Key"] for o in resp.get("Contents", []))
 
 
-@pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
+@pytest.mark.parametrize("mode", ["auto", "etag", "download"])
 @pytest.mark.parametrize("size", [300 * 1024, 11 * MiB], ids=["single-put", "multipart"])
 def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, mode: str, size: int) -> None:
     cfg = _with(cfg, verify=mode)
@@ -149,7 +149,7 @@ def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, 
     assert os.listdir(dest) == [obj.name]
 
 
-@pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
+@pytest.mark.parametrize("mode", ["auto", "etag", "download"])
 @pytest.mark.parametrize("with_checksum", [False, True], ids=["plain", "own-checksum"])
 def test_copy_corrupted_before_verification_is_deleted(
     cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, with_checksum: bool
