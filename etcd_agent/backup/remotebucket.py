@@ -220,8 +220,10 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], dead
         connect_timeout=r.connect_timeout,
         read_timeout=r.read_timeout,
         # botocore retries only throttling, 5xx, timeouts and connection errors, with backoff; a
-        # hung gateway costs at most max_attempts x (connect_timeout + read_timeout) a request
-        retries={"mode": "standard", "max_attempts": r.max_attempts},
+        # hung gateway costs at most max_attempts x (connect_timeout + read_timeout + the 1 s a
+        # PUT waits for "100 Continue") a request, plus the backoff. total_max_attempts counts
+        # the first try; botocore's "max_attempts" would count retries only (one more than said)
+        retries={"mode": "standard", "total_max_attempts": r.max_attempts},
         # botocore >= 1.36 adds CRC32 checksum trailers to every upload, which several
         # S3-compatible servers (OSS, older Ceph RGW) reject; we send our own digests instead
         request_checksum_calculation="when_required",

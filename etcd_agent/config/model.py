@@ -131,9 +131,9 @@ class RemoteSection:
     verify: str = "auto"
     part_size_mb: int = 16
     # seconds, not minutes: a hung gateway (accepts, never answers) fails a request within
-    # max_attempts x (connect_timeout + read_timeout) plus botocore's backoff, < 60 s by default
+    # max_attempts x (connect_timeout + read_timeout + 1 s) plus botocore's backoff, < 60 s by default
     connect_timeout: float = 5.0
-    read_timeout: float = 12.0
+    read_timeout: float = 10.0
     max_attempts: int = 3
     # one object's upload, download or check, retries included, ends after this many seconds
     # plus one per MiB of the object (a floor rate of 1 MiB/s)

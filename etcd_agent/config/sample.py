@@ -99,7 +99,7 @@ host = "10.0.0.13"
 #                                     # the MD5 ETag (Ceph RGW), else a read-back; "checksum" (or the
 #                                     # copy fails), "etag", "download"
 # connect_timeout = 5.0               # seconds; a hung gateway fails a request within
-# read_timeout = 12.0                 # max_attempts x (connect_timeout + read_timeout) + backoff
+# read_timeout = 10.0                 # max_attempts x (connect_timeout + read_timeout + 1) + backoff
 # max_attempts = 3
 # deadline = 120.0                    # one object, retries included: this plus 1 s a MiB of it
 # keep_last = 7
