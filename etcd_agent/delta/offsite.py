@@ -39,13 +39,14 @@ def remote_name(base_revision: int, path: str) -> str:
     return f"delta-{base_revision:016d}/{os.path.basename(path)}"
 
 
-def upload_segment(cfg: Config, path: str, base_revision: int) -> None:
+def upload_segment(cfg: Config, path: str, base_revision: int) -> str:
+    """Copy one segment; returns the check that verified the copy (``backup.remote.CHECKS``)."""
     from etcd_agent.backup.remote import upload_file
 
     h = read_header(path)
-    upload_file(cfg, path, remote_name(base_revision, path), lambda sha: {
+    return upload_file(cfg, path, remote_name(base_revision, path), lambda sha: {
         "sha256": sha, "base-revision": str(base_revision), "chain-id": h.chain_id, "seq": str(h.seq),
-    })
+    }).verified_by
 
 
 def remote_chains(cfg: Config) -> Dict[int, List[str]]:
@@ -96,6 +97,7 @@ class Uploader:
         self.pending = 0
         self.failures = 0
         self.uploaded = 0
+        self.verified: Dict[str, int] = {}  # copies by the check that verified them (a metric label)
         self._mu = threading.Lock()
 
     def start(self) -> None:
@@ -128,8 +130,9 @@ class Uploader:
                 if kind == "sync":
                     self._sync(cfg, base)
                 elif os.path.exists(path):  # a pruned segment needs no copy
-                    upload_segment(cfg, path, base)
+                    check = upload_segment(cfg, path, base)
                     self.uploaded += 1
+                    self.verified[check] = self.verified.get(check, 0) + 1
                 if kind == "segment":
                     with self._mu:
                         self.pending -= 1

@@ -552,7 +552,8 @@ class DeltaSupervisor:
                              durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
                              chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
         if self._uploader is not None:
-            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures)
+            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures,
+                         uploads=dict(self._uploader.verified))
         return st
 
     def _write_textfile(self, cfg: Optional[Config] = None, *, force: bool = False) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
@@ -103,3 +103,15 @@ def test_a_hung_gateway_never_holds_up_the_segments(bed: Any, rgw: Any) -> None:
     finally:
         rgw.resume()
     wait_for(lambda: set(b.copied()) >= set(b.local()), 90, "every segment copied once the gateway answers")
+    # the textfile names the check that verified them: on RGW, Content-MD5 and the ETag
+    wait_for(lambda: uploads(b.c).get("etag", 0) >= len(b.local()), 30, "the uploads counted by check")
+    assert uploads(b.c).get("checksum") == 0 and uploads(b.c).get("read-back") == 0
+
+
+def uploads(c: Any) -> Dict[str, float]:
+    from etcd_agent.daemon.metrics import samples
+
+    path = os.path.join(os.path.dirname(c.cfg.backup.metrics_file or ""), "etcd_agent_delta.prom")
+    with open(path) as fh:
+        return {labels["check"]: v for name, labels, v in samples(fh.read())
+                if name == "etcd_agent_delta_uploads_total"}
