@@ -240,10 +240,10 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], dead
 def probe(b: "Bucket") -> Integrity:
     """What the store enforces, found once per endpoint and bucket (cached for the process).
 
-    A tiny object is put with a deliberately wrong x-amz-checksum-sha256, then a wrong Content-MD5:
-    only a refusal proves the store checks that header (Ceph RGW 16 accepts the wrong SHA-256 and
-    never returns it, but refuses a wrong MD5). Then with the right SHA-256, whether HEAD with
-    ChecksumMode gives it back. The probe objects are deleted; they sit under the prefix with a
+    A tiny object is put with the right x-amz-checksum-sha256 (does HEAD with ChecksumMode give it
+    back?), then with a deliberately wrong one, then with a wrong Content-MD5: only a refusal
+    proves the store checks that header (Ceph RGW 16 accepts the wrong SHA-256 and never returns
+    it, but refuses a wrong MD5). The probe objects are deleted; they sit under the prefix with a
     name no backup or segment has, so listings pass over a leftover."""
     r = b.section
     key = (r.endpoint or f"aws:{r.region}", r.region, b.bucket)
@@ -272,12 +272,14 @@ def probe(b: "Bucket") -> Integrity:
 
     with b.within(), b.errors(f"cannot probe what {b.endpoint_name()} checks (put, head and delete {b.where(name)})"):
         try:
-            sha_enforced = put_refused(ChecksumSHA256=base64.b64encode(wrong).decode())
-            md5_enforced = put_refused(ContentMD5=base64.b64encode(hashlib.md5(b"not the body").digest()).decode())
+            # the right value first: a store that refuses the header itself checks nothing with it
             right = base64.b64encode(hashlib.sha256(body).digest()).decode()
-            b.client.put_object(Bucket=b.bucket, Key=b.key(name), Body=body, ChecksumSHA256=right)
-            head = b.client.head_object(Bucket=b.bucket, Key=b.key(name), ChecksumMode="ENABLED")
-            returned = head.get("ChecksumSHA256") == right
+            sha_enforced = returned = False
+            if not put_refused(ChecksumSHA256=right):
+                head = b.client.head_object(Bucket=b.bucket, Key=b.key(name), ChecksumMode="ENABLED")
+                returned = head.get("ChecksumSHA256") == right
+                sha_enforced = put_refused(ChecksumSHA256=base64.b64encode(wrong).decode())
+            md5_enforced = put_refused(ContentMD5=base64.b64encode(hashlib.md5(b"not the body").digest()).decode())
         finally:
             if not b.hung:
                 with contextlib.suppress(Exception):

@@ -140,6 +140,10 @@ def test_rgw_is_probed_and_copies_are_verified_by_what_it_enforces(
         path = _archive(tmp_path, name, size)
         obj = remote.upload_and_verify(cfg, str(path), {})
         assert obj.verified_by == "etag" and obj.to_json()["verified_by"] == "etag"
+        # and back, If-Match the ETag HEAD saw, sha256 checked
+        assert remote.verify_remote(cfg, name).sha256 == obj.sha256
+        got = remote.download(cfg, name, str(tmp_path / f"back-{name}"))
+        assert Path(got).read_bytes() == path.read_bytes()
     assert "verified by etag (Content-MD5 of every part" in caplog.text
     assert "verified by checksum" not in caplog.text
 
