@@ -24,8 +24,8 @@ pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
 
 
-@pytest.fixture
-def cfg(rgw: RgwBed) -> Config:
+def remote_config(rgw: RgwBed) -> Config:
+    """A config whose [backup.remote] is a fresh bucket of the bed (path style, 5 MiB parts)."""
     bucket = rgw.new_bucket()
     text = f"""
 [cluster]
@@ -45,6 +45,11 @@ part_size_mb = 5
     c, errors = parse_text(text)
     assert not errors and c is not None
     return c
+
+
+@pytest.fixture
+def cfg(rgw: RgwBed) -> Config:
+    return remote_config(rgw)
 
 
 def _with(cfg: Config, **remote_fields: Any) -> Config:
