@@ -22,10 +22,14 @@ def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgwBed]:
 
 
 @pytest.fixture(autouse=True)
-def _rgw_heal(request: pytest.FixtureRequest) -> Iterator[None]:
+def _rgw_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a test that used a bed, its gateway serves again (a test may pause or stop it and
-    fail before it resumes): the next test must not inherit a hung or stopped gateway."""
+    fail before it resumes: the next test must not inherit a hung or stopped gateway), and the
+    test's buckets are removed (the bed keeps its data in RAM); buckets of module or session
+    fixtures, made before this function-scoped fixture runs, are kept."""
+    beds = [request.getfixturevalue(n) for n in ("rgw", "rgw_bridge") if n in request.fixturenames]
+    for bed in beds:
+        bed.begin_test()
     yield
-    for name in ("rgw", "rgw_bridge"):
-        if name in request.fixturenames:
-            request.getfixturevalue(name).heal()
+    for bed in beds:
+        bed.after_test()

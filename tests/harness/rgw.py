@@ -94,6 +94,7 @@ class RgwBed:
         self.procs: Dict[str, "subprocess.Popen[bytes]"] = {}
         self._lock: Optional[IO[str]] = None
         self._buckets = 0
+        self._fresh: List[str] = []  # buckets new_bucket() made since begin_test()
         self._paused = False
 
     # ------------------------------------------------------------------ what tests use
@@ -120,7 +121,32 @@ class RgwBed:
             self._buckets += 1
             name = f"t{self._buckets}-{uuid.uuid4().hex[:12]}"
         self.client().create_bucket(Bucket=name)
+        self._fresh.append(name)
         return name
+
+    def begin_test(self) -> None:
+        """A test starts: buckets made so far belong to wider-scoped fixtures and are kept."""
+        self._fresh = []
+
+    def after_test(self) -> None:
+        """A test ended: the gateway serves again (``heal``), and the buckets ``new_bucket`` made
+        since ``begin_test`` (the test's own and its function fixtures') are emptied and removed:
+        the OSD keeps every byte in RAM for the whole session."""
+        self.heal()
+        buckets, self._fresh = self._fresh, []
+        s3 = self.client()
+        for bucket in buckets:
+            try:
+                for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+                    for up in page.get("Uploads", []):
+                        s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                    if keys:
+                        s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+                s3.delete_bucket(Bucket=bucket)
+            except s3.exceptions.NoSuchBucket:
+                pass  # the test removed it itself
 
     def pause(self) -> None:
         """SIGSTOP radosgw: a hung gateway; the kernel still accepts TCP connections for it."""
@@ -144,8 +170,8 @@ class RgwBed:
 
     def heal(self) -> None:
         """Whatever a test did to the gateway (paused, stopped), it serves again."""
-        if _alive(self.procs.get("rgw")) and self._paused:
-            self.resume()
+        if _alive(self.procs.get("rgw")):
+            self.resume()  # SIGCONT: harmless to a gateway that runs
         self.start_gateway()
 
     def rss_bytes(self) -> Dict[str, int]:

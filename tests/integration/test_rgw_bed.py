@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Dict
 
 import psutil
 import pytest
@@ -73,10 +74,30 @@ def test_beds_claim_distinct_port_blocks(tmp_path: Path) -> None:
         a.down()
 
 
-def test_session_bed_serves(rgw: RgwBed) -> None:
-    """The shared fixture: a bucket of the test's own on a running gateway."""
+@pytest.fixture(scope="module")
+def module_bucket(rgw: RgwBed) -> str:
+    return rgw.new_bucket()
+
+
+MADE: Dict[str, str] = {}
+
+
+def test_session_bed_serves_then_a_test_leaves_it_paused(rgw: RgwBed, module_bucket: str) -> None:
+    """The shared fixture: a bucket of the test's own on a running gateway; the test ends with
+    the gateway paused (as a failing fault test would)."""
     bucket = rgw.new_bucket()
     s3 = rgw.client()
     s3.put_object(Bucket=bucket, Key="k", Body=b"v")
+    s3.put_object(Bucket=module_bucket, Key="k", Body=b"v")
+    s3.create_multipart_upload(Bucket=bucket, Key="half")
     assert [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]] == ["k"]
     assert rgw.endpoint.startswith("http://127.0.0.1:")
+    MADE.update(test=bucket, module=module_bucket)
+    rgw.pause()
+
+
+def test_the_next_test_gets_a_serving_gateway_and_no_leftover_buckets(rgw: RgwBed, module_bucket: str) -> None:
+    assert MADE, "runs after the test above (same file, same worker)"
+    names = {b["Name"] for b in rgw.client(read_timeout=5).list_buckets()["Buckets"]}
+    assert MADE["test"] not in names, "the previous test's bucket was not removed"
+    assert module_bucket == MADE["module"] and module_bucket in names, "a module fixture's bucket was removed"
