@@ -12,7 +12,12 @@ Ports: each bed claims a block of ``BLOCK`` consecutive ports from ``FIRST_PORT`
 messenger ports for the OSD, the S3 port last) by an exclusive flock on a file named after the
 block, held for the bed's life. The script picks the first block nothing listens on, which two
 beds starting at once (two xdist workers, two worktrees) would both pick; the flock makes the pick
-exclusive, and a block where anything else listens is skipped as before.
+exclusive, and a block where anything else listens (a bed of rgw_up.sh, which takes no flock) is
+skipped as before.
+
+Measured here: up() ~6 s (the first write's pool creation included), idle RSS ~140 MiB (mon ~39,
+OSD ~52, radosgw ~47 MiB). Faults for tests: ``pause()`` (SIGSTOP: TCP still accepted, no answer),
+``stop_gateway()`` / ``start_gateway()`` (refused, then back on the same port with the same data).
 
 Debian packages: ceph-mon ceph-osd radosgw (``packaging/install-deps.sh test``).
 """
