@@ -10,15 +10,18 @@ import base64
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List
+from typing import Any, List
 from urllib.parse import urlsplit
 
 import pytest
 from botocore.exceptions import ClientError
 
 from etcd_agent.backup import remote
+from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.remotebucket import Bucket
 from etcd_agent.config import Config
 from etcd_agent.delta import offsite
@@ -173,3 +176,42 @@ def test_an_error_without_a_message_names_the_status_and_the_code(cfg: Config) -
     message = info.value.message
     assert "NoSuchBucket" in message
     assert "None" not in message and "404" in message, message
+
+
+def test_a_real_full_backup_larger_than_the_part_size_lands_with_the_multipart_etag(
+    cluster_factory: Any, rgw: RgwBed
+) -> None:
+    """`etcd-agent backup` of an etcd whose snapshot is larger than two parts: the object in the
+    bucket is the local archive byte for byte (sha256 metadata, size) and its ETag is the one
+    the parts make (md5 of the part md5s, "-N")."""
+    bucket = rgw.new_bucket()
+    extra = (
+        "[backup.remote]\nenabled = true\n"
+        f'endpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\naccess_key = "{rgw.access_key}"\n'
+        f'secret_key = "{rgw.secret_key}"\naddressing_style = "path"\npart_size_mb = 5\nverify = "etag"\n'
+    )
+    c = cluster_factory(1, extra=extra)
+    c.start_static()
+    client = c.client(timeout=30)
+    try:
+        for i in range(120):  # ~12 MiB of values: the snapshot and its archive span three parts
+            client.put(f"/big/{i:04d}", os.urandom(100 * 1024))
+    finally:
+        client.close()
+    res = subprocess.run([sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path, "backup", "--member", "m1"],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    local = [p for p in Path(c.cfg.backup.dir).iterdir() if parse_name(p.name)]
+    assert len(local) == 1, local
+    archive = local[0]
+    size = archive.stat().st_size
+    assert size > 10 * MiB
+    md5s = []
+    with open(archive, "rb") as fh:
+        for chunk in iter(lambda: fh.read(5 * MiB), b""):
+            md5s.append(hashlib.md5(chunk).digest())
+    head = rgw.client().head_object(Bucket=bucket, Key=_prefix(c.cfg) + archive.name)
+    assert head["ContentLength"] == size
+    assert head["Metadata"]["sha256"] == _sha(archive)
+    assert head["ETag"].strip('"') == f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
+    print(f"\nFIGURE multipart: {size} bytes in {len(md5s)} parts, ETag {head['ETag']}")
