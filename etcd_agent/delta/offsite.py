@@ -127,6 +127,11 @@ class Uploader:
                 return
             try:
                 cfg = self._source()[0]
+                if not cfg.backup.remote.enabled:  # a reload disabled copies: RemoteFollower stops this thread
+                    if kind == "segment":
+                        with self._mu:
+                            self.pending -= 1
+                    continue
                 if kind == "sync":
                     self._sync(cfg, base)
                 elif os.path.exists(path):  # a pruned segment needs no copy
