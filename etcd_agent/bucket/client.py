@@ -13,10 +13,45 @@ import contextlib
 import logging
 import os
 import re
-from typing import Any, Iterator, Optional, Tuple
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from etcd_agent.config import Config, RemoteSection
+from etcd_agent.config.security import is_ip_endpoint
 from etcd_agent.errors import BackupError, ConfigError
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+# an object's deadline is [backup.remote] deadline plus this much per MiB of it: a floor rate of
+# 1 MiB/s, so a big archive on a slow link still lands while a trickling server is cut off
+DEADLINE_SECONDS_PER_MIB = 1.0
+
+
+class DeadlinePassed(Exception):
+    """Raised from botocore's before-send hook: the object's deadline passed (no more attempts)."""
+
+
+@dataclass(frozen=True)
+class Integrity:
+    """What one endpoint was found to enforce (``probe``): only what a refused wrong value proved."""
+
+    sha256_enforced: bool  # a wrong x-amz-checksum-sha256 was refused
+    sha256_returned: bool  # HEAD with ChecksumMode returned the one we sent
+    md5_enforced: bool  # a wrong Content-MD5 was refused
+
+    @property
+    def sha256(self) -> bool:
+        return self.sha256_enforced and self.sha256_returned
+
+
+# endpoint, region, bucket -> what the probe found: once per process (the daemon probes again
+# when a reload points it elsewhere: a new key)
+_PROBED: Dict[Tuple[str, str, str], Integrity] = {}
+_PROBE_MU = threading.Lock()
 
 
 def expand_prefix(prefix: str, cluster: str, host: Optional[str] = None) -> str:
@@ -44,7 +79,9 @@ class Bucket:
         self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         access, secret = _credentials(r)
         self._secrets = [s for s in (access, secret) if s]
-        self.client = _client(r, access, secret)
+        self._deadline: Optional[float] = None  # monotonic; set by within()
+        self.hung = False  # a request timed out: best-effort clean-ups are skipped, not waited on
+        self.client = _client(r, access, secret, self._check_deadline)
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -53,23 +90,84 @@ class Bucket:
         return f"s3://{self.bucket}/{self.key(name)}"
 
     @contextlib.contextmanager
-    def errors(self, what: str) -> Iterator[None]:
-        """Turn botocore errors into BackupError, never quoting a credential."""
-        from botocore.exceptions import BotoCoreError, ClientError
+    def within(self, size: int = 0) -> Iterator[None]:
+        """One object's deadline: ``deadline`` seconds plus one a MiB of ``size``, retries included.
+        Checked before every request attempt (botocore's before-send) and every chunk read."""
+        seconds = self.section.deadline + size / MiB * DEADLINE_SECONDS_PER_MIB
+        outer, self._deadline = self._deadline, time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._deadline = outer
 
+    def _check_deadline(self, **_kwargs: Any) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise DeadlinePassed()
+
+    def check_deadline(self, what: str) -> None:
+        """For loops outside botocore (a body read in chunks): BackupError once the deadline passed."""
+        with self.errors(what):
+            self._check_deadline()
+
+    @contextlib.contextmanager
+    def errors(self, what: str) -> Iterator[None]:
+        """Turn botocore errors into BackupError in one sentence, never quoting a credential."""
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectTimeoutError,
+            EndpointConnectionError,
+            ReadTimeoutError,
+        )
+
+        r = self.section
         try:
             yield
         except ClientError as exc:
-            err = exc.response.get("Error", {})
-            code = err.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            raise BackupError(self.scrub(f"{what}: {code}: {err.get('Message') or exc}")) from None
+            raise BackupError(self.scrub(f"{what}: {client_error_text(exc.response)}")) from None
+        except DeadlinePassed:
+            self.hung = True
+            raise BackupError(f"{what}: gave up after the object's deadline ([backup.remote] deadline = "
+                              f"{r.deadline:g} s plus {DEADLINE_SECONDS_PER_MIB:g} s a MiB) passed") from None
+        except (ReadTimeoutError, ConnectTimeoutError) as exc:
+            self.hung = True
+            kind = "accept a connection" if isinstance(exc, ConnectTimeoutError) else "answer"
+            limit = r.connect_timeout if isinstance(exc, ConnectTimeoutError) else r.read_timeout
+            raise BackupError(f"{what}: {self.endpoint_name()} did not {kind} within {limit:g} s, "
+                              f"{r.max_attempts} attempt(s) ([backup.remote] connect_timeout, read_timeout, "
+                              "max_attempts)") from None
+        except EndpointConnectionError as exc:
+            raise BackupError(self.scrub(f"{what}: {exc}{self.addressing_hint()}")) from None
         except BotoCoreError as exc:
             raise BackupError(self.scrub(f"{what}: {exc}")) from None
+
+    def endpoint_name(self) -> str:
+        return self.section.endpoint or f"the AWS endpoint of {self.section.region}"
+
+    def addressing_hint(self) -> str:
+        """Virtual-hosted addresses put the bucket in the host name (bucket.host): a private
+        endpoint's DNS rarely resolves it, and the SDK's error names only the URL."""
+        r = self.section
+        if r.addressing_style != "virtual" or r.endpoint is None or is_ip_endpoint(r.endpoint):
+            return ""
+        return (f" (addressing_style = \"virtual\" puts the bucket in the host name, {r.bucket}.<endpoint host>; "
+                "MinIO, Ceph RGW and most private endpoints need addressing_style = \"path\")")
 
     def scrub(self, text: str) -> str:
         for s in self._secrets:
             text = text.replace(s, "***")
         return text
+
+
+def client_error_text(response: Any) -> str:
+    """S3's error in one sentence: HTTP status, code and message. Ceph RGW sends no message, and
+    botocore's own text then ends in "operation: None": the status and code are what is known."""
+    err = response.get("Error", {}) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = err.get("Code") or ""
+    message = err.get("Message") or ""
+    head = " ".join(p for p in (f"HTTP {status}" if status else "", code if code != str(status) else "") if p)
+    return f"{head or 'an S3 error'}: {message}" if message else f"{head or 'an S3 error'} (the server sent no message)"
 
 
 def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
@@ -110,7 +208,7 @@ def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
     return access, secret
 
 
-def _client(r: RemoteSection, access: Optional[str], secret: Optional[str]) -> Any:
+def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], deadline_hook: Any) -> Any:
     import boto3.session  # lazy: importing boto3 costs ~0.3 s
     from botocore.config import Config as BotoConfig
 
@@ -121,8 +219,11 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str]) -> A
         s3={"addressing_style": r.addressing_style},  # type: ignore[arg-type]  # a Literal in the stubs; validated: auto|path|virtual
         connect_timeout=r.connect_timeout,
         read_timeout=r.read_timeout,
-        # botocore retries only throttling, 5xx and connection errors, with backoff
-        retries={"mode": "standard", "max_attempts": 5},
+        # botocore retries only throttling, 5xx, timeouts and connection errors, with backoff; a
+        # hung gateway costs at most max_attempts x (connect_timeout + read_timeout + the 1 s a
+        # PUT waits for "100 Continue") a request, plus the backoff. total_max_attempts counts
+        # the first try; botocore's "max_attempts" would count retries only (one more than said)
+        retries={"mode": "standard", "total_max_attempts": r.max_attempts},
         # botocore >= 1.36 adds CRC32 checksum trailers to every upload, which several
         # S3-compatible servers (OSS, older Ceph RGW) reject; we send our own digests instead
         request_checksum_calculation="when_required",
@@ -130,7 +231,66 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str]) -> A
     )
     session = boto3.session.Session(aws_access_key_id=access, aws_secret_access_key=secret)
     verify: Any = r.ca_bundle if r.ca_bundle else r.verify_tls
-    return session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
+    client = session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
+    # before every attempt, retries included: an object past its deadline gets no more requests
+    client.meta.events.register("before-send.s3", deadline_hook)
+    return client
+
+
+def probe(b: "Bucket") -> Integrity:
+    """What the store enforces, found once per endpoint and bucket (cached for the process).
+
+    A tiny object is put with the right x-amz-checksum-sha256 (does HEAD with ChecksumMode give it
+    back?), then with a deliberately wrong one, then with a wrong Content-MD5: only a refusal
+    proves the store checks that header (Ceph RGW 16 accepts the wrong SHA-256 and never returns
+    it, but refuses a wrong MD5). The probe objects are deleted; they sit under the prefix with a
+    name no backup or segment has, so listings pass over a leftover."""
+    r = b.section
+    key = (r.endpoint or f"aws:{r.region}", r.region, b.bucket)
+    with _PROBE_MU:
+        found = _PROBED.get(key)
+    if found is not None:
+        return found
+    import base64
+    import hashlib
+
+    from botocore.exceptions import ClientError
+
+    body = b"etcd-agent: what does this store check?\n"
+    wrong = hashlib.sha256(b"not the body").digest()
+    name = f".etcd-agent-probe-{uuid.uuid4().hex[:12]}"
+
+    def put_refused(**integrity: str) -> bool:
+        try:
+            b.client.put_object(Bucket=b.bucket, Key=b.key(name), Body=body, **integrity)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 400:  # BadDigest, InvalidRequest, XAmzContentSHA256Mismatch: refused
+                return True
+            raise
+        return False
+
+    with b.within(), b.errors(f"cannot probe what {b.endpoint_name()} checks (put, head and delete {b.where(name)})"):
+        try:
+            # the right value first: a store that refuses the header itself checks nothing with it
+            right = base64.b64encode(hashlib.sha256(body).digest()).decode()
+            sha_enforced = returned = False
+            if not put_refused(ChecksumSHA256=right):
+                head = b.client.head_object(Bucket=b.bucket, Key=b.key(name), ChecksumMode="ENABLED")
+                returned = head.get("ChecksumSHA256") == right
+                sha_enforced = put_refused(ChecksumSHA256=base64.b64encode(wrong).decode())
+            md5_enforced = put_refused(ContentMD5=base64.b64encode(hashlib.md5(b"not the body").digest()).decode())
+        finally:
+            if not b.hung:
+                with contextlib.suppress(Exception):
+                    b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
+    found = Integrity(sha256_enforced=sha_enforced, sha256_returned=returned, md5_enforced=md5_enforced)
+    log.info("%s (bucket %s) %s a wrong x-amz-checksum-sha256%s, %s a wrong Content-MD5", b.endpoint_name(),
+             b.bucket, "refuses" if sha_enforced else "ACCEPTS", "" if returned else " and does not return it",
+             "refuses" if md5_enforced else "ACCEPTS")
+    with _PROBE_MU:
+        _PROBED[key] = found
+    return found
 
 
 def _quiet_sdk_logs() -> None:

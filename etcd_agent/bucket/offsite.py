@@ -5,8 +5,10 @@ every copy is (``backup.remote.upload_file``: server checksums or a read-back; a
 deleted) with its sha256 in the object's metadata. The ``Uploader`` thread takes closed segments
 from the watcher and retries failures with backoff, so a slow or absent bucket never holds up
 the watch; when a chain starts (or resumes) it first uploads whatever of that chain the bucket
-lacks (a restart, an earlier outage). Remote chains are pruned with the remote copy of their
-full backup (``prune_remote_chains``, called by ``backup.remote.prune_remote``).
+lacks (a restart, an earlier outage). ``RemoteFollower`` starts, stops or redirects it the tick
+after a reload enables, disables or changes ``[backup.remote]``, and says so. Remote chains are
+pruned with the remote copy of their full backup (``prune_remote_chains``, called by
+``backup.remote.prune_remote``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 from etcd_agent.chain import chains
 from etcd_agent.chain.reader import read_header
 from etcd_agent.chain.segments import list_segments, parse_name
-from etcd_agent.config import Config, Member
+from etcd_agent.config import Config, Member, RemoteSection
 from etcd_agent.errors import AgentError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,13 +38,14 @@ def remote_name(base_revision: int, path: str) -> str:
     return f"delta-{base_revision:016d}/{os.path.basename(path)}"
 
 
-def upload_segment(cfg: Config, path: str, base_revision: int) -> None:
+def upload_segment(cfg: Config, path: str, base_revision: int) -> str:
+    """Copy one segment; returns the check that verified the copy (``backup.remote.CHECKS``)."""
     from etcd_agent.bucket.remote import upload_file
 
     h = read_header(path)
-    upload_file(cfg, path, remote_name(base_revision, path), lambda sha: {
+    return upload_file(cfg, path, remote_name(base_revision, path), lambda sha: {
         "sha256": sha, "base-revision": str(base_revision), "chain-id": h.chain_id, "seq": str(h.seq),
-    })
+    }).verified_by
 
 
 def remote_chains(cfg: Config) -> Dict[int, List[str]]:
@@ -93,6 +96,7 @@ class Uploader:
         self.pending = 0
         self.failures = 0
         self.uploaded = 0
+        self.verified: Dict[str, int] = {}  # copies by the check that verified them (a metric label)
         self._mu = threading.Lock()
 
     def start(self) -> None:
@@ -122,11 +126,17 @@ class Uploader:
                 return
             try:
                 cfg = self._source()[0]
+                if not cfg.backup.remote.enabled:  # a reload disabled copies: RemoteFollower stops this thread
+                    if kind == "segment":
+                        with self._mu:
+                            self.pending -= 1
+                    continue
                 if kind == "sync":
                     self._sync(cfg, base)
                 elif os.path.exists(path):  # a pruned segment needs no copy
-                    upload_segment(cfg, path, base)
+                    check = upload_segment(cfg, path, base)
                     self.uploaded += 1
+                    self.verified[check] = self.verified.get(check, 0) + 1
                 if kind == "segment":
                     with self._mu:
                         self.pending -= 1
@@ -151,3 +161,49 @@ class Uploader:
             except AgentError:
                 continue  # damaged: `backup list` reports it; it is not worth a copy
             self.enqueue(p, base)
+
+
+class RemoteFollower:
+    """``[backup.remote]`` as the running config has it, followed at once (the supervisor's next
+    tick, a second after a reload): enabled starts an uploader, disabled stops it, changed (an
+    endpoint, bucket, prefix, key) sends the next copies to the new place; each is logged. The
+    running chain's segments the bucket lacks are queued (``sync``) when copies start or move."""
+
+    def __init__(self) -> None:
+        self._seen: Optional[RemoteSection] = None
+        self._started = False
+
+    def follow(self, cfg: Config, uploader: Optional[Uploader], source: Callable[[], Tuple[Config, Member]],
+               base: Optional[int]) -> Optional[Uploader]:
+        """The uploader to use from now on (``base``: the running chain's full backup revision)."""
+        r = cfg.backup.remote
+        if self._started and r == self._seen:
+            return uploader
+        before, self._seen, reloaded = self._seen, r, self._started
+        self._started = True
+        if r.enabled and uploader is None:
+            uploader = Uploader(source)
+            uploader.start()
+            if reloaded:
+                log.info("delta: [backup.remote] enabled by the reloaded config: segments are copied to %s from now "
+                         "on%s", _where(cfg), ", the running chain's too" if base is not None else "")
+        elif not r.enabled and uploader is not None:
+            uploader.stop(timeout=0.1)  # an upload under way ends by itself, bounded by its deadline
+            log.info("delta: [backup.remote] disabled by the reloaded config: segments are no longer copied "
+                     "off-host (%d waiting were dropped)", uploader.pending)
+            return None
+        elif r.enabled and uploader is not None and before is not None and before != r:
+            log.info("delta: [backup.remote] changed by the reloaded config: segments are copied to %s from now "
+                     "on%s", _where(cfg), ", with the running chain's segments the bucket lacks" if base is not None else "")
+        else:
+            return uploader
+        if uploader is not None and base is not None:
+            uploader.sync(base)
+        return uploader
+
+
+def _where(cfg: Config) -> str:
+    from etcd_agent.bucket.client import expand_prefix
+
+    r = cfg.backup.remote
+    return f"s3://{r.bucket}/{expand_prefix(r.prefix, cfg.cluster.name)}"

@@ -3,8 +3,15 @@
 Every copy is verified after upload, and a copy that does not verify is deleted at once: a bucket
 holds only objects whose size and SHA-256 match the local archive. The SHA-256 of the whole
 archive travels as object metadata (``x-amz-meta-sha256``) so ``download`` can check a copy
-end to end; the upload itself is checked by the server part by part (``x-amz-checksum-sha256``,
-or ``Content-MD5`` for servers without the newer checksums) and read back after completion.
+end to end. The upload itself is checked with what the store was found to enforce (``probe``,
+once per endpoint: only a wrong value refused proves a check): ``x-amz-checksum-sha256`` part
+by part and the checksum it returns, or ``Content-MD5`` part by part and the MD5 ETag, or, when
+neither is proven, a read-back; the log line and ``RemoteObject.verified_by`` name the check.
+
+Every request is bounded in time (``Bucket.within``: timeouts, attempts and a deadline per
+object) and every read in size: a download writes no more than the object claims, a claim
+beyond ``MAX_OBJECT_BYTES`` or the free space is refused before a byte is written, and a
+listing stops at ``MAX_LISTED`` objects.
 
 Uploads are streamed in parts of ``part_size_mb``: memory does not grow with the archive size.
 What a correct copy shows is ``remotedigests``'; the client, its credentials and its errors are
@@ -16,15 +23,16 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
-from etcd_agent.bucket.client import Bucket
+from etcd_agent.bucket.client import Bucket, probe
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     READ_CHUNK,
@@ -43,6 +51,19 @@ log = logging.getLogger(__name__)
 
 # manifest fields copied into object metadata so a bucket listing tells what a copy holds
 MANIFEST_META = ("revision", "member", "created", "etcd_version", "host")
+# the largest object read from the bucket: etcd's backend quota tops out at 8 GiB (its own
+# warning) and an archive is that db plus a few small files; a claim far above is not a copy of
+# ours, and is refused before a byte is written
+MAX_OBJECT_BYTES = 64 * 1024 * 1024 * 1024
+# a listing stops here: ~3 years of hourly backups, or of segments of one chain (at most
+# max_chain_segments, 1000 by default); more under one prefix is not this agent's layout
+MAX_LISTED = 100_000
+# what each check proves, for the log line
+CHECKS = {
+    "checksum": "checksum (x-amz-checksum-sha256 of every part, checked by the store, and returned)",
+    "etag": "etag (Content-MD5 of every part, checked by the store, and the MD5 ETag)",
+    "read-back": "read-back (the object streamed back and its sha256 compared)",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,7 @@ class RemoteObject:
     sha256: Optional[str]
     etag: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
+    verified_by: str = ""  # after an upload: the check that ran (CHECKS)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -68,6 +90,7 @@ class RemoteObject:
             "last_modified": self.last_modified.isoformat() if self.last_modified else None,
             "sha256": self.sha256,
             "metadata": dict(self.metadata),
+            **({"verified_by": self.verified_by} if self.verified_by else {}),
         }
 
 
@@ -107,34 +130,72 @@ def upload_file(cfg: Config, path: str, name: str,
     metadata (it must keep ``sha256``)."""
     b = Bucket(cfg)
     started = time.monotonic()
+    check = choose_check(b)
     try:
-        digests = local_digests(path, part_size_for(b.section, os.path.getsize(path)))
-        _put_file(b, name, path, digests, metadata(digests.sha256))
+        size = os.path.getsize(path)
+        with b.within(size):
+            digests = local_digests(path, part_size_for(b.section, size))
+            _put_file(b, name, path, digests, metadata(digests.sha256), check)
     except OSError as exc:
         raise BackupError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    obj = _verify_upload(b, name, digests)
+    with b.within(size if check == "read-back" else 0):
+        obj = _verify_upload(b, name, digests, check)
     log.info(
         "copied %s to %s (%d bytes in %d part%s, %.1fs, verified by %s)",
         name, b.where(name), digests.size, len(digests.parts), "s" if digests.multipart else "",
-        time.monotonic() - started, b.section.verify,
+        time.monotonic() - started, CHECKS[obj.verified_by],
     )
     return obj
+
+
+def choose_check(b: Bucket) -> str:
+    """The check an upload gets: what ``verify`` asks, from what the store was found to enforce.
+
+    ``checksum`` on a store that accepts a wrong SHA-256 (or never returns one) is refused: a
+    copy logged as checked by a checksum nobody checked is worse than no claim."""
+    mode = b.section.verify
+    if mode == "download":
+        return "read-back"
+    if mode == "etag":
+        return "etag"
+    found = probe(b)
+    if found.sha256:
+        return "checksum"
+    if mode == "checksum":
+        how = "accepts a wrong x-amz-checksum-sha256" if not found.sha256_enforced else "does not return it"
+        raise BackupError(
+            f"[backup.remote] verify = \"checksum\", but {b.endpoint_name()} {how}: it does not check SHA-256 "
+            "checksums, so no copy could be verified by one; set verify = \"auto\" (the strongest check the "
+            "store enforces: Content-MD5 and the MD5 ETag on Ceph RGW) or \"etag\""
+        )
+    return "etag" if found.md5_enforced else "read-back"
 
 
 def list_names(cfg: Config, under: str) -> List[str]:
     """Object names (relative to the prefix) that start with ``under``."""
     b = Bucket(cfg)
-    out: List[str] = []
-    with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}{under}"):
-        for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix + under):
-            out += [item["Key"][len(b.prefix):] for item in page.get("Contents", [])]
+    return [item["Key"][len(b.prefix):] for item in _pages(b, under, delimiter=False)]
+
+
+def _pages(b: Bucket, under: str, *, delimiter: bool) -> List[Dict[str, Any]]:
+    """The listed objects under the prefix: within one object's deadline, at most MAX_LISTED."""
+    where = f"s3://{b.bucket}/{b.prefix}{under}"
+    out: List[Dict[str, Any]] = []
+    extra = {"Delimiter": "/"} if delimiter else {}
+    with b.within(), b.errors(f"cannot list {where}"):
+        for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix + under,
+                                                                        **extra):
+            out += page.get("Contents", [])
+            if len(out) > MAX_LISTED:
+                raise BackupError(f"cannot list {where}: more than {MAX_LISTED} objects under it; "
+                                  "is the prefix shared with something else?")
     return out
 
 
 def delete_names(cfg: Config, names: List[str]) -> None:
     b = Bucket(cfg)
     for name in names:
-        with b.errors(f"cannot delete {b.where(name)}"):
+        with b.within(), b.errors(f"cannot delete {b.where(name)}"):
             b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
 
 
@@ -145,15 +206,12 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
 
 def _list(b: Bucket) -> List[RemoteObject]:
     out: List[RemoteObject] = []
-    with b.errors(f"cannot list s3://{b.bucket}/{b.prefix}"):
-        # Delimiter: the delta segments under delta-<revision>/ are not walked
-        pages = b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=b.prefix, Delimiter="/")
-        for page in pages:
-            for item in page.get("Contents", []):
-                name = item["Key"][len(b.prefix):]
-                if "/" in name or parse_name(name) is None:  # only backups are listed or pruned
-                    continue
-                out.append(_head(b, name))
+    # Delimiter: the delta segments under delta-<revision>/ are not walked
+    for item in _pages(b, "", delimiter=True):
+        name = item["Key"][len(b.prefix):]
+        if "/" in name or parse_name(name) is None:  # only backups are listed or pruned
+            continue
+        out.append(_head(b, name))
     out.sort(key=lambda o: (o.time, o.name), reverse=True)
     return out
 
@@ -174,7 +232,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
             log.info("would delete %s: %s", b.where(d.name), d.reason)
         else:
             try:
-                with b.errors(f"cannot delete {b.where(d.name)}"):
+                with b.within(), b.errors(f"cannot delete {b.where(d.name)}"):
                     b.client.delete_object(Bucket=b.bucket, Key=b.key(d.name))
                 log.info("deleted %s: %s", b.where(d.name), d.reason)
             except BackupError as exc:
@@ -201,21 +259,22 @@ def download(cfg: Config, name: str, dest: str) -> str:
     if parse_name(name) is None:  # also keeps "../x" out of dest
         raise BackupError(f"{name!r} is not a backup archive name")
     b = Bucket(cfg)
-    obj = _head(b, name)
-    if obj.sha256 is None:
-        raise BackupCorrupt(f"{b.where(name)} carries no sha256 metadata: it cannot be checked")
+    obj = _checkable(b, name)
     target = os.path.join(dest, name) if os.path.isdir(dest) else dest
     directory = os.path.dirname(os.path.abspath(target))
     try:
+        free = shutil.disk_usage(directory).free
+        if obj.size > free:  # said before a byte is written, not as ENOSPC halfway
+            raise BackupError(f"{b.where(name)} holds {obj.size} bytes, more than the {free} free in {directory}")
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".part", dir=directory)
     except OSError as exc:
         raise BackupError(f"cannot write into {directory}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as fh:
-            size, sha = _stream_object(b, name, fh)
+            size, sha = _stream_object(b, obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        problems = mismatches(obj.size, obj.sha256, size, sha)
+        problems = mismatches(obj.size, obj.sha256 or "", size, sha)
         if problems:
             raise BackupCorrupt(f"{b.where(name)} failed its checksum on download", details=problems)
         os.replace(tmp, target)
@@ -233,13 +292,22 @@ def download(cfg: Config, name: str, dest: str) -> str:
 def verify_remote(cfg: Config, name: str) -> RemoteObject:
     """Read copy ``name`` back in full and check it against its sha256 metadata (nothing is deleted)."""
     b = Bucket(cfg)
+    obj = _checkable(b, name)
+    size, sha = _stream_object(b, obj, None)
+    problems = mismatches(obj.size, obj.sha256 or "", size, sha)
+    if problems:
+        raise BackupCorrupt(f"{b.where(name)} does not match its checksum", details=problems)
+    return obj
+
+
+def _checkable(b: Bucket, name: str) -> RemoteObject:
+    """HEAD a copy about to be read: it carries its sha256, and claims a size we would read."""
     obj = _head(b, name)
     if obj.sha256 is None:
         raise BackupCorrupt(f"{b.where(name)} carries no sha256 metadata: it cannot be checked")
-    size, sha = _stream_object(b, name, None)
-    problems = mismatches(obj.size, obj.sha256, size, sha)
-    if problems:
-        raise BackupCorrupt(f"{b.where(name)} does not match its checksum", details=problems)
+    if obj.size > MAX_OBJECT_BYTES:
+        raise BackupCorrupt(f"{b.where(name)} claims {obj.size} bytes, more than any backup "
+                            f"({MAX_OBJECT_BYTES} bytes): it is not read")
     return obj
 
 
@@ -263,27 +331,27 @@ def _ascii(value: Any) -> str:
     return str(value).encode("ascii", "replace").decode()[:200]  # S3 user metadata is ASCII, small
 
 
-def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str]) -> None:
+def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str], check: str) -> None:
     """Upload ``path``: one PUT, or a multipart upload that is aborted on any failure.
 
-    Each request carries the digest from the first pass, so the server rejects a part whose
-    bytes changed in transit or on disk since.
+    Each request carries the digests from the first pass (Content-MD5 always: cheap, and the one
+    most stores enforce; the SHA-256 checksum when the store was found to check it), so the
+    server refuses a part whose bytes changed in transit or on disk since.
     """
     key = b.key(name)
-    checksum = b.section.verify == "checksum"
+    checksum = check == "checksum"
 
     def integrity(md5: bytes, sha: bytes) -> Dict[str, str]:
-        return {"ChecksumSHA256": b64(sha)} if checksum else {"ContentMD5": b64(md5)}
+        return {"ContentMD5": b64(md5), **({"ChecksumSHA256": b64(sha)} if checksum else {})}
 
+    extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
     if not d.multipart:
-        extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
         with open_regular(path) as fh, b.errors(f"cannot upload {b.where(name)}"):
             b.client.put_object(
                 Bucket=b.bucket, Key=key, Body=fh, ContentLength=d.size, Metadata=meta,
                 **integrity(*d.parts[0]), **extra,
             )
         return
-    extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
     with b.errors(f"cannot start the upload of {b.where(name)}"):
         upload_id = b.client.create_multipart_upload(Bucket=b.bucket, Key=key, Metadata=meta, **extra)["UploadId"]
     try:
@@ -306,40 +374,54 @@ def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str])
                 Bucket=b.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
             )
     except BaseException:
-        # leave no orphaned parts (they cost storage and never show in listings)
-        try:
-            b.client.abort_multipart_upload(Bucket=b.bucket, Key=key, UploadId=upload_id)
-        except Exception as exc:  # the original error matters more
-            log.warning("could not abort the upload of %s: %s", b.where(name), b.scrub(str(exc)))
+        _abort(b, name, upload_id)
         raise
 
 
-def _verify_upload(b: Bucket, name: str, d: Digests) -> RemoteObject:
-    """Check the fresh copy (size, our sha256 metadata, then checksum / ETag / full read); delete it if bad."""
-    mode = b.section.verify
-    obj, checksum = _head_raw(b, name, checksum_mode=mode == "checksum")
+def _abort(b: Bucket, name: str, upload_id: str) -> None:
+    """Leave no orphaned parts (they cost storage and never show in listings): best effort, and
+    not tried against a gateway that just timed out (a second wait as long says nothing new)."""
+    if b.hung:
+        log.warning("the upload of %s was not aborted (the gateway did not answer); its parts stay until the "
+                    "bucket's lifecycle rule for incomplete multipart uploads removes them", b.where(name))
+        return
+    try:
+        with b.within():
+            b.client.abort_multipart_upload(Bucket=b.bucket, Key=b.key(name), UploadId=upload_id)
+    except Exception as exc:  # the original error matters more
+        log.warning("could not abort the upload of %s: %s", b.where(name), b.scrub(str(exc)))
+
+
+def _verify_upload(b: Bucket, name: str, d: Digests, check: str) -> RemoteObject:
+    """Check the fresh copy (size, our sha256 metadata, then the ``check``); delete it if bad.
+    The returned object's ``verified_by`` names the check that ran: an ETag that is not an MD5
+    (SSE-KMS, SSE-C) falls back to a read-back, and is named so."""
+    obj, checksum = _head_raw(b, name, checksum_mode=check == "checksum")
     problems = mismatches(d.size, d.sha256, obj.size, obj.sha256 or "(none)", sha_what="sha256 metadata")
-    if not problems:
-        if mode == "checksum" and checksum:
-            if not same_checksum(checksum, d):
-                problems.append(f"x-amz-checksum-sha256 {checksum} != expected {d.checksum_sha256()}")
-        elif mode == "etag" and MD5_ETAG_RE.match(obj.etag):
-            if obj.etag.lower() != d.md5_etag():
-                problems.append(f"ETag {obj.etag} != expected {d.md5_etag()}")
-        else:
-            # no usable server checksum (not supported, SSE-KMS ETag, or asked for): read it back
-            log.debug("verifying %s by reading it back", b.where(name))
-            size, sha = _stream_object(b, name, None)
-            problems = mismatches(d.size, d.sha256, size, sha)
+    if not problems and check == "checksum":
+        if checksum is None:
+            problems.append("the store returned no x-amz-checksum-sha256, though it did when probed")
+        elif not same_checksum(checksum, d):
+            problems.append(f"x-amz-checksum-sha256 {checksum} != expected {d.checksum_sha256()}")
+    elif not problems and check == "etag" and MD5_ETAG_RE.match(obj.etag):
+        if obj.etag.lower() != d.md5_etag():
+            problems.append(f"ETag {obj.etag} != expected {d.md5_etag()}")
+    elif not problems:
+        if check != "read-back":
+            log.info("the ETag of %s is not an MD5 (server-side encryption?): verifying it by reading it back",
+                     b.where(name))
+        check = "read-back"
+        size, sha = _stream_object(b, obj, None)
+        problems = mismatches(d.size, d.sha256, size, sha)
     if problems:
         try:
-            with b.errors(f"cannot delete the bad copy {b.where(name)}"):
+            with b.within(), b.errors(f"cannot delete the bad copy {b.where(name)}"):
                 b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
             gone = "deleted"
         except BackupError as exc:
             gone = f"NOT deleted ({exc.message})"
         raise BackupCorrupt(f"the copy at {b.where(name)} did not verify and was {gone}", details=problems)
-    return obj
+    return replace(obj, verified_by=check)
 
 
 def _head(b: Bucket, name: str) -> RemoteObject:
@@ -349,7 +431,7 @@ def _head(b: Bucket, name: str) -> RemoteObject:
 def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObject, Optional[str]]:
     """HEAD one object: the RemoteObject and the server's x-amz-checksum-sha256, if any."""
     extra = {"ChecksumMode": "ENABLED"} if checksum_mode else {}
-    with b.errors(f"cannot read {b.where(name)}"):
+    with b.within(), b.errors(f"cannot read {b.where(name)}"):
         h = b.client.head_object(Bucket=b.bucket, Key=b.key(name), **extra)
     meta = {k.lower(): v for k, v in (h.get("Metadata") or {}).items()}
     obj = RemoteObject(
@@ -365,16 +447,23 @@ def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObjec
     return obj, h.get("ChecksumSHA256")
 
 
-def _stream_object(b: Bucket, name: str, out: Any) -> Tuple[int, str]:
-    """GET the object in chunks, hashing (and writing to ``out`` if given); returns (size, sha256)."""
+def _stream_object(b: Bucket, obj: RemoteObject, out: Any) -> Tuple[int, str]:
+    """GET the object HEAD found (If-Match its ETag) in chunks, hashing (and writing to ``out`` if
+    given), within its deadline; returns (size, sha256). Never more than the size HEAD gave is
+    taken: a body that runs on is refused at the first byte too many."""
     sha = hashlib.sha256()
     size = 0
-    with b.errors(f"cannot read {b.where(name)}"):
-        body = b.client.get_object(Bucket=b.bucket, Key=b.key(name))["Body"]
+    what = f"cannot read {b.where(obj.name)}"
+    with b.within(obj.size), b.errors(what):
+        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+        body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
         try:
             for chunk in body.iter_chunks(READ_CHUNK):
-                sha.update(chunk)
                 size += len(chunk)
+                if size > obj.size:
+                    raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {obj.size} bytes it claims")
+                b.check_deadline(what)
+                sha.update(chunk)
                 if out is not None:
                     out.write(chunk)
         finally:

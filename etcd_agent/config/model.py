@@ -31,7 +31,7 @@ COMPRESSIONS = ("none", "zstd", "gzip")  # zstd recommended; gzip spools the sna
 FENCE_METHODS = ("none", "unit", "manifest")
 SSH_STREAMS = ("auto", "openssh", "paramiko")  # what carries a restore's snapshot (ssh.stream)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
-REMOTE_VERIFY_MODES = ("checksum", "etag", "download")
+REMOTE_VERIFY_MODES = ("auto", "checksum", "etag", "download")
 BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 # Object key prefix: plain characters only; ``{cluster}`` is replaced by cluster.name.
 PREFIX_RE = re.compile(r"^[A-Za-z0-9_.,+@%/{}=-]*$")
@@ -123,12 +123,21 @@ class RemoteSection:
     ca_bundle: Optional[str] = None
     # "path" for MinIO / Ceph RGW, "virtual" for Aliyun OSS and AWS
     addressing_style: str = "auto"
-    # checksum: SHA-256 sent with every part and read back; etag: MD5 ETag (servers without
-    # x-amz-checksum, e.g. OSS); download: stream the object back and hash it
-    verify: str = "checksum"
+    # what proves a copy, found once per endpoint by a probe (a wrong value refused is the only
+    # proof a store checks it): auto = the strongest the store enforces (SHA-256 checksums, else
+    # Content-MD5 per part and the MD5 ETag, else a read-back); checksum = SHA-256 or the copy
+    # fails (a store that accepts a wrong one, e.g. Ceph RGW 16, is refused: never a silent
+    # downgrade); etag = Content-MD5 and the ETag; download = stream the object back and hash it
+    verify: str = "auto"
     part_size_mb: int = 16
-    connect_timeout: float = 10.0
-    read_timeout: float = 120.0
+    # seconds, not minutes: a hung gateway (accepts, never answers) fails a request within
+    # max_attempts x (connect_timeout + read_timeout + 1 s) plus botocore's backoff, < 60 s by default
+    connect_timeout: float = 5.0
+    read_timeout: float = 10.0
+    max_attempts: int = 3
+    # one object's upload, download or check, retries included, ends after this many seconds
+    # plus one per MiB of the object (a floor rate of 1 MiB/s)
+    deadline: float = 120.0
     keep_last: int = 7
     keep_hourly: int = 0
     keep_daily: int = 30

@@ -94,7 +94,14 @@ host = "10.0.0.13"
 #                                     # (or access_key / secret_key here: then chmod 600 this file)
 # credentials_profile = "default"
 # addressing_style = "auto"           # "path" for MinIO/Ceph RGW, "virtual" for OSS
-# verify = "checksum"                 # "etag" where the server has no SHA-256 checksums (OSS)
+# verify = "auto"                     # the strongest check the store is found to enforce (a probe,
+#                                     # once per endpoint): SHA-256 checksums, else Content-MD5 and
+#                                     # the MD5 ETag (Ceph RGW), else a read-back; "checksum" (or the
+#                                     # copy fails), "etag", "download"
+# connect_timeout = 5.0               # seconds; a hung gateway fails a request within
+# read_timeout = 10.0                 # max_attempts x (connect_timeout + read_timeout + 1) + backoff
+# max_attempts = 3
+# deadline = 120.0                    # one object, retries included: this plus 1 s a MiB of it
 # keep_last = 7
 # keep_daily = 30
 # Delta segments are uploaded as they close, verified the same way, and pruned with their chain

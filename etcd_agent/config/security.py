@@ -3,7 +3,8 @@
 Not validation errors: a world-readable ``agent.toml`` still works, and refusing to start the
 daemon over it would cost more than it saves. But it is said wherever an operator looks:
 ``config validate`` and ``status`` print it, ``backup`` and the daemon (at start and on every
-reload) log it. A warning names the file, its mode and the fix, never the secret.
+reload) log it. A warning names the file, its mode and the fix, never the secret. Settings that
+silently do nothing are said the same way (``addressing_style = "virtual"`` on an IP endpoint).
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def security_warnings(cfg: Config) -> List[str]:
                 f"backup.remote.credentials_file {r.credentials_file} is open to group/others (mode {mode:04o}): "
                 f"it holds the S3 secret key and remote copies refuse it; run `chmod 600 {r.credentials_file}`"
             )
+    if r.enabled and r.addressing_style == "virtual" and r.endpoint is not None and is_ip_endpoint(r.endpoint):
+        # botocore cannot put a bucket into an IP address: it uses path style, whatever is set
+        out.append(
+            'backup.remote.addressing_style = "virtual" has no effect with an IP address endpoint: the S3 client '
+            'uses path-style addresses then; set addressing_style = "path" (or a host name endpoint)'
+        )
     key = cfg.ssh.identity_file
     if key is not None:
         mode = _mode(key)
@@ -54,6 +61,18 @@ def security_warnings(cfg: Config) -> List[str]:
                 f"that logs in to every master as {cfg.ssh.user}; run `chmod 600 {key}`"
             )
     return out
+
+
+def is_ip_endpoint(endpoint: str) -> bool:
+    """The endpoint URL's host is an IP address (not a name a bucket could be put in front of)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        ipaddress.ip_address(urlsplit(endpoint).hostname or "")
+    except ValueError:
+        return False
+    return True
 
 
 def _mode(path: str) -> Optional[int]:

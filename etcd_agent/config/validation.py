@@ -391,7 +391,9 @@ def _validate_remote(r: RemoteSection) -> List[str]:
     # S3 parts are 5 MiB .. 5 GiB (the last part may be smaller)
     if not 5 <= r.part_size_mb <= 5120:
         errs.append(f"{w}.part_size_mb must be between 5 and 5120")
-    for key in ("connect_timeout", "read_timeout"):
+    for key in ("connect_timeout", "read_timeout", "deadline"):
         errs.extend(_seconds(f"{w}.{key}", getattr(r, key)))
+    if not 1 <= r.max_attempts <= 10:
+        errs.append(f"{w}.max_attempts must be between 1 and 10")
     errs += _retention_problems(w, r.keep_last, r.keep_hourly, r.keep_daily, "remote copy")
     return errs

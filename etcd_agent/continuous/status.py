@@ -55,6 +55,7 @@ class DeltaStatus:
     full_backups: Dict[str, int] = field(default_factory=dict)  # taken by the daemon, by reason
     uploads_pending: int = 0
     upload_failures: int = 0
+    uploads: Dict[str, int] = field(default_factory=dict)  # segments copied, by the check that verified them
     at: float = 0.0  # when this status was made (Unix s)
     breaks_in_row: int = 0  # chains that broke soon after their full backup, in a row
     backoff_seconds: float = 0.0  # until the next full backup for a break may be taken (0: none pending)
@@ -121,6 +122,8 @@ COUNTERS = {
     "chain_breaks": "Chains that could not continue (compaction, outage, restored member), over the backup dir's life.",
     "full_backups": "Full backups the daemon took, by reason: to start a new chain, or as a checkpoint inside one.",
     "upload_failures": "Segment uploads that failed (retried).",
+    "uploads": "Segments copied off-host, by the check that verified the copy: checksum (SHA-256 checked by the "
+               "store), etag (Content-MD5 checked by the store, and the MD5 ETag) or read-back.",
 }
 
 
@@ -169,6 +172,10 @@ class DeltaCollector:
             fb.add_metric([reason], s.full_backups.get(reason, 0))
         yield fb
         yield CounterMetricFamily(PREFIX + "upload_failures", COUNTERS["upload_failures"], value=s.upload_failures)
+        up = CounterMetricFamily(PREFIX + "uploads", COUNTERS["uploads"], labels=["check"])
+        for check in sorted(set(s.uploads) | {"checksum", "etag", "read-back"}):
+            up.add_metric([check], s.uploads.get(check, 0))
+        yield up
 
 
 def textfile_path(cfg: "Config") -> Optional[str]:

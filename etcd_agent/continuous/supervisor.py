@@ -39,7 +39,7 @@ from etcd_agent.errors import AgentError, BusyError
 from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.bucket.offsite import Uploader
+    from etcd_agent.bucket.offsite import RemoteFollower, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class DeltaSupervisor:
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
         self._uploader: "Optional[Uploader]" = None  # only when [backup.remote] is enabled
+        self._remote: "Optional[RemoteFollower]" = None  # follows [backup.remote] across reloads
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
@@ -192,6 +193,7 @@ class DeltaSupervisor:
         cfg, me = self._source()
         enabled = cfg.backup.delta.enabled
         self._follow_encryption(cfg)
+        self._follow_remote(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
         restoring = bool(markers.read_restore(cfg, me.name))
@@ -242,6 +244,15 @@ class DeltaSupervisor:
             log.info("delta: [backup] encrypt_to changed: the watch closes its segment and goes on with the new "
                      "setting")
             self._stop_watcher("encrypt_to changed")
+
+    def _follow_remote(self, cfg: Config) -> None:
+        """A reload that enables, disables or changes ``[backup.remote]`` takes effect now."""
+        from etcd_agent.bucket import offsite
+
+        if self._remote is None:
+            self._remote = offsite.RemoteFollower()
+        base = self._full.revision if self.watcher is not None and self._full is not None else None
+        self._uploader = self._remote.follow(cfg, self._uploader, self._source, base)
 
     def _collect_watcher(self, cfg: Config, restoring: bool = False) -> None:
         """If the watcher thread ended: why (a break is recorded and counted)."""
@@ -542,7 +553,8 @@ class DeltaSupervisor:
                              durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
                              chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
         if self._uploader is not None:
-            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures)
+            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures,
+                         uploads=dict(self._uploader.verified))
         return st
 
     def _write_textfile(self, cfg: Optional[Config] = None, *, force: bool = False) -> None:

@@ -1,0 +1,63 @@
+"""[backup.remote] bounds and warnings (issue 39 items 2 and 4): the defaults end a hung gateway's
+wait within a minute; the new keys are validated; "virtual" on an IP endpoint is said."""
+from __future__ import annotations
+
+from etcd_agent.bucket.client import client_error_text
+from etcd_agent.config import RemoteSection, parse_text, security_warnings
+from etcd_agent.config.model import REMOTE_VERIFY_MODES
+
+# botocore's standard retry mode: a random backoff of at most 2**(attempt-1) s before each retry
+STANDARD_BACKOFF_MAX = 20.0
+
+
+def test_the_defaults_end_a_hung_gateways_wait_within_a_minute() -> None:
+    r = RemoteSection()
+    assert r.connect_timeout <= 10 and r.read_timeout <= 30  # seconds, not minutes
+    backoff = sum(min(2.0 ** i, STANDARD_BACKOFF_MAX) for i in range(r.max_attempts - 1))
+    # a PUT waits up to 1 s for "100 Continue" before it sends its body (botocore's AWSConnection)
+    worst = r.max_attempts * (r.connect_timeout + r.read_timeout + 1.0) + backoff
+    assert worst < 60, worst
+    assert 0 < r.deadline <= 600
+    assert r.verify == "auto" and "auto" in REMOTE_VERIFY_MODES
+
+
+def _remote(extra: str, endpoint: str = "http://10.0.0.5:7480") -> str:
+    return f"""
+[cluster]
+name = "c"
+[[member]]
+name = "m1"
+host = "127.0.0.1"
+[backup.remote]
+enabled = true
+endpoint = "{endpoint}"
+bucket = "etcd-backups"
+{extra}"""
+
+
+def test_new_keys_are_validated() -> None:
+    _cfg, errors = parse_text(_remote("max_attempts = 0\ndeadline = -1\n"))
+    assert "backup.remote.max_attempts must be between 1 and 10" in errors
+    assert "backup.remote.deadline must be > 0 seconds" in errors
+    cfg, errors = parse_text(_remote("max_attempts = 2\ndeadline = 30\nverify = \"auto\"\n"))
+    assert not errors and cfg is not None and cfg.backup.remote.max_attempts == 2
+
+
+def test_virtual_addressing_with_an_ip_endpoint_is_warned() -> None:
+    cfg, errors = parse_text(_remote('addressing_style = "virtual"\n'))
+    assert not errors and cfg is not None
+    assert any('addressing_style = "virtual" has no effect with an IP address endpoint' in w
+               for w in security_warnings(cfg))
+    for extra, endpoint in (('addressing_style = "path"\n', "http://10.0.0.5:7480"),
+                            ('addressing_style = "virtual"\n', "https://oss-cn-hangzhou.aliyuncs.com")):
+        cfg, errors = parse_text(_remote(extra, endpoint))
+        assert not errors and cfg is not None and not any("addressing_style" in w for w in security_warnings(cfg))
+
+
+def test_an_s3_error_without_a_message_names_the_status_and_code() -> None:
+    rgw = {"Error": {"Code": "BadDigest", "Message": None}, "ResponseMetadata": {"HTTPStatusCode": 400}}
+    assert client_error_text(rgw) == "HTTP 400 BadDigest (the server sent no message)"
+    aws = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+    assert client_error_text(aws) == "HTTP 403 AccessDenied: Access Denied"
+    head = {"Error": {"Code": "404", "Message": "Not Found"}, "ResponseMetadata": {"HTTPStatusCode": 404}}
+    assert client_error_text(head) == "HTTP 404: Not Found"
