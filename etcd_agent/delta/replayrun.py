@@ -236,12 +236,14 @@ def replay(
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
+    lap = _Laps()
     try:
         got: Optional[str] = None
         if checkpoint is not None:
             snap = _checkpoint_file(full_snapshot, work, identities, *checkpoint)
         else:
             snap, got = _snapshot_file(full_snapshot, work, identities)
+        lap("stage")
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
@@ -252,22 +254,53 @@ def replay(
                  plan.stop_revision, plan.because)
         if restored < plan.base_revision:
             raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
+        lap("plan")
         with keyspace.KeySpace(work, memory_bytes=memory_bytes) as ks:
             t_fold = time.monotonic()
             segs = _fold(plan, restored, ks)
             fold_seconds = time.monotonic() - t_fold
+            lap("fold")
             bump = 0
             if ks.events:
                 _check_bump(options)
                 # the loaded keys get revisions above anything the original cluster may have
                 # reached (the chain's end, and as far again as a restore's own bump allows for)
                 bump = check.end_revision - restored + LOAD_MARGIN
+            lap("etcdutl version")
             with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
-                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl)
-        return dataclasses.replace(res, started_revision=restored,
+                lap.detail(s.timings, "scratch: ")
+                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl,
+                           lap)
+            lap("scratch stop")
+        return dataclasses.replace(res, started_revision=restored, phases=lap.phases(),
                                    started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _Laps:
+    """Where a replay's time goes: ``lap(name)`` adds the seconds since the previous lap to
+    ``name``; ``detail`` names a dict of finer steps timed elsewhere (the scratch member's),
+    read when the phases are taken."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic()
+        self._seconds: Dict[str, float] = {}
+        self._detail: List[Tuple[str, Dict[str, float]]] = []
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self._seconds[name] = self._seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def detail(self, timings: Dict[str, float], prefix: str) -> None:
+        self._detail.append((prefix, timings))
+
+    def phases(self) -> Tuple[Tuple[str, float], ...]:
+        out = dict(self._seconds)
+        for prefix, timings in self._detail:
+            out.update((f"{prefix}{k}", v) for k, v in timings.items())
+        return tuple((k, round(v, 3)) for k, v in out.items())  # as the result's JSON keeps them
 
 
 def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
@@ -316,7 +349,10 @@ def _run(
     fold_seconds: float,
     min_ttl: int,
     unknown_ttl: int,
+    lap: Optional["_Laps"] = None,
 ) -> ReplayResult:
+    lap = lap or _Laps()
+    lap("scratch restore and start")
     rpc = s.rpc
     at_ms = plan.stop_time_ms if plan.stop_time_ms is not None else int(time.time() * 1000)
     start_rev = rpc.header().revision
@@ -344,19 +380,25 @@ def _run(
             _grant(rpc, lid, ttl)
             present[lid] = ttl
             keeper.hold(lid, ttl)
+        lap("leases")
         keys, loads = _load(rpc, ks, restored, start_rev)
         load_seconds = time.monotonic() - t_load
+        lap("load")
         outcome, fixups = _apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
         final = rpc.header().revision
+        lap("lease rule")
         # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
         # newest revision's own events (a delete's tombstone) stay and `snapshot status` names it
         if final - 1 > start_rev:
             rpc.compact(final - 1, physical=True)
+        lap("compact")
         # and without the free pages the full backup or checkpoint brought along (a cluster's db
         # file only grows: compaction frees pages, only a defragmentation gives them back): every
         # member then ships, restores and starts only the data
         rpc.defragment(timeout=600.0)
+        lap("defragment")
         status = s.snapshot_save(output)
+        lap("save and status")
     finally:
         keeper.close()
     if status.revision != final:

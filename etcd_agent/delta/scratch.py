@@ -188,6 +188,10 @@ class ScratchEtcd:
         self.token = f"scratch-{secrets.token_hex(8)}"
         self._proc: Optional["subprocess.Popen[bytes]"] = None
         self._rpc: Optional[EtcdRpc] = None
+        self.timings: Dict[str, float] = {}  # step -> seconds: restore, start, save, status
+
+    def _took(self, step: str, since: float) -> None:
+        self.timings[step] = self.timings.get(step, 0.0) + time.monotonic() - since
 
     # ------------------------------------------------------------ urls
 
@@ -345,9 +349,13 @@ class ScratchEtcd:
             if os.path.exists(self.data_dir):
                 shutil.rmtree(self.data_dir)
             if snapshot is not None:
+                t = time.monotonic()
                 self.restore(snapshot, bump_revision=bump_revision)
+                self._took("restore", t)
             try:
+                t = time.monotonic()
                 self._start_etcd()
+                self._took("start", t)
                 return
             except ScratchError as exc:
                 last = exc
@@ -405,8 +413,12 @@ class ScratchEtcd:
         b = self.options.binaries
         try:
             # etcdctl writes tmp.part, then renames it to tmp; run as ourselves: dest is ours
+            t = time.monotonic()
             self._run([b.etcdctl, f"--endpoints={self.endpoint}", "snapshot", "save", tmp], timeout, as_user=False)
+            self._took("save", t)
+            t = time.monotonic()
             status = self._run([b.etcdutl, "snapshot", "status", tmp, "-w", "json"], 300.0, as_user=False)
+            self._took("status", t)
             os.chmod(tmp, 0o600)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())

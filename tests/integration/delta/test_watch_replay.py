@@ -6,7 +6,7 @@ import pytest
 
 from etcd_agent.delta import proto
 from etcd_agent.delta.errors import ChainBroken
-from etcd_agent.delta.replay import Target
+from etcd_agent.delta.replay import ReplayResult, Target
 from etcd_agent.delta.replayrun import replay
 from etcd_agent.delta.scratch import ScratchOptions, scratch_etcd, start_scratch
 from etcd_agent.delta.segchain import check_chain
@@ -83,6 +83,10 @@ def test_replay_newest_equals_live(live, tmp_path, batch):
     assert res.revisions_applied == final - base
     assert res.leases.keys_reattached == 1  # the full backup's lease, moved to its remaining TTL
     assert res.keys_loaded and len(res.load_revisions) >= 1
+    # where the replay's time went, kept through the result's JSON (the kept replay's side file)
+    phases = dict(res.phases)
+    assert {"stage", "fold", "scratch: restore", "scratch: start", "load", "defragment"} <= set(phases), phases
+    assert all(v >= 0 for v in phases.values()) and ReplayResult.from_json(res.to_json()).phases == res.phases
     with restored(res.snapshot_path) as s:
         got = dump(s.rpc)
         assert_replayed(got, live_kv, base, final, moved=(b"snap-lease-key",))
