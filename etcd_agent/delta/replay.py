@@ -118,7 +118,7 @@ class ReplayResult:
     leases: LeaseOutcome = field(default_factory=LeaseOutcome)
     fixup_revisions: Tuple[int, ...] = ()
     snapshot_revision: int = 0  # revision of the saved snapshot (reached, or the last fix-up)
-    snapshot_keys: int = 0
+    snapshot_keys: int = 0  # bolt keys of the saved db: no longer counted (0), read from older kept replays
     seconds: float = 0.0
     replay_seconds: float = 0.0
     keys_loaded: int = 0  # keys the chain left changed (puts and deletes), written in the load

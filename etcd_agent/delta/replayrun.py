@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.errors import EtcdError
@@ -50,7 +51,7 @@ from .errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from .leases import MIN_TTL, fate_of, lease_fates
 from .replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
 from .rpc import EtcdRpc, KeepAliveStream
-from .scratch import ScratchEtcd, ScratchOptions, scratch_etcd
+from .scratch import ScratchEtcd, ScratchOptions, etcd_flags, scratch_etcd
 from .segchain import ChainCheck, check_chain
 from .segments import LeaseRecord, ms_to_datetime
 from .segreader import RawEvent, scan_segment
@@ -237,12 +238,21 @@ def replay(
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
     lap = _Laps()
+    # the two tools' checks run while the snapshot is staged and the chain folded
+    probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replay-probe")
     try:
+        bump_ok = probes.submit(_check_bump, options)
+        probes.submit(etcd_flags, options.binaries.etcd)
         got: Optional[str] = None
         if checkpoint is not None:
             snap = _checkpoint_file(full_snapshot, work, identities, *checkpoint)
         else:
             snap, got = _snapshot_file(full_snapshot, work, identities)
+        if checkpoint is not None or got is not None:
+            # staged by the backup reader, which hashed every byte and checked etcd's sha256
+            # trailer on the way (and a checkpoint's sha256 is the one its chain vouches for):
+            # etcdutl's own check would read the snapshot once more for nothing. A bare db keeps it
+            options = dataclasses.replace(options, skip_hash_check=True)
         lap("stage")
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
@@ -262,11 +272,11 @@ def replay(
             lap("fold")
             bump = 0
             if ks.events:
-                _check_bump(options)
+                bump_ok.result()
                 # the loaded keys get revisions above anything the original cluster may have
                 # reached (the chain's end, and as far again as a restore's own bump allows for)
                 bump = check.end_revision - restored + LOAD_MARGIN
-            lap("etcdutl version")
+            lap("etcdutl version (its wait)")
             with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
                 lap.detail(s.timings, "scratch: ")
                 res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl,
@@ -275,6 +285,7 @@ def replay(
         return dataclasses.replace(res, started_revision=restored, phases=lap.phases(),
                                    started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
+        probes.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -397,12 +408,15 @@ def _run(
         # member then ships, restores and starts only the data
         rpc.defragment(timeout=600.0)
         lap("defragment")
-        status = s.snapshot_save(output)
-        lap("save and status")
+        # no `snapshot status` (another process reading the whole db): the revision is read from
+        # the saved db's own pages, as the restore reads it again before shipping it
+        s.save(output)
+        saved = _snapshot_revision(output)
+        lap("save")
     finally:
         keeper.close()
-    if status.revision != final:
-        raise ReplayError(f"the saved snapshot is at revision {status.revision}, expected {final}")
+    if saved != final:
+        raise ReplayError(f"the saved snapshot is at revision {saved}, expected {final}")
     return ReplayResult(
         snapshot_path=output,
         base_revision=plan.base_revision,
@@ -417,8 +431,7 @@ def _run(
         lost_after=plan.lost,
         leases=outcome,
         fixup_revisions=tuple(fixups),
-        snapshot_revision=status.revision,
-        snapshot_keys=status.total_keys,
+        snapshot_revision=saved,
         seconds=time.monotonic() - t0,
         replay_seconds=fold_seconds + load_seconds,
         keys_loaded=keys,

@@ -442,17 +442,29 @@ class ScratchEtcd:
     def snapshot_save(self, dest: str, *, timeout: float = 3600.0) -> SnapshotStatus:
         """``etcdctl snapshot save`` into ``dest`` (0600, fsynced, never replacing a file), then
         ``etcdutl snapshot status`` of it."""
+        status = self._save(dest, timeout, status=True)
+        assert status is not None
+        return status
+
+    def save(self, dest: str, *, timeout: float = 3600.0) -> None:
+        """``snapshot_save`` without the status (a full read of the saved db by another process):
+        for a caller that reads what it needs from the db itself."""
+        self._save(dest, timeout, status=False)
+
+    def _save(self, dest: str, timeout: float, *, status: bool) -> Optional[SnapshotStatus]:
         directory = os.path.dirname(os.path.abspath(dest))
         tmp = os.path.join(directory, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
         b = self.options.binaries
+        shown: Optional[Result] = None
         try:
             # etcdctl writes tmp.part, then renames it to tmp; run as ourselves: dest is ours
             t = time.monotonic()
             self._run([b.etcdctl, f"--endpoints={self.endpoint}", "snapshot", "save", tmp], timeout, as_user=False)
             self._took("save", t)
-            t = time.monotonic()
-            status = self._run([b.etcdutl, "snapshot", "status", tmp, "-w", "json"], 300.0, as_user=False)
-            self._took("status", t)
+            if status:
+                t = time.monotonic()
+                shown = self._run([b.etcdutl, "snapshot", "status", tmp, "-w", "json"], 300.0, as_user=False)
+                self._took("status", t)
             os.chmod(tmp, 0o600)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -466,10 +478,12 @@ class ScratchEtcd:
             for p in (tmp, tmp + ".part"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
+        if shown is None:
+            return None
         try:
-            data = json.loads(status.stdout)
+            data = json.loads(shown.stdout)
         except ValueError:
-            raise ScratchError(f"snapshot status of {dest} printed no JSON: {status.stdout[:200]!r}") from None
+            raise ScratchError(f"snapshot status of {dest} printed no JSON: {shown.stdout[:200]!r}") from None
         if not isinstance(data, dict):
             raise ScratchError(f"snapshot status of {dest} printed {data!r}")
         return SnapshotStatus.from_json(dest, data)

@@ -487,6 +487,28 @@ def test_replay_from_a_backup_archive(live, tmp_path):
         assert values(dump(s.rpc)) == {b"x": b"1"}
 
 
+def test_a_bare_snapshot_keeps_etcds_own_hash_check(live, tmp_path):
+    """A backup read through the backup reader has every byte hashed and etcd's trailer checked on
+    the way, so its scratch restore skips etcdutl's second read; a bare db was read by nobody:
+    etcdutl still checks it, and a byte flipped in its data is refused before anything starts."""
+    from etcd_agent.delta.errors import ScratchError
+
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    put(live.rpc, b"after", b"1")
+    finish(w, live)
+    with open(full, "r+b") as fh:
+        fh.seek(os.path.getsize(full) // 2)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x01]))
+    out = tmp_path / "pitr.db"
+    with pytest.raises(ScratchError, match="restoring .* failed"):
+        replay(full, list_segments(segdir), Target.newest(), output=str(out))
+    assert not out.exists()
+
+
 @MODES
 def test_replay_to_three_revisions_equals_the_live_history(live, tmp_path, batch):
     """A writer's puts, deletes, multi-key transactions and leased keys (a long lease, and short
