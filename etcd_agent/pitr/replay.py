@@ -118,13 +118,16 @@ class ReplayResult:
     leases: LeaseOutcome = field(default_factory=LeaseOutcome)
     fixup_revisions: Tuple[int, ...] = ()
     snapshot_revision: int = 0  # revision of the saved snapshot (reached, or the last fix-up)
-    snapshot_keys: int = 0
+    snapshot_keys: int = 0  # bolt keys of the saved db: no longer counted (0), read from older kept replays
     seconds: float = 0.0
     replay_seconds: float = 0.0
     keys_loaded: int = 0  # keys the chain left changed (puts and deletes), written in the load
     load_revisions: Tuple[int, ...] = ()  # the load's transactions' revisions in the scratch store
     started_from: str = ""  # the checkpoint the replay started from ("": the full backup itself)
     started_revision: int = 0  # the revision of the snapshot it started from
+    # where the replay's time went, phase -> seconds (stage, fold, scratch restore, start, load,
+    # defragment, save ...): the restore's JSON timings show them under "read: replay: "
+    phases: Tuple[Tuple[str, float], ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -148,6 +151,7 @@ class ReplayResult:
             "load_revisions": list(self.load_revisions),
             "started_from": self.started_from,
             "started_revision": self.started_revision,
+            "phases": {k: round(v, 3) for k, v in self.phases},
         }
 
     @classmethod
@@ -174,6 +178,7 @@ class ReplayResult:
             load_revisions=tuple(int(r) for r in d.get("load_revisions", [])),
             started_from=str(d.get("started_from", "")),
             started_revision=int(d.get("started_revision", 0)),
+            phases=tuple((str(k), float(v)) for k, v in dict(d.get("phases") or {}).items()),
         )
 
 

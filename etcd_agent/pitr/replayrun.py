@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain.check import ChainCheck, check_chain
@@ -53,7 +54,7 @@ from etcd_agent.etcd.rpc import EtcdRpc, KeepAliveStream
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leases import MIN_TTL, fate_of, lease_fates
 from etcd_agent.pitr.replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
-from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, scratch_etcd
+from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, etcd_flags, scratch_etcd
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -236,12 +237,23 @@ def replay(
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
+    lap = _Laps()
+    # the two tools' checks run while the snapshot is staged and the chain folded
+    probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replay-probe")
     try:
+        bump_ok = probes.submit(_check_bump, options)
+        probes.submit(etcd_flags, options.binaries.etcd)
         got: Optional[str] = None
         if checkpoint is not None:
             snap = _checkpoint_file(full_snapshot, work, identities, *checkpoint)
         else:
             snap, got = _snapshot_file(full_snapshot, work, identities)
+        if checkpoint is not None or got is not None:
+            # staged by the backup reader, which hashed every byte and checked etcd's sha256
+            # trailer on the way (and a checkpoint's sha256 is the one its chain vouches for):
+            # etcdutl's own check would read the snapshot once more for nothing. A bare db keeps it
+            options = dataclasses.replace(options, skip_hash_check=True)
+        lap("stage")
         restored = _snapshot_revision(snap)
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
@@ -252,22 +264,54 @@ def replay(
                  plan.stop_revision, plan.because)
         if restored < plan.base_revision:
             raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
+        lap("plan")
         with keyspace.KeySpace(work, memory_bytes=memory_bytes) as ks:
             t_fold = time.monotonic()
             segs = _fold(plan, restored, ks)
             fold_seconds = time.monotonic() - t_fold
+            lap("fold")
             bump = 0
             if ks.events:
-                _check_bump(options)
+                bump_ok.result()
                 # the loaded keys get revisions above anything the original cluster may have
                 # reached (the chain's end, and as far again as a restore's own bump allows for)
                 bump = check.end_revision - restored + LOAD_MARGIN
+            lap("etcdutl version (its wait)")
             with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
-                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl)
-        return dataclasses.replace(res, started_revision=restored,
+                lap.detail(s.timings, "scratch: ")
+                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl,
+                           lap)
+            lap("scratch stop")
+        return dataclasses.replace(res, started_revision=restored, phases=lap.phases(),
                                    started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
+        probes.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _Laps:
+    """Where a replay's time goes: ``lap(name)`` adds the seconds since the previous lap to
+    ``name``; ``detail`` names a dict of finer steps timed elsewhere (the scratch member's),
+    read when the phases are taken."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic()
+        self._seconds: Dict[str, float] = {}
+        self._detail: List[Tuple[str, Dict[str, float]]] = []
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self._seconds[name] = self._seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def detail(self, timings: Dict[str, float], prefix: str) -> None:
+        self._detail.append((prefix, timings))
+
+    def phases(self) -> Tuple[Tuple[str, float], ...]:
+        out = dict(self._seconds)
+        for prefix, timings in self._detail:
+            out.update((f"{prefix}{k}", v) for k, v in timings.items())
+        return tuple((k, round(v, 3)) for k, v in out.items())  # as the result's JSON keeps them
 
 
 def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
@@ -316,7 +360,10 @@ def _run(
     fold_seconds: float,
     min_ttl: int,
     unknown_ttl: int,
+    lap: Optional["_Laps"] = None,
 ) -> ReplayResult:
+    lap = lap or _Laps()
+    lap("scratch restore and start")
     rpc = s.rpc
     at_ms = plan.stop_time_ms if plan.stop_time_ms is not None else int(time.time() * 1000)
     start_rev = rpc.header().revision
@@ -344,23 +391,32 @@ def _run(
             _grant(rpc, lid, ttl)
             present[lid] = ttl
             keeper.hold(lid, ttl)
+        lap("leases")
         keys, loads = _load(rpc, ks, restored, start_rev)
         load_seconds = time.monotonic() - t_load
+        lap("load")
         outcome, fixups = _apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
         final = rpc.header().revision
+        lap("lease rule")
         # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
         # newest revision's own events (a delete's tombstone) stay and `snapshot status` names it
         if final - 1 > start_rev:
             rpc.compact(final - 1, physical=True)
+        lap("compact")
         # and without the free pages the full backup or checkpoint brought along (a cluster's db
         # file only grows: compaction frees pages, only a defragmentation gives them back): every
         # member then ships, restores and starts only the data
         rpc.defragment(timeout=600.0)
-        status = s.snapshot_save(output)
+        lap("defragment")
+        # no `snapshot status` (another process reading the whole db): the revision is read from
+        # the saved db's own pages, as the restore reads it again before shipping it
+        s.save(output)
+        saved = _snapshot_revision(output)
+        lap("save")
     finally:
         keeper.close()
-    if status.revision != final:
-        raise ReplayError(f"the saved snapshot is at revision {status.revision}, expected {final}")
+    if saved != final:
+        raise ReplayError(f"the saved snapshot is at revision {saved}, expected {final}")
     return ReplayResult(
         snapshot_path=output,
         base_revision=plan.base_revision,
@@ -375,8 +431,7 @@ def _run(
         lost_after=plan.lost,
         leases=outcome,
         fixup_revisions=tuple(fixups),
-        snapshot_revision=status.revision,
-        snapshot_keys=status.total_keys,
+        snapshot_revision=saved,
         seconds=time.monotonic() - t0,
         replay_seconds=fold_seconds + load_seconds,
         keys_loaded=keys,

@@ -128,6 +128,7 @@ class Restore:
         ensure_private_dir(cfg.backup.dir)
         source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run)
         self.timings["read"] = time.monotonic() - t0
+        self.timings.update((f"read: {k}", v) for k, v in source.timings.items())
         self.say(f"read {source.path}")
         try:
             t = time.monotonic()

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Callable, Dict, List, Optional, Tuple
 
@@ -61,6 +62,7 @@ class Source:
     # for the re-run that resumes)
     remove_on_close: Optional[str] = None
     lock: Optional[OperationLock] = None  # ... and the lock that makes it this restore's own
+    timings: Dict[str, float] = dataclasses.field(default_factory=dict)  # a replay's phases (the restore's JSON)
 
     @property
     def member_ids(self) -> Tuple[str, ...]:
@@ -174,6 +176,8 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     from etcd_agent.pitr.replay import Target
 
     parsed = Target.parse(target)
+    t0 = time.monotonic()
+    timings: Dict[str, float] = {}
     held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
     staging = pitr.open_staging(cfg) if identities is not None else None
     skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
@@ -182,7 +186,9 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
             while True:
                 prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
                                     checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
+                timings["prepare"] = time.monotonic() - t0
                 base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
+                timings["full backup"] = time.monotonic() - t0 - timings["prepare"]
                 try:
                     _chain_matches(prep, base)
                     st = prep.start
@@ -190,7 +196,10 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
                             f"~{st.events_after} event(s) after it)" if st else prep.entry.name)
                     progress(f"replaying the delta chain onto {onto} up to revision {prep.plan.stop_revision} in a "
                              "throwaway etcd on loopback (nothing live is touched)")
+                    t = time.monotonic()
                     path, res, reused = pitr.replay_kept(cfg, prep, identities)
+                    timings["replay"] = time.monotonic() - t
+                    timings.update((f"replay: {k}", v) for k, v in res.phases)
                     break
                 except CheckpointUnusable as exc:
                     assert prep.start is not None
@@ -208,11 +217,14 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
         lines += _encryption_lines(prep) + ([prep.signatures] if prep.signatures else [])
+        t = time.monotonic()
         src = _replayed(path, res, base, lines)
+        timings["hash"] = time.monotonic() - t
     except BaseException:
         held.release()
         raise
     src.lock = held
+    src.timings = timings
     return src
 
 

@@ -80,3 +80,18 @@ def test_snapshot_save_never_overwrites(live, tmp_path):
         live.snapshot_save(str(out))
     assert out.read_bytes() == b"keep me"
     assert [e for e in os.listdir(tmp_path) if e != "x.db"] == []
+
+
+def test_a_bumped_restore_compacts_its_history_in_large_batches(live, tmp_path):
+    """A replay waits for the compaction of the history its bumped restore marks compacted: the
+    throwaway member runs it in batches of 100,000 revisions, not etcd's 1000 with a 10 ms sleep
+    after each (the release lists the flag: 3.5.16 here)."""
+    for i in range(50):
+        live.rpc.txn([proto.op_put(b"k%02d" % (i % 5), b"v%d" % i)])
+    snap = str(tmp_path / "full.db")
+    live.snapshot_save(snap)
+    with scratch_etcd(snap, ScratchOptions(parent_dir=str(tmp_path)), bump_revision=1000) as s:
+        cmd = psutil.Process(s.pid).cmdline()
+        assert "--experimental-compaction-batch-limit=100000" in cmd, cmd
+        assert s.rpc.header().revision == 51 + 1000
+        assert {k: v[0] for k, v in dump(s.rpc).items()} == {b"k%02d" % i: b"v%d" % (45 + i) for i in range(5)}

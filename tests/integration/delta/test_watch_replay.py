@@ -11,7 +11,7 @@ from etcd_agent.chain.segments import PUT, Event, LeaseRecord, SegmentHeader, Tx
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.etcd import proto
-from etcd_agent.pitr.replay import Target
+from etcd_agent.pitr.replay import ReplayResult, Target
 from etcd_agent.pitr.replayrun import replay
 from etcd_agent.scratch.member import ScratchOptions, scratch_etcd, start_scratch
 
@@ -83,6 +83,10 @@ def test_replay_newest_equals_live(live, tmp_path, batch):
     assert res.revisions_applied == final - base
     assert res.leases.keys_reattached == 1  # the full backup's lease, moved to its remaining TTL
     assert res.keys_loaded and len(res.load_revisions) >= 1
+    # where the replay's time went, kept through the result's JSON (the kept replay's side file)
+    phases = dict(res.phases)
+    assert {"stage", "fold", "scratch: restore", "scratch: start", "load", "defragment"} <= set(phases), phases
+    assert all(v >= 0 for v in phases.values()) and ReplayResult.from_json(res.to_json()).phases == res.phases
     with restored(res.snapshot_path) as s:
         got = dump(s.rpc)
         assert_replayed(got, live_kv, base, final, moved=(b"snap-lease-key",))
@@ -481,6 +485,28 @@ def test_replay_from_a_backup_archive(live, tmp_path):
     assert ReplayResult.from_json(res.to_json()) == res
     with restored(res.snapshot_path) as s:
         assert values(dump(s.rpc)) == {b"x": b"1"}
+
+
+def test_a_bare_snapshot_keeps_etcds_own_hash_check(live, tmp_path):
+    """A backup read through the backup reader has every byte hashed and etcd's trailer checked on
+    the way, so its scratch restore skips etcdutl's second read; a bare db was read by nobody:
+    etcdutl still checks it, and a byte flipped in its data is refused before anything starts."""
+    from etcd_agent.chain.errors import ScratchError
+
+    full, base = full_backup(live, str(tmp_path))
+    segdir = str(tmp_path / "seg")
+    w = started(live, base, segdir)
+    put(live.rpc, b"after", b"1")
+    finish(w, live)
+    with open(full, "r+b") as fh:
+        fh.seek(os.path.getsize(full) // 2)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x01]))
+    out = tmp_path / "pitr.db"
+    with pytest.raises(ScratchError, match="restoring .* failed"):
+        replay(full, list_segments(segdir), Target.newest(), output=str(out))
+    assert not out.exists()
 
 
 @MODES
