@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Protocol, Tuple
 
 from etcd_agent.fs import open_regular, write_atomic
+from etcd_agent.safejson import loads
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def _load(directory: str) -> Dict[str, Check]:
         log.warning("check cache %s is larger than %d bytes; ignored", path, MAX_CACHE)
         return {}
     try:
-        obj = json.loads(raw)
+        obj = loads(raw, max_bytes=MAX_CACHE)
     except (ValueError, UnicodeDecodeError, RecursionError):
         log.warning("check cache %s is not valid JSON; ignored", path)
         return {}

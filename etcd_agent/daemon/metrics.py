@@ -9,7 +9,6 @@ inside this process (defrag, restore steps) are counted by ``observe_operation``
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -17,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from etcd_agent.config import Config
+from etcd_agent.safejson import load as load_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.daemon.loop import Daemon
@@ -155,7 +155,7 @@ class AgentMetrics:
         path = os.path.join(cfg.daemon.state_dir, "upgrade.json")
         try:
             with open(path, encoding="utf-8") as fh:
-                rec = json.load(fh)
+                rec = load_json(fh, max_bytes=1 << 20)
         except FileNotFoundError:
             return
         state = str(rec.get("state", ""))

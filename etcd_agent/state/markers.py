@@ -21,10 +21,12 @@ from typing import Any, Dict, List, Optional
 from etcd_agent.config import Config
 from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.proctime import start_ticks
+from etcd_agent.safejson import load as load_json
 
 log = logging.getLogger(__name__)
 
 RESTORE_PREFIX = "restore-in-progress-"
+MAX_MARKER = 1 << 20  # a marker is a few hundred bytes
 
 
 def restore_marker_path(cfg: Config, member: str) -> str:
@@ -63,7 +65,7 @@ def read_restore(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
     path = restore_marker_path(cfg, member)
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = load_json(fh, max_bytes=MAX_MARKER)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -168,7 +170,7 @@ def upgrading(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
     path = upgrade_marker_path(cfg, member)
     try:
         with open(path, encoding="utf-8") as fh:
-            rec = json.load(fh)
+            rec = load_json(fh, max_bytes=MAX_MARKER)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

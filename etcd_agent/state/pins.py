@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 
 from etcd_agent.config import Config, merged
 from etcd_agent.fs import makedirs, write_atomic
+from etcd_agent.safejson import load as load_json
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def release_tools(cfg: Config, version: str) -> Dict[str, Optional[str]]:
 def read_pin(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
     try:
         with open(pin_path(cfg, member), encoding="utf-8") as fh:
-            rec = json.load(fh)
+            rec = load_json(fh, max_bytes=1 << 20)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
