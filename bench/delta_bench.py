@@ -50,8 +50,8 @@ from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.chain import chains
 from etcd_agent.chain.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
 from etcd_agent.chain.writer import SegmentWriter  # noqa: E402
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.pitr.replay import Target  # noqa: E402
 from etcd_agent.pitr.replayrun import replay  # noqa: E402
 from etcd_agent.scratch.member import scratch_etcd  # noqa: E402

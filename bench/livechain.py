@@ -26,9 +26,9 @@ from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.config import Config
-from etcd_agent.continuous import proto
-from etcd_agent.continuous.rpc import EtcdRpc
 from etcd_agent.continuous.supervisor import DeltaSupervisor
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.waiting import poll
 
 

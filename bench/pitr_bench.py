@@ -60,9 +60,9 @@ from bench.restore_bench import Run, agent_run, interleave  # noqa: E402
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.chain import chains as delta_chains  # noqa: E402
-from etcd_agent.continuous import proto  # noqa: E402
-from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.continuous.supervisor import DeltaSupervisor  # noqa: E402
+from etcd_agent.etcd import proto  # noqa: E402
+from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.integration.test_restore import AGENT, EXTRA  # noqa: E402
 

@@ -32,8 +32,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.age import generate_identity, parse_recipient  # noqa: E402
 from etcd_agent.continuous.position import WatchOptions  # noqa: E402
-from etcd_agent.continuous.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.continuous.watcher import DeltaWatcher  # noqa: E402
+from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 
 # plain / enc: one streaming watch; the -batched modes read it in batches every second (the

@@ -17,14 +17,18 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple, Type, TypeVar
 
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import open_regular, write_atomic
-from etcd_agent.safejson import loads
+from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
+
+D = TypeVar("D", bound=Document)
 
 CACHE = ".etcd-agent-checks.json"
 MAX_CACHE = 4 << 20
@@ -55,8 +59,24 @@ def stamp_of(st: os.stat_result) -> Stamp:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
+def clip(doc: Document, limits: Dict[str, int]) -> None:
+    """Cut the named string fields (or a tuple's strings) of a frozen ``doc`` to their lengths:
+    what a record read back from a file shows stays bounded, as its previous reader cut it."""
+    for name, n in limits.items():
+        v = getattr(doc, name)
+        if isinstance(v, str) and len(v) > n:
+            object.__setattr__(doc, name, v[:n])
+        elif isinstance(v, tuple) and any(isinstance(x, str) and len(x) > n for x in v):
+            object.__setattr__(doc, name, tuple(x[:n] for x in v))
+
+
+def check_stamp(stamp: Optional[Stamp], what: str) -> None:
+    if stamp is not None and len(stamp) != 4:
+        raise ProtocolError(f"{what}.stamp must hold 4 integers (size, mtime_ns, inode, ctime_ns), not {len(stamp)}")
+
+
 @dataclass(frozen=True)
-class Check:
+class Check(Document):
     """One check of one file's bytes."""
 
     stamp: Stamp
@@ -70,27 +90,21 @@ class Check:
     problem: Optional[str] = None
     signature: Optional[str] = None
 
-    def to_json(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d["stamp"] = list(self.stamp)
-        d["member_ids"] = list(self.member_ids)
-        return d
+    def __post_init__(self) -> None:
+        check_stamp(self.stamp, "Check")
+        if len(self.member_ids) > 64:
+            object.__setattr__(self, "member_ids", self.member_ids[:64])
+        clip(self, {"how": 20, "kind": 20, "sha256": 64, "member_ids": 16, "problem": 2000, "signature": 20})
 
-    @classmethod
-    def from_json(cls, d: Any) -> Optional["Check"]:
-        try:
-            st = d["stamp"]
-            stamp = (int(st[0]), int(st[1]), int(st[2]), int(st[3]))
-            return cls(
-                stamp=stamp, ok=bool(d["ok"]), how=str(d["how"])[:20], at=float(d["at"]), kind=str(d.get("kind", "agent"))[:20],
-                revision=int(d["revision"]) if d.get("revision") is not None else None,
-                sha256=str(d["sha256"])[:64] if d.get("sha256") else None,
-                member_ids=tuple(str(x)[:16] for x in d.get("member_ids", [])[:64]),
-                problem=str(d["problem"])[:2000] if d.get("problem") else None,
-                signature=str(d["signature"])[:20] if d.get("signature") else None,
-            )
-        except (KeyError, TypeError, ValueError, IndexError):
-            return None
+
+def parsed(cls: Type[D], d: object, where: str) -> Optional[D]:
+    """An entry of a cache read as ``cls``; None for anything that is not one (an entry that is
+    not a record counts as none: unchecked, undrilled)."""
+    try:
+        return cls.from_json(d, where)
+    except ProtocolError as exc:
+        log.debug("%s", exc.message)
+        return None
 
 
 def _load(directory: str) -> Dict[str, Check]:
@@ -108,13 +122,13 @@ def _load(directory: str) -> Dict[str, Check]:
         return {}
     try:
         obj = loads(raw, max_bytes=MAX_CACHE)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except UnsafeJson:
         log.warning("check cache %s is not valid JSON; ignored", path)
         return {}
     out: Dict[str, Check] = {}
     if isinstance(obj, dict):
         for name, d in obj.items():
-            c = Check.from_json(d)
+            c = parsed(Check, d, f"check cache {path}: {str(name)[:80]!r}")
             if c is not None and isinstance(name, str):
                 out[name] = c
     return out

@@ -40,7 +40,7 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
     lock = _lock_holder(cfg)
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
-            "restore_in_progress": restoring, "warnings": warnings, "leftovers": left, "operation_lock": lock}
+            "restore_in_progress": [r.to_json() for r in restoring], "warnings": warnings, "leftovers": left, "operation_lock": lock}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -51,8 +51,8 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     else:
         summary += f"\nlast backup: {last['name']} ({_age(last['age_seconds'])} ago, revision {last['revision']})"
     for rec in restoring:
-        summary += (f"\nRESTORE IN PROGRESS: member {rec.get('member')}: restore {rec.get('op')} from {rec.get('backup')} "
-                    f"since {rec.get('started', '?')} (the daemon waits); {markers.restore_hint(rec)}")
+        summary += (f"\nRESTORE IN PROGRESS: member {rec.member}: restore {rec.op} from {rec.backup} "
+                    f"since {rec.started or '?'} (the daemon waits); {markers.restore_hint(rec)}")
     if lock is not None:
         summary += f"\noperation lock: held by {lock['holder']}" + (f". STALE: {lock['stale']}" if lock["stale"] else "")
     summary += "".join(f"\nwarning: {w}" for w in warnings)

@@ -289,10 +289,10 @@ def hands_off(cfg: Config, member: str) -> str:
 
     rec = markers.read_restore(cfg, member)
     if rec is not None:
-        return f"restore {rec.get('op')} in progress"
+        return f"restore {rec.op} in progress"
     up = markers.upgrading(cfg, member)
     if up is not None:
-        return f"upgrade to {up.get('version')} in progress"
+        return f"upgrade to {up.version} in progress"
     return ""
 
 

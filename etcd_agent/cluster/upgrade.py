@@ -43,6 +43,8 @@ from etcd_agent.node.sessions import (
     open_sessions,
     parallel,
 )
+from etcd_agent.safejson import loads
+from etcd_agent.typedjson import Document, JsonObject
 from etcd_agent.waiting import NotYet, poll
 
 log = logging.getLogger(__name__)
@@ -188,17 +190,49 @@ def plan_cluster_hops(versions: Dict[str, str], target: str, via: Tuple[str, ...
 # ---------------------------------------------------------------- run
 
 
+MAX_PROGRESS = 1 << 20
+
+
+@dataclass(frozen=True)
+class UpgradeProgress(Document):
+    """``<state_dir>/upgrade.json``: where the last ``upgrade`` run is, for the metrics endpoint
+    (every field may be absent: the reader of the previous version took defaults too)."""
+
+    target: str = "?"
+    state: str = ""  # "hop N: backup" | "hop N: upgrading <member>" | done | failed
+    total: int = 0  # member steps planned
+    done: int = 0  # of them upgraded
+    steps: Tuple[JsonObject, ...] = ()  # MemberStep.to_json() each, as `upgrade --json` shows them
+    hops: Tuple[JsonObject, ...] = ()  # Hop.to_json() each
+    updated: Optional[float] = None
+
+    @property
+    def running(self) -> bool:
+        return self.state not in ("done", "failed")
+
+
 def progress_path(cfg: Config) -> str:
     return os.path.join(cfg.daemon.state_dir, "upgrade.json")
+
+
+def read_progress(cfg: Config) -> Optional[UpgradeProgress]:
+    """The last run's progress; None when no upgrade ran here. A damaged file raises (UnsafeJson,
+    ProtocolError naming the field)."""
+    try:
+        with open(progress_path(cfg), "rb") as fh:
+            raw = fh.read(MAX_PROGRESS + 1)
+    except FileNotFoundError:
+        return None
+    return UpgradeProgress.from_json(loads(raw, max_bytes=MAX_PROGRESS), f"upgrade progress {progress_path(cfg)}")
 
 
 def _progress(cfg: Config, plan: UpgradePlan, state: str) -> None:
     makedirs(cfg.daemon.state_dir, 0o700)
     steps = [s for h in plan.hops for s in h.steps]
-    rec = {"target": plan.target, "state": state, "total": sum(len(h.members) for h in plan.hops),
-           "done": sum(1 for s in steps if s.outcome == "upgraded"), "steps": [s.to_json() for s in steps],
-           "hops": [h.to_json() for h in plan.hops], "updated": time.time()}
-    write_atomic(progress_path(cfg), (json.dumps(rec) + "\n").encode(), mode=0o600)
+    rec = UpgradeProgress(plan.target, state, sum(len(h.members) for h in plan.hops),
+                          sum(1 for s in steps if s.outcome == "upgraded"), tuple(s.to_json() for s in steps),
+                          tuple(h.to_json() for h in plan.hops), time.time())
+    write_atomic(progress_path(cfg), (json.dumps(rec.to_json()) + "\n").encode(), mode=0o600)
 
 
 class Upgrade:

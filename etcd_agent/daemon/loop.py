@@ -154,8 +154,8 @@ class Daemon:
         elif self._last_action == health.RESTART and not running:
             self.failures += 1
 
-        restore = markers.read_restore(cfg, me.name) or {}
-        upgrade = markers.upgrading(cfg, me.name) or {}
+        restore = markers.read_restore(cfg, me.name) or markers.RestoreMarker()
+        upgrade = markers.upgrading(cfg, me.name) or markers.UpgradeMarker()
         members = self._member_list(local_healthy)
         voters = healthy_voters = 0
         self_info: Optional[MemberInfo] = None
@@ -181,9 +181,9 @@ class Daemon:
             failures=self.failures,
             ever_bootstrapped=ever,
             left=markers.has_left(cfg, me.name),
-            restore_op=str(restore.get("op") or ""),
-            restore_backup=str(restore.get("backup") or ""),
-            upgrade_to=str(upgrade.get("version") or ""),
+            restore_op=restore.op or "",
+            restore_backup=restore.backup or "",
+            upgrade_to=upgrade.version or "",
         )
 
     def _others(self) -> List[str]:

@@ -16,7 +16,6 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from etcd_agent.config import Config
-from etcd_agent.safejson import load as load_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.daemon.loop import Daemon
@@ -152,19 +151,17 @@ class AgentMetrics:
         self.drill.state = load_state(cfg)
 
     def _upgrade(self, cfg: Config) -> None:
-        path = os.path.join(cfg.daemon.state_dir, "upgrade.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                rec = load_json(fh, max_bytes=1 << 20)
-        except FileNotFoundError:
+        from etcd_agent.cluster.upgrade import read_progress
+
+        rec = read_progress(cfg)  # a damaged one raises: refresh() blanks nothing else
+        if rec is None:
             return
-        state = str(rec.get("state", ""))
-        self.upg_total.set(float(rec.get("total", 0)))
-        self.upg_done.set(float(rec.get("done", 0)))
-        self.upg_running.set(int(state not in ("done", "failed")))
-        self.upg_failed.set(int(state == "failed"))
+        self.upg_total.set(float(rec.total))
+        self.upg_done.set(float(rec.done))
+        self.upg_running.set(int(rec.running))
+        self.upg_failed.set(int(rec.state == "failed"))
         self.upg_target.clear()
-        self.upg_target.labels(str(rec.get("target", "?"))).set(1)
+        self.upg_target.labels(rec.target).set(1)
 
     # ------------------------------------------------------------ server
 

@@ -19,12 +19,14 @@ import fcntl
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
 
 from etcd_agent import safejson
-from etcd_agent.backup.checks import Stamp, stamp_of
+from etcd_agent.backup.checks import Stamp, check_stamp, clip, parsed, stamp_of
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import makedirs, open_regular, write_atomic
+from etcd_agent.typedjson import Document
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
@@ -41,7 +43,7 @@ PREFIX = "etcd_agent_restore_drill_"
 
 
 @dataclass(frozen=True)
-class DrillRecord:
+class DrillRecord(Document):
     """One drill's outcome."""
 
     backup: str  # the archive's file name
@@ -58,34 +60,9 @@ class DrillRecord:
     digest: Optional[str] = None  # of the key space, shortened
     stamp: Optional[Stamp] = None  # of the archive when it was drilled
 
-    def to_json(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d["stamp"] = list(self.stamp) if self.stamp is not None else None
-        return d
-
-    @classmethod
-    def from_json(cls, d: Any) -> Optional["DrillRecord"]:
-        """None for anything that is not a record (a damaged file is ignored, not trusted)."""
-        if not isinstance(d, dict):
-            return None
-        try:
-            st = d.get("stamp")
-            stamp = (int(st[0]), int(st[1]), int(st[2]), int(st[3])) if st is not None else None
-
-            def opt_int(k: str) -> Optional[int]:
-                return int(d[k]) if d.get(k) is not None else None
-
-            def opt_str(k: str, n: int) -> Optional[str]:
-                return str(d[k])[:n] if d.get(k) is not None else None
-
-            return cls(
-                backup=str(d["backup"])[:255], ok=bool(d["ok"]), at=float(d["at"]), duration=float(d["duration"]),
-                host=str(d.get("host", ""))[:255], problem=opt_str("problem", 2000), revision=opt_int("revision"),
-                keys=opt_int("keys"), leases=opt_int("leases"), sample=opt_int("sample"),
-                etcd_version=opt_str("etcd_version", 40), digest=opt_str("digest", 64), stamp=stamp,
-            )
-        except (KeyError, TypeError, ValueError, IndexError):
-            return None
+    def __post_init__(self) -> None:
+        check_stamp(self.stamp, "DrillRecord")
+        clip(self, {"backup": 255, "host": 255, "problem": 2000, "etcd_version": 40, "digest": 64})
 
     def summary(self) -> str:
         """One line for listings: what the drill showed, or why it failed."""
@@ -120,7 +97,7 @@ def load_records(directory: str) -> Dict[str, DrillRecord]:
     out: Dict[str, DrillRecord] = {}
     if isinstance(obj, dict):
         for name, d in obj.items():
-            rec = DrillRecord.from_json(d)
+            rec = parse_record(d, f"drill records {directory}: {str(name)[:80]!r}")
             if rec is not None and isinstance(name, str):
                 out[name] = rec
     return out
@@ -179,8 +156,10 @@ def record_backup(directory: str, path: str, rec: DrillRecord, before: os.stat_r
 
 
 @dataclass(frozen=True)
-class HostDrillState:
+class HostDrillState(Document):
     """This host's drills over time: what the metrics show."""
+
+    RANGES = {"runs": (0, 2 ** 63 - 1), "failures": (0, 2 ** 63 - 1)}
 
     runs: int = 0
     failures: int = 0
@@ -197,22 +176,11 @@ class HostDrillState:
             last_failure=self.last_failure if rec.ok else rec,
         )
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"runs": self.runs, "failures": self.failures,
-                **{f.name: (getattr(self, f.name).to_json() if getattr(self, f.name) is not None else None)
-                   for f in fields(self) if f.name.startswith("last")}}
 
-    @classmethod
-    def from_json(cls, d: Any) -> "HostDrillState":
-        if not isinstance(d, dict):
-            return cls()
-        try:
-            runs, failures = int(d.get("runs", 0)), int(d.get("failures", 0))
-        except (TypeError, ValueError):
-            runs = failures = 0
-        return cls(runs=max(0, runs), failures=max(0, failures), last=DrillRecord.from_json(d.get("last")),
-                   last_success=DrillRecord.from_json(d.get("last_success")),
-                   last_failure=DrillRecord.from_json(d.get("last_failure")))
+
+def parse_record(d: object, where: str) -> Optional[DrillRecord]:
+    """None for anything that is not a record (a damaged file is ignored, not trusted)."""
+    return parsed(DrillRecord, d, where)
 
 
 def state_path(cfg: "Config") -> str:
@@ -220,7 +188,15 @@ def state_path(cfg: "Config") -> str:
 
 
 def load_state(cfg: "Config") -> HostDrillState:
-    return HostDrillState.from_json(_read_json(state_path(cfg)))
+    """This host's state; a fresh one when there is none or it is damaged (logged)."""
+    doc = _read_json(state_path(cfg))
+    if doc is None:
+        return HostDrillState()
+    try:
+        return HostDrillState.from_json(doc, f"drill state {state_path(cfg)}")
+    except ProtocolError as exc:
+        log.warning("%s; counting from zero", exc.message)
+        return HostDrillState()
 
 
 def record_host(cfg: "Config", rec: DrillRecord) -> HostDrillState:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from etcd_agent.drill.record import DrillRecord
+from etcd_agent.drill.record import DrillRecord, parse_record
 from etcd_agent.errors import AgentError, BusyError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,7 +81,7 @@ def read_record(client: "EtcdClient") -> Optional[DrillRecord]:
     if raw is None:
         return None
     try:
-        return DrillRecord.from_json(safejson.loads(raw, max_bytes=MAX_RECORD))
+        return parse_record(safejson.loads(raw, max_bytes=MAX_RECORD), f"drill record {RECORD_KEY} in etcd")
     except ValueError:
         log.warning("the drill record %s in etcd is damaged; treated as none", RECORD_KEY)
         return None

@@ -20,7 +20,7 @@ from etcd_agent.etcd.versions import parse
 from etcd_agent.hosts.local import LocalHost
 from etcd_agent.node.replies import UpgradeReply
 from etcd_agent.state.markers import clear_upgrading, mark_upgrading
-from etcd_agent.state.pins import read_pin, release_tools, restore_pin, write_pin
+from etcd_agent.state.pins import Pin, read_pin, release_tools, restore_pin, write_pin
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _crash_watch(member: Any) -> Callable[[], bool]:
     return crashed
 
 
-def _rollback(cfg: Config, m: Member, old_pin: Optional[Dict[str, Any]], timeout: float) -> None:
+def _rollback(cfg: Config, m: Member, old_pin: Optional[Pin], timeout: float) -> None:
     from etcd_agent.member.local import LocalMember
 
     LocalMember(cfg, m).backend.stop()

@@ -24,6 +24,7 @@ from etcd_agent.node.protocol import (
     MAX_LINE,
     PING_EVERY,
     PROTOCOL,
+    WHERE,
     Hello,
     Owner,
     Reply,
@@ -138,7 +139,7 @@ class NodeClient:
                 self._session.send(encode(req.to_json()))
                 while True:
                     doc = self._read_doc(timeout if timeout is not None else self.timeout)
-                    reply = Reply.from_json(doc)
+                    reply = Reply.from_json(doc, WHERE)
                     if reply.id in (req.id, -1):
                         break
                     log.debug("%s: dropping a reply to an earlier request %s", self.where, reply.id)

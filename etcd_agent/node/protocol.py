@@ -10,17 +10,19 @@ One session per host over the command's stdin/stdout, one JSON document per line
 - ``{"ping": n}`` lines keep the session alive while the caller waits; the server ends a session
   whose caller closed the stream or went silent for ``SILENCE_LIMIT`` seconds.
 
-Every line is at most ``MAX_LINE`` bytes and parsed with ``safejson`` limits.
+Every line is at most ``MAX_LINE`` bytes and parsed with ``safejson`` limits; each document is a
+``typedjson.Document``, so a malformed one is a ``ProtocolError`` naming its field ("node
+protocol: Hello.lock must be a boolean, not a string"), refused where it is read.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional
+from typing import Any, ClassVar, List, Mapping, Optional, Type, TypeVar
 
-from etcd_agent.errors import AgentError, OperationFailed, error_from_json
+from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, error_from_json
 from etcd_agent.safejson import UnsafeJson, loads
-from etcd_agent.typedjson import JsonObject
+from etcd_agent.typedjson import Document, JsonObject
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
@@ -34,24 +36,30 @@ MAX_LINE = 4 * 1024 * 1024
 PING_EVERY = 5.0
 # no line from the caller (requests or pings) for this long: it is gone or cut off
 SILENCE_LIMIT = 60.0
+WHERE = "node protocol"  # what a malformed document's ProtocolError starts with
+
+E = TypeVar("E", bound="_Enveloped")
 
 
-def _str(d: Mapping[str, Any], key: str, default: Optional[str] = None) -> str:
-    v = d.get(key, default)
-    if not isinstance(v, str):
-        raise OperationFailed(f"node protocol: {key!r} must be a string")
-    return v
+class _Enveloped(Document):
+    """A document sent inside a one-key object (``{"hello": {...}}``): the key says what the line is."""
 
+    KEY: ClassVar[str] = ""
+    MISSING: ClassVar[str] = ""  # what the error says when the line is not this document
 
-def _int(d: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
-    v = d.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise OperationFailed(f"node protocol: {key!r} must be an integer")
-    return v
+    def to_json(self) -> JsonObject:
+        return {self.KEY: super().to_json()}
+
+    @classmethod
+    def from_json(cls: Type[E], d: object, where: str = WHERE) -> E:
+        inner = d.get(cls.KEY) if isinstance(d, dict) else None
+        if not isinstance(inner, dict):
+            raise ProtocolError(f"{where}: {cls.MISSING}")
+        return super().from_json(inner, where)
 
 
 @dataclass(frozen=True)
-class Owner:
+class Owner(Document):
     """Who drives a session: recorded in the host's lock so a refused second caller can be told."""
 
     token: str  # random per orchestrator run
@@ -59,89 +67,44 @@ class Owner:
     pid: int
     command: str  # e.g. "restore 20261201T100000Z-1a2b3c4d"
 
-    def to_json(self) -> JsonObject:
-        return {"token": self.token, "host": self.host, "pid": self.pid, "command": self.command}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Owner":
-        return cls(_str(d, "token"), _str(d, "host"), _int(d, "pid"), _str(d, "command"))
-
     def describe(self) -> str:
         return f"`etcd-agent {self.command}` (pid {self.pid} on {self.host})"
 
 
 @dataclass(frozen=True)
-class Hello:
+class Hello(_Enveloped):
+    KEY = "hello"
+    MISSING = "the session must start with a hello"
+
     protocol: int
     owner: Owner
     lock: bool  # take this host's operation lock for the whole session
 
-    def to_json(self) -> JsonObject:
-        return {"hello": {"protocol": self.protocol, "owner": self.owner.to_json(), "lock": self.lock}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Hello":
-        h = d.get("hello")
-        if not isinstance(h, dict) or not isinstance(h.get("owner"), dict) or not isinstance(h.get("lock"), bool):
-            raise OperationFailed("node protocol: the session must start with a hello")
-        return cls(_int(h, "protocol"), Owner.from_json(h["owner"]), h["lock"])
-
 
 @dataclass(frozen=True)
-class Welcome:
+class Welcome(_Enveloped):
+    KEY = "welcome"
+    MISSING = "no welcome"
+
     protocol: int
     agent_version: str
     host: str
 
-    def to_json(self) -> JsonObject:
-        return {"welcome": {"protocol": self.protocol, "agent_version": self.agent_version, "host": self.host}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Welcome":
-        w = d.get("welcome")
-        if not isinstance(w, dict):
-            raise OperationFailed("node protocol: no welcome")
-        return cls(_int(w, "protocol"), _str(w, "agent_version"), _str(w, "host"))
-
 
 @dataclass(frozen=True)
-class Request:
+class Request(Document):
     id: int
     step: str
     args: JsonObject = field(default_factory=dict)
 
-    def to_json(self) -> JsonObject:
-        return {"id": self.id, "step": self.step, "args": self.args}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Request":
-        args = d.get("args", {})
-        if not isinstance(args, dict):
-            raise OperationFailed("node protocol: args must be an object")
-        return cls(_int(d, "id"), _str(d, "step"), args)
-
 
 @dataclass(frozen=True)
-class Reply:
+class Reply(Document):
+    """A result document or an error (``AgentError.to_json()``); the writer sets exactly one."""
+
     id: int
     result: Optional[JsonObject] = None
-    error: Optional[JsonObject] = None  # AgentError.to_json()
-
-    def to_json(self) -> JsonObject:
-        if self.error is not None:
-            return {"id": self.id, "error": self.error}
-        return {"id": self.id, "result": self.result or {}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Reply":
-        rid = _int(d, "id")
-        if "error" in d:
-            err = d["error"]
-            return cls(rid, error=err if isinstance(err, dict) else {"message": "malformed error"})
-        res = d.get("result")
-        if not isinstance(res, dict):
-            raise OperationFailed("node protocol: a reply needs a result or an error")
-        return cls(rid, result=res)
+    error: Optional[JsonObject] = None
 
     @classmethod
     def failure(cls, rid: int, exc: AgentError) -> "Reply":
@@ -151,7 +114,9 @@ class Reply:
         """The result, or the sender's error rebuilt as its own class (same exit code)."""
         if self.error is not None:
             raise error_from_json(self.error, where=f"{where}: ")
-        return self.result or {}
+        if self.result is None:
+            raise ProtocolError(f"{WHERE}: a reply needs a result or an error")
+        return self.result
 
 
 def encode(doc: Mapping[str, Any]) -> bytes:

@@ -33,6 +33,7 @@ from etcd_agent.node.protocol import (
     MAX_LINE,
     PROTOCOL,
     SILENCE_LIMIT,
+    WHERE,
     Args,
     Hello,
     Owner,
@@ -247,7 +248,7 @@ def _loop(ctx: NodeContext, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[st
 def _dispatch(ctx: NodeContext, doc: JsonObject, handlers: Dict[str, Handler]) -> Reply:
     rid = doc.get("id") if isinstance(doc.get("id"), int) else -1
     try:
-        req = Request.from_json(doc)
+        req = Request.from_json(doc, WHERE)
         fn = handlers.get(req.step)
         if fn is None:
             raise RefusedError(f"node: unknown step {req.step!r} (agent {__version__})")

@@ -8,37 +8,29 @@ when a restore must decide whether a backup is this cluster's, with etcd down.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Optional
 
 from etcd_agent.config import Config
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import makedirs, write_atomic
 from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document
 
 
 @dataclass(frozen=True)
-class BootstrapRecord:
-    cluster: str
-    cluster_id: Optional[str]  # hex, as etcd prints it
-    member_id: Optional[str]
-    token: Optional[str]  # the initial cluster token in use (a restore sets a new one)
-    since: str
+class BootstrapRecord(Document):
+    """The record as written; every field but ``cluster`` may be absent (``token`` came later)."""
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"cluster": self.cluster, "cluster_id": self.cluster_id, "member_id": self.member_id,
-                "token": self.token, "since": self.since}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "BootstrapRecord":
-        def opt(key: str) -> Optional[str]:
-            v = d.get(key)
-            return v if isinstance(v, str) and v else None
-
-        return cls(str(d.get("cluster") or ""), opt("cluster_id"), opt("member_id"), opt("token"),
-                   str(d.get("since") or ""))
+    cluster: str = ""
+    cluster_id: Optional[str] = None  # hex, as etcd prints it
+    member_id: Optional[str] = None
+    token: Optional[str] = None  # the initial cluster token in use (a restore sets a new one)
+    since: str = ""
 
 
 def record_path(cfg: Config, member: str) -> str:
@@ -56,11 +48,14 @@ def read(cfg: Config, member: str) -> Optional[BootstrapRecord]:
     try:
         with open(path, "rb") as fh:
             doc = loads(fh.read(65537), max_bytes=65536)
+        rec = BootstrapRecord.from_json(doc, f"bootstrap record {path}")
     except FileNotFoundError:
         return None
-    except (OSError, UnsafeJson):
-        return BootstrapRecord(cfg.cluster.name, None, None, None, "")
-    return BootstrapRecord.from_json(doc) if isinstance(doc, dict) else BootstrapRecord(cfg.cluster.name, None, None, None, "")
+    except (OSError, UnsafeJson, ProtocolError):
+        return BootstrapRecord(cfg.cluster.name)
+    # an empty id is no id (as the previous reader took it)
+    return dataclasses.replace(rec, cluster_id=rec.cluster_id or None, member_id=rec.member_id or None,
+                               token=rec.token or None)
 
 
 def remember(cfg: Config, member: str, cluster_id: int, member_id: int, token: Optional[str] = None) -> None:

@@ -19,13 +19,18 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from etcd_agent.config import Config, merged
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import makedirs, write_atomic
-from etcd_agent.safejson import load as load_json
+from etcd_agent.safejson import loads
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
+
+MAX_PIN = 65536
 
 
 def pin_path(cfg: Config, member: str) -> str:
@@ -47,35 +52,41 @@ def release_tools(cfg: Config, version: str) -> Dict[str, Optional[str]]:
     }
 
 
-def read_pin(cfg: Config, member: str) -> Optional[Dict[str, Any]]:
+@dataclass(frozen=True)
+class Pin(Document):
+    """``<member>.binary.json``: the release a member runs since an upgrade (only ``binary`` required)."""
+
+    binary: str
+    version: Optional[str] = None
+    etcdctl: Optional[str] = None
+    etcdutl: Optional[str] = None
+    previous: Optional[str] = None  # the binary it ran before
+    since: Optional[str] = None
+
+
+def read_pin(cfg: Config, member: str) -> Optional[Pin]:
+    """The member's pin; None when there is none or it is unusable (the configured binary runs)."""
+    path = pin_path(cfg, member)
     try:
-        with open(pin_path(cfg, member), encoding="utf-8") as fh:
-            rec = load_json(fh, max_bytes=1 << 20)
+        with open(path, "rb") as fh:
+            return Pin.from_json(loads(fh.read(MAX_PIN + 1), max_bytes=MAX_PIN), f"version pin {path}")
     except FileNotFoundError:
         return None
+    except ProtocolError as exc:
+        log.warning("%s: malformed %s: using the configured binary", member, exc.message)
+        return None
     except (OSError, ValueError) as exc:
-        log.warning("%s: unreadable version pin %s (%s): using the configured binary", member, pin_path(cfg, member), exc)
+        log.warning("%s: unreadable version pin %s (%s): using the configured binary", member, path, exc)
         return None
-    if not isinstance(rec, dict) or not isinstance(rec.get("binary"), str):
-        log.warning("%s: malformed version pin %s: using the configured binary", member, pin_path(cfg, member))
-        return None
-    return rec
 
 
 def write_pin(cfg: Config, member: str, version: str, tools: Dict[str, Optional[str]], previous: str) -> None:
     makedirs(cfg.daemon.state_dir, 0o700)
-    rec = {
-        "version": version,
-        "binary": tools["binary"],
-        "etcdctl": tools.get("etcdctl"),
-        "etcdutl": tools.get("etcdutl"),
-        "previous": previous,
-        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    write_atomic(pin_path(cfg, member), (json.dumps(rec, indent=1) + "\n").encode(), mode=0o600)
+    _write(cfg, member, Pin(tools["binary"] or "", version, tools.get("etcdctl"), tools.get("etcdutl"), previous,
+                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
 
 
-def restore_pin(cfg: Config, member: str, old: Optional[Dict[str, Any]]) -> None:
+def restore_pin(cfg: Config, member: str, old: Optional[Pin]) -> None:
     """Put back the pin as it was before a failed step (None: no pin, the configured binary)."""
     if old is None:
         try:
@@ -83,7 +94,11 @@ def restore_pin(cfg: Config, member: str, old: Optional[Dict[str, Any]]) -> None
         except FileNotFoundError:
             pass
         return
-    write_atomic(pin_path(cfg, member), (json.dumps(old, indent=1) + "\n").encode(), mode=0o600)
+    _write(cfg, member, old)
+
+
+def _write(cfg: Config, member: str, rec: Pin) -> None:
+    write_atomic(pin_path(cfg, member), (json.dumps(rec.to_json(), indent=1) + "\n").encode(), mode=0o600)
 
 
 def pinned_binary(cfg: Config, member: str) -> str:
@@ -96,13 +111,12 @@ def pinned_config(cfg: Config, member: str) -> Config:
     rec = read_pin(cfg, member)
     if rec is None:
         return cfg
-    binary = rec["binary"]
+    binary = rec.binary
     if not os.path.isfile(binary):
         log.warning("%s: pinned etcd %s is missing: using the configured %s", member, binary, cfg.etcd.binary)
         return cfg
     repl: Dict[str, Any] = {"binary": binary}
-    for tool in ("etcdctl", "etcdutl"):
-        path = rec.get(tool)
-        if isinstance(path, str) and os.path.isfile(path):
+    for tool, path in (("etcdctl", rec.etcdctl), ("etcdutl", rec.etcdutl)):
+        if path is not None and os.path.isfile(path):
             repl[tool] = path
     return merged(cfg, etcd=repl)

@@ -124,7 +124,7 @@ def test_daemons_wait_during_restore_and_after_a_crash(daemons) -> None:  # type
             proc.kill()
             proc.wait(10)
     op = j["op"]
-    assert {r["member"] for r in markers.read_restores(c.cfg)} == {"m1", "m2", "m3"}
+    assert {r.member for r in markers.read_restores(c.cfg)} == {"m1", "m2", "m3"}
     marks = {m: os.path.getsize(d.c.dir + f"/daemon-{m}.log") for m in ("m1", "m2", "m3")}
     time.sleep(4)  # four cycles: without the marker every member would be restarted / replaced by now
     # The node call in flight when the orchestrator died still finishes its steps: that is the

@@ -180,7 +180,7 @@ def upgrade_with_writes(bed, source, target):
     assert steps[-1]["name"] == report["plan"]["leader"]
     assert set(versions_of(bed).values()) == {target}
     for m in bed.cfg.members:
-        assert read_pin(bed.cfg, m.name)["version"] == target
+        assert read_pin(bed.cfg, m.name).version == target
         # a later start (daemon, reboot) resolves the pinned binary
         assert LocalMember(bed.cfg, m).cfg.etcd.binary.endswith(f"/{target}/etcd")
     with bed.client() as cl:
@@ -247,7 +247,7 @@ def test_patch_upgrade_to_the_newer_release(bed):
     """Then a patch step on 3.5: 3.5.16 -> 3.5.30 (its etcdutl comes along in the pin)."""
     upgrade_with_writes(bed, TARGET, NEWER)
     for m in bed.cfg.members:
-        assert read_pin(bed.cfg, m.name)["etcdutl"].endswith(f"/{NEWER}/etcdutl")
+        assert read_pin(bed.cfg, m.name).etcdutl.endswith(f"/{NEWER}/etcdutl")
 
 
 def test_restore_onto_the_newer_release(bed):

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from etcd_agent.config import Config, parse_text
 from etcd_agent.drill import record as drillrecord
-from etcd_agent.drill.record import DrillRecord, HostDrillState
+from etcd_agent.drill.record import DrillRecord, HostDrillState, parse_record
 from etcd_agent.drill.schedule import CLOCK_MARGIN, decide
 
 DAY = 86400.0
@@ -42,10 +42,10 @@ def samples(path: Path) -> List[Tuple[str, Dict[str, str], float]]:
 
 def test_record_round_trips_and_damage_is_ignored() -> None:
     r = ok(1000.0)
-    assert DrillRecord.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert DrillRecord.from_json(json.loads(json.dumps(r.to_json())), "test") == r
     for bad in (None, [], {"backup": "x"}, {"backup": "x", "ok": True, "at": "soon", "duration": 1},
                 {"backup": "x", "ok": True, "at": 1, "duration": 1, "stamp": [1, 2]}):
-        assert DrillRecord.from_json(bad) is None
+        assert parse_record(bad, "test") is None
     assert "restored and checked in 12.5s (revision 77, 500 keys, 100 sampled" in r.summary()
     assert failed(0.0).summary().startswith("drill FAILED 1970-01-01T00:00:00+00:00: the archive is bad")
 

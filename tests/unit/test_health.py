@@ -98,12 +98,12 @@ def test_unreadable_marker_still_pauses(tmp_path):
     assert cfg is not None, errors
     assert markers.read_restore(cfg, "m1") is None
     markers.write_restore(cfg, "m1", "op1", "/b/x.tar")
-    assert markers.read_restore(cfg, "m1")["op"] == "op1"
+    assert markers.read_restore(cfg, "m1").op == "op1"
     assert os.stat(markers.restore_marker_path(cfg, "m1")).st_mode & 0o777 == 0o600
     assert not markers.clear_restore(cfg, "m1", "other-op")  # another op's marker is not ours to remove
     with open(markers.restore_marker_path(cfg, "m1"), "w") as fh:
         fh.write("{not json")
     rec = markers.read_restore(cfg, "m1")
-    assert rec is not None and rec["op"] == "?"
-    assert [r["member"] for r in markers.read_restores(cfg)] == ["m1"]
+    assert rec is not None and rec.op == "?"
+    assert [r.member for r in markers.read_restores(cfg)] == ["m1"]
     assert markers.clear_restore(cfg, "m1") and markers.read_restores(cfg) == []

@@ -66,7 +66,7 @@ def test_a_live_upgrade_marker_stays_live_when_the_clock_jumped(tmp_path: Any) -
     with open(path, "w") as fh:
         json.dump(rec, fh)
     got = markers.upgrading(c, "m1")
-    assert got is not None and got["pid"] == os.getpid(), "a live upgrade's marker was taken for stale"
+    assert got is not None and got.pid == os.getpid(), "a live upgrade's marker was taken for stale"
     rec["pid_start_ticks"] += 1  # another process under the same pid: stale, whatever the clock
     with open(path, "w") as fh:
         json.dump(rec, fh)

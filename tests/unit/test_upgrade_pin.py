@@ -60,7 +60,7 @@ def test_marker_of_a_live_process_pauses_and_a_dead_ones_is_removed(tmp_path):
     assert markers.upgrading(c, "m1") is None
     markers.mark_upgrading(c, "m1", "3.5.1", "/usr/bin/etcd")
     rec = markers.upgrading(c, "m1")
-    assert rec is not None and rec["version"] == "3.5.1" and rec["pid"] == os.getpid()
+    assert rec is not None and rec.version == "3.5.1" and rec.pid == os.getpid()
     markers.clear_upgrading(c, "m1")
     assert markers.upgrading(c, "m1") is None
     # a step that died: its process is gone, the marker is stale and goes away
@@ -81,7 +81,7 @@ def test_unreadable_marker_fails_closed(tmp_path):
     with open(markers.upgrade_marker_path(c, "m1"), "w") as fh:
         fh.write("{not json")
     rec = markers.upgrading(c, "m1")
-    assert rec is not None and "unreadable" in rec["error"]
+    assert rec is not None and rec.error is not None and "unreadable" in rec.error
 
 
 def test_daemon_waits_while_an_upgrade_steps_its_member():
