@@ -141,11 +141,13 @@ def test_https_without_a_client_ca_is_refused() -> None:
             open_channel("https://127.0.0.1:2379", tls, [])
 
 
-def test_plain_http_needs_no_tls_files() -> None:
+def test_only_https_reads_the_tls_files() -> None:
     from etcd_agent.etcd.channel import open_channel
 
-    ch = open_channel("http://127.0.0.1:1", TlsSection(client_ca="/nonexistent/ca.crt"), [])
-    ch.close()
+    tls = TlsSection(client_ca="/nonexistent/ca.crt")
+    open_channel("http://127.0.0.1:1", tls, []).close()  # plain http: the files are never read
+    with pytest.raises(ConfigError, match="tls.client_ca: cannot read /nonexistent/ca.crt"):
+        open_channel("https://127.0.0.1:1", tls, [])
 
 
 def test_an_unreadable_tls_file_is_a_config_error_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
