@@ -11,15 +11,17 @@ Other hosts' data dirs are the restore's to gather (over ``etcd-agent node``); i
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, FrozenSet, List, Optional, Set, Tuple
 
 from etcd_agent.backup.identity import Evidence, HostIds, KnownMember
 from etcd_agent.errors import AgentError
+from etcd_agent.etcd.lineage import MAX_LINEAGE_BYTES
 from etcd_agent.fs import open_regular
 from etcd_agent.member.dblock import db_path
+from etcd_agent.safejson import load as load_json
+from etcd_agent.safejson import loads
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -32,7 +34,7 @@ def parse_lineage(raw: Optional[bytes]) -> Tuple[Tuple[FrozenSet[int], ...], Fro
     if not raw:
         return (), frozenset()
     try:
-        items = json.loads(raw[: 1 << 20])
+        items = loads(raw, max_bytes=MAX_LINEAGE_BYTES)
     except (ValueError, UnicodeDecodeError):
         return (), frozenset()
     sets: List[FrozenSet[int]] = []
@@ -77,7 +79,7 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
         rec = record_path(cfg, m.name)
         try:
             with open_regular(rec) as fh:
-                data = json.loads(fh.read(65536))
+                data = load_json(fh, max_bytes=65536)
             mid = int(str(data.get("member_id")), 16)
             hosts.append(HostIds(f"{m.name}'s bootstrap record ({rec})", frozenset({mid})))
         except FileNotFoundError:

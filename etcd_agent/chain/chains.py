@@ -17,7 +17,6 @@ Listing reads only headers and footers (``read_summary``); a restore verifies ev
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from etcd_agent.chain.segments import (
     parse_name,
 )
 from etcd_agent.fs import regular_fd
+from etcd_agent.safejson import loads
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def active_base(directory: str) -> Optional[int]:
         except OSError:
             raw = os.pread(fd, 4096, 0)
             try:
-                rec = json.loads(raw.decode("utf-8", "replace") or "{}")
+                rec = loads(raw.decode("utf-8", "replace") or "{}", max_bytes=4096)
             except ValueError:
                 return None
             base = rec.get("base_revision") if isinstance(rec, dict) else None

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from etcd_agent.fs import open_regular, write_atomic
+from etcd_agent.safejson import load as load_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
@@ -227,7 +228,7 @@ def read_breaks(directory: str) -> Tuple[int, List[BreakRecord]]:
     """(breaks ever recorded, the newest MAX_BREAKS of them)."""
     try:
         with open_regular(os.path.join(directory, BREAKS_FILE)) as fh:
-            raw = json.loads(fh.read(1 << 20))
+            raw = load_json(fh, max_bytes=1 << 20)
         total = int(raw.get("total", 0))
         return total, [BreakRecord.from_json(x) for x in raw.get("breaks", [])]
     except FileNotFoundError:

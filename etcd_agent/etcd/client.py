@@ -1,6 +1,6 @@
-"""The etcd client: the only module that imports etcd3/grpc; plain dataclasses out, our errors up.
+"""The etcd client: the only module that imports etcd3; plain dataclasses out, our errors up.
 
-Maintenance and cluster RPCs go through gRPC channels kept per endpoint (so one dead member never
+Maintenance and cluster RPCs go through gRPC channels (built by ``channel``) kept per endpoint (so one dead member never
 poisons calls to the others, and a restarted etcd is reconnected within a second: reconnect
 backoff is capped low). Their messages are the classes generated from etcd's own rpc.proto
 (``pb``; etcd3's stubs are stale: no learner fields), read bounded by ``wire``. KV and locks use
@@ -14,7 +14,6 @@ import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
-from urllib.parse import urlsplit
 
 from google.protobuf.message import Message
 
@@ -27,7 +26,7 @@ from etcd_agent.errors import (
     EtcdUnhealthyCluster,
     OperationFailed,
 )
-from etcd_agent.etcd import wire
+from etcd_agent.etcd import channel, wire
 from etcd_agent.etcd.pb import rpc_pb2 as pb
 from etcd_agent.waiting import SYSTEM_CLOCK, Clock, NotYet, poll
 
@@ -39,20 +38,9 @@ M = TypeVar("M", bound=Message)
 
 # the largest response accepted: by gRPC (the channel's receive limit) and again before parsing
 MAX_RESPONSE = 64 * 1024 * 1024
-# gRPC reconnect backoff grows to 120 s by default; an agent polling a restarted etcd wants ~1 s.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", MAX_RESPONSE),
-]
-# the snapshot download (see snapshot_chunks); "SingleThreadedUnaryStream" is
-# grpc.experimental.ChannelOptions.SingleThreadedUnaryStream
-_SNAPSHOT_OPTIONS = [
-    ("SingleThreadedUnaryStream", 1),
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", 1024 * 1024),
-]
+CHANNEL_OPTIONS = channel.options(MAX_RESPONSE)
+# the snapshot download (see snapshot_chunks)
+_SNAPSHOT_OPTIONS = channel.options(MAX_RESPONSE, single_threaded_streams=True, fixed_window=True)
 
 
 @dataclass(frozen=True)
@@ -92,18 +80,6 @@ class EndpointStatus:
     @property
     def is_leader(self) -> bool:
         return self.leader != 0 and self.leader == self.member_id
-
-
-def parse_endpoint(url: str) -> Tuple[str, int, bool]:
-    """``https://10.0.0.1:2379`` -> (host, port, secure)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
-        raise EtcdError(f"bad etcd endpoint {url!r}")
-    return parts.hostname, parts.port, parts.scheme == "https"
-
-
-def _target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def map_grpc_error(exc: Exception, what: str) -> EtcdError:
@@ -158,34 +134,11 @@ class EtcdClient:
 
     # ------------------------------------------------------------ plumbing
 
-    def _credentials(self) -> Any:
-        import grpc
-
-        t = self._tls
-        if t is None or not t.client_ca:
-            raise EtcdError("https endpoint but no [tls] client_ca configured")
-
-        def read(p: Optional[str]) -> Optional[bytes]:
-            if not p:
-                return None
-            with open(p, "rb") as fh:
-                return fh.read()
-
-        return grpc.ssl_channel_credentials(read(t.client_ca), read(t.client_key), read(t.client_cert))
-
-    def _new_channel(self, endpoint: str, options: List[Tuple[str, int]]) -> Any:
-        import grpc
-
-        host, port, secure = parse_endpoint(endpoint)
-        if secure:
-            return grpc.secure_channel(_target(host, port), self._credentials(), options=options)
-        return grpc.insecure_channel(_target(host, port), options=options)
-
     def _channel(self, endpoint: str) -> Any:
         with self._lock:
             ch = self._channels.get(endpoint)
             if ch is None:
-                ch = self._new_channel(endpoint, _CHANNEL_OPTIONS)
+                ch = channel.open_channel(endpoint, self._tls, CHANNEL_OPTIONS)
                 self._channels[endpoint] = ch
             return ch
 
@@ -304,7 +257,7 @@ class EtcdClient:
         # thread of its own: ~40% more CPU per MB here), and the receive window is fixed at 1 MiB
         # instead of growing with BDP probing, which let gRPC buffer tens of MB ahead of a busy
         # reader (the agent's peak RSS).
-        ch = self._new_channel(endpoint, _CHANNEL_OPTIONS + _SNAPSHOT_OPTIONS)
+        ch = channel.open_channel(endpoint, self._tls, _SNAPSHOT_OPTIONS)
         try:
             fn = ch.unary_stream("/etcdserverpb.Maintenance/Snapshot", request_serializer=wire.serialize,
                                  response_deserializer=None)
@@ -355,8 +308,8 @@ class EtcdClient:
 
             eps = []
             for url in self.endpoints:
-                host, port, secure = parse_endpoint(url)
-                creds = self._credentials() if secure else None
+                host, port, secure = channel.parse_endpoint(url)
+                creds = channel.credentials(self._tls) if secure else None
                 eps.append(Endpoint(host, port, secure=secure, creds=creds, time_retry=0.5))
             self._kvc = MultiEndpointEtcd3Client(eps, timeout=self.timeout, failover=True)
         return self._kvc

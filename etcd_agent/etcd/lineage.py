@@ -13,9 +13,12 @@ import json
 from typing import Any, List
 
 from etcd_agent.config import Config
+from etcd_agent.safejson import loads
 
 LINEAGE_KEY = "/etcd-agent/restore/lineage"
 MAX_ENTRIES = 50
+# the value as read: 50 entries of a few member ids take a few KiB
+MAX_LINEAGE_BYTES = 1 << 20
 
 
 def record_lineage(cfg: Config, member_ids: List[str]) -> None:
@@ -28,7 +31,7 @@ def record_lineage(cfg: Config, member_ids: List[str]) -> None:
         raw = c.get(LINEAGE_KEY)
         entries: List[Any] = []
         try:
-            doc = json.loads(raw) if raw else []
+            doc = loads(raw, max_bytes=MAX_LINEAGE_BYTES) if raw else []
             entries = doc if isinstance(doc, list) else []
         except ValueError:
             pass

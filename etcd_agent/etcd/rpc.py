@@ -1,7 +1,7 @@
 """The gRPC transport of the delta feature: one endpoint, raw bytes in and out, our errors up.
 
-The only module here that imports grpc (when this moves into the package its calls join
-``etcd/client.py``, the agent's one grpc importer). Requests are generated messages
+Its channel comes from ``channel``, as ``client``'s do (the etcd3 stubs cannot express what
+these calls need: ``fragment``, lease ids on Txn puts). Requests are generated messages
 (``etcd_agent.etcd.pb``, built by ``proto``) serialized by their class; responses stay bytes
 through gRPC and are decoded by ``proto``, bounded by ``max_message`` (a deserializer that raised
 inside gRPC would come back as an INTERNAL status, its reason lost).
@@ -17,7 +17,6 @@ Streams carry ``hasleader=true`` metadata: a member cut off from its leader canc
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from typing import (
@@ -39,8 +38,8 @@ from typing import (
 from google.protobuf.message import Message
 
 from etcd_agent.errors import EtcdError
-from etcd_agent.etcd import proto
-from etcd_agent.etcd.client import map_grpc_error, parse_endpoint
+from etcd_agent.etcd import channel, proto
+from etcd_agent.etcd.client import map_grpc_error
 from etcd_agent.etcd.pb import rpc_pb2
 from etcd_agent.etcd.wire import serialize
 
@@ -50,32 +49,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# gRPC's fork handlers restart its poller in a forked child; with channels busy in the parent
-# that child can abort (EBADF on epoll) before it execs - seen here with grpcio 1.80 as
-# `etcdutl` "exiting" with SIGABRT; grpc/grpc#43055. The agent forks only to exec, so it needs
-# no fork support. Read when grpc initialises: this module is imported before grpc is.
-# (When this moves into the package: set it in the CLI's entry point.)
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
 MAX_MESSAGE = 256 * 1024 * 1024
 _METADATA = (("hasleader", "true"),)
-
-
-def channel_options(max_message: int) -> List[Tuple[str, int]]:
-    return [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.max_receive_message_length", max_message),
-        ("grpc.max_send_message_length", max_message),
-        # a dead peer (host gone, no RST) under an open watch is noticed within ~15 s instead of
-        # the TCP timeout. etcd's enforcement (--grpc-keepalive-min-time 5 s, pings only with a
-        # stream open) answers pings on an idle channel with GOAWAY "too_many_pings": so none
-        ("grpc.keepalive_time_ms", 10000),
-        ("grpc.keepalive_timeout_ms", 5000),
-        ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 class StreamEnded(EtcdError):
@@ -98,25 +73,12 @@ class EtcdRpc:
         max_message: int = MAX_MESSAGE,
         single_threaded_streams: bool = False,
     ) -> None:
-        import grpc
-
         self.endpoint = endpoint
         self.timeout = timeout
         self.max_message = max_message
-        host, port, secure = parse_endpoint(endpoint)
-        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        opts: List[Tuple[str, int]] = channel_options(max_message)
-        if single_threaded_streams:
-            import grpc.experimental
-
-            # server-streaming calls read their messages on the caller's thread instead of
-            # through the channel's polling thread: one thread hop less per message (measured
-            # at 500 watch responses/s: 4.8 % of a core against 5.6 %, and 6.8 % for a bidi call)
-            opts.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
-        if secure:
-            self._channel = grpc.secure_channel(target, _credentials(tls), options=opts)
-        else:
-            self._channel = grpc.insecure_channel(target, options=opts)
+        opts = channel.options(max_message, max_send=max_message, keepalive=True,
+                               single_threaded_streams=single_threaded_streams)
+        self._channel = channel.open_channel(endpoint, tls, opts)
         self._stubs: Dict[str, Any] = {}
 
     def _unary(self, method: str, request: Message, timeout: Optional[float] = None) -> bytes:
@@ -219,21 +181,6 @@ class EtcdRpc:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _credentials(tls: "Optional[TlsSection]") -> Any:
-    import grpc
-
-    if tls is None or not tls.client_ca:
-        raise EtcdError("https endpoint but no [tls] client_ca configured")
-
-    def read(p: Optional[str]) -> Optional[bytes]:
-        if not p:
-            return None
-        with open(p, "rb") as fh:
-            return fh.read()
-
-    return grpc.ssl_channel_credentials(read(tls.client_ca), read(tls.client_key), read(tls.client_cert))
 
 
 _END = object()

@@ -5,11 +5,11 @@ value is one :class:`SnapshotFormatError` naming where it was. :mod:`.snapdb` wa
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
+from etcd_agent import safejson
 from etcd_agent.errors import SnapshotFormatError
 from etcd_agent.etcd.bbolt import MAX_VALUE
 
@@ -94,51 +94,19 @@ def cluster_id_from(member_ids: Sequence[int]) -> int:
 
 
 # --- value decoding ----------------------------------------------------------------------------
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def bounded_json(raw: bytes, what: str, *, max_bytes: int, max_depth: int) -> Dict[str, Any]:
-    """A JSON object of at most ``max_bytes`` bytes and ``max_depth`` nesting, no NaN/Infinity, no
-    duplicate keys. The nesting is counted before parsing, so a deeply nested value cannot reach
-    Python's recursion limit; every problem is one SnapshotFormatError naming ``what``."""
-    if len(raw) > max_bytes:
-        raise SnapshotFormatError(f"{what}: JSON of {len(raw)} bytes (limit {max_bytes})")
+    """A JSON object read by ``safejson`` (size, nesting counted before parsing, finite numbers,
+    64-bit integers) with no key named twice; every problem is one SnapshotFormatError naming
+    ``what``, worded as it always was."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SnapshotFormatError(f"{what}: value is not UTF-8") from None
-    depth = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > max_depth:
-                raise SnapshotFormatError(f"{what}: JSON nested deeper than {max_depth}")
-        elif ch in "]}":
-            depth -= 1
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotFormatError(f"{what}: bad JSON ({str(exc).splitlines()[0][:80]})") from None
+        obj = safejson.loads(raw, max_bytes=max_bytes, max_depth=max_depth, unique_keys=True)
+    except safejson.UnsafeJson as exc:
+        why = {
+            safejson.SIZE: f"JSON of {len(raw)} bytes (limit {max_bytes})",
+            safejson.ENCODING: "value is not UTF-8",
+            safejson.DEPTH: f"JSON nested deeper than {max_depth}",
+        }.get(exc.kind, f"bad JSON ({exc.detail.splitlines()[0][:80]})")
+        raise SnapshotFormatError(f"{what}: {why}") from None
     if not isinstance(obj, dict):
         raise SnapshotFormatError(f"{what}: JSON value is not an object")
     return obj

@@ -5,10 +5,10 @@ Only argv lists leave this module; every value that comes from config has been v
 """
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from etcd_agent.errors import BackupCorrupt, CommandError
+from etcd_agent.safejson import loads
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # etcdctl v3 API; 3.4 defaults to it already, being explicit keeps 3.3-era environments honest.
 ETCDCTL_ENV = {"ETCDCTL_API": "3"}
+MAX_STATUS_OUTPUT = 1 << 20  # `snapshot status -w json` prints one short object
 
 
 def snapshot_tool(cfg: "Config") -> List[str]:
@@ -38,7 +39,7 @@ def snapshot_status(host: "Host", cfg: "Config", path: str, timeout: float = 300
             detail = tail[0] if tail else ""
         raise BackupCorrupt(f"snapshot {path} failed `snapshot status`: {detail or exc.message}") from None
     try:
-        data = json.loads(res.stdout)
+        data = loads(res.stdout, max_bytes=MAX_STATUS_OUTPUT)
     except ValueError:
         raise BackupCorrupt(f"snapshot status of {path} printed no JSON: {res.stdout[:200]!r}") from None
     if not isinstance(data, dict) or "revision" not in data:

@@ -20,6 +20,7 @@ from etcd_agent.config import Config
 from etcd_agent.errors import OperationFailed
 from etcd_agent.fs import makedirs, open_append, write_atomic
 from etcd_agent.proctime import start_ticks
+from etcd_agent.safejson import load as load_json
 from etcd_agent.topology import parse_conf
 from etcd_agent.waiting import poll
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 # Variables of the agent's own environment that etcd may inherit; ETCD_* come from the conf only.
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "GOMAXPROCS")
+MAX_PIDFILE = 64 << 10  # a pid record names the binary: a path, at most 4 KiB
 
 
 class ProcessBackend:
@@ -123,7 +125,7 @@ class ProcessBackend:
 
         try:
             with open(self.pid_file, encoding="utf-8") as fh:
-                rec = json.load(fh)
+                rec = load_json(fh, max_bytes=MAX_PIDFILE)
             pid, created = int(rec["pid"]), float(rec["create_time"])
             ticks = rec.get("start_ticks")
         except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):

@@ -37,6 +37,7 @@ from etcd_agent.fs import makedirs, open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.pitr.replayrun import replay
+from etcd_agent.safejson import load as load_json
 from etcd_agent.scratch.leftovers import remove_left
 from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions
 from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
@@ -54,6 +55,7 @@ OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PRIVATE_DIR
 # what a replay makes in its work dir: a dead run's are removed (``sweep``)
 WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX)
 FUTURE_MARGIN_MS = 2000
+MAX_KEPT_RESULT = 1 << 22  # a kept replay's result (<name>.json)
 # a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
 SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
 
@@ -507,7 +509,7 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     if os.path.isfile(out) and os.path.isfile(side):
         try:
             with open_regular(side) as fh:
-                res = ReplayResult.from_json(json.loads(fh.read(1 << 22)))
+                res = ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT))
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -544,7 +546,7 @@ def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
             or not os.path.isfile(path + ".json"):
         return None
     with open_regular(path + ".json") as fh:
-        return path, ReplayResult.from_json(json.loads(fh.read(1 << 22)))
+        return path, ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT))
 
 
 def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) -> List[str]:

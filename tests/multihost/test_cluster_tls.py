@@ -22,7 +22,9 @@ from etcd_agent.cli.main import main
 from etcd_agent.cluster.status import cluster_status
 from etcd_agent.config import Config, TlsSection, load
 from etcd_agent.errors import EtcdError
-from etcd_agent.etcd.client import EtcdClient
+from etcd_agent.etcd import proto
+from etcd_agent.etcd.client import EtcdClient, prefix_end
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.topology import parse_conf, render_conf, static_bootstrap
 from tests.harness.netns import NetnsBed, NsHost
 from tests.harness.releases import DEFAULT, release
@@ -197,6 +199,28 @@ def test_clients_without_a_valid_certificate_are_refused(tls_cluster: TlsCluster
     # while the admin certificate still works
     with EtcdClient.from_config(tc.admin, [url], timeout=2.0) as c:
         assert c.status(url).version == DEFAULT
+
+
+def test_the_watch_transport_speaks_tls_from_the_same_config(tls_cluster: TlsCluster) -> None:
+    """``etcd.rpc`` (the continuous backup's watch, the replay's transactions) opens its channel
+    where the client does, with the same [tls] files: a watch over https sees a write; without a
+    client certificate etcd refuses it."""
+    tc = tls_cluster
+    url = tc.admin.members[1].client_url
+    with EtcdClient.from_config(tc.admin, [url]) as c:
+        c.put("tls/watched", b"seen")
+    with EtcdRpc(url, tls=tc.admin.tls, timeout=5.0, single_threaded_streams=True) as r:
+        head = r.header(serializable=False)
+        req = proto.encode_watch_create(b"tls/", prefix_end(b"tls/"), start_revision=1)
+        seen = []
+        for raw in r.watch_batch(req, timeout=10.0):
+            seen += [ev.key for ev in proto.decode_watch_response(raw, r.max_message).events]
+            if b"tls/watched" in seen:
+                break
+        assert b"tls/watched" in seen and head.revision > 1
+    no_cert = TlsSection(client_ca=tc.admin.tls.client_ca)
+    with EtcdRpc(url, tls=no_cert, timeout=2.0) as r, pytest.raises(EtcdError):
+        r.header(serializable=False)
 
 
 @pytest.mark.parametrize("role", ["follower", "leader"])

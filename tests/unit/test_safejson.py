@@ -45,3 +45,34 @@ def test_a_document_checks_its_ranges_and_that_numbers_fit() -> None:
         with pytest.raises(ProtocolError) as ei:
             _Doc.from_json(bad, "x")
         assert ei.value.message == why
+
+
+def test_what_a_refusal_is_about_for_readers_that_word_it_their_own_way() -> None:
+    from etcd_agent import safejson
+
+    for data, kind, detail in [(b"x" * 11, safejson.SIZE, "11 bytes, more than the 10 allowed"),
+                               (b'"\xff"', safejson.ENCODING, "not UTF-8 (invalid start byte at byte 1)"),
+                               (b"[[1]]", safejson.DEPTH, "nested deeper than 1 levels"),
+                               (b"{nope", safejson.SYNTAX, "Expecting property name enclosed in double quotes: "
+                                                           "line 1 column 2 (char 1)"),
+                               (b"NaN", safejson.SYNTAX, "NaN is not a JSON number")]:
+        with pytest.raises(UnsafeJson) as ei:
+            loads(data, max_bytes=10, max_depth=1)
+        assert (ei.value.kind, ei.value.detail) == (kind, detail)
+
+
+def test_a_key_named_twice_is_refused_when_asked() -> None:
+    assert loads('{"a": 1, "a": 2}', max_bytes=100) == {"a": 2}
+    with pytest.raises(UnsafeJson, match="duplicate key 'a'"):
+        loads('{"b": {"a": 1, "a": 2}}', max_bytes=100, unique_keys=True)
+
+
+def test_a_file_is_read_no_further_than_its_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd_agent.safejson import load
+
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
+    (tmp_path / "big.json").write_text('{"a": "' + "x" * (1 << 20) + '"}')
+    with open(tmp_path / "ok.json", "rb") as fh:
+        assert load(fh, max_bytes=100) == {"a": [1, 2]}
+    with open(tmp_path / "big.json", encoding="utf-8") as fh, pytest.raises(UnsafeJson, match="101 bytes, more than"):
+        load(fh, max_bytes=100)
