@@ -384,6 +384,7 @@ def prune_backups(
     held = boundaries.holds(record.boundaries,
                             [boundaries.BackupAt(e.name, e.time.timestamp(), e.snapshot_sha256) for e in goods],
                             os.path.lexists)
+    holds = [(h.name, h.reason) for h in held]
     # the daemon's checkpoints (inside a chain) are counted apart, after the chains are decided
     checkpoints = [e for e in goods if e.checkpoint_of]
     goods = [e for e in goods if not e.checkpoint_of]
@@ -393,42 +394,57 @@ def prune_backups(
         keep_hourly=cfg.backup.keep_hourly,
         keep_daily=cfg.backup.keep_daily,
         protect=protect,
-        holds=[(h.name, h.reason) for h in held],
+        holds=holds,
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
-    from etcd_agent.chain import chains  # a full backup and the delta chain that continues it go together
-
-    fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
-             for by_rev in goods if by_rev.name == d.name]
-    fulls += [chains.FullRef(e.name, e.revision, True, good=False, base=e.base) for e in entries if not e.complete]
-    chain_plan = chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
+    chain_plan = _chain_plan(directory, decisions, goods, entries)
     chain_decisions = [retention.Decision(c.label, c.keep, (c.reason,)) for c in chain_plan]
     decisions += retention.plan_checkpoints(
         [retention.BackupRef(e.name, e.time, e.verified, e.origin, chain=e.checkpoint_of or "") for e in checkpoints],
         live_chains={c.chain_id for c in chain_plan if c.keep and c.chain_id},
-        keep=cfg.backup.delta.checkpoint_keep, protect=protect, holds=[(h.name, h.reason) for h in held])
+        keep=cfg.backup.delta.checkpoint_keep, protect=protect, holds=holds)
     if record.problem:  # what it protects is unknown: fail closed, delete nothing
         why = boundaries.unreadable_message(record.problem)
         log.warning("prune held: %s", why)
-        decisions = [d if d.keep else retention.Decision(d.name, True, (f"held ({d.reason}): {why}",))
-                     for d in decisions]
-        chain_decisions = [d if d.keep else retention.Decision(d.name, True, (f"held ({d.reason}): {why}",))
-                           for d in chain_decisions]
-        return decisions + chain_decisions + quarantined
-    if dry_run:
-        return decisions + chain_decisions + quarantined
-    by_name = {e.name: e for e in goods + checkpoints}
+        return _held_back(decisions, why) + _held_back(chain_decisions, why) + quarantined
+    if not dry_run:
+        _delete(directory, decisions, goods + checkpoints, chain_plan)
+    return decisions + chain_decisions + quarantined
+
+
+def _chain_plan(directory: str, decisions: List[retention.Decision], goods: List[catalog.Entry],
+                entries: List[catalog.Entry]) -> List[Any]:
+    """What becomes of each delta chain: a full backup and the chain that continues it go together
+    (a quarantined one is never deleted: its chain stays with it)."""
+    from etcd_agent.chain import chains
+
+    fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
+             for by_rev in goods if by_rev.name == d.name]
+    fulls += [chains.FullRef(e.name, e.revision, True, good=False, base=e.base) for e in entries if not e.complete]
+    return chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
+
+
+def _held_back(decisions: List[retention.Decision], why: str) -> List[retention.Decision]:
+    """Every deletion in ``decisions`` turned into a keep that says why."""
+    return [d if d.keep else retention.Decision(d.name, True, (f"held ({d.reason}): {why}",)) for d in decisions]
+
+
+def _delete(directory: str, decisions: List[retention.Decision], backups: List[catalog.Entry],
+            chain_plan: List[Any]) -> None:
+    """The full backups and chains decided against, removed; the dir fsynced if anything went."""
+    by_name = {e.name: e for e in backups}
     for d in decisions:
         if not d.keep:
             log.info("pruning %s: %s", d.name, d.reason)
             os.unlink(by_name[d.name].path)
+    from etcd_agent.chain import chains
+
     removed = chains.apply(chain_plan)
     if removed or any(not d.keep for d in decisions):
         from etcd_agent.fs import fsync_dir
 
         fsync_dir(directory)
-    return decisions + chain_decisions + quarantined
 
 
 def prune_locked(cfg: Config, *, dry_run: bool) -> List[retention.Decision]:

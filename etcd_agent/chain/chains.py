@@ -259,40 +259,49 @@ class ChainDecision:
 
 def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] = None) -> List[ChainDecision]:
     """One decision per chain (and one for the unreadable files that may go), each with its reason."""
-    out: List[ChainDecision] = []
-    for c in scan_.chains:
-        same = [f for f in fulls if f.revision == c.base_revision and (c.first is None or c.continues(f.base))]
-        kept = [f for f in same if f.keep]
-        if kept:
-            out.append(ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths, c.chain_id))
-        elif c.base_revision == active:
-            out.append(ChainDecision(c.base_revision, True, "being written by the daemon's watch right now", c.paths,
-                                     c.chain_id))
-        elif same:
-            gone = same[0]
-            why = f"its full backup {gone.name} is pruned" + (f" ({gone.reason})" if gone.reason else "")
-            out.append(ChainDecision(c.base_revision, False, why, c.paths, c.chain_id))
-        else:
-            out.append(ChainDecision(
-                c.base_revision, False,
-                f"orphaned: no full backup here that it continues (revision {c.base_revision}: deleted by hand, "
-                "or never finished); without it the segments restore nothing", c.paths, c.chain_id))
+    out = [_chain_decision(c, fulls, active) for c in scan_.chains]
     if scan_.unreadable:
-        kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
-        oldest = min(kept_revs) if kept_revs else None
-        doomed, stay = [], []
-        for p, _why in scan_.unreadable:
-            rng = parse_name(os.path.basename(p))
-            if oldest is not None and rng is not None and max(rng) < oldest:
-                doomed.append(p)
-            else:
-                stay.append(p)
-        if doomed:
-            out.append(ChainDecision(-1, False, f"unreadable segments entirely before the oldest kept full backup "
-                                                f"(revision {oldest}): nothing can use them", tuple(doomed)))
-        if stay:
-            out.append(ChainDecision(-1, True, "unreadable segments kept: a kept full backup may need them "
-                                               "(`backup list` names the damage)", tuple(stay)))
+        out += _unreadable_decisions(scan_.unreadable, fulls)
+    return out
+
+
+def _chain_decision(c: ChainSummary, fulls: Sequence[FullRef], active: Optional[int]) -> ChainDecision:
+    """A chain is kept with a kept full backup it continues, or while the daemon writes it."""
+    same = [f for f in fulls if f.revision == c.base_revision and (c.first is None or c.continues(f.base))]
+    kept = [f for f in same if f.keep]
+    if kept:
+        return ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths, c.chain_id)
+    if c.base_revision == active:
+        return ChainDecision(c.base_revision, True, "being written by the daemon's watch right now", c.paths,
+                             c.chain_id)
+    if same:
+        gone = same[0]
+        why = f"its full backup {gone.name} is pruned" + (f" ({gone.reason})" if gone.reason else "")
+        return ChainDecision(c.base_revision, False, why, c.paths, c.chain_id)
+    return ChainDecision(
+        c.base_revision, False,
+        f"orphaned: no full backup here that it continues (revision {c.base_revision}: deleted by hand, "
+        "or never finished); without it the segments restore nothing", c.paths, c.chain_id)
+
+
+def _unreadable_decisions(unreadable: Sequence[Tuple[str, str]], fulls: Sequence[FullRef]) -> List[ChainDecision]:
+    """Unreadable files go only when they lie wholly before the oldest kept full backup."""
+    kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
+    oldest = min(kept_revs) if kept_revs else None
+    doomed, stay = [], []
+    for p, _why in unreadable:
+        rng = parse_name(os.path.basename(p))
+        if oldest is not None and rng is not None and max(rng) < oldest:
+            doomed.append(p)
+        else:
+            stay.append(p)
+    out: List[ChainDecision] = []
+    if doomed:
+        out.append(ChainDecision(-1, False, f"unreadable segments entirely before the oldest kept full backup "
+                                            f"(revision {oldest}): nothing can use them", tuple(doomed)))
+    if stay:
+        out.append(ChainDecision(-1, True, "unreadable segments kept: a kept full backup may need them "
+                                           "(`backup list` names the damage)", tuple(stay)))
     return out
 
 

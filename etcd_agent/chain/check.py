@@ -147,6 +147,17 @@ def check_chain(
     ``key`` (the manifest key) checks verified segments' signatures; with it or without, a
     segment less authenticated than one before it stops the chain as "forged" (``segsign``).
     """
+    walk = _Walk(_by_start(paths), start_revision, base,
+                 _Loading(verify, max_bytes, not_after_ms, opener, verify_from, key))
+    while True:
+        chosen, problems = walk.next_segment()
+        if chosen is None:
+            return walk.stopped(problems)
+        walk.take(chosen)
+
+
+def _by_start(paths: Iterable[str]) -> Dict[int, List[str]]:
+    """The files named as segments, by the revision their name says they start at (sorted)."""
     by_start: Dict[int, List[str]] = {}
     for p in paths:
         rng = parse_name(os.path.basename(p))
@@ -154,119 +165,169 @@ def check_chain(
             by_start.setdefault(rng[0], []).append(p)
     for lst in by_start.values():
         lst.sort()
-    good: List[SegmentInfo] = []
-    used = set()
-    passed: List[Tuple[str, str]] = []
-    foreign: Set[str] = set()  # chain ids whose first segment continues another full backup
-    because = ""
-    expect = start_revision + 1
+    return by_start
+
+
+@dataclass(frozen=True)
+class _Loading:
+    """How ``check_chain`` reads each candidate (its keyword arguments)."""
+
+    verify: bool
+    max_bytes: int
+    not_after_ms: Optional[int]
+    opener: Optional[Opener]
+    verify_from: Optional[int]
+    key: Optional[bytes]
+
+    def full(self, path: str) -> bool:
+        """Is this file verified whole (else only its header and footer are read)?"""
+        rng = parse_name(os.path.basename(path))
+        return self.verify and (self.verify_from is None or rng is None or rng[1] >= self.verify_from)
+
+    def load(self, path: str, full: bool) -> SegmentInfo:
+        return _load_info(path, full, self.max_bytes, self.opener, self.key)
+
+
+# what ``_Walk.judge`` makes of one candidate: "first" (the first segment of a chain that may
+# continue the full backup), "fits" (links to the segment before), "" (not of this chain: passed
+# over, or another base revision's), or why it stops the chain: "corrupt", "forged", "future",
+# "mismatch" (with the reason)
+_Verdict = Tuple[str, Optional[SegmentInfo], str]
+
+
+@dataclass
+class _Walk:
+    """``check_chain``'s walk from the full backup's revision, one revision range at a time."""
+
+    by_start: Dict[int, List[str]]
+    start_revision: int
+    base: Optional[BaseBackup]
+    loading: _Loading
+    good: List[SegmentInfo] = field(default_factory=list)
+    used: Set[str] = field(default_factory=set)
+    passed: List[Tuple[str, str]] = field(default_factory=list)
+    foreign: Set[str] = field(default_factory=set)  # chain ids whose first segment continues another full backup
+    because: str = ""
     prev: Optional[SegmentInfo] = None
-    best = 0  # the best-proven origin of the segments followed (``segsign.rank``)
-    while True:
-        cands = [p for p in by_start.get(expect, []) if p not in used]
-        problems: List[Tuple[str, str, str]] = []  # (kind, path, reason)
+    best: int = 0  # the best-proven origin of the segments followed (``segsign.rank``)
+
+    @property
+    def expect(self) -> int:
+        return self.prev.end_revision + 1 if self.prev else self.start_revision + 1
+
+    def take(self, chosen: SegmentInfo) -> None:
+        self.good.append(chosen)
+        self.best = max(self.best, segsign.rank(chosen))
+        self.used.add(chosen.disk_path)
+        self.prev = chosen
+
+    def next_segment(self) -> Tuple[Optional[SegmentInfo], List[Tuple[str, str, str]]]:
+        """The segment that continues the chain at ``expect`` (None: it stops here), and the
+        problems of the candidates that did not (kind, path, reason)."""
+        problems: List[Tuple[str, str, str]] = []
         firsts: List[SegmentInfo] = []  # first segments that continue ``base`` (prev None)
         chosen: Optional[SegmentInfo] = None
-        for p in cands:
-            rng = parse_name(os.path.basename(p))
-            full = verify and (verify_from is None or rng is None or rng[1] >= verify_from)
-            try:
-                info = _load_info(p, full, max_bytes, opener, key)
-            except NotASegment as exc:
-                passed.append((p, f"{exc.problem}: not a segment of any chain, whatever its name"))
-                continue
-            except SegmentCorrupt as exc:
-                problems.append(("forged" if isinstance(exc, SegmentForged) else "corrupt", p, exc.problem))
-                continue
-            h = info.header
-            if h.base_revision != start_revision:
-                continue  # another chain's segment that happens to start here
-            ahead = _dated_after(p, info, not_after_ms)
-            if ahead:
-                problems.append(("future", p, ahead))
-                continue
-            if prev is None and h.seq == 0 and not continues(h, base):
-                # the chain of another full backup at the same revision: named, never replayed
-                passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
-                                  "another full backup's chain"))
-                foreign.add(h.chain_id)
-                continue
-            if prev is None and h.seq != 0 and _theirs(h, base, foreign):
-                # the next segment of that chain (its first was idle, or ended before this one
-                # starts): passed over too, not "not the first segment" - nothing of ours is lost
-                passed.append((p, f"segment {h.seq} of chain {h.chain_id[:8]}, which {names_base(h)}: "
-                                  "another full backup's chain"))
-                continue
-            forged = segsign.weaker(info, best)
-            if forged:
-                problems.append(("forged", p, forged))
-                continue
-            if prev is None:
-                ok = h.seq == 0 and h.prev_sha256 == ""
-                why = "is not the first segment of a chain"
-            else:
-                ok = h.chain_id == prev.header.chain_id and h.seq == prev.header.seq + 1 and (
-                    not full or not prev.sha256 or h.prev_sha256 == prev.sha256
-                )
-                why = (
-                    f"does not link to {os.path.basename(prev.path)} "
-                    f"(chain {h.chain_id[:8]} seq {h.seq}, prev sha256 {h.prev_sha256[:12]}; "
-                    f"expected chain {prev.header.chain_id[:8]} seq {prev.header.seq + 1}, "
-                    f"sha256 {prev.sha256[:12] if prev.sha256 else '?'})"
-                )
-                if ok and h.base_sha256 != prev.header.base_sha256:
-                    # every segment names the full backup its events continue: one naming another
-                    # is not this chain's, however well it links
-                    ok, why = False, (f"{names_base(h)}, another full backup than its chain's first segment "
-                                      f"(which {names_base(prev.header)}): not replayed onto it")
-            if ok and prev is None:
+        for p in [p for p in self.by_start.get(self.expect, []) if p not in self.used]:
+            verdict, info, why = self.judge(p)
+            if verdict == "first" and info is not None:
                 firsts.append(info)
-                continue
-            if ok:
+            elif verdict == "fits" and info is not None:
                 # of two that fit (a forged twin beside a signed segment), the better-proven one
                 if chosen is None or segsign.rank(info) > segsign.rank(chosen):
                     chosen = info
                 if segsign.rank(chosen) == segsign.RANK["valid"]:
                     break
-                continue
-            problems.append(("mismatch", p, why))
+            elif verdict:
+                problems.append((verdict, p, why))
         if firsts:
-            chosen, because, others = _first(firsts, base)
-            passed += others
-        if chosen is not None:
-            good.append(chosen)
-            best = max(best, segsign.rank(chosen))
-            used.add(chosen.disk_path)
-            prev = chosen
-            expect = chosen.end_revision + 1
-            continue
-        last_rev = prev.end_revision if prev else start_revision
+            chosen, self.because, others = _first(firsts, self.base)
+            self.passed += others
+        return chosen, problems
+
+    def judge(self, p: str) -> _Verdict:
+        """What this candidate at ``expect`` is to the chain followed so far."""
+        full = self.loading.full(p)
+        try:
+            info = self.loading.load(p, full)
+        except NotASegment as exc:
+            self.passed.append((p, f"{exc.problem}: not a segment of any chain, whatever its name"))
+            return "", None, ""
+        except SegmentCorrupt as exc:
+            return ("forged" if isinstance(exc, SegmentForged) else "corrupt"), None, exc.problem
+        h = info.header
+        if h.base_revision != self.start_revision:
+            return "", None, ""  # another chain's segment that happens to start here
+        ahead = _dated_after(p, info, self.loading.not_after_ms)
+        if ahead:
+            return "future", None, ahead
+        if self.prev is None and self._passes_over(p, h):
+            return "", None, ""
+        forged = segsign.weaker(info, self.best)
+        if forged:
+            return "forged", None, forged
+        why = self._link(h, full)
+        if why:
+            return "mismatch", None, why
+        return ("first" if self.prev is None else "fits"), info, ""
+
+    def _passes_over(self, p: str, h: SegmentHeader) -> bool:
+        """Before the chain's first segment: is this one of another full backup's chain (named in
+        ``passed``, never replayed)?"""
+        if h.seq == 0 and not continues(h, self.base):
+            # the chain of another full backup at the same revision
+            self.passed.append((p, f"the first segment of chain {h.chain_id[:8]}, which {names_base(h)}: "
+                                   "another full backup's chain"))
+            self.foreign.add(h.chain_id)
+            return True
+        if h.seq != 0 and _theirs(h, self.base, self.foreign):
+            # the next segment of that chain (its first was idle, or ended before this one
+            # starts): passed over too, not "not the first segment" - nothing of ours is lost
+            self.passed.append((p, f"segment {h.seq} of chain {h.chain_id[:8]}, which {names_base(h)}: "
+                                   "another full backup's chain"))
+            return True
+        return False
+
+    def _link(self, h: SegmentHeader, full: bool) -> str:
+        """Why a segment with header ``h`` does not continue the segment before ("" if it does)."""
+        prev = self.prev
+        if prev is None:
+            return "" if h.seq == 0 and h.prev_sha256 == "" else "is not the first segment of a chain"
+        if not (h.chain_id == prev.header.chain_id and h.seq == prev.header.seq + 1 and (
+                not full or not prev.sha256 or h.prev_sha256 == prev.sha256)):
+            return (f"does not link to {os.path.basename(prev.path)} "
+                    f"(chain {h.chain_id[:8]} seq {h.seq}, prev sha256 {h.prev_sha256[:12]}; "
+                    f"expected chain {prev.header.chain_id[:8]} seq {prev.header.seq + 1}, "
+                    f"sha256 {prev.sha256[:12] if prev.sha256 else '?'})")
+        if h.base_sha256 != prev.header.base_sha256:
+            # every segment names the full backup its events continue: one naming another is
+            # not this chain's, however well it links
+            return (f"{names_base(h)}, another full backup than its chain's first segment "
+                    f"(which {names_base(prev.header)}): not replayed onto it")
+        return ""
+
+    def stopped(self, problems: List[Tuple[str, str, str]]) -> ChainCheck:
+        """The result, now that nothing continues the chain at ``expect``: the first problem
+        there, else a gap before a later file of this chain, else its clean end."""
+        prev, expect = self.prev, self.expect
+        last_rev = prev.end_revision if prev else self.start_revision
         last_time = prev.footer.end_time_ms if prev else None
         later = sorted(
-            (s, p) for s, lst in by_start.items() if s > expect for p in lst
-            if _same_chain(p, start_revision, prev, base, passed, foreign)
+            (s, p) for s, lst in self.by_start.items() if s > expect for p in lst
+            if _same_chain(p, self.start_revision, prev, self.base, self.passed, self.foreign)
         )
-        seen = tuple(passed)
+        seen = tuple(self.passed)  # after ``later``: a file that is no segment was added to it
         if problems:
             kind, p, why = problems[0]
-            return ChainCheck(
-                start_revision,
-                tuple(good),
-                ChainStop(kind, f"{os.path.basename(p)}: {why}", expect, p, last_rev, last_time),
-                tuple(sorted({p for _k, p, _w in problems} | {p for _s, p in later})),
-                seen, because,
-            )
+            stop = ChainStop(kind, f"{os.path.basename(p)}: {why}", expect, p, last_rev, last_time)
+            lost = tuple(sorted({p for _k, p, _w in problems} | {p for _s, p in later}))
+            return ChainCheck(self.start_revision, tuple(self.good), stop, lost, seen, self.because)
         if later:
             nxt = later[0][0]
             reason = f"no segment covers revisions {expect}..{nxt - 1} (missing file); the next one starts at {nxt}"
-            return ChainCheck(
-                start_revision,
-                tuple(good),
-                ChainStop("gap", reason, expect, None, last_rev, last_time),
-                tuple(p for _s, p in later),
-                seen, because,
-            )
-        return ChainCheck(start_revision, tuple(good), None, (), seen, because)
+            stop = ChainStop("gap", reason, expect, None, last_rev, last_time)
+            return ChainCheck(self.start_revision, tuple(self.good), stop, tuple(p for _s, p in later), seen,
+                              self.because)
+        return ChainCheck(self.start_revision, tuple(self.good), None, (), seen, self.because)
 
 
 def names_base(h: SegmentHeader) -> str:

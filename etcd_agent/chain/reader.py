@@ -230,21 +230,23 @@ def scan_segment(path: str, sink: Optional[TxnSink], *, max_bytes: int = MAX_SEG
 _REC_HEAD_SIZE = REC_HEAD.size
 _TXN_HEAD_SIZE = TXN_HEAD.size
 _EVENT_HEAD_SIZE = EVENT_HEAD.size
+_EV_HEAD = EVENT_HEAD.unpack_from
+_NOTHING = (0, 0, 0, 0)  # a delete's value length, create revision, version and lease
 
 
 def _parse_records(
     path: str, data: bytes, pos: int, end: int, header: SegmentHeader, sink: Optional[TxnSink], want_events: bool
 ) -> Tuple[int, int, int, int, List[LeaseRecord]]:
     """Every record from ``pos`` to the footer at ``end``, checked; returns (txns, events, last
-    revision, last time, lease records). One loop, no object per event unless ``want_events``:
-    this is the replay's hot path (the chain check and the fold both run it over every byte)."""
+    revision, last time, lease records). No object per event unless ``want_events``: this is the
+    replay's hot path (the chain check and the fold both run it over every byte), so a
+    revision costs one call (``_events``) and an event none."""
     leases: List[LeaseRecord] = []
     expect = header.start_revision
     last_time = header.start_time_ms
     n_txns = n_events = 0
     rec_head = REC_HEAD.unpack_from
     txn_head = TXN_HEAD.unpack_from
-    ev_head = EVENT_HEAD.unpack_from
     rh, th, eh = _REC_HEAD_SIZE, _TXN_HEAD_SIZE, _EVENT_HEAD_SIZE
     not_catchup = ~FLAG_CATCHUP
     while pos < end:
@@ -254,44 +256,14 @@ def _parse_records(
         pos += rh
         if ln > MAX_RECORD or ln > end - pos:
             raise SegmentCorrupt(path, f"record at offset {pos - rh}: length {ln} out of bounds")
-        rec_end = pos + ln
         if kind == REC_TXN:
             # one revision: u64 revision, i64 time, u32 n, u8 flags, then n events
             if ln < th:
                 raise SegmentCorrupt(path, "truncated transaction record")
             rev, time_ms, n, flags = txn_head(data, pos)
-            p = pos + th
-            if n == 0 or n > (rec_end - p) // eh or flags & not_catchup:
+            if n == 0 or n > (ln - th) // eh or flags & not_catchup:
                 raise SegmentCorrupt(path, f"revision {rev}: bad event count {n} or flags {flags:#x}")
-            evs: Optional[List[RawEvent]] = [] if want_events else None
-            seen: Optional[Set[bytes]] = set() if n > 1 else None
-            for _ in range(n):
-                if rec_end - p < eh:
-                    raise SegmentCorrupt(path, f"revision {rev}: truncated event")
-                ekind, klen, vlen, create, version, lease = ev_head(data, p)
-                p += eh
-                if klen == 0 or klen + vlen > rec_end - p:
-                    raise SegmentCorrupt(path, f"revision {rev}: key/value length out of bounds")
-                kend = p + klen
-                if ekind == PUT:
-                    if not (1 <= create <= rev and version >= 1 and lease >= 0):
-                        raise SegmentCorrupt(path, f"revision {rev}: put of {data[p:kend][:64]!r} has impossible fields")
-                elif ekind == DELETE:
-                    if vlen or create or version or lease:
-                        raise SegmentCorrupt(path, f"revision {rev}: delete of {data[p:kend][:64]!r} carries a value")
-                else:
-                    raise SegmentCorrupt(path, f"revision {rev}: unknown event kind {ekind}")
-                if seen is not None or evs is not None:
-                    key = data[p:kend]
-                    if seen is not None:
-                        if key in seen:  # etcd refuses a transaction that touches a key twice
-                            raise SegmentCorrupt(path, f"revision {rev}: key {key[:64]!r} twice")
-                        seen.add(key)
-                    if evs is not None:
-                        evs.append((ekind, key, data[kend : kend + vlen], create, version, lease))
-                p = kend + vlen
-            if p != rec_end:
-                raise SegmentCorrupt(path, f"revision {rev}: {rec_end - p} stray bytes after its events")
+            evs = _events(path, data, pos + th, pos + ln, n, rev, want_events)
             if rev != expect:
                 raise SegmentCorrupt(path, f"revision {rev} where {expect} was due (gap or disorder)")
             if time_ms < last_time:
@@ -303,13 +275,64 @@ def _parse_records(
             expect += 1
             last_time = time_ms
         elif kind == REC_LEASE:
-            if ln != LEASE_BODY.size:
-                raise SegmentCorrupt(path, f"lease record of {ln} bytes")
-            lid, granted, remaining, observed = LEASE_BODY.unpack_from(data, pos)
-            if lid <= 0 or granted < -1 or remaining < -1:
-                raise SegmentCorrupt(path, f"lease record {lid:x}: values out of range")
-            leases.append(LeaseRecord(lid, granted, remaining, observed))
+            leases.append(_lease_record(path, data, pos, ln))
         else:
             raise SegmentCorrupt(path, f"unknown record type {kind} at offset {pos - rh}")
-        pos = rec_end
+        pos += ln
     return n_txns, n_events, expect - 1, last_time, leases
+
+
+def _events(path: str, data: bytes, p: int, rec_end: int, n: int, rev: int, want_events: bool
+            ) -> Optional[List[RawEvent]]:
+    """The ``n`` events of revision ``rev`` from ``p``, which must end exactly at ``rec_end``:
+    lengths in bounds, fields possible for their kind, no key twice; the list only if wanted."""
+    ev_head = _EV_HEAD
+    eh = _EVENT_HEAD_SIZE
+    evs: Optional[List[RawEvent]] = [] if want_events else None
+    seen: Optional[Set[bytes]] = set() if n > 1 else None
+    for _ in range(n):
+        if rec_end - p < eh:
+            raise SegmentCorrupt(path, f"revision {rev}: truncated event")
+        ekind, klen, vlen, create, version, lease = ev_head(data, p)
+        p += eh
+        if klen == 0 or klen + vlen > rec_end - p:
+            raise SegmentCorrupt(path, f"revision {rev}: key/value length out of bounds")
+        kend = p + klen
+        if ekind == PUT:
+            if not (1 <= create <= rev and version >= 1 and lease >= 0):
+                raise _bad_event(path, rev, ekind, data[p:kend])
+        elif ekind != DELETE or (vlen, create, version, lease) != _NOTHING:  # a delete carries only its key
+            raise _bad_event(path, rev, ekind, data[p:kend])
+        if seen is None and evs is None:  # the check's pass over single-key revisions: no key copied
+            p = kend + vlen
+            continue
+        key = data[p:kend]
+        if seen is not None:
+            if key in seen:  # etcd refuses a transaction that touches a key twice
+                raise SegmentCorrupt(path, f"revision {rev}: key {key[:64]!r} twice")
+            seen.add(key)
+        if evs is not None:
+            evs.append((ekind, key, data[kend : kend + vlen], create, version, lease))
+        p = kend + vlen
+    if p != rec_end:
+        raise SegmentCorrupt(path, f"revision {rev}: {rec_end - p} stray bytes after its events")
+    return evs
+
+
+def _bad_event(path: str, rev: int, ekind: int, key: bytes) -> SegmentCorrupt:
+    """What is wrong with an event whose fields are impossible for its kind."""
+    if ekind == PUT:
+        return SegmentCorrupt(path, f"revision {rev}: put of {key[:64]!r} has impossible fields")
+    if ekind == DELETE:
+        return SegmentCorrupt(path, f"revision {rev}: delete of {key[:64]!r} carries a value")
+    return SegmentCorrupt(path, f"revision {rev}: unknown event kind {ekind}")
+
+
+def _lease_record(path: str, data: bytes, pos: int, ln: int) -> LeaseRecord:
+    """One LEASE record: a lease the watcher saw alive, checked in range."""
+    if ln != LEASE_BODY.size:
+        raise SegmentCorrupt(path, f"lease record of {ln} bytes")
+    lid, granted, remaining, observed = LEASE_BODY.unpack_from(data, pos)
+    if lid <= 0 or granted < -1 or remaining < -1:
+        raise SegmentCorrupt(path, f"lease record {lid:x}: values out of range")
+    return LeaseRecord(lid, granted, remaining, observed)

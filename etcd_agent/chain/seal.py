@@ -126,20 +126,31 @@ class Seal:
             raise ValueError(f"unknown seal field(s) {', '.join(extra[:5])}")
         if d.get("format_version") != SEAL_VERSION:
             raise ValueError(f"seal format version {d.get('format_version')!r} not supported (max {SEAL_VERSION})")
-        sizes = [d.get("plain_size"), d.get("age_size")]
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in sizes):
+        if not all(_is_size(d.get(k)) for k in ("plain_size", "age_size")):
             raise ValueError("plain_size/age_size must be non-negative integers")
-        shas = [d.get("plain_sha256"), d.get("age_sha256")]
-        if any(not isinstance(v, str) or len(v) != 64 or any(c not in "0123456789abcdef" for c in v) for v in shas):
+        if not all(_is_sha256(d.get(k)) for k in ("plain_sha256", "age_sha256")):
             raise ValueError("plain_sha256/age_sha256 must be sha256 hex digests")
-        recips = d.get("recipients")
-        if not isinstance(recips, list) or not recips or len(recips) > 64 or \
-                not all(isinstance(r, str) and r.startswith("age1") and len(r) < 100 for r in recips):
+        recips: Any = d.get("recipients")
+        if not _are_recipients(recips):
             raise ValueError("recipients must be 1 to 64 age1... public keys")
         signature = parse_signature(d.get("signature"))
         return cls(SegmentHeader.from_json(d.get("header")), SegmentFooter.from_json(d.get("footer")),
                    int(d["plain_size"]), str(d["plain_sha256"]), int(d["age_size"]), str(d["age_sha256"]),
                    tuple(recips), signature)
+
+
+def _is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_sha256(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _are_recipients(v: Any) -> bool:
+    """1 to 64 age X25519 public keys (``age1...``), each of a sane length."""
+    return isinstance(v, list) and 0 < len(v) <= 64 and all(
+        isinstance(r, str) and r.startswith("age1") and len(r) < 100 for r in v)
 
 
 # ---------------------------------------------------------------- writing

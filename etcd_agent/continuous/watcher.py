@@ -32,7 +32,6 @@ resumes from the last written revision + 1.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -41,10 +40,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from etcd_agent.chain.check import BaseBackup
-from etcd_agent.chain.errors import ChainBroken, DeltaError
+from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import PUT, Checkpoint, SegmentInfo, Txn
 from etcd_agent.chain.vouching import Census, Vouching
-from etcd_agent.chain.writer import SegmentWriter, remove_stale_temps
+from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.continuous.leasewatch import LeaseTracker
 from etcd_agent.continuous.position import (
     ChainPosition,
@@ -54,27 +53,28 @@ from etcd_agent.continuous.position import (
     find_resume_point,
     member_break,
 )
+from etcd_agent.continuous.session import LOCK_NAME, OnItsThread, WatchRunner
 from etcd_agent.continuous.watchevents import Fragments, by_revision, decode
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd import proto
 from etcd_agent.etcd.rpc import EtcdRpc, StreamEnded
-from etcd_agent.fs import ensure_private_dir
-from etcd_agent.state.locks import Holder, OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import TlsSection
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".delta-watcher.lock"
+__all__ = ["LOCK_NAME", "DeltaWatcher"]
 
 
-class DeltaWatcher:
+class DeltaWatcher(OnItsThread):
     """Watch ``endpoint`` from full backup revision ``start_revision`` into segments in ``out_dir``.
 
     ``run(stop)`` blocks until ``stop`` is set (returns) or the chain breaks (raises
     ChainBroken); ``start()``/``stop()``/``join()`` run it on a thread of its own.
     """
+
+    thread_name = "delta-watcher"
 
     def __init__(
         self,
@@ -93,6 +93,7 @@ class DeltaWatcher:
         """``overrides``: WatchOptions fields (``close_seconds=0.5`` ...) over ``options``.
         ``base``: which full backup at ``start_revision`` the chain continues (its snapshot's
         sha256, written into every segment; only a chain of exactly that backup is resumed)."""
+        super().__init__()
         self.endpoint = endpoint
         self.base_revision = start_revision
         self.base = base
@@ -101,12 +102,12 @@ class DeltaWatcher:
         self.opt = dataclasses.replace(options or WatchOptions(), **overrides)
         self.on_segment = on_segment
         self._wall_ms = wall_ms
-        self._mono = monotonic
+        self.monotonic = monotonic
 
         self.pos = ChainPosition.new(start_revision, wall_ms(), base.sha256 if base else "")
         self._writer: Optional[SegmentWriter] = None
         self._mu = threading.RLock()  # the stream reader's handling vs. the timers and the finish
-        self._created = False
+        self.created = False
         self._finished = False
         self._period_start = monotonic()
         self._last_event_ms = self.pos.start_time_ms
@@ -122,7 +123,6 @@ class DeltaWatcher:
         self._covered_ms = 0  # every revision committed before this time is written ...
         self._covered_rev = 0  # ... and this was the last revision when it was confirmed
         self._leases = LeaseTracker(wall_ms, self.opt.lease_refresh_limit)
-        self._outage_since: Optional[float] = None
         self.member_revision = 0  # the member's revision at the last coverage check ...
         self.member_checked_ms = 0  # ... and when it was asked
 
@@ -133,40 +133,12 @@ class DeltaWatcher:
         self.last_segment: Optional[SegmentInfo] = None
         self.state = "starting"
         self.broken: Optional[ChainBroken] = None
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._error: Optional[BaseException] = None
-
-    # ------------------------------------------------------------ thread wrapper
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._thread_main, name="delta-watcher", daemon=True)
-        self._thread.start()
-
-    def _thread_main(self) -> None:
-        try:
-            self.run(self._stop)
-        except BaseException as exc:  # surfaced by join()
-            self._error = exc
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the watcher to close its segment and stop; raise what ended it, if anything."""
-        self._stop.set()
-        self.join(timeout)
-
-    def join(self, timeout: float = 30.0) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise DeltaError(f"delta watcher did not stop within {timeout:g}s")
-        if self._error is not None:
-            raise self._error
 
     def vouch(self, checkpoint: Checkpoint) -> None:
         """A full backup was just taken inside this chain: vouched for in a footer when ready
         (``vouching.Vouching``); never, if the watch ends first."""
         with self._mu:
-            self._vouching.hand_over(checkpoint, self._mono())
+            self._vouching.hand_over(checkpoint, self.monotonic())
 
     def lease_census(self, timeout: float = 30.0) -> Optional[int]:
         """Every lease the member has, observed (no refresh limit) into the open segment, for a
@@ -210,10 +182,6 @@ class DeltaWatcher:
         """The last revision written to a segment (closed or still open)."""
         return self._last_revision()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def status(self) -> WatcherStatus:
         last = self.last_segment
         with self._mu:
@@ -233,155 +201,52 @@ class DeltaWatcher:
     # ------------------------------------------------------------ main loop
 
     def run(self, stop: threading.Event) -> None:
-        ensure_private_dir(self.out_dir)
-        # the holder record tells a prune (another process) which chain is being written
-        lock = OperationLock(os.path.join(self.out_dir, LOCK_NAME), "delta watch",
-                             holder=Holder(base_revision=self.base_revision, endpoint=self.endpoint)).acquire()
-        try:
-            remove_stale_temps(self.out_dir)
-            resumed = find_resume_point(self.out_dir, self.base_revision, self.base, key=self.opt.sign_key)
-            if resumed is not None:
-                self.pos = resumed
-                self._last_event_ms = resumed.start_time_ms
-                log.info("resuming delta chain %s at revision %d (segment %d)", resumed.chain_id[:8],
-                         resumed.next_revision, resumed.seq)
-            else:
-                self.pos = ChainPosition.new(self.base_revision, self._wall_ms(), self.base.sha256 if self.base else "")
-                log.info("new delta chain %s from revision %d", self.pos.chain_id[:8], self.pos.next_revision)
-            self._period_start = self._mono()
-            self._loop(stop)
-        except ChainBroken as exc:
-            self.broken = exc
-            self.state = "broken"
-            log.error("%s", exc.message)
-            raise
-        finally:
-            try:
-                self._finish()
-            finally:
-                if self.state != "broken":
-                    self.state = "stopped"
-                lock.release()
+        WatchRunner(self).run(stop)
 
-    def _loop(self, stop: threading.Event) -> None:
-        backoff = 0.5
-        while not stop.is_set():
-            try:
-                self._session(stop)
-                return
-            except ChainBroken:
-                raise
-            except EtcdError as exc:
-                if "larger than max" in exc.message:
-                    # etcd 3.5 sends a new watch's first catch-up batch (up to 1000 revisions)
-                    # unfragmented; one bigger than we accept would come again on every retry
-                    raise ChainBroken(
-                        self._last_revision() + 1,
-                        f"etcd's catch-up response exceeds {self.opt.max_message} bytes ({exc.message})",
-                    ) from None
-                self.state = "reconnecting"
-                self.reconnects += 1
-                self._close_open_segment()  # what was captured reaches the disk now, not after the outage
-                now = self._mono()
-                if self._outage_since is None:  # the last session had connected: a new outage
-                    self._outage_since = now
-                    backoff = 0.5
-                down = now - self._outage_since
-                if down >= self.opt.max_outage:
-                    raise ChainBroken(
-                        self._last_revision() + 1,
-                        f"the member at {self.endpoint} could not be watched for {down:.0f}s ({exc.message})",
-                    ) from None
-                log.warning("delta watch on %s: %s; reconnecting from revision %d", self.endpoint, exc.message,
-                            self._last_revision() + 1)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+    def resume(self) -> None:
+        """(Run's start, under its lock) from the end of this backup's chain already in the
+        directory, else a new chain."""
+        resumed = find_resume_point(self.out_dir, self.base_revision, self.base, key=self.opt.sign_key)
+        if resumed is not None:
+            self.pos = resumed
+            self._last_event_ms = resumed.start_time_ms
+            log.info("resuming delta chain %s at revision %d (segment %d)", resumed.chain_id[:8],
+                     resumed.next_revision, resumed.seq)
+        else:
+            self.pos = ChainPosition.new(self.base_revision, self._wall_ms(), self.base.sha256 if self.base else "")
+            log.info("new delta chain %s from revision %d", self.pos.chain_id[:8], self.pos.next_revision)
+        self._period_start = self.monotonic()
 
-    def _session(self, stop: threading.Event) -> None:
-        """One connection: a streaming watch, its responses handled on the stream's reader
-        thread (under ``self._mu``) while this one runs the timers and waits, always with a
-        deadline; or with ``batch_seconds`` a short watch per batch, read on this thread."""
-        rpc = EtcdRpc(
-            self.endpoint, tls=self.tls, timeout=self.opt.rpc_timeout, max_message=self.opt.max_message,
-            single_threaded_streams=True,
-        )
-        try:
-            t_ms, hdr = self._wall_ms(), rpc.header()
-            self._check_member(hdr)
-            self.member_revision, self.member_checked_ms = hdr.revision, t_ms
-            if not self._leases.listed:
-                self._leases.record_all(rpc)
-            with self._mu:
-                self._check = None
-                self._closing = False
-                self._last_advance = self._mono()
-            if self.opt.batch_seconds > 0:
-                self._batches(stop, rpc)
-                return
-            stream = self._open(rpc, progress_notify=True)
-            try:
-                while not stop.is_set():
-                    if stream.done.wait(0.25):
-                        raise stream.failure or StreamEnded("watch stream ended")
-                    self._timers(rpc)
-            finally:
-                stream.close()
-        finally:
-            rpc.close()
+    def begin_session(self, rpc: EtcdRpc) -> None:
+        """A new connection: the member checked (the same cluster, not behind the chain), its
+        leases listed once, and no coverage check carried over from the last connection."""
+        t_ms, hdr = self._wall_ms(), rpc.header()
+        self._check_member(hdr)
+        self.member_revision, self.member_checked_ms = hdr.revision, t_ms
+        if not self._leases.listed:
+            self._leases.record_all(rpc)
+        with self._mu:
+            self._check = None
+            self._closing = False
+            self._last_advance = self.monotonic()
 
-    def _next_watch(self, *, progress_notify: bool) -> Any:
+    def next_watch(self, *, progress_notify: bool) -> Any:
         """The create request of the next watch (from the revision after the last one captured),
         its per-watch state reset."""
         with self._mu:
-            self._created = False
+            self.created = False
             self._fragments.clear()
             start = self._last_revision() + 1
-            self._watch_asked = self._mono()
+            self._watch_asked = self.monotonic()
         return proto.encode_watch_create(
             b"\0", b"\0", start_revision=start, progress_notify=progress_notify, fragment=self.opt.fragment
         )
 
-    def _watching(self) -> None:
-        """A watch was created: the member is reachable again."""
-        self._outage_since = None
-        self.state = "watching"
+    def caught_up(self) -> bool:
+        """The watch created has delivered the revision the member had then (a batch's end)."""
+        return self.created and self._last_revision() >= self._catchup_until
 
-    def _open(self, rpc: EtcdRpc, *, progress_notify: bool) -> Any:
-        """A streaming watch, once etcd has created it."""
-        create = self._next_watch(progress_notify=progress_notify)
-        stream = rpc.watch(create, queue_size=self.opt.queue_size, handler=lambda raw: self._on_response(raw, rpc))
-        try:
-            self._await_created(stream)
-        except BaseException:
-            stream.close()
-            raise
-        self._watching()
-        return stream
-
-    def _batches(self, stop: threading.Event, rpc: EtcdRpc) -> None:
-        """Every ``batch_seconds`` (sooner when a segment close is due): the timers, then a watch
-        read on this thread until it has delivered the revision the member had when etcd
-        created it (a new watch behind the store is caught up by etcd in messages of up to 1000
-        revisions), then canceled. Nothing is missed between batches: each starts where the last
-        one ended, and a revision compacted away meanwhile cancels the watch (ChainBroken, as on
-        a reconnect)."""
-        limit = max(self.opt.progress_timeout, self.opt.rpc_timeout * 2)
-        while not stop.is_set():
-            began = self._mono()
-            self._timers(rpc)
-            create = self._next_watch(progress_notify=False)
-            with contextlib.closing(rpc.watch_batch(create, timeout=limit)) as responses:
-                for raw in responses:
-                    self._on_response(raw, rpc)
-                    if self._created and self._last_revision() >= self._catchup_until:
-                        break
-                else:
-                    raise StreamEnded(f"watch stream from {self.endpoint} ended by the server")
-            self._watching()
-            self._timers(rpc)  # a close due at the revision just delivered happens now
-            stop.wait(max(0.05, min(began + self.opt.batch_seconds, self._next_due()) - self._mono()))
-
-    def _next_due(self) -> float:
+    def next_due(self) -> float:
         """(Monotonic) when the open segment's close or the next heartbeat check is due."""
         with self._mu:
             return min(self._period_start + self._period(), self._last_check + self.opt.heartbeat_seconds)
@@ -402,15 +267,6 @@ class DeltaWatcher:
         if not self.pos.cluster_id:
             self.pos = self.pos.with_cluster(hdr.cluster_id)
 
-    def _await_created(self, stream: Any) -> None:
-        wait = max(self.opt.rpc_timeout * 2, 10.0)
-        deadline = self._mono() + wait
-        while not self._created:
-            if stream.done.wait(0.05):
-                raise stream.failure or StreamEnded("watch stream ended before it was created")
-            if self._mono() > deadline:
-                raise StreamEnded(f"etcd did not confirm the watch within {wait:g}s")
-
     def _canceled(self, msg: proto.WatchMessage) -> None:
         raise cancel_error(msg.compact_revision, msg.cancel_reason, self._last_revision() + 1)
 
@@ -421,14 +277,14 @@ class DeltaWatcher:
             return self._writer.last_revision
         return self.pos.next_revision - 1
 
-    def _on_response(self, raw: bytes, rpc: EtcdRpc) -> None:
+    def on_response(self, raw: bytes, rpc: EtcdRpc) -> None:
         """One WatchResponse, on the stream's reader thread. Raising ends the stream (a
         reconnect or, for ChainBroken, the end of the run)."""
         msg = decode(raw, self.opt.max_message)
         with self._mu:
             if self._finished:
                 return
-            if not self._created:
+            if not self.created:
                 if msg.created:
                     if msg.canceled:
                         self._canceled(msg)
@@ -442,7 +298,7 @@ class DeltaWatcher:
                     # revisions up to the store's current one were committed before this moment:
                     # their receive time is only an upper bound of their commit time
                     self._catchup_until = msg.header.revision
-                    self._created = True
+                    self.created = True
                 return
             self._handle(msg, rpc)
 
@@ -466,7 +322,7 @@ class DeltaWatcher:
             return
         now_ms = self._wall_ms()
         self._last_event_ms = max(self._last_event_ms, now_ms)
-        self._last_advance = self._mono()
+        self._last_advance = self.monotonic()
         for txn in by_revision(events, now_ms, self._catchup_until):
             self._append(txn, rpc)
             self._confirm(rpc)  # may close the segment right after the checked revision
@@ -512,11 +368,11 @@ class DeltaWatcher:
             # disaster then lost (a write 5.04 s old lost at close_seconds = 5)
             self._close_segment(rpc, t_ms, confirmed=True, period_from=at)
 
-    def _timers(self, rpc: EtcdRpc) -> None:
+    def timers(self, rpc: EtcdRpc) -> None:
         """(Caller thread) start a coverage check when a close or a heartbeat is due; give up
         waiting for one after ``progress_timeout``; detect a stuck stream."""
         self._run_censuses(rpc)
-        now = self._mono()
+        now = self.monotonic()
         with self._mu:
             has_events = self._has_events()
             due = now - self._period_start >= self._period()
@@ -541,13 +397,13 @@ class DeltaWatcher:
         if not start:
             return
         t_ms = self._wall_ms()  # before asking: every revision applied before t_ms is <= H
-        asked = self._mono()
+        asked = self.monotonic()
         hdr = rpc.header()
         with self._mu:
             self._check_member(hdr, captured)
             self._vouching.verified(asked)
             self.member_revision, self.member_checked_ms = hdr.revision, t_ms
-            self._last_check = self._mono()
+            self._last_check = self.monotonic()
             self._check = (hdr.revision, t_ms, self._last_check)
             self._closing = due
             if self._last_revision() < hdr.revision:
@@ -555,7 +411,7 @@ class DeltaWatcher:
             self._confirm(rpc)
 
     def _restart_period(self, start: Optional[float] = None) -> None:
-        self._period_start = self._mono() if start is None else start
+        self._period_start = self.monotonic() if start is None else start
 
     # ------------------------------------------------------------ segments
 
@@ -595,14 +451,14 @@ class DeltaWatcher:
         if self.on_segment is not None:
             self.on_segment(info)
 
-    def _close_open_segment(self) -> None:
+    def close_open_segment(self) -> None:
         """(Caller thread, the stream gone) close the open segment at its last event, unconfirmed."""
         with self._mu:
             writer = self._writer
             if writer is not None and (writer.txns or writer.leases):
                 self._close_segment(None, max(self._last_event_ms, writer.last_time_ms), confirmed=False)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """On stop or break: keep what was captured (it is whole revisions) in a closed segment;
         with nothing new captured, an empty one carries the confirmed coverage up to now (a chain
         that ends at a stop then covers the time until the stop)."""

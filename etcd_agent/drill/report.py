@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from etcd_agent.drill.record import DrillRecord
+from etcd_agent.errors import OperationFailed
 
 
 @dataclass
@@ -74,3 +75,11 @@ class DrillReport:
         if self.steps:
             out.append("  took: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.steps.items()))
         return out
+
+
+class DrillFailed(OperationFailed):
+    """A check of the drill failed; ``content`` when the archive itself is bad (the reader said so)."""
+
+    def __init__(self, message: str, *, content: bool = False, details: Optional[List[str]] = None) -> None:
+        super().__init__(message, details=details)
+        self.content = content

@@ -37,21 +37,20 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Tuple
 
 from etcd_agent.backup import checks
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
 from etcd_agent.config import Config
 from etcd_agent.drill import record as drillrecord
 from etcd_agent.drill.host import LOCK, STAGE_PREFIX, lowered_priority, prepare_dir, sweep
-from etcd_agent.drill.report import DrillReport
+from etcd_agent.drill.report import DrillFailed, DrillReport
+from etcd_agent.drill.served import compare, read_member
 from etcd_agent.errors import (
     AgentError,
     BackupCorrupt,
     IdentityRefused,
     Interrupted,
-    OperationFailed,
     RefusedError,
     UsageError,
 )
@@ -62,16 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - the age code only for an encrypted backu
 
 log = logging.getLogger(__name__)
 
-PAGE = 1000  # keys per Range while walking the restored member
 SPACE_MARGIN = 64 << 20
-
-
-class DrillFailed(OperationFailed):
-    """A check of the drill failed; ``content`` when the archive itself is bad (the reader said so)."""
-
-    def __init__(self, message: str, *, content: bool = False, details: Optional[List[str]] = None) -> None:
-        super().__init__(message, details=details)
-        self.content = content
 
 
 # ---------------------------------------------------------------- the drill
@@ -190,7 +180,8 @@ class _Drill:
             with self.step("restoring and starting etcd"):
                 scratch = self.start()
             with self.step("reading the restored member"):
-                api = self.read_member(scratch, entries)
+                api = read_member(scratch, entries, self.expected_revision(), self.report, self.cfg.drill.sample_keys,
+                                  self.rng, self.check)
             with self.step("stopping the restored member"):
                 where = scratch.dir
                 scratch.stop()
@@ -199,7 +190,7 @@ class _Drill:
                     raise DrillFailed(f"the scratch dir {where} is still there after the member stopped")
                 r.checked.append("the throwaway member stopped, its dir removed")
             with self.step("comparing with the snapshot file"):
-                self.compare(api, status)
+                compare(api, self.report, self.arc, self.ident, self.check)
             r.ok = True
             r.step = "done"
         except Interrupted:
@@ -374,94 +365,6 @@ class _Drill:
         rev = max(i.revision, i.finished_compact_revision or 0, i.scheduled_compact_revision or 0)
         return rev or 1  # an empty store starts at revision 1
 
-    def read_member(self, s: Any, entries: Dict[str, int]) -> "_Served":
-        from etcd_agent.etcd.snapkeys import KeyspaceDigest, record_of
-
-        r = self.report
-        want = self.expected_revision()
-        got = s.rpc.header(serializable=False).revision
-        leases = len(s.rpc.lease_list())
-        if got != want:
-            raise DrillFailed(f"the restored member serves revision {got}, the snapshot holds {want}")
-        if leases != entries.get("lease", 0):
-            raise DrillFailed(f"the restored member holds {leases} leases, the snapshot {entries.get('lease', 0)}")
-        r.revision, r.leases = got, leases
-        r.checked.append(f"revision {got} served, {leases} leases held, as the snapshot has them")
-        digest = KeyspaceDigest()
-        n = self.cfg.drill.sample_keys
-        sample: List[bytes] = []
-        start = b"\0"
-        while True:
-            self.check()
-            page = s.rpc.range(start, b"\0", keys_only=True, limit=PAGE, revision=got)
-            for kv in page.kvs:
-                digest.add(kv.key, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
-                if len(sample) < n:
-                    sample.append(kv.key)
-                else:
-                    j = self.rng.randrange(digest.count)
-                    if j < n:
-                        sample[j] = kv.key
-            if not page.more or not page.kvs:
-                break
-            start = page.kvs[-1].key + b"\0"
-        values = {}
-        for key in sample:
-            self.check()
-            got_kv = s.rpc.range(key, revision=got).kvs
-            if len(got_kv) != 1:
-                raise DrillFailed(f"key {_show(key)} was listed but reads back {len(got_kv)} times at revision {got}")
-            kv = got_kv[0]
-            values[key] = record_of(key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
-        r.keys, r.sample = digest.count, len(values)
-        return _Served(digest.count, digest.hexdigest(), values)
-
-    def compare(self, api: "_Served", status: Dict[str, Any]) -> None:
-        from etcd_agent.etcd.snapkeys import scan
-
-        r, a = self.report, self.arc
-        try:
-            ks = scan(a.snapshot.read_at, a.snapshot.size, api.sample, check=self.check)
-        except BackupCorrupt as exc:  # a SnapshotFormatError: etcd served what this reader refuses
-            raise DrillFailed(f"the snapshot's key bucket is malformed: {exc.message}") from None
-        if ks.revision != self.ident.revision:
-            raise DrillFailed(f"the key bucket ends at revision {ks.revision}, the identity read says "
-                              f"{self.ident.revision}")
-        if ks.live_keys != api.keys:
-            raise DrillFailed(f"the restored member serves {api.keys} keys at revision {r.revision}, the snapshot "
-                              f"file holds {ks.live_keys}")
-        if ks.digest != api.digest:
-            raise DrillFailed(f"the restored member serves the snapshot's {ks.live_keys} keys, but not each at the "
-                              f"revision the file holds it (key-space digest {api.digest[:16]}... against "
-                              f"{ks.digest[:16]}...)")
-        for key, served in api.sample.items():
-            held = ks.wanted.get(key)
-            if held is None:
-                raise DrillFailed(f"sampled key {_show(key)} is served but the snapshot file does not hold it")
-            diff = served.differs(held)
-            if diff:
-                raise DrillFailed(f"sampled key {_show(key)} is served with {diff} in the snapshot file")
-        r.digest = ks.digest
-        r.checked.append(f"{api.keys} keys served at revision {r.revision}, each at the create/mod revision, "
-                         f"version and lease the snapshot file holds it (key-space digest {ks.digest[:16]}..., "
-                         f"computed from the member's API and, independently, from the file's {ks.entries} "
-                         "key-bucket entries)")
-        if api.sample:
-            r.checked.append(f"{len(api.sample)} keys sampled at random read back byte for byte as the snapshot "
-                             "file holds them")
-        else:
-            r.not_proven.append("no value read back: [drill] sample_keys = 0")
-        sig = ("the writer signed (sha256 in the signed manifest)" if r.signature == "valid"
-               else "etcd's own sha256 trailer covers (nothing proves who wrote them)" if self.ident.has_trailer
-               else "this file holds (no signature, no trailer)")
-        r.proved = (f"{r.backup} restores: etcd {r.etcd_version} as {r.run_as} served revision {r.revision} with "
-                    f"{api.keys} keys and {r.leases} leases - exactly the keys the snapshot file holds, each at its "
-                    f"revision, and {len(api.sample)} sampled values byte for byte; the bytes are the ones {sig}")
-        r.not_proven.append("values outside the sample are compared by the revision that wrote them, not byte "
-                            "for byte")
-        r.not_proven.append("that the live cluster would take this restore: `etcd-agent restore --from "
-                            f"{r.backup} --dry-run` runs those pre-checks")
-
     # -- what is kept
 
     def keep(self) -> None:
@@ -495,13 +398,6 @@ class _Drill:
         checks.record(d, self.entry.name, c)
 
 
-@dataclass(frozen=True)
-class _Served:
-    keys: int
-    digest: str
-    sample: Dict[bytes, Any]
-
-
 def _at_least(version: str, want: Tuple[int, int, int]) -> bool:
     from etcd_agent.etcd.versions import parse
 
@@ -509,11 +405,6 @@ def _at_least(version: str, want: Tuple[int, int, int]) -> bool:
         return parse(version).key >= want
     except ValueError:
         return False
-
-
-def _show(key: bytes) -> str:
-    text = repr(key)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _sentence(exc: AgentError) -> str:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import math
 import os
 import re
 import select
 import shlex
-import shutil
 import socket
 import sys
 import tempfile
@@ -35,8 +33,10 @@ from paramiko.sftp import CMD_EXTENDED  # noqa: E402
 
 from etcd_agent.config import SshSection
 from etcd_agent.errors import CommandTimedOut, HostKeyRejected, HostUnreachable
+from etcd_agent.hosts import openssh
 from etcd_agent.hosts.base import Result, Session
 from etcd_agent.hosts.local import LocalSession
+from etcd_agent.hosts.openssh import FAST_CIPHERS
 from etcd_agent.hosts.sshsession import CHUNK, SshSession
 
 log = logging.getLogger(__name__)
@@ -52,20 +52,11 @@ NETWORK_GRACE = 1.0
 # goes to its whole process group, itself included: sshd reports a signal, paramiko no status)
 TIMEOUT_EXITS = (124, 137, -1)
 LOCAL_TIMEOUT = "local-timeout"
-# Bulk ciphers first when the server has them: AES-GCM authenticates as it encrypts, where
-# paramiko's default (aes128-ctr with an HMAC) costs about one CPU-second more per GiB shipped.
-# Only the order changes: nothing is added, the server still has to offer it.
-FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-# The OpenSSH client's, for a restore's snapshot (``spawn_stream``): AES-GCM first (AES-NI), then
-# the rest of what every OpenSSH since 6.5 speaks; never CBC or arcfour.
-STREAM_CIPHERS = FAST_CIPHERS + ("chacha20-poly1305@openssh.com", "aes128-ctr", "aes192-ctr", "aes256-ctr")
-# A path handed to the OpenSSH client in a ``-o`` option is split on blanks and has its ``%``
-# and ``~`` expanded: one with anything else keeps the stream on paramiko.
-OPENSSH_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./@+-]*$")
 
 
 def preferred_ciphers(offered: Sequence[str]) -> Tuple[str, ...]:
-    """``offered`` with the AES-GCM ciphers it holds moved to the front, the rest in order."""
+    """``offered`` with the AES-GCM ciphers it holds moved to the front, the rest in order
+    (``openssh.FAST_CIPHERS``: only the order changes, the server still has to offer them)."""
     return tuple([c for c in FAST_CIPHERS if c in offered] + [c for c in offered if c not in FAST_CIPHERS])
 
 
@@ -301,46 +292,9 @@ class SshHost:
         return LocalSession(self._where, words, bulk=True)
 
     def openssh_argv(self, command: str) -> Optional[List[str]]:
-        """The OpenSSH client's command line running ``command`` (quoted already) on this host,
-        or None when the stream stays on paramiko: ``ssh.stream = "paramiko"``, no client
-        installed ("auto"), or a configured path the client would read differently."""
-        c = self.cfg
-        client = None if c.stream == "paramiko" else shutil.which("ssh")
-        if client is None:
-            if c.stream == "openssh":
-                raise HostUnreachable(f"{self._where}: ssh.stream is \"openssh\" but no ssh client is installed "
-                                      "(install openssh-clients, or set ssh.stream = \"auto\")")
-            return None
-        keys = self._identity_paths()
-        paths = [c.known_hosts, *keys]
-        if not keys or not all(OPENSSH_SAFE_PATH.match(p) for p in paths):
-            if c.stream == "openssh":
-                raise HostUnreachable(f"{self._where}: ssh.stream is \"openssh\" but the OpenSSH client cannot be given "
-                                      f"{', '.join(paths) or 'an identity'} (set ssh.stream = \"auto\")")
-            return None
-        opts = {
-            "BatchMode": "yes",
-            "StrictHostKeyChecking": "yes",
-            "UserKnownHostsFile": c.known_hosts,
-            "GlobalKnownHostsFile": "/dev/null",
-            "UpdateHostKeys": "no",
-            "CheckHostIP": "no",
-            "IdentitiesOnly": "yes",
-            "IdentityAgent": "none",
-            "PreferredAuthentications": "publickey",
-            "ConnectTimeout": str(max(1, math.ceil(c.connect_timeout))),
-            "Ciphers": ",".join(STREAM_CIPHERS),
-            "ForwardAgent": "no",
-            "ForwardX11": "no",
-            "ClearAllForwardings": "yes",
-            "LogLevel": "ERROR",
-        }
-        words = [client, "-F", "/dev/null", "-T", "-e", "none", "-p", str(c.port), "-l", c.user]
-        for key in keys:
-            words += ["-i", key]
-        for name, value in opts.items():
-            words += ["-o", f"{name}={value}"]
-        return words + ["--", self.address, command]
+        """The OpenSSH client's command line running ``command`` on this host, or None when the
+        stream stays on paramiko (``openssh.client_argv``)."""
+        return openssh.client_argv(self.cfg, self.address, self._where, self._identity_paths(), command)
 
     # ------------------------------------------------------------ commands
 

@@ -10,7 +10,7 @@ import pytest
 
 from etcd_agent.config import SshSection
 from etcd_agent.errors import HostUnreachable
-from etcd_agent.hosts import ssh as ssh_mod
+from etcd_agent.hosts import openssh as openssh_mod
 from etcd_agent.hosts.ssh import SshHost, remote_command
 
 
@@ -23,7 +23,7 @@ def key(tmp_path: object) -> str:
 
 @pytest.fixture
 def client(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(ssh_mod.shutil, "which", lambda name: "/usr/bin/ssh" if name == "ssh" else None)
+    monkeypatch.setattr(openssh_mod.shutil, "which", lambda name: "/usr/bin/ssh" if name == "ssh" else None)
     return "/usr/bin/ssh"
 
 
@@ -58,9 +58,9 @@ def test_the_client_trusts_only_the_configured_known_hosts_and_identity(key: str
 
 
 def test_stream_paramiko_or_no_client_keeps_the_stream_on_paramiko(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ssh_mod.shutil, "which", lambda name: "/usr/bin/ssh")
+    monkeypatch.setattr(openssh_mod.shutil, "which", lambda name: "/usr/bin/ssh")
     assert SshHost("m2", "10.0.0.2", SshSection(identity_file=key, stream="paramiko")).openssh_argv("true") is None
-    monkeypatch.setattr(ssh_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(openssh_mod.shutil, "which", lambda name: None)
     assert SshHost("m2", "10.0.0.2", SshSection(identity_file=key)).openssh_argv("true") is None
     with pytest.raises(HostUnreachable, match="no ssh client"):
         SshHost("m2", "10.0.0.2", SshSection(identity_file=key, stream="openssh")).openssh_argv("true")
