@@ -118,18 +118,24 @@ def take_backup(
         _record_metrics(cfg, False, None, 0, time.monotonic() - start, None)
         raise
     remote_cfg = cfg.backup.remote
-    if not remote_cfg.enabled or checkpoint_of is not None:
+    if not remote_cfg.enabled or checkpoint_of is not None or origin == "daemon":
+        # the daemon's own backups and checkpoints are copied by its copy queue (bucket.copier),
+        # which retries: its local work never waits for the bucket
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
-    from . import remote  # imported only when [backup.remote] is enabled
+    from etcd_agent.bucket import copier  # imported only when [backup.remote] is enabled
+
+    from . import remote
 
     try:
-        remote.upload_and_verify(cfg, result.path, result.manifest)
+        copier.copy_full(cfg, result.path, result.manifest, result.sha256)
     except AgentError as exc:
-        # the local backup stands; the run still fails so cron / the timer reports it
+        # the local backup stands; the run still fails so cron / the timer reports it. The copy
+        # is not lost: the daemon's copy queue finds it missing from the bucket and retries
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=False)
         raise BackupError(
-            f"backup {result.path} written, but the off-host copy failed: {exc.message}", details=exc.details
+            f"backup {result.path} written, but the off-host copy failed: {exc.message}; the daemon (etcd-agent run) "
+            "copies it once the bucket takes it (`etcd-agent backup push` tries now)", details=exc.details
         ) from exc
     _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=True)
     if prune:
