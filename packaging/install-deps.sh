@@ -10,8 +10,9 @@ what=${1:-test}
 pkgs=(etcd-server etcd-client)
 if [ "$what" = test ]; then
   # sshd in network namespaces, systemd in nspawn containers, the RPM tools, throwaway TLS certs,
-  # the age CLI (encrypted backups must stay decryptable by hand: the interop tests use it)
-  pkgs+=(openssh-server systemd-container debootstrap rpm iproute2 openssl procps cron age)
+  # the age CLI (encrypted backups must stay decryptable by hand: the interop tests use it), a real
+  # S3 server: Ceph's RADOS Gateway on a one-node cluster (tests/harness/rgw.py; no service is set up)
+  pkgs+=(openssh-server systemd-container debootstrap rpm iproute2 openssl procps cron age ceph-mon ceph-osd radosgw)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

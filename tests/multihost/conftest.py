@@ -9,6 +9,7 @@ import pytest
 from etcd_agent.config import SshSection
 from tests.harness import bedlock
 from tests.harness.netns import NetnsBed
+from tests.harness.rgw import RgwBed, session_bed
 
 # this tier's own bed; other suites use other prefixes and subnets so beds can coexist
 BED_PREFIX = "ea"
@@ -34,6 +35,13 @@ def netns_bed() -> Iterator[NetnsBed]:
         yield bed
     finally:
         bed.down()
+
+
+@pytest.fixture(scope="session")
+def rgw_bridge(netns_bed: NetnsBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgwBed]:
+    """A real S3 server the namespace hosts reach: an RGW bed serving on the bridge address
+    (``netns_bed.gateway``; its mon and OSD stay on loopback). The same interface as `rgw`."""
+    yield from session_bed(tmp_path_factory, "rgw-bridge", netns_bed.gateway)
 
 
 @pytest.fixture
