@@ -16,7 +16,7 @@ from tests.harness.rgw import RgwBed, session_bed  # noqa: E402  (needs ROOT on 
 @pytest.fixture(scope="session")
 def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgwBed]:
     """One RGW bed on 127.0.0.1 per pytest process (per xdist worker), started the first time a
-    test asks for it (~15 s), stopped at the session's end. Tests take a bucket of their own
+    test asks for it (~6 s), stopped at the session's end. Tests take a bucket of their own
     with ``rgw.new_bucket()``."""
     yield from session_bed(tmp_path_factory, "rgw", "127.0.0.1")
 
