@@ -225,7 +225,8 @@ class Copier:
         self._rescan = rescan
         self._backoff = backoff or Backoff(1.0, 60.0)
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # something new to copy
+        self._kick = threading.Event()  # retry now, back-off or not (a reload, a stop)
         self._thread: Optional[threading.Thread] = None
         self._mu = threading.Lock()
         self._status = CopyStatus(enabled=True, at=time.time())
@@ -239,6 +240,7 @@ class Copier:
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._wake.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -248,6 +250,12 @@ class Copier:
 
     def nudge(self) -> None:
         """Look again soon (something new to copy); a back-off after a failure still runs out."""
+        self._wake.set()
+
+    def retry_now(self) -> None:
+        """The config changed (new credentials, endpoint): try again at once, the back-off reset."""
+        self._backoff.succeeded()
+        self._kick.set()
         self._wake.set()
 
     def status(self) -> CopyStatus:
@@ -267,11 +275,12 @@ class Copier:
             except Exception:  # one bad pass must not end the copies; the next one tries again
                 log.exception("off-host copy pass failed")
                 failed = True
-            if failed:
-                self._stop.wait(self._backoff.step)
+            if failed:  # new segments do not cut a back-off short; a reload does
+                self._kick.wait(self._backoff.step)
             else:
                 self._wake.wait(self._rescan)
             self._wake.clear()
+            self._kick.clear()
 
     def _pass(self, cfg: Config) -> bool:
         """One ``push``; True when it failed (the back-off then waits)."""

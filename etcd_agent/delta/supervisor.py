@@ -151,6 +151,7 @@ class DeltaSupervisor:
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
         self._copier: "Optional[Copier]" = None  # while [backup.remote] is enabled
+        self._remote_seen: object = None  # the [backup.remote] it runs with
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
@@ -246,6 +247,10 @@ class DeltaSupervisor:
             self._copier.stop()
             self._copier = None
             log.info("off-host copies off ([backup.remote] disabled)")
+        elif on and self._copier is not None and self._remote_seen != cfg.backup.remote:
+            log.info("[backup.remote] changed: off-host copies go on with it, failed ones are tried again now")
+            self._copier.retry_now()
+        self._remote_seen = cfg.backup.remote
 
     def copies(self) -> "Optional[CopyStatus]":
         """The copy queue's status (None while [backup.remote] is disabled)."""

@@ -11,10 +11,11 @@ import os
 import signal
 import subprocess
 import uuid
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from tests.harness.rgw import RgwBed
 from tests.integration.continuous import (
     agent,
     beds,
@@ -28,15 +29,8 @@ from tests.integration.continuous import (
     wait_for,
     wait_watching,
 )
-from tests.integration.rgwbed import RgwBed, rgw_bed
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgwBed]:
-    with rgw_bed(str(tmp_path_factory.mktemp("rgw"))) as bed:
-        yield bed
 
 
 @pytest.fixture
@@ -89,10 +83,10 @@ def status_json(c: Any) -> Dict[str, Any]:
     return dict(json.loads(res.stdout))
 
 
-def started(bed: Any, rgw: RgwBed, secret: str = "") -> Tuple[Any, Any, str]:
+def started(bed: Any, rgw: RgwBed, secret: str = "", **kw: Any) -> Tuple[Any, Any, str]:
     """A one-member cluster and its daemon, copying to a new bucket, its chain started."""
     bucket = rgw.new_bucket()
-    d = bed(tables=remote_table(rgw, bucket, secret=secret))
+    d = bed(tables=remote_table(rgw, bucket, secret=secret), **kw)
     start_all(d)
     wait_watching(d.c)
     return d, d.c, bucket
@@ -142,8 +136,9 @@ def test_wrong_credentials_then_fixed(bed, rgw: RgwBed) -> None:  # type: ignore
     with open(c.config_path, "w") as fh:
         fh.write(text.replace(wrong, rgw.secret_key))
     d.procs[c.members[0].member.name].send_signal(signal.SIGHUP)
-    wait_for(lambda: landed(rgw, bucket, full_backups(c) + [os.path.basename(s) for s in segment_files(c)]), 120,
-             "every backup and segment copied with the right credentials")
+    want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
+    wait_for(lambda: landed(rgw, bucket, want), 60, f"the {len(want)} files here copied with the right credentials")
+    assert "failed ones are tried again now" in logs(d)
     assert wrong not in logs(d)
 
 
@@ -165,3 +160,25 @@ def test_a_daemon_killed_with_copies_pending_finishes_them_after_a_restart(bed, 
     pushed = agent(c, "--json", "backup", "push")
     assert pushed.returncode == 0, pushed.stderr
     assert json.loads(pushed.stdout)["pending"] == [], pushed.stdout
+
+
+def test_a_checkpoint_lands_beside_its_chain(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]
+    from tests.integration.test_pitr_checkpoints import CHECKPOINTS, vouched
+
+    d, c, bucket = started(bed, rgw, delta=CHECKPOINTS)
+    r = rpc(c)
+    rev = 0
+    for i in range(100):  # 1.6 MB of events: past the checkpoint's growth
+        rev = put(r, f"/cp/{i:03d}", os.urandom(8192).hex().encode())
+    wait_durable(c, rev)
+    name = wait_for(lambda: vouched(c.cfg.backup.dir), 120, "a checkpoint the chain vouches for")[0][0]
+
+    def there() -> str:
+        listed = names(rgw, bucket)
+        assert not orphans(rgw, bucket, listed)
+        return next((n for n in listed if n.endswith(f"/checkpoints/{name}")), "")
+
+    where = wait_for(there, 60, f"checkpoint {name} copied")
+    chain = where.split("/checkpoints/")[0]
+    assert any(n.startswith(chain + "/") and n.endswith(".tar") and "/checkpoints/" not in n
+               for n in names(rgw, bucket)), f"{chain}/ holds no full backup"
