@@ -1,4 +1,4 @@
-"""Off-host copies against a real S3-compatible server (moto's standalone server) on loopback."""
+"""Off-host copies against a real S3 server: Ceph's RADOS Gateway on loopback (tests/harness/rgw.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,49 +9,24 @@ import stat
 import tarfile
 import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import pytest
 
 from etcd_agent.backup import remote, remotebucket
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
-from tests.harness.s3server import S3Server
+from tests.harness.rgw import RgwBed
 
 pytestmark = pytest.mark.integration
 
-ACCESS = "AKIA" + uuid.uuid4().hex[:16].upper()
-SECRET = "sEcReT" + uuid.uuid4().hex
 MiB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(str(tmp_path_factory.mktemp("s3") / "moto.log"))
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-def _raw_client(s3: S3Server) -> Any:
-    """The test's own client: plays the operator or an attacker, outside the code under test."""
-    import boto3
-    from botocore.config import Config as BotoConfig
-
-    return boto3.session.Session(aws_access_key_id="tester", aws_secret_access_key="tester").client(
-        "s3", endpoint_url=s3.endpoint, region_name="us-east-1",
-        # moto 5.1 returns composite checksums without "-N"; botocore would misread them as full ones
-        config=BotoConfig(s3={"addressing_style": "path"}, response_checksum_validation="when_required"),
-    )
-
-
 @pytest.fixture
-def cfg(s3: S3Server) -> Config:
-    bucket = "etcd-" + uuid.uuid4().hex[:12]
-    _raw_client(s3).create_bucket(Bucket=bucket)
+def cfg(rgw: RgwBed) -> Config:
+    bucket = rgw.new_bucket()
     text = f"""
 [cluster]
 name = "prod1"
@@ -60,10 +35,10 @@ name = "m1"
 host = "127.0.0.1"
 [backup.remote]
 enabled = true
-endpoint = "{s3.endpoint}"
+endpoint = "{rgw.endpoint}"
 bucket = "{bucket}"
-access_key = "{ACCESS}"
-secret_key = "{SECRET}"
+access_key = "{rgw.access_key}"
+secret_key = "{rgw.secret_key}"
 addressing_style = "path"
 part_size_mb = 5
 """
@@ -101,10 +76,10 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def _tamper(cfg: Config, s3: S3Server, name: str, *, with_checksum: bool) -> None:
+def _tamper(cfg: Config, rgw: RgwBed, name: str, *, with_checksum: bool) -> None:
     """Overwrite the object with different bytes of the same size, keeping our sha256 metadata."""
     r = cfg.backup.remote
-    raw = _raw_client(s3)
+    raw = rgw.client()
     key = f"{_prefix(cfg)}{name}"
     head = raw.head_object(Bucket=r.bucket, Key=key)
     body = raw.get_object(Bucket=r.bucket, Key=key)["Body"].read()
@@ -118,14 +93,14 @@ def _prefix(cfg: Config) -> str:
     return remotebucket.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name)
 
 
-def _keys(cfg: Config, s3: S3Server) -> List[str]:
-    resp = _raw_client(s3).list_objects_v2(Bucket=cfg.backup.remote.bucket)
+def _keys(cfg: Config, rgw: RgwBed) -> List[str]:
+    resp = rgw.client().list_objects_v2(Bucket=cfg.backup.remote.bucket)
     return sorted(o["Key"] for o in resp.get("Contents", []))
 
 
 @pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
 @pytest.mark.parametrize("size", [300 * 1024, 11 * MiB], ids=["single-put", "multipart"])
-def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, mode: str, size: int) -> None:
+def test_upload_list_verify_download(cfg: Config, rgw: RgwBed, tmp_path: Path, mode: str, size: int) -> None:
     cfg = _with(cfg, verify=mode)
     path = _archive(tmp_path, "etcd-2026-03-01-10-00-00.tar", size)
     obj = remote.upload_and_verify(cfg, str(path), {"revision": 42, "member": "m1", "cluster": {"name": "prod1", "id": "a1b2"}, "files": {"x": 1}})
@@ -152,7 +127,7 @@ def test_upload_list_verify_download(cfg: Config, s3: S3Server, tmp_path: Path, 
 @pytest.mark.parametrize("mode", ["checksum", "etag", "download"])
 @pytest.mark.parametrize("with_checksum", [False, True], ids=["plain", "own-checksum"])
 def test_copy_corrupted_before_verification_is_deleted(
-    cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, with_checksum: bool
+    cfg: Config, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, with_checksum: bool
 ) -> None:
     cfg = _with(cfg, verify=mode)
     path = _archive(tmp_path, "etcd-2026-03-01-11-00-00.tar", 11 * MiB)
@@ -160,20 +135,20 @@ def test_copy_corrupted_before_verification_is_deleted(
 
     def put_then_tamper(*args: Any, **kwargs: Any) -> None:
         real_put(*args, **kwargs)  # the real upload, then a real overwrite on the server
-        _tamper(cfg, s3, path.name, with_checksum=with_checksum)
+        _tamper(cfg, rgw, path.name, with_checksum=with_checksum)
 
     monkeypatch.setattr(remote, "_put_file", put_then_tamper)
     with pytest.raises(BackupCorrupt) as info:
         remote.upload_and_verify(cfg, str(path), {})
     assert "was deleted" in info.value.message
     assert info.value.details  # says what differed
-    assert _keys(cfg, s3) == []
+    assert _keys(cfg, rgw) == []
 
 
-def test_copy_corrupted_later_fails_verify_and_download(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+def test_copy_corrupted_later_fails_verify_and_download(cfg: Config, rgw: RgwBed, tmp_path: Path) -> None:
     path = _archive(tmp_path, "etcd-2026-03-01-12-00-00.tar", 200 * 1024)
     remote.upload_and_verify(cfg, str(path), {})
-    _tamper(cfg, s3, path.name, with_checksum=False)
+    _tamper(cfg, rgw, path.name, with_checksum=False)
     with pytest.raises(BackupCorrupt) as info:
         remote.verify_remote(cfg, path.name)
     assert any("sha256" in d for d in info.value.details)
@@ -183,12 +158,12 @@ def test_copy_corrupted_later_fails_verify_and_download(cfg: Config, s3: S3Serve
         remote.download(cfg, path.name, str(dest))
     assert os.listdir(dest) == []  # no partial or bad file left behind
     # verify only reports: the operator decides what to do with the bad copy
-    assert len(_keys(cfg, s3)) == 1
+    assert len(_keys(cfg, rgw)) == 1
 
 
 @pytest.mark.parametrize("change", ["overwritten", "truncated"])
 def test_file_changing_during_upload_leaves_nothing(
-    cfg: Config, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+    cfg: Config, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
     path = _archive(tmp_path, "etcd-2026-03-01-13-00-00.tar", 11 * MiB)
     real_digests = remote.local_digests
@@ -210,13 +185,13 @@ def test_file_changing_during_upload_leaves_nothing(
         assert "cannot complete the upload" in info.value.message
     else:
         assert "did not verify and was deleted" in info.value.message
-    assert _keys(cfg, s3) == []
-    pending = _raw_client(s3).list_multipart_uploads(Bucket=cfg.backup.remote.bucket)
+    assert _keys(cfg, rgw) == []
+    pending = rgw.client().list_multipart_uploads(Bucket=cfg.backup.remote.bucket)
     assert not pending.get("Uploads")  # aborted: no orphaned parts
 
 
 def test_prune_remote_with_reasons(
-    cfg: Config, s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    cfg: Config, rgw: RgwBed, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = _with(cfg, keep_last=2, keep_hourly=0, keep_daily=3)
     names = [
@@ -231,7 +206,7 @@ def test_prune_remote_with_reasons(
     for n in names:
         remote.upload_and_verify(cfg, str(_archive(tmp_path, n, 1024)), {})
     # an object that is not a backup, under the same prefix: never touched
-    _raw_client(s3).put_object(Bucket=cfg.backup.remote.bucket, Key=f"{_prefix(cfg)}README.txt", Body=b"hi")
+    rgw.client().put_object(Bucket=cfg.backup.remote.bucket, Key=f"{_prefix(cfg)}README.txt", Body=b"hi")
     assert [o.name for o in remote.list_remote(cfg)] == sorted(names, reverse=True)
 
     with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
@@ -245,23 +220,23 @@ def test_prune_remote_with_reasons(
     }
     assert all(d.reasons for d in dry)
     assert "would delete" in caplog.text and "etcd-2026-03-01-01-00-00.tar" in caplog.text
-    assert len(_keys(cfg, s3)) == len(names) + 1  # dry run deleted nothing
+    assert len(_keys(cfg, rgw)) == len(names) + 1  # dry run deleted nothing
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="etcd_agent.backup.remote"):
         real = remote.prune_remote(cfg, dry_run=False)
     assert [(d.name, d.keep) for d in real] == [(d.name, d.keep) for d in dry]
     assert {o.name for o in remote.list_remote(cfg)} == kept
-    assert f"{_prefix(cfg)}README.txt" in _keys(cfg, s3)
+    assert f"{_prefix(cfg)}README.txt" in _keys(cfg, rgw)
     deleted = [r for r in caplog.records if r.getMessage().startswith("deleted ")]
     assert len(deleted) == 3 and all(": " in r.getMessage() for r in deleted)
 
 
 def test_credentials_never_logged_nor_shown(
-    cfg: Config, s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    cfg: Config, rgw: RgwBed, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert ACCESS not in repr(cfg) and SECRET not in repr(cfg)
-    assert ACCESS not in repr(cfg.backup.remote) and SECRET not in repr(cfg.backup.remote)
+    assert rgw.access_key not in repr(cfg) and rgw.secret_key not in repr(cfg)
+    assert rgw.access_key not in repr(cfg.backup.remote) and rgw.secret_key not in repr(cfg.backup.remote)
     path = _archive(tmp_path, "etcd-2026-03-05-00-00-00.tar", 6 * MiB)
     caplog.set_level(logging.DEBUG)  # root at DEBUG: botocore would log request headers
     obj = remote.upload_and_verify(cfg, str(path), {})
@@ -273,17 +248,17 @@ def test_credentials_never_logged_nor_shown(
     assert "NoSuchBucket" in info.value.message
     text = caplog.text + info.value.message + repr(info.value.details)
     assert caplog.records and obj.name in caplog.text
-    assert ACCESS not in text and SECRET not in text
+    assert rgw.access_key not in text and rgw.secret_key not in text
 
 
-def test_credentials_file(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+def test_credentials_file(cfg: Config, rgw: RgwBed, tmp_path: Path) -> None:
     creds = tmp_path / "s3.ini"
-    creds.write_text(f"[backup]\naws_access_key_id = {ACCESS}\naws_secret_access_key = {SECRET}\n")
+    creds.write_text(f"[backup]\naws_access_key_id = {rgw.access_key}\naws_secret_access_key = {rgw.secret_key}\n")
     os.chmod(creds, 0o644)
     fcfg = _with(cfg, access_key=None, secret_key=None, credentials_file=str(creds), credentials_profile="backup")
     with pytest.raises(ConfigError) as info:
         remote.list_remote(fcfg)
-    assert "0644" in info.value.message and SECRET not in info.value.message
+    assert "0644" in info.value.message and rgw.secret_key not in info.value.message
     os.chmod(creds, 0o600)
 
     # the keys from the file are the ones that sign the requests
@@ -291,7 +266,7 @@ def test_credentials_file(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
     seen: List[str] = []
     b.client.meta.events.register("before-send.s3", lambda request, **_: seen.append(request.headers["Authorization"].decode()))
     b.client.list_objects_v2(Bucket=fcfg.backup.remote.bucket)
-    assert seen and f"Credential={ACCESS}/" in seen[0]
+    assert seen and f"Credential={rgw.access_key}/" in seen[0]
 
     creds.write_text("[other]\naws_access_key_id = x\n")
     with pytest.raises(ConfigError, match=r"no \[backup\] profile"):
@@ -325,7 +300,7 @@ keep_last = 0
     assert "backup.remote: unknown key 'bogus'" in errors
 
 
-def test_big_upload_memory_stays_flat(cfg: Config, s3: S3Server, tmp_path: Path) -> None:
+def test_big_upload_memory_stays_flat(cfg: Config, rgw: RgwBed, tmp_path: Path) -> None:
     import psutil
 
     proc = psutil.Process()
@@ -357,7 +332,7 @@ def test_big_upload_memory_stays_flat(cfg: Config, s3: S3Server, tmp_path: Path)
     assert growth < 25 * MiB, f"RSS grew by {growth / MiB:.1f} MiB"
 
 
-def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any, s3: S3Server, tmp_path: Path) -> None:
+def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any, rgw: RgwBed, tmp_path: Path) -> None:
     """End to end on a real etcd: `etcd-agent backup` writes, uploads, verifies, prunes the
     remote copies and records the remote success in the textfile metrics."""
     import subprocess
@@ -365,13 +340,12 @@ def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any,
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    bucket = "etcd-" + uuid.uuid4().hex[:12]
-    _raw_client(s3).create_bucket(Bucket=bucket)
+    bucket = rgw.new_bucket()
     prom = tmp_path / "etcd_agent_backup.prom"
     extra = (
         f'metrics_file = "{prom}"\n'
         "[backup.remote]\nenabled = true\n"
-        f'endpoint = "{s3.endpoint}"\nbucket = "{bucket}"\naccess_key = "{ACCESS}"\nsecret_key = "{SECRET}"\n'
+        f'endpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\naccess_key = "{rgw.access_key}"\nsecret_key = "{rgw.secret_key}"\n'
         'addressing_style = "path"\nkeep_last = 1\nkeep_daily = 0\n'
     )
     c = cluster_factory(1, extra=extra)
@@ -380,7 +354,7 @@ def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any,
     for _ in range(2):
         res = subprocess.run(base + ["backup", "--member", "m1"], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
-        assert SECRET not in res.stderr and ACCESS not in res.stderr
+        assert rgw.secret_key not in res.stderr and rgw.access_key not in res.stderr
         time.sleep(1.1)  # backup names have one-second resolution
     res = subprocess.run(base + ["--json", "backup", "list", "--remote"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
-import uuid
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 
@@ -18,7 +17,7 @@ from etcd_agent.daemon.metrics import samples
 from etcd_agent.delta import chains
 from etcd_agent.delta.segreader import read_header, verify_segment
 from tests.harness.loopback import free_port_pairs
-from tests.harness.s3server import S3Server
+from tests.harness.rgw import RgwBed
 from tests.integration.continuous import (
     agent,
     beds,
@@ -145,26 +144,11 @@ def _scrape(port: int) -> str:
         return ""
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(str(tmp_path_factory.mktemp("s3") / "moto.log"))
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(bed, s3) -> None:  # type: ignore[no-untyped-def]
-    import boto3
-    from botocore.config import Config as BotoConfig
-
-    bucket = "etcd-" + uuid.uuid4().hex[:12]
-    raw = boto3.session.Session(aws_access_key_id="t", aws_secret_access_key="t").client(
-        "s3", endpoint_url=s3.endpoint, region_name="us-east-1",
-        config=BotoConfig(s3={"addressing_style": "path"}, response_checksum_validation="when_required"))
-    raw.create_bucket(Bucket=bucket)
-    remote = (f'[backup.remote]\nenabled = true\nendpoint = "{s3.endpoint}"\nbucket = "{bucket}"\n'
-              f'access_key = "AKIATEST{uuid.uuid4().hex[:8].upper()}"\nsecret_key = "s{uuid.uuid4().hex}"\n'
+def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]
+    bucket = rgw.new_bucket()
+    raw = rgw.client()
+    remote = (f'[backup.remote]\nenabled = true\nendpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\n'
+              f'access_key = "{rgw.access_key}"\nsecret_key = "{rgw.secret_key}"\n'
               'addressing_style = "path"\nprefix = "p/"\nkeep_last = 1\nkeep_daily = 0\n')
     d = bed(tables=remote)
     c = d.c
