@@ -210,6 +210,8 @@ def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:
     res = copier.push(cfg, caches)
     left = res.left
     rows = [f"copied {f.path} to {f.name} ({_size(f.size)})" for f in res.copied]
+    if res.error and not res.plan.pending:  # the listing or the backup dir: nothing known to be pending
+        raise BackupError(f"backup push: nothing copied: {res.error} (the daemon retries)")
     if res.error:
         raise BackupError(f"backup push: {len(res.copied)} object(s) copied, then {res.failed} failed: {res.error}; "
                           f"{len(left)} object(s) still pending (the daemon retries them)", details=rows)

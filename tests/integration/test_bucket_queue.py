@@ -159,6 +159,9 @@ def test_a_daemon_killed_with_copies_pending_finishes_them_after_a_restart(bed, 
     rgw.stop_gateway()
     try:
         backup_and_segments(c, "/killed/")
+        pushed = agent(c, "backup", "push")  # by hand, while the store is down: one sentence, exit 1
+        assert pushed.returncode == 1 and "backup push: nothing copied: cannot list" in pushed.stderr, pushed.stderr
+        assert "the daemon retries" in pushed.stderr, pushed.stderr
         p: "subprocess.Popen[bytes]" = d.procs[name]
         p.send_signal(signal.SIGKILL)
         p.wait(10)
