@@ -130,7 +130,7 @@ class Pushed:
 def pending(cfg: Config, caches: queue.Caches) -> queue.Plan:
     """What the bucket lacks now (one listing, a HEAD per object of the right size not yet checked)."""
     listing = queue.list_bucket(cfg)
-    files = queue.scan_local(cfg, caches.local_sha)
+    files = queue.scan_local(cfg, caches)
     r = cfg.backup.remote
     remote_fulls = [p.file for p in (layout.place(n) for n in listing) if p is not None and p.kind == layout.FULL]
     keep = queue.plan_fulls([f.file for f in files if f.kind == layout.FULL], remote_fulls,

@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from etcd_agent.backup.archive import parse_name as parse_backup_name
 from etcd_agent.backup.retention import BackupRef
@@ -29,6 +29,9 @@ from etcd_agent.config import Config
 from etcd_agent.delta.segments import parse_name as parse_segment_name
 
 from . import layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.backup.catalog import Entry
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +189,10 @@ class Caches:
 
     local: Dict[Tuple[str, int, int], str] = field(default_factory=dict)
     remote: Dict[Tuple[str, str, int], Optional[str]] = field(default_factory=dict)
+    # the catalog of the backup dir's archives while their names, sizes and mtimes (and the
+    # manifest key) stay the same: a segment closing every few seconds does not re-read them
+    catalog_key: object = None
+    catalog: "List[Entry]" = field(default_factory=list)
 
     def local_sha(self, path: str) -> str:
         st = os.stat(path)
@@ -215,18 +222,39 @@ def same_bytes(cfg: Config, files: Sequence[LocalFile], listing: Mapping[str, Li
     return out
 
 
-def scan_local(cfg: Config, digest: Callable[[str], str]) -> List[LocalFile]:
-    """The full backups, checkpoints and segments of the backup dir, each with its chain's key.
-    ``digest(path)``: an archive's sha256, for the rare full backup whose snapshot digest is not
-    known (it then names its own chain)."""
+def _backups(cfg: Config, caches: Caches) -> "List[Entry]":
+    """The good archives of the backup dir (``catalog``), read again only when they changed."""
     from etcd_agent.backup import catalog, keys
+
+    directory = cfg.backup.dir
+    key = keys.local_key(cfg).key
+    seen = []
+    for n in sorted(os.listdir(directory)):
+        if n.startswith(".") or parse_segment_name(n) is not None:
+            continue
+        try:
+            st = os.stat(os.path.join(directory, n), follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        seen.append((n, st.st_size, st.st_mtime_ns))
+    now = (tuple(seen), key)
+    if now != caches.catalog_key:
+        caches.catalog = [e for e in catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=key)
+                          if e.complete]
+        caches.catalog_key = now
+    return caches.catalog
+
+
+def scan_local(cfg: Config, caches: Caches) -> List[LocalFile]:
+    """The full backups, checkpoints and segments of the backup dir, each with its chain's key.
+    An archive whose snapshot digest is not known (rare) names its own chain by its own sha256."""
     from etcd_agent.delta import chains
 
     directory = cfg.backup.dir
     if not os.path.isdir(directory):
         return []
-    entries = [e for e in catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
-               if e.complete]
+    entries = _backups(cfg, caches)
+    digest = caches.local_sha
     scan = chains.scan(directory)
     out: List[LocalFile] = []
     full_key: Dict[str, str] = {}  # full backup name -> key
