@@ -149,3 +149,28 @@ def retry_transient(
 # for 5 s (--strict-reconfig-check); a member that just restarted is briefly unreachable. Both pass.
 MEMBERSHIP_TRANSIENT: Tuple[Type[BaseException], ...] = (EtcdUnhealthyCluster, EtcdUnavailable)
 MEMBERSHIP_TIMEOUT = 90.0
+
+
+class Backoff:
+    """Waits that double after each failure, up to ``maximum``, and start over after a success:
+    for work retried until it succeeds (the copy queue), where ``poll``'s deadline does not fit.
+    ``wait(stop)`` sleeps the current step on ``clock`` unless ``stop()`` is already true."""
+
+    def __init__(self, initial: float = 1.0, maximum: float = 60.0, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.initial, self.maximum, self.clock = initial, maximum, clock
+        self.failures = 0
+
+    @property
+    def step(self) -> float:
+        """Seconds the next wait lasts (0 before any failure)."""
+        if self.failures == 0:
+            return 0.0
+        return float(min(self.maximum, self.initial * 2.0 ** (self.failures - 1)))
+
+    def failed(self) -> float:
+        """One more failure in a row; returns the wait it calls for."""
+        self.failures += 1
+        return self.step
+
+    def succeeded(self) -> None:
+        self.failures = 0

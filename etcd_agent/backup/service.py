@@ -63,7 +63,7 @@ class OffHostCopy(Protocol):
     """The off-host copy of a new full backup (``bucket.remote.OffHostCopy``): the bucket sits
     above the backups it copies, so the backup is handed its copier and never imports it."""
 
-    def upload(self, path: str, manifest: Mapping[str, Any]) -> None: ...
+    def upload(self, path: str, manifest: Mapping[str, Any], snapshot_sha256: str) -> None: ...
 
     def prune(self) -> List[str]:
         """Remote retention after a copy: the names it deleted."""
@@ -131,16 +131,20 @@ def take_backup(
     except AgentError:
         _record_metrics(cfg, False, None, 0, time.monotonic() - start, None)
         raise
-    if off_host is None or checkpoint_of is not None:
+    if off_host is None or checkpoint_of is not None or origin == "daemon":
+        # the daemon's own backups and checkpoints are copied by its copy queue (bucket.copier),
+        # which retries: its local work never waits for the bucket
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision)
         return result
     try:
-        off_host.upload(result.path, result.manifest)
+        off_host.upload(result.path, result.manifest, result.sha256)
     except AgentError as exc:
-        # the local backup stands; the run still fails so cron / the timer reports it
+        # the local backup stands; the run still fails so cron / the timer reports it. The copy
+        # is not lost: the daemon's copy queue finds it missing from the bucket and retries
         _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=False)
         raise BackupError(
-            f"backup {result.path} written, but the off-host copy failed: {exc.message}", details=exc.details
+            f"backup {result.path} written, but the off-host copy failed: {exc.message}; the daemon (etcd-agent run) "
+            "copies it once the bucket takes it (`etcd-agent backup push` tries now)", details=exc.details
         ) from exc
     _record_metrics(cfg, True, result.path, result.size, result.duration, result.revision, remote_ok=True)
     if prune:

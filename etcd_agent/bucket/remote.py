@@ -80,11 +80,14 @@ class RemoteObject:
     etag: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
     verified_by: str = ""  # after an upload: the check that ran (CHECKS)
+    chain: str = ""  # the chain's key under chains/ ("" a legacy copy at the top of the prefix)
 
     def to_json(self) -> Dict[str, Any]:
         return {
             "name": self.name,
             "key": self.key,
+            "chain": self.chain or None,
+            "legacy": not self.chain,
             "size": self.size,
             "time": self.time.isoformat(),
             "last_modified": self.last_modified.isoformat() if self.last_modified else None,
@@ -95,24 +98,6 @@ class RemoteObject:
 
 
 # ---------------------------------------------------------------- public entry points
-
-
-class OffHostCopy:
-    """What ``take_backup`` calls after writing a full backup (``backup.service.OffHostCopy``)."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-
-    def upload(self, path: str, manifest: Mapping[str, Any]) -> None:
-        upload_and_verify(self.cfg, path, manifest)
-
-    def prune(self) -> List[str]:
-        return [f"remote:{d.name}" for d in prune_remote(self.cfg, dry_run=False) if not d.keep]
-
-
-def off_host(cfg: Config) -> Optional[OffHostCopy]:
-    """The off-host copy ``take_backup`` makes, or None when ``[backup.remote]`` is off."""
-    return OffHostCopy(cfg) if cfg.backup.remote.enabled else None
 
 
 def upload_and_verify(cfg: Config, path: str, manifest: Mapping[str, Any]) -> RemoteObject:
@@ -192,6 +177,24 @@ def _pages(b: Bucket, under: str, *, delimiter: bool) -> List[Dict[str, Any]]:
     return out
 
 
+def list_objects(cfg: Config, under: str) -> List[Tuple[str, int, str]]:
+    """(name relative to the prefix, size, ETag) of every object that starts with ``under``: one
+    paginated listing, no metadata (the copy queue's view of the bucket)."""
+    b = Bucket(cfg)
+    return [(item["Key"][len(b.prefix):], int(item.get("Size", 0)), str(item.get("ETag", "")).strip('"'))
+            for item in _pages(b, under, delimiter=False)]
+
+
+def head_sha256(cfg: Config, name: str) -> Optional[str]:
+    """The sha256 metadata of object ``name`` (None: it carries none)."""
+    return _head(Bucket(cfg), name).sha256
+
+
+def manifest_metadata(sha256: str, manifest: Mapping[str, Any]) -> Dict[str, str]:
+    """The metadata of a full backup's (or a checkpoint's) copy: its sha256 and manifest fields."""
+    return _metadata(sha256, manifest)
+
+
 def delete_names(cfg: Config, names: List[str]) -> None:
     b = Bucket(cfg)
     for name in names:
@@ -205,45 +208,61 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
 
 
 def _list(b: Bucket) -> List[RemoteObject]:
+    """Full backup copies: ``chains/<key>/<name>`` (``bucket.layout``) and the legacy ones at the
+    top of the prefix; ``name`` is the backup's file name, ``chain`` its chain's key ("" legacy)."""
+    from etcd_agent.bucket import layout
+
     out: List[RemoteObject] = []
-    # Delimiter: the delta segments under delta-<revision>/ are not walked
-    for item in _pages(b, "", delimiter=True):
-        name = item["Key"][len(b.prefix):]
-        if "/" in name or parse_name(name) is None:  # only backups are listed or pruned
+    for item in _pages(b, "", delimiter=False):
+        rel = item["Key"][len(b.prefix):]
+        placed = layout.place(rel)
+        if placed is None or placed.kind != layout.FULL:  # only full backups are listed or pruned here
             continue
-        out.append(_head(b, name))
-    out.sort(key=lambda o: (o.time, o.name), reverse=True)
+        obj = _head(b, rel)
+        out.append(replace(obj, name=placed.file, time=_name_time(placed.file, obj.last_modified),
+                           chain=placed.key))
+    out.sort(key=lambda o: (o.time, o.name, o.chain), reverse=True)
     return out
 
 
 def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
-    """Apply the remote retention (``[backup.remote] keep_*``); each deletion is logged with its reason."""
+    """Apply the remote retention (``[backup.remote] keep_*``); each deletion is logged with its reason.
+
+    The rule decides per backup name; a backup copied twice (a legacy copy at the top of the
+    prefix and one under ``chains/``) is kept or deleted as one. Chains, checkpoints and legacy
+    ``delta-<revision>/`` segments go with their full backup (``offsite.prune_remote_chains``)."""
     r = cfg.backup.remote
     b = Bucket(cfg)
     objects = _list(b)
+    copies: Dict[str, List[RemoteObject]] = {}
+    for o in objects:
+        copies.setdefault(o.name, []).append(o)
     # a copy counts as verified when it carries our checksum: bad uploads were deleted at once
-    refs = [BackupRef(o.name, o.time, verified=o.sha256 is not None) for o in objects]
+    refs = [BackupRef(n, cs[0].time, verified=any(c.sha256 is not None for c in cs)) for n, cs in copies.items()]
     decisions = plan(refs, keep_last=r.keep_last, keep_hourly=r.keep_hourly, keep_daily=r.keep_daily)
     failed: List[str] = []
     for d in decisions:
-        if d.keep:
-            log.debug("keeping %s: %s", b.where(d.name), d.reason)
-        elif dry_run:
-            log.info("would delete %s: %s", b.where(d.name), d.reason)
-        else:
-            try:
-                with b.within(), b.errors(f"cannot delete {b.where(d.name)}"):
-                    b.client.delete_object(Bucket=b.bucket, Key=b.key(d.name))
-                log.info("deleted %s: %s", b.where(d.name), d.reason)
-            except BackupError as exc:
-                failed.append(exc.message)
+        for o in copies[d.name]:
+            where = f"s3://{b.bucket}/{o.key}"
+            if d.keep:
+                log.debug("keeping %s: %s", where, d.reason)
+            elif dry_run:
+                log.info("would delete %s: %s", where, d.reason)
+            else:
+                try:
+                    with b.within(), b.errors(f"cannot delete {where}"):
+                        b.client.delete_object(Bucket=b.bucket, Key=o.key)
+                    log.info("deleted %s: %s", where, d.reason)
+                except BackupError as exc:
+                    failed.append(exc.message)
     from etcd_agent.bucket import offsite  # a copy and the delta chain that continues it go together
 
     keep = {d.name for d in decisions if d.keep}
-    kept_revisions = {int(o.metadata["revision"]) for o in objects
-                      if o.name in keep and str(o.metadata.get("revision", "")).isdigit()}
+    kept = [o for o in objects if o.name in keep]
+    kept_revisions = {int(o.metadata["revision"]) for o in kept if str(o.metadata.get("revision", "")).isdigit()}
     try:
-        decisions = decisions + offsite.prune_remote_chains(cfg, kept_revisions, dry_run=dry_run)
+        decisions = decisions + offsite.prune_remote_chains(cfg, {o.chain for o in kept if o.chain}, kept_revisions,
+                                                            dry_run=dry_run)
     except BackupError as exc:
         failed.append(exc.message)
     if failed:

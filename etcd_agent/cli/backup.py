@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from etcd_agent.cli.main import Context, Output
-from etcd_agent.errors import EXIT_FAILED, EXIT_OK, UsageError
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK, BackupError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -63,6 +63,11 @@ def register(sub: Any) -> None:
     pi.add_argument("--identity", metavar="FILE", help=IDENTITY_HELP + " (it is re-encrypted to [backup] encrypt_to)")
     pi.set_defaults(func=cmd_import)
 
+    pu = bsub.add_parser("push", help="copy to the bucket now whatever it lacks (full backups, checkpoints, delta "
+                         "segments), in order, once; the daemon does the same by itself and retries")
+    pu.add_argument("--dry-run", action="store_true", help="list what the bucket lacks, copy nothing")
+    pu.set_defaults(func=cmd_push)
+
     pp = bsub.add_parser("prune", help="apply the retention policy; every decision is printed with its reason")
     pp.add_argument("--dry-run", action="store_true", help="decide and print, delete nothing")
     pp.add_argument("--remote", action="store_true", help="apply the remote retention to the off-host copies instead")
@@ -78,7 +83,7 @@ def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
     cfg = ctx.config()
     for w in security_warnings(cfg):  # cron mails / syslogs stderr
         log.warning("%s", w)
-    from etcd_agent.bucket.remote import off_host
+    from etcd_agent.bucket.copier import off_host
 
     res = take_backup(cfg, member=args.member, full_verify=args.verify, prune=not args.no_prune, lock_wait=args.wait,
                       off_host=off_host(cfg))
@@ -186,12 +191,38 @@ def _list_remote(cfg: "Config") -> Output:
 
     _require_remote(cfg)
     objs = list_remote(cfg)
-    rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  SHA256"]
+    rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  {'SHA256':<16}  CHAIN"]
     for o in objs:
-        rows.append(f"{o.name:<32} {o.time.isoformat():<25} {_size(o.size):>10}  {(o.sha256 or '-')[:16]}")
+        where = f"chains/{o.chain[:16]}…" if o.chain else "legacy (top of the prefix)"
+        rows.append(f"{o.name:<32} {o.time.isoformat():<25} {_size(o.size):>10}  {(o.sha256 or '-')[:16]:<16}  {where}")
     if not objs:
         rows.append("(no off-host copies)")
     return Output({"remote": True, "backups": [o.to_json() for o in objs]}, "\n".join(rows))
+
+
+def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:
+    from etcd_agent.bucket import copier, queue
+
+    cfg = ctx.config()
+    _require_remote(cfg)
+    caches = queue.Caches()
+    if args.dry_run:
+        plan = copier.pending(cfg, caches)
+        rows = [f"would copy {f.path} to {f.name} ({_size(f.size)})" for f in plan.pending]
+        rows += [f"not copied: {p}: {why}" for p, why in zip(plan.unplaced, plan.why_unplaced)]
+        return Output({"pending": [f.name for f in plan.pending], "pending_bytes": plan.pending_bytes},
+                      "\n".join(rows) or "nothing pending: the bucket holds every backup, checkpoint and segment here")
+    res = copier.push(cfg, caches)
+    left = res.left
+    rows = [f"copied {f.path} to {f.name} ({_size(f.size)})" for f in res.copied]
+    if res.error and not res.plan.pending:  # the listing or the backup dir: nothing known to be pending
+        raise BackupError(f"backup push: nothing copied: {res.error} (the daemon retries)")
+    if res.error:
+        raise BackupError(f"backup push: {len(res.copied)} object(s) copied, then {res.failed} failed: {res.error}; "
+                          f"{len(left)} object(s) still pending (the daemon retries them)", details=rows)
+    rows.append(f"{len(res.copied)} object(s) copied; nothing pending" if not left else
+                f"{len(res.copied)} object(s) copied; {len(left)} appeared meanwhile (the next push or the daemon copies them)")
+    return Output({"copied": [f.name for f in res.copied], "pending": [f.name for f in left]}, "\n".join(rows))
 
 
 def _client(cfg: "Config") -> Any:

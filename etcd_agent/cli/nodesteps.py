@@ -30,7 +30,7 @@ def release_version(ctx: NodeContext, args: Args) -> Document:
 def backup(ctx: NodeContext, args: Args) -> Document:
     """A verified backup written here, under the lock this session already holds."""
     from etcd_agent.backup.service import take_backup
-    from etcd_agent.bucket.remote import off_host
+    from etcd_agent.bucket.copier import off_host
 
     ctx.require_lock("backup")
     b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False,

@@ -8,6 +8,7 @@ from etcd_agent.cli.main import Context, Output
 from etcd_agent.errors import EXIT_FAILED, EXIT_OK
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.bucket.copier import CopyStatus
     from etcd_agent.config import Config
 
 
@@ -39,8 +40,10 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
 
     left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
     lock = _lock_holder(cfg)
+    copies = _copies(cfg)
     data = {"cluster": cfg.cluster.name, "healthy": healthy, "members": [r.to_json() for r in rows], "last_backup": last,
-            "restore_in_progress": [r.to_json() for r in restoring], "warnings": warnings, "leftovers": left, "operation_lock": lock}
+            "restore_in_progress": [r.to_json() for r in restoring], "warnings": warnings, "leftovers": left,
+            "operation_lock": lock, "copies": copies.to_json() if copies is not None else None}
     summary = f"cluster {cfg.cluster.name}: " + (
         "healthy" if healthy else f"{sum(1 for r in rows if not r.healthy)} of {len(rows)} members unhealthy"
     )
@@ -50,6 +53,10 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
         summary += f"\nlast backup: cannot read {cfg.backup.dir}: {last['error']}"
     else:
         summary += f"\nlast backup: {last['name']} ({_age(last['age_seconds'])} ago, revision {last['revision']})"
+    if copies is not None:
+        import time
+
+        summary += "\n" + copies.describe(time.time())
     for rec in restoring:
         summary += (f"\nRESTORE IN PROGRESS: member {rec.member}: restore {rec.op} from {rec.backup} "
                     f"since {rec.started or '?'} (the daemon waits); {markers.restore_hint(rec)}")
@@ -59,6 +66,16 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     summary += "".join(f"\nLEFTOVER of a killed point-in-time restore: {x} (removed by the next etcd-agent command "
                        "other than status)" for x in left)
     return Output(data, format_table(rows) + "\n" + summary, EXIT_OK if healthy else EXIT_FAILED)
+
+
+def _copies(cfg: "Config") -> "Optional[CopyStatus]":
+    """The off-host copy queue as this host's daemon last reported it (None: remote copies off, or
+    no report yet)."""
+    if not cfg.backup.remote.enabled:
+        return None
+    from etcd_agent.bucket.copier import read_status
+
+    return read_status(cfg)
 
 
 def _lock_holder(cfg: "Config") -> Optional[Dict[str, str]]:

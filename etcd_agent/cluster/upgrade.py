@@ -359,7 +359,7 @@ class Upgrade:
         if local is not None:
             return local.ask(BackupReply, "backup", member=source, timeout=max(600.0, self.step_timeout)).path
         from etcd_agent.backup.service import take_backup
-        from etcd_agent.bucket.remote import off_host
+        from etcd_agent.bucket.copier import off_host
 
         return take_backup(self.cfg, member=source, full_verify=True, prune=False, off_host=off_host(self.cfg)).path
 

@@ -25,6 +25,7 @@ from etcd_agent.safejson import load as load_json
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
 
+    from etcd_agent.bucket.copier import CopyStatus
     from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ GAUGES = {
     "chain_events": "Events in the current chain (what a restore to its end replays).",
     "chain_bytes": "Bytes of the current chain's segments.",
     "chain_segments": "Segments in the current chain.",
-    "upload_pending": "Closed segments waiting for their off-host copy.",
+    "upload_pending": "Files (full backups, checkpoints, segments) waiting for their off-host copy (see "
+                      "etcd_agent_bucket_*).",
     "breaks_in_row": "Chains that broke again soon after the full backup that started them, in a row.",
     "break_backoff_seconds": "Seconds until the daemon takes the full backup for a repeated break (0: not backing "
                              "off).",
@@ -122,8 +124,8 @@ GAUGES = {
 COUNTERS = {
     "chain_breaks": "Chains that could not continue (compaction, outage, restored member), over the backup dir's life.",
     "full_backups": "Full backups the daemon took, by reason: to start a new chain, or as a checkpoint inside one.",
-    "upload_failures": "Segment uploads that failed (retried).",
-    "uploads": "Segments copied off-host, by the check that verified the copy: checksum (SHA-256 checked by the "
+    "upload_failures": "Off-host copy passes that failed (retried; see etcd_agent_bucket_*).",
+    "uploads": "Objects copied off-host, by the check that verified the copy: checksum (SHA-256 checked by the "
                "store), etag (Content-MD5 checked by the store, and the MD5 ETag) or read-back.",
 }
 
@@ -188,13 +190,18 @@ def textfile_path(cfg: "Config") -> Optional[str]:
     return None
 
 
-def write_textfile(path: str, status: DeltaStatus) -> None:
-    """The metrics as a node_exporter textfile (0644, atomic); never raises."""
+def write_textfile(path: str, status: DeltaStatus, copies: "Optional[CopyStatus]" = None) -> None:
+    """The metrics as a node_exporter textfile (0644, atomic), with the copy queue's when it runs;
+    never raises."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest
 
         reg = CollectorRegistry()
         reg.register(DeltaCollector(lambda: status))
+        if copies is not None:
+            from etcd_agent.bucket.copier import BucketCollector
+
+            reg.register(BucketCollector(lambda: copies))
         write_atomic(path, generate_latest(reg), mode=0o644)
     except Exception as exc:  # noqa: BLE001 - metrics must never stop the watch
         log.warning("could not write delta metrics to %s: %s", path, exc)

@@ -2,7 +2,7 @@
 newest full backup here, never with a silent gap.
 
 ``DeltaSupervisor`` runs on a thread of its own, started and stopped with the daemon; the watch
-runs on another (``DeltaWatcher``), uploads on a third (``offsite``). Nothing it waits for (a
+runs on another (``DeltaWatcher``), off-host copies on a third (``bucket.copier``). Nothing it waits for (a
 full backup of a big db, a slow bucket) can delay a daemon cycle, and no daemon cycle can delay
 the watch. Every ``TICK`` seconds it looks and decides (``decide``, pure):
 
@@ -39,7 +39,7 @@ from etcd_agent.errors import AgentError, BusyError
 from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.bucket.offsite import RemoteFollower, Uploader
+    from etcd_agent.bucket.copier import Copier, CopyStatus
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,8 @@ class DeltaSupervisor:
         self._breaks_total: Optional[int] = None
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
-        self._uploader: "Optional[Uploader]" = None  # only when [backup.remote] is enabled
-        self._remote: "Optional[RemoteFollower]" = None  # follows [backup.remote] across reloads
+        self._copier: "Optional[Copier]" = None  # while [backup.remote] is enabled
+        self._remote_seen: object = None  # the [backup.remote] it runs with
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
@@ -172,8 +172,8 @@ class DeltaSupervisor:
         if self._thread is not None:
             self._thread.join(timeout)
         self._stop_watcher("the daemon stops")
-        if self._uploader is not None:
-            self._uploader.stop()
+        if self._copier is not None:
+            self._copier.stop()
         self._write_textfile(force=True)
 
     def _main(self) -> None:
@@ -192,8 +192,8 @@ class DeltaSupervisor:
 
         cfg, me = self._source()
         enabled = cfg.backup.delta.enabled
-        self._follow_encryption(cfg)
         self._follow_remote(cfg)
+        self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
         restoring = bool(markers.read_restore(cfg, me.name))
@@ -232,6 +232,37 @@ class DeltaSupervisor:
         self._write_textfile(cfg)
         return action
 
+    def _follow_remote(self, cfg: Config) -> None:
+        """The copy queue runs while ``[backup.remote]`` is enabled, with continuous backup or
+        without: a reload that enables or disables it takes effect at this tick, and says so."""
+        on = cfg.backup.remote.enabled
+        why = "[backup.remote] {} by the reloaded config: " if self._remote_seen is not None else "[backup.remote] {}: "
+        if on and self._copier is None:
+            from etcd_agent.bucket.copier import Copier
+
+            self._copier = Copier(self._source)
+            self._copier.start()
+            log.info(why.format("enabled") + "every full backup, checkpoint and segment here is copied to %s",
+                     _where(cfg))
+        elif not on and self._copier is not None:
+            self._copier.stop()
+            self._copier = None
+            log.info(why.format("disabled") + "nothing more is copied off-host")
+        elif on and self._copier is not None and self._remote_seen != cfg.backup.remote:
+            log.info(why.format("changed") + "copies go to %s from now on (what it lacks is copied there; failed "
+                     "copies are tried again now)", _where(cfg))
+            self._copier.retry_now()
+        self._remote_seen = cfg.backup.remote
+
+    def copies(self) -> "Optional[CopyStatus]":
+        """The copy queue's status (None while [backup.remote] is disabled)."""
+        c = self._copier
+        return c.status() if c is not None else None
+
+    def _nudge(self) -> None:
+        if self._copier is not None:
+            self._copier.nudge()
+
     def _follow_encryption(self, cfg: Config) -> None:
         """A changed ``[backup] encrypt_to`` (a reload): the open segment is closed as it was begun
         and the chain goes on, its next segments to the new recipients (or in the clear)."""
@@ -244,15 +275,6 @@ class DeltaSupervisor:
             log.info("delta: [backup] encrypt_to changed: the watch closes its segment and goes on with the new "
                      "setting")
             self._stop_watcher("encrypt_to changed")
-
-    def _follow_remote(self, cfg: Config) -> None:
-        """A reload that enables, disables or changes ``[backup.remote]`` takes effect now."""
-        from etcd_agent.bucket import offsite
-
-        if self._remote is None:
-            self._remote = offsite.RemoteFollower()
-        base = self._full.revision if self.watcher is not None and self._full is not None else None
-        self._uploader = self._remote.follow(cfg, self._uploader, self._source, base)
 
     def _collect_watcher(self, cfg: Config, restoring: bool = False) -> None:
         """If the watcher thread ended: why (a break is recorded and counted)."""
@@ -402,19 +424,19 @@ class DeltaSupervisor:
         if checkpoints.take(cfg, me.name, w) is not None:
             with self._mu:
                 self._cp_bytes = 0
+            self._nudge()
             self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
-        from etcd_agent.bucket.remote import off_host
 
         reason = self._broken_reason if self._broken else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
             with low_memory():
-                res = take_backup(cfg, member=me.name, origin="daemon", off_host=off_host(cfg))
+                res = take_backup(cfg, member=me.name, origin="daemon")  # the copy queue copies it
         except BusyError as exc:  # cron's backup (or a restore) holds the lock: its result will do
             log.info("delta: full backup deferred: %s", exc.message)
             self._retry_at = time.monotonic() + RETRY_AFTER / 2
@@ -435,6 +457,7 @@ class DeltaSupervisor:
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
+        self._nudge()
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
 
     def _start_watcher(self, cfg: Config, me: Member) -> None:
@@ -459,13 +482,7 @@ class DeltaSupervisor:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
             self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
-        if cfg.backup.remote.enabled and self._uploader is None:
-            from etcd_agent.bucket import offsite
-
-            self._uploader = offsite.Uploader(self._source)
-            self._uploader.start()
-        if self._uploader is not None:
-            self._uploader.sync(full.revision)
+        self._nudge()  # a new (or resumed) chain: its full backup first
         w = DeltaWatcher(me.client_url, full.revision, cfg.backup.dir, tls=cfg.tls if cfg.tls.client_enabled else None,
                          options=opts, on_segment=self._on_segment, base=full.base)
         self.watcher, self._full = w, full
@@ -508,8 +525,7 @@ class DeltaSupervisor:
             self._totals = (e + info.footer.events, b + info.size, n + 1)
             if info.footer.events:  # what a replay folds; idle segments add nothing to fold
                 self._cp_bytes += info.size
-        if self._uploader is not None:
-            self._uploader.enqueue(info.path, info.header.base_revision)
+        self._nudge()
 
     # ------------------------------------------------------------ status
 
@@ -552,9 +568,10 @@ class DeltaSupervisor:
                 st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
                              durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
                              chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
-        if self._uploader is not None:
-            st = replace(st, uploads_pending=self._uploader.pending, upload_failures=self._uploader.failures,
-                         uploads=dict(self._uploader.verified))
+        copies = self.copies()
+        if copies is not None:
+            st = replace(st, uploads_pending=copies.pending, upload_failures=copies.failures_total,
+                         uploads=dict(copies.verified))
         return st
 
     def _write_textfile(self, cfg: Optional[Config] = None, *, force: bool = False) -> None:
@@ -571,6 +588,12 @@ class DeltaSupervisor:
             # that never ran: an RPO of the time since the full backup, every ~10 s
             return
         self._textfile_at = now
-        status.write_textfile(path, self.status())
+        status.write_textfile(path, self.status(), self.copies())
 
 
+def _where(cfg: Config) -> str:
+    """The bucket and prefix copies go to, as the log names them (never a credential)."""
+    from etcd_agent.bucket.client import expand_prefix
+
+    r = cfg.backup.remote
+    return f"s3://{r.bucket}/{expand_prefix(r.prefix, cfg.cluster.name)}"

@@ -412,7 +412,10 @@ class Daemon:
 
         self.delta = DeltaSupervisor(lambda: (self.cfg, self.me))
         if self.cfg.daemon.metrics_address:
+            from etcd_agent.bucket.copier import BucketCollector
+
             metrics.get().registry.register(DeltaCollector(self.delta.status))
+            metrics.get().registry.register(BucketCollector(self.delta.copies))
         self.delta.start()
         try:
             while not self._stop:

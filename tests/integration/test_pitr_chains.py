@@ -157,16 +157,19 @@ def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(
     wait_durable(c, rev)
 
     def keys() -> list:  # type: ignore[type-arg]
-        out = raw.list_objects_v2(Bucket=bucket, Prefix="p/delta-").get("Contents", [])
-        return sorted(o["Key"] for o in out)
+        out = raw.list_objects_v2(Bucket=bucket, Prefix="p/chains/").get("Contents", [])
+        return sorted(o["Key"] for o in out if ".seg" in o["Key"])
 
     local = {os.path.basename(s) for s in segment_files(c)}
     wait_for(lambda: {k.rsplit("/", 1)[1] for k in keys()} >= local, 60, "every closed segment copied")
     k = keys()[0]
     head = raw.head_object(Bucket=bucket, Key=k)
     assert head["Metadata"]["base-revision"] == str(first) and len(head["Metadata"]["sha256"]) == 64
-    assert all(f"p/delta-{first:016d}/" in k for k in keys())
-    print(f"\nFIGURE remote: {len(keys())} segment(s) copied under p/delta-{first:016d}/ as they closed")
+    old = f"p/chains/{head['Metadata']['chain']}/"
+    assert all(k.startswith(old) for k in keys())
+    fulls = raw.list_objects_v2(Bucket=bucket, Prefix=old).get("Contents", [])
+    assert any(o["Key"].endswith(".tar") for o in fulls), "the chain's full backup is beside its segments"
+    print(f"\nFIGURE remote: {len(keys())} segment(s) copied under {old} as they closed")
 
     # a new full backup (keep_last = 1 remote): the old chain's copies go with the old copy
     res = agent(c, "backup")
@@ -175,11 +178,11 @@ def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(
                       and chains.active_base(c.cfg.backup.dir), 60, "the watch on the new chain")
     rev = batch(c, "/s/", 5)
     wait_durable(c, rev)
-    wait_for(lambda: any(f"p/delta-{second:016d}/" in k for k in keys()), 60, "the new chain copied")
+    wait_for(lambda: any(not k.startswith(old) for k in keys()), 60, f"the new chain (after revision {second}) copied")
     pr = agent(c, "backup", "prune", "--remote")  # (the backup's own prune ran while the old chain was live)
     assert pr.returncode == 0, pr.stderr
-    assert "remote delta chain after revision" in pr.stdout, pr.stdout
-    assert keys() and all(f"p/delta-{first:016d}/" not in k for k in keys()), keys()
+    assert "remote chain chains/" in pr.stdout, pr.stdout
+    assert keys() and all(not k.startswith(old) for k in keys()), keys()
 
 
 def test_forged_tails_are_refused_and_an_unsigned_chain_needs_the_flag(bed) -> None:  # type: ignore[no-untyped-def]
