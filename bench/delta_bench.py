@@ -47,10 +47,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
-from etcd_agent.chain import chains
+from etcd_agent.chain import chains  # noqa: E402
 from etcd_agent.chain.segments import DELETE, PUT, Event, SegmentHeader, Txn, list_segments  # noqa: E402
 from etcd_agent.chain.writer import SegmentWriter  # noqa: E402
-from etcd_agent.etcd import proto
+from etcd_agent.etcd import proto  # noqa: E402
 from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.pitr.replay import Target  # noqa: E402
 from etcd_agent.pitr.replayrun import replay  # noqa: E402
@@ -297,7 +297,8 @@ def main() -> None:
     ap.add_argument("--batch-seconds", help="[backup.delta] batch_seconds (default: the product's, 1.0; 0 streams)")
     args = ap.parse_args()
     if args.role == "writer":
-        return role_writer(args)
+        role_writer(args)
+        return
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     logging.getLogger("etcd_agent").setLevel(logging.WARNING)
@@ -389,7 +390,8 @@ def main() -> None:
                                                           "equal_to_live_at_reached_revision")}
         save()
         if args.no_synthetic:
-            return finish(report, args)
+            finish(report, args)
+            return
 
         log.info("synthetic chain of %d events after a fresh full backup", args.events)
         bed.stop()  # no daemon from here on: the chain below is the only one continuing full2

@@ -76,7 +76,7 @@ class Writer:
     def _thread(self, i: int) -> None:
         rng = random.Random(self.seed * 100 + i)
         r = EtcdRpc(self.endpoints[i % len(self.endpoints)], timeout=30.0)
-        mine = [k for k in range(i, self.key_count, self.threads)]
+        mine = list(range(i, self.key_count, self.threads))
         live = {k for k in mine if self.key_format % k in self.existing}
         value = os.urandom(self.size)
         n = 0

@@ -208,8 +208,8 @@ def main() -> None:
 def chain_keys(a: argparse.Namespace) -> Dict[str, Any]:
     """The live writer's keys: 50,000 of its own, or the full backup's."""
     if a.chain_keys == "new":
-        return dict(key_format=b"syn/%06d", key_count=50000)
-    return dict(key_format=b"full/%06d", key_count=a.full_keys)
+        return {"key_format": b"syn/%06d", "key_count": 50000}
+    return {"key_format": b"full/%06d", "key_count": a.full_keys}
 
 
 def live_chains(c: LoopbackCluster, a: argparse.Namespace, full_a: Any, chains: Dict[str, Dict[str, Any]]) -> Any:

@@ -127,8 +127,8 @@ def by_hand_loopback(c: LoopbackCluster, snap: str) -> Run:
     for lm in c.members:
         dd = c.cfg.data_dir(lm.member.name)
         timed("stop", lm.backend.stop)
-        timed("mv", lambda: os.rename(dd, f"{dd}.by-hand-{time.time():.3f}"))
-        timed("restore", lambda: subprocess.run(restore_argv(c.cfg, tool, snap, lm.member.name, dd, token), check=True,
+        timed("mv", lambda dd=dd: os.rename(dd, f"{dd}.by-hand-{time.time():.3f}"))
+        timed("restore", lambda lm=lm, dd=dd: subprocess.run(restore_argv(c.cfg, tool, snap, lm.member.name, dd, token), check=True,
                                                 capture_output=True, env=dict(os.environ, ETCDCTL_API="3"),
                                                 timeout=600))
         timed("start", lm.backend.start)

@@ -325,7 +325,7 @@ class Decryptor:
                     f"{self._counter * ENC_CHUNK}) fails authentication: corrupt, truncated or tampered with"
                 ) from None
             if not plain and self._counter > 0:
-                raise CiphertextCorrupt(f"{self._what}: ends with an empty final chunk (not a valid age file)")
+                raise CiphertextCorrupt(f"{self._what}: ends with an empty final chunk (not a valid age file)") from None
             self._done = True
         self._counter += 1
         return plain

@@ -314,7 +314,7 @@ def resolve(directory: str, spec: str, *, utc: bool = True, clock: WallClock = S
     spec = spec.strip()
     if not spec:
         raise UsageError("--from needs a backup: a path, a file name, a date like 2019-08-07, or latest")
-    kw: Dict[str, Any] = dict(utc=utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
+    kw: Dict[str, Any] = {"utc": utc, "clock": clock, "cfg": cfg, "evidence": evidence, "key": key}
     if "/" in spec:
         if not os.path.isfile(spec):
             raise UsageError(f"--from {spec}: no such file")

@@ -161,7 +161,7 @@ def import_backup(
                 imported["encrypted_to"] = list(arc.sealed.recipients)
 
             def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity) -> Manifest:
-                man = Manifest(
+                return Manifest(
                     files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()},
                     name=name, created=when.isoformat(), created_unix=int(when.timestamp()),
                     host=socket.gethostname(),
@@ -175,7 +175,6 @@ def import_backup(
                               "status": status},
                     imported=imported, verified=True,
                 )
-                return man  # the writer adds what it encrypted, then signs
 
             from etcd_agent.backup.service import recipients_of
 

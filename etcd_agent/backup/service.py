@@ -233,7 +233,7 @@ def _take(
 
             def build(infos: Dict[str, archive.FileInfo], facts: SnapshotFacts, ident: SnapshotIdentity) -> Manifest:
                 checks = ["etcd sha256 trailer", "bbolt meta pages", "size = pages x page size"]
-                man = Manifest(
+                return Manifest(
                     files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()},
                     name=name,
                     created=when.isoformat(),
@@ -261,7 +261,6 @@ def _take(
                               **({"checkpoint": {"chain_id": checkpoint_of}} if checkpoint_of else {})},
                     verified=True,
                 )
-                return man  # the writer adds what it encrypted, then signs
 
             recipients = recipients_of(cfg)
             log.info("backing up member %s (%s, db %d bytes) to %s%s", m.name, m.client_url, st.db_size, name,

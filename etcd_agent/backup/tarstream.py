@@ -173,7 +173,7 @@ def normalise(name: str) -> str:
     """Strip ``./`` prefixes; refuse absolute paths and ``..`` (the caller refuses the rest)."""
     if "\0" in name:
         raise RefusedError(f"member {name!r} has a NUL in its name")
-    if name.startswith("/") or name.startswith("\\"):
+    if name.startswith(("/", "\\")):
         raise RefusedError(f"member {name!r} has an absolute path")
     parts = name.replace("\\", "/").split("/")
     if ".." in parts:

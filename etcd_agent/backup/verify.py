@@ -78,7 +78,7 @@ class VerifyReport:
 def member_problem(ti: tarfile.TarInfo, seen: Dict[str, int]) -> Optional[str]:
     """Why this tar member must not be extracted, or None (for tarfile-based callers)."""
     name = ti.name
-    if name.startswith("/") or name.startswith("\\"):
+    if name.startswith(("/", "\\")):
         return f"member {name!r} has an absolute path"
     if ".." in name.replace("\\", "/").split("/"):
         return f"member {name!r} contains '..'"

@@ -183,7 +183,7 @@ def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise ConfigError(f"backup.remote.credentials_file {path}: {exc.strerror}")
+        raise ConfigError(f"backup.remote.credentials_file {path}: {exc.strerror}") from None
     if st.st_mode & 0o077:
         raise ConfigError(
             f"backup.remote.credentials_file {path} has mode {st.st_mode & 0o777:04o}: "
@@ -195,7 +195,7 @@ def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
             parser.read_file(fh)
     except (OSError, UnicodeDecodeError, configparser.Error) as exc:
         # configparser errors may quote lines of the file: name only the kind of problem
-        raise ConfigError(f"backup.remote.credentials_file {path} is not readable INI ({type(exc).__name__})")
+        raise ConfigError(f"backup.remote.credentials_file {path} is not readable INI ({type(exc).__name__})") from None
     section = r.credentials_profile
     if not parser.has_section(section):
         raise ConfigError(f"backup.remote.credentials_file {path} has no [{section}] profile")

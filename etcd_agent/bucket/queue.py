@@ -128,7 +128,7 @@ def plan(files: Sequence[LocalFile], listing: Mapping[str, Listed], same: Set[st
     # the chains whose full backup is (or will be) in the bucket
     fulls_remote = {p.key for p in (layout.place(n) for n in listing) if p is not None and p.kind == layout.FULL
                     and p.key}
-    chains: Dict[str, Optional[LocalFile]] = {k: None for k in fulls_remote}
+    chains: Dict[str, Optional[LocalFile]] = dict.fromkeys(fulls_remote)
     pending: List[LocalFile] = []
     for f in files:
         if f.kind != layout.FULL:

@@ -348,7 +348,7 @@ def _validate_encrypt_to(b: BackupSection) -> List[str]:
 def _endpoint_ok(endpoint: str) -> bool:
     try:
         parts = urlsplit(endpoint)
-        parts.port  # raises on a bad port
+        _ = parts.port  # raises on a bad port
     except ValueError:
         return False
     return (parts.scheme in ("http", "https") and bool(parts.hostname) and valid_host(parts.hostname or "")

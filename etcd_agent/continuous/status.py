@@ -92,7 +92,7 @@ class DeltaStatus:
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "DeltaStatus":
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 
 

@@ -169,7 +169,7 @@ def _scan(r: _Reader, wanted: "set[bytes]", max_keys: int, check: Optional[Calla
 
     lease_entries = r.count(buckets[b"lease"], seen, "bucket 'lease'") if b"lease" in buckets else 0
     live: Dict[bytes, int] = {}
-    found: Dict[bytes, Optional[KeyRecord]] = {k: None for k in wanted}
+    found: Dict[bytes, Optional[KeyRecord]] = dict.fromkeys(wanted)
     last = (0, -1)
     entries = 0
     what = "bucket 'key'"

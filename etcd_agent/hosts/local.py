@@ -51,10 +51,10 @@ class LocalHost:
             )
         except subprocess.TimeoutExpired as exc:
             res = Result(self.name, argv, -1, _text(exc.stdout), _text(exc.stderr), time.monotonic() - start)
-            raise CommandTimedOut(f"{self.name}: `{res.command}` timed out after {timeout:g}s", res)
+            raise CommandTimedOut(f"{self.name}: `{res.command}` timed out after {timeout:g}s", res) from exc
         except OSError as exc:
             res = Result(self.name, argv, 127, "", str(exc), time.monotonic() - start)
-            raise CommandError(f"{self.name}: cannot run `{res.command}`: {exc.strerror or exc}", res)
+            raise CommandError(f"{self.name}: cannot run `{res.command}`: {exc.strerror or exc}", res) from exc
         res = Result(self.name, argv, proc.returncode, _text(proc.stdout), _text(proc.stderr), time.monotonic() - start)
         return res.check() if check else res
 

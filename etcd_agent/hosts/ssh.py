@@ -31,13 +31,13 @@ sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
 import paramiko  # noqa: E402
 from paramiko.sftp import CMD_EXTENDED  # noqa: E402
 
-from etcd_agent.config import SshSection
-from etcd_agent.errors import CommandTimedOut, HostKeyRejected, HostUnreachable
-from etcd_agent.hosts import openssh
-from etcd_agent.hosts.base import Result, Session
-from etcd_agent.hosts.local import LocalSession
-from etcd_agent.hosts.openssh import FAST_CIPHERS
-from etcd_agent.hosts.sshsession import CHUNK, SshSession
+from etcd_agent.config import SshSection  # noqa: E402 - after the invoke stub above
+from etcd_agent.errors import CommandTimedOut, HostKeyRejected, HostUnreachable  # noqa: E402 - after the invoke stub above
+from etcd_agent.hosts import openssh  # noqa: E402 - after the invoke stub above
+from etcd_agent.hosts.base import Result, Session  # noqa: E402 - after the invoke stub above
+from etcd_agent.hosts.local import LocalSession  # noqa: E402 - after the invoke stub above
+from etcd_agent.hosts.openssh import FAST_CIPHERS  # noqa: E402 - after the invoke stub above
+from etcd_agent.hosts.sshsession import CHUNK, SshSession  # noqa: E402 - after the invoke stub above
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class SshHost:
         try:
             keys.load(path)
         except (OSError, paramiko.SSHException) as exc:
-            raise HostKeyRejected(f"{self._where}: cannot read known_hosts file {path}: {exc}")
+            raise HostKeyRejected(f"{self._where}: cannot read known_hosts file {path}: {exc}") from exc
         entry = keys.lookup(self._known_name())
         return dict(entry) if entry else {}
 
@@ -138,7 +138,7 @@ class SshHost:
             try:
                 keys.append(paramiko.PKey.from_path(path))
             except (OSError, paramiko.SSHException, ValueError) as exc:
-                raise HostUnreachable(f"{self._where}: cannot load SSH identity {path}: {exc}")
+                raise HostUnreachable(f"{self._where}: cannot load SSH identity {path}: {exc}") from exc
         if not keys:
             raise HostUnreachable(f"{self._where}: no SSH identity (set ssh.identity_file)")
         return keys
@@ -156,9 +156,9 @@ class SshHost:
         try:
             sock = socket.create_connection((self.address, self.cfg.port), timeout=limit)
         except socket.timeout:
-            raise HostUnreachable(f"{self._where}: connect timed out after {limit:g}s")
+            raise HostUnreachable(f"{self._where}: connect timed out after {limit:g}s") from None
         except OSError as exc:
-            raise HostUnreachable(f"{self._where}: cannot connect: {exc.strerror or exc}")
+            raise HostUnreachable(f"{self._where}: cannot connect: {exc.strerror or exc}") from exc
         t = paramiko.Transport(sock)
         try:
             t.banner_timeout = left()
@@ -181,8 +181,8 @@ class SshHost:
         except (paramiko.SSHException, EOFError, OSError) as exc:
             t.close()
             if time.monotonic() >= deadline:
-                raise HostUnreachable(f"{self._where}: SSH setup timed out after {limit:g}s ({exc})")
-            raise HostUnreachable(f"{self._where}: SSH connection failed: {exc or type(exc).__name__}")
+                raise HostUnreachable(f"{self._where}: SSH setup timed out after {limit:g}s ({exc})") from exc
+            raise HostUnreachable(f"{self._where}: SSH connection failed: {exc or type(exc).__name__}") from exc
         except BaseException:
             t.close()
             raise
@@ -255,7 +255,7 @@ class SshHost:
                 timed_out = time.monotonic() - start >= self.cfg.connect_timeout
                 if fresh or timed_out:
                     why = f"no answer within {self.cfg.connect_timeout:g}s" if timed_out else str(exc)
-                    raise HostUnreachable(f"{self._where}: cannot open an SSH channel: {why}")
+                    raise HostUnreachable(f"{self._where}: cannot open an SSH channel: {why}") from exc
                 log.debug("transport to %s was dead (%s); reconnecting", self._where, exc)
 
     def close(self) -> None:
@@ -321,7 +321,7 @@ class SshHost:
         except (paramiko.SSHException, EOFError, OSError) as exc:
             chan.close()
             self.close()
-            raise HostUnreachable(f"{self._where}: connection lost running `{shlex.join(argv)}`: {exc}")
+            raise HostUnreachable(f"{self._where}: connection lost running `{shlex.join(argv)}`: {exc}") from exc
         finally:
             chan.close()
         elapsed = time.monotonic() - start
@@ -390,7 +390,7 @@ class SshHost:
                 self._sftp = paramiko.SFTPClient(chan)
             except (paramiko.SSHException, EOFError, OSError) as exc:
                 chan.close()
-                raise HostUnreachable(f"{self._where}: cannot start SFTP: {exc}")
+                raise HostUnreachable(f"{self._where}: cannot start SFTP: {exc}") from exc
             return self._sftp
 
     def _sftp_call(self, what: str, fn: Any) -> Any:
@@ -400,7 +400,7 @@ class SshHost:
             return fn(sftp)
         except (socket.timeout, paramiko.SSHException, EOFError) as exc:
             self.close()
-            raise HostUnreachable(f"{self._where}: SFTP {what} failed: {exc or type(exc).__name__}")
+            raise HostUnreachable(f"{self._where}: SFTP {what} failed: {exc or type(exc).__name__}") from exc
 
     def read(self, path: str) -> bytes:
         def do(sftp: paramiko.SFTPClient) -> bytes:

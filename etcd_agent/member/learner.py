@@ -70,7 +70,7 @@ def join_as_learner(lm: LocalMember, client: EtcdClient, timeout: float = 120.0,
             return True
         except EtcdError as exc:
             if not lm.backend.is_active():
-                raise OperationFailed(f"{lm.member.name}: etcd exited while starting as a learner ({lm.backend.describe()})")
+                raise OperationFailed(f"{lm.member.name}: etcd exited while starting as a learner ({lm.backend.describe()})") from exc
             raise NotYet(exc.message) from None
 
     poll(answers, timeout=timeout, what=f"learner {lm.member.name} answering", clock=clock)

@@ -102,8 +102,7 @@ class LocalMember:
     def render(self, boot: Bootstrap) -> bool:
         """Write etcd.conf (and the unit, for systemd) for ``boot``; True when anything changed."""
         changed = self.backend.write_conf(render_conf(self.cfg, self.member, boot))
-        changed = self.backend.write_unit(self.unit_text()) or changed
-        return changed
+        return self.backend.write_unit(self.unit_text()) or changed
 
     def unit_text(self) -> str:
         """etcd.service for this member, ExecStart= at its pinned release (read now, not at init)."""

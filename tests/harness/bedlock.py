@@ -120,7 +120,7 @@ def release() -> None:
 def hold_for_session(config: object) -> Iterator[None]:
     """Body of the tiers' session fixtures: hold the lock from first use to the session's end;
     the waiting lines go to the terminal even under output capture."""
-    capman = getattr(config, "pluginmanager").getplugin("capturemanager")
+    capman = config.pluginmanager.getplugin("capturemanager")
 
     def say(line: str) -> None:
         log.warning("%s", line)

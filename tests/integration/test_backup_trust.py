@@ -230,7 +230,7 @@ def test_retention_with_hostile_files_and_a_fake_clock(cluster_factory: Callable
         assert os.path.exists(res.path), "the backup just written was pruned"
         assert len(res.quarantined) == 35, res.quarantined
         clock.t += timedelta(hours=1)
-    left = set(n for n in os.listdir(c.cfg.backup.dir) if not n.startswith("."))
+    left = {n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")}
     assert hostile <= left, "a quarantined file was deleted"
     kept = sorted(left - hostile)
     # the policy, computed independently: the 6 newest hours (covering the last 3), and the

@@ -30,7 +30,7 @@ def test_static_bootstrap_three_members(cluster_factory, version):
         cl.put("k", b"v")
         for m in c.cfg.members:
             # a follower applies the put a moment after the leader acknowledged it
-            poll(lambda: cl.status(m.client_url).revision >= 2, timeout=10, what=f"{m.name} at revision 2")
+            poll(lambda m=m: cl.status(m.client_url).revision >= 2, timeout=10, what=f"{m.name} at revision 2")
         assert {cl.status(m.client_url).version for m in c.cfg.members} == {version}
     rows = cluster_status(c.cfg)
     assert all(r.healthy for r in rows)

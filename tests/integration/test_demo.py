@@ -110,7 +110,7 @@ def listing(paths):
         if not os.path.lexists(top):
             out[top] = "absent"
             continue
-        for root, dirs, files in os.walk(top):
+        for root, _dirs, files in os.walk(top):
             for n in [root, *(os.path.join(root, f) for f in files)]:
                 st = os.lstat(n)
                 out[n] = (st.st_mtime_ns, st.st_size)

@@ -97,7 +97,7 @@ def test_nospace_alarm_detected_and_cleared(cluster_factory):
     lm.backend.start()
     lm.wait_healthy(30)
     with c.client() as cl:
-        for i in range(200):
+        for _i in range(200):
             try:
                 cl.put("/fill/big", VALUE)
             except EtcdError as exc:

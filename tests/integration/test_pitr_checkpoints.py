@@ -202,7 +202,7 @@ def test_a_checkpoint_that_is_not_what_its_chain_vouches_for_is_passed_over(bed)
     for phase in ("p1", "p2"):  # each phase grows the chain past a checkpoint's worth
         top = workload(r, phase, 100, lease)
         wait_durable(c, top)
-        wait_for(lambda: [x for x in vouched(directory) if x[1] >= top], 90, f"a vouched checkpoint after {phase}")
+        wait_for(lambda top=top: [x for x in vouched(directory) if x[1] >= top], 90, f"a vouched checkpoint after {phase}")
     top = put(r, "/last", b"x")
     wait_durable(c, top)
     live = user_keys(live_at(r, top))

@@ -93,7 +93,7 @@ def test_scale_3_to_5_to_3(cluster_factory, capsys):
         assert_healthy(c, names)
         times[f"remove {name}"] = time.monotonic() - t
         # a removed etcd exits by itself
-        poll(lambda: not lm(c, name).backend.is_active(), timeout=15, what=f"{name} stopped")
+        poll(lambda name=name: not lm(c, name).backend.is_active(), timeout=15, what=f"{name} stopped")
     times["3->5->3"] = time.monotonic() - t_all
     assert_healthy(c, ["m1", "m2", "m3"])
     print("scale times: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))

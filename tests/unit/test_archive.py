@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import tarfile
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Sequence
 
 import pytest
 
@@ -15,7 +15,7 @@ from etcd_agent.backup import archive
 from etcd_agent.backup.manifest import FileEntry, Manifest
 from etcd_agent.backup.reader import open_archive
 from etcd_agent.backup.snapcheck import StreamCheck
-from etcd_agent.errors import BackupCorrupt
+from etcd_agent.errors import BackupCorrupt, BackupError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 SNAP = open(os.path.join(DATA, "snap-a.db"), "rb").read()  # etcd 3.5.16, members m1..m3, revision 3
@@ -35,7 +35,7 @@ def build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any) -> Manifes
 
 
 def write(d: str, snap: bytes = SNAP, compression: str = "none",
-          sizes: List[int] = [7, 32, 1000, 31, 65536]) -> archive.Written:
+          sizes: Sequence[int] = (7, 32, 1000, 31, 65536)) -> archive.Written:
     name = "etcd-2019-08-07-13-00-00" + archive.EXTENSIONS[compression]
     return archive.write_archive(
         d, name, chunks=chunked(snap, sizes), files={"etcd.conf": b"ETCD_NAME=m1\n"},
@@ -180,7 +180,7 @@ def test_failed_stream_leaves_nothing(tmp_path: Any) -> None:
 def test_never_overwrites_an_existing_backup(tmp_path: Any) -> None:
     w = write(str(tmp_path))
     before = open(w.path, "rb").read()
-    with pytest.raises(Exception):
+    with pytest.raises(BackupError):
         write(str(tmp_path))
     assert open(w.path, "rb").read() == before
     assert os.listdir(tmp_path) == [os.path.basename(w.path)]

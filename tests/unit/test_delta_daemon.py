@@ -32,31 +32,31 @@ FULL = Full("etcd-2026-12-01-10-00-00.tar", "/b/etcd-2026-12-01-10-00-00.tar", 1
 
 
 def facts(**kw: Any) -> Facts:
-    d: Dict[str, Any] = dict(enabled=True, restore_in_progress=False, newest=FULL, newest_unusable="",
-                             watching_base=100, broken="", over_bounds="", retry_wait=False)
+    d: Dict[str, Any] = {"enabled": True, "restore_in_progress": False, "newest": FULL, "newest_unusable": "",
+                             "watching_base": 100, "broken": "", "over_bounds": "", "retry_wait": False}
     d.update(kw)
     return Facts(**d)
 
 
 @pytest.mark.parametrize("kw, action, words", [
-    (dict(), "none", "watching"),
-    (dict(watching_base=None), "start", "watching from etcd-2026-12-01-10-00-00.tar"),
-    (dict(enabled=False), "stop", "disabled"),
-    (dict(enabled=False, watching_base=None), "none", "disabled"),
-    (dict(restore_in_progress=True), "stop", "hands off"),
-    (dict(restore_in_progress=True, broken="the chain broke"), "stop", "hands off"),  # no backup during a restore
-    (dict(newest=None, watching_base=None), "backup", "no full backup"),
-    (dict(broken="the chain broke", watching_base=None), "backup", "the chain broke: a full backup now"),
-    (dict(broken="f is older than etcd's history", watching_base=None), "backup", "older than etcd's history"),
-    (dict(broken="the chain broke", watching_base=None, retry_wait=True), "wait", "failed"),
-    (dict(newest=Full("n", "/b/n", 150, 0.0)), "rebase", "newer"),
-    (dict(over_bounds="max_chain_events (9 > 8)"), "backup", "passed max_chain_events"),
-    (dict(newest=None, newest_unusable="compressed", watching_base=None), "backup", "no full backup"),
-    (dict(checkpoint_due="the chain grew by 9 bytes"), "checkpoint", "the chain grew by 9 bytes: a checkpoint"),
+    ({}, "none", "watching"),
+    ({"watching_base": None}, "start", "watching from etcd-2026-12-01-10-00-00.tar"),
+    ({"enabled": False}, "stop", "disabled"),
+    ({"enabled": False, "watching_base": None}, "none", "disabled"),
+    ({"restore_in_progress": True}, "stop", "hands off"),
+    ({"restore_in_progress": True, "broken": "the chain broke"}, "stop", "hands off"),  # no backup during a restore
+    ({"newest": None, "watching_base": None}, "backup", "no full backup"),
+    ({"broken": "the chain broke", "watching_base": None}, "backup", "the chain broke: a full backup now"),
+    ({"broken": "f is older than etcd's history", "watching_base": None}, "backup", "older than etcd's history"),
+    ({"broken": "the chain broke", "watching_base": None, "retry_wait": True}, "wait", "failed"),
+    ({"newest": Full("n", "/b/n", 150, 0.0)}, "rebase", "newer"),
+    ({"over_bounds": "max_chain_events (9 > 8)"}, "backup", "passed max_chain_events"),
+    ({"newest": None, "newest_unusable": "compressed", "watching_base": None}, "backup", "no full backup"),
+    ({"checkpoint_due": "the chain grew by 9 bytes"}, "checkpoint", "the chain grew by 9 bytes: a checkpoint"),
     # a bound passed ends the chain: a checkpoint inside it would be wasted
-    (dict(checkpoint_due="grew", over_bounds="max_chain_events (9 > 8)"), "backup", "passed max_chain_events"),
-    (dict(checkpoint_due="grew", newest=Full("n", "/b/n", 150, 0.0)), "rebase", "newer"),
-    (dict(checkpoint_due="grew", restore_in_progress=True), "stop", "hands off"),
+    ({"checkpoint_due": "grew", "over_bounds": "max_chain_events (9 > 8)"}, "backup", "passed max_chain_events"),
+    ({"checkpoint_due": "grew", "newest": Full("n", "/b/n", 150, 0.0)}, "rebase", "newer"),
+    ({"checkpoint_due": "grew", "restore_in_progress": True}, "stop", "hands off"),
 ])
 def test_decide(kw: Dict[str, Any], action: str, words: str) -> None:
     got, why = decide(facts(**kw))
@@ -94,9 +94,9 @@ def test_chain_prune_plan_with_two_backups_at_one_revision() -> None:
 
 
 def status(**kw: Any) -> DeltaStatus:
-    d: Dict[str, Any] = dict(enabled=True, state="watching", full_backup_time=1000.0, captured_revision=50,
-                             durable_revision=50, durable_time=1090.0, covered_time=1098.0, newest_event_time=1089.0,
-                             member_revision=50, at=1100.0)
+    d: Dict[str, Any] = {"enabled": True, "state": "watching", "full_backup_time": 1000.0, "captured_revision": 50,
+                             "durable_revision": 50, "durable_time": 1090.0, "covered_time": 1098.0, "newest_event_time": 1089.0,
+                             "member_revision": 50, "at": 1100.0}
     d.update(kw)
     return DeltaStatus(**d)
 

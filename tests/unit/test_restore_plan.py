@@ -53,13 +53,13 @@ def manifest(**kw: Any) -> Dict[str, Any]:
 
 def facts(c: Any, name: str, **kw: Any) -> HF.NodeFacts:
     m = c.member(name)
-    d = dict(
-        member=name, protocol=HF.NODE_PROTOCOL, agent_version="0.1.0", etcd_version="3.4.23",
-        etcdctl_version="3.4.23", etcdutl_version=None, free_bytes=10**10, data_dir=c.data_dir(name),
-        data_dir_state="member", work_dir=HF.work_dir_for(c.data_dir(name), name), conf_file=c.conf_file(name),
-        conf_present=True, unit_present=True, backend="systemd", running=True, fence_ok=True,
-        fence_detail="", identity_match=True, peer_url=m.peer_url, client_url=m.client_url,
-    )
+    d = {
+        "member": name, "protocol": HF.NODE_PROTOCOL, "agent_version": "0.1.0", "etcd_version": "3.4.23",
+        "etcdctl_version": "3.4.23", "etcdutl_version": None, "free_bytes": 10**10, "data_dir": c.data_dir(name),
+        "data_dir_state": "member", "work_dir": HF.work_dir_for(c.data_dir(name), name), "conf_file": c.conf_file(name),
+        "conf_present": True, "unit_present": True, "backend": "systemd", "running": True, "fence_ok": True,
+        "fence_detail": "", "identity_match": True, "peer_url": m.peer_url, "client_url": m.client_url,
+    }
     d.update(kw)
     return HF.NodeFacts.from_json(d, "test")
 

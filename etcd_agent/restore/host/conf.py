@@ -63,4 +63,4 @@ def rewrite_conf(text: str, values: Mapping[str, str]) -> str:
 def restore_conf_values(cfg: Config, member: Member, boot: Bootstrap) -> Dict[str, str]:
     """The ETCD_* identity values of ``member`` in the restored cluster (plus TLS files)."""
     v = conf_vars(cfg, member, boot)
-    return {k: val for k, val in v.items() if k in REWRITE_KEYS or k.endswith("_FILE") or k.endswith("_AUTH")}
+    return {k: val for k, val in v.items() if k in REWRITE_KEYS or k.endswith(("_FILE", "_AUTH"))}

@@ -19,6 +19,7 @@ and a receiver learns what it takes from the stream's first frame (``node.transf
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import queue
@@ -182,7 +183,7 @@ class _Sink:
                 if item is None:
                     break
                 for part in item:
-                    self._blocking(lambda: session.send(part))
+                    self._blocking(functools.partial(session.send, part))
                     self.wire += len(part)
             self._blocking(session.close_input)
             self.receipt = Received.from_json(self._answer(finish_timeout), self.t.where)

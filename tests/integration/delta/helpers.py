@@ -93,7 +93,7 @@ def assert_replayed(got: Dict[bytes, KV], want: Dict[bytes, KV], base: int, reac
 
     assert set(got) == set(want), (sorted(set(got) ^ set(want))[:10])
     assert values(got) == values(want)
-    for k, (value, create, mod, version, lease) in want.items():
+    for k, (_value, create, mod, version, lease) in want.items():
         g = got[k]
         if k in moved:  # a fix-up put moved it to another lease: a new mod revision, same creation
             assert g[1] == create and g[4] != lease, (k, g, want[k])

@@ -19,7 +19,7 @@ from .helpers import Writer, assert_replayed, dump, put, values, wait_for, wait_
 
 pytestmark = pytest.mark.integration
 
-FAST = dict(close_seconds=0.5, idle_seconds=1.0, progress_timeout=1.0, heartbeat_seconds=2.0)
+FAST = {"close_seconds": 0.5, "idle_seconds": 1.0, "progress_timeout": 1.0, "heartbeat_seconds": 2.0}
 # the daemon's watch read in batches ([backup.delta] batch_seconds), and the streaming one
 MODES = pytest.mark.parametrize("batch", [0.0, 0.3], ids=["stream", "batched"])
 
