@@ -36,30 +36,35 @@ def bed(tmp_path):  # type: ignore[no-untyped-def]
 
 
 def test_a_daemon_made_chain_is_fetched_into_an_empty_backup_dir(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]
-    d, c, bucket = started(bed, rgw)
+    from tests.integration.test_pitr_checkpoints import CHECKPOINTS, vouched
+
+    d, c, bucket = started(bed, rgw, delta=CHECKPOINTS)
     r = rpc(c)
     rev = 0
-    for i in range(30):
-        rev = put(r, f"/fetch/{i:03d}", b"v" * 200)
+    for i in range(100):  # 1.6 MB of events: past the checkpoint's growth
+        rev = put(r, f"/fetch/{i:03d}", os.urandom(8192).hex().encode())
     wait_durable(c, rev)
+    checkpoint = wait_for(lambda: vouched(c.cfg.backup.dir), 120, "a checkpoint the chain vouches for")[0][0]
     want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
     wait_for(lambda: landed(rgw, bucket, want), 120, f"the {len(want)} files copied")
     d.stop()  # the cluster keeps serving (verify checks the identity against it); nothing writes there now
     directory = c.cfg.backup.dir
+    newest_full = [n for n in full_backups(c) if n not in {cp for cp, _rev in vouched(directory)}][-1]
     aside = directory + ".aside"
     os.rename(directory, aside)
 
     dry = agent(c, "--json", "backup", "fetch", "--dry-run", "latest")
     assert dry.returncode == 0, dry.stderr
     planned = json.loads(dry.stdout)
-    assert planned["objects"][0]["kind"] == "full" and planned["objects"][0]["file"] == full_backups_in(aside)[-1]
+    assert planned["objects"][0]["kind"] == "full" and planned["objects"][0]["file"] == newest_full
     assert not os.path.exists(directory), "a dry run wrote into the backup dir"
 
     res = agent(c, "backup", "fetch", "latest")
     assert res.returncode == 0, res.stdout + res.stderr
     fetched = sorted(os.listdir(directory))
     assert fetched == sorted(o["file"] for o in planned["objects"]), (fetched, planned)
-    assert any(f.endswith(".seg") for f in fetched), fetched
+    assert any(f.endswith(".seg") for f in fetched) and checkpoint in fetched, fetched
+    assert [o["kind"] for o in planned["objects"]][:2] == ["full", "checkpoint"], planned
     for f in fetched:  # the same bytes as the files the daemon made
         assert _sha(os.path.join(directory, f)) == _sha(os.path.join(aside, f)), f
     assert res.stdout.splitlines()[0].startswith(f"fetched {planned['objects'][0]['file']}"), res.stdout
@@ -70,11 +75,15 @@ def test_a_daemon_made_chain_is_fetched_into_an_empty_backup_dir(bed, rgw: RgwBe
     assert verified.returncode == 0, verified.stdout + verified.stderr
     again = agent(c, "backup", "fetch", "latest")  # everything already here: nothing fetched twice
     assert again.returncode == 0 and "fetched" not in again.stdout.replace("already here", ""), again.stdout
+    # a name under the chain that is not ours: the whole fetch refused, in one sentence, exit 1
+    rgw.client().put_object(Bucket=bucket, Key=f"p/chains/{planned['chain']}/../x", Body=b"x")
+    shutil.rmtree(directory)
+    hostile = agent(c, "backup", "fetch", "latest")
+    assert hostile.returncode == 1, hostile.stdout + hostile.stderr
+    assert "is not a backup, a checkpoint or a segment of ours" in hostile.stderr and \
+        len(hostile.stderr.strip().splitlines()) == 1, hostile.stderr
+    assert not os.path.exists(directory), os.listdir(directory)
     print(f"\nFIGURE fetched {len(fetched)} objects: {res.stdout.splitlines()[-1]}")
-
-
-def full_backups_in(directory: str) -> List[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith("etcd-") and ".tar" in n and "delta" not in n)
 
 
 # ---------------------------------------------------------------- faults, objects put by hand
