@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Sequence, Tuple
 
 from etcd_agent.backup.catalog import DATE_SPEC_RE, STAMP_RE
 from etcd_agent.bucket import layout
 from etcd_agent.bucket.digests import READ_CHUNK, mismatches
 from etcd_agent.chain.segments import parse_name as parse_segment_name
-from etcd_agent.errors import BackupCorrupt, BackupError, RefusedError, UsageError
+from etcd_agent.errors import BackupCorrupt, BackupError, BusyError, RefusedError, UsageError
 from etcd_agent.fs import ensure_private_dir, fsync_dir, open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,16 +145,36 @@ def fetch_all(cfg: "Config", items: Sequence[Wanted], *,
     from etcd_agent.bucket.client import Bucket
 
     b = Bucket(cfg)
-    ensure_private_dir(cfg.backup.dir)
     out: List[Fetched] = []
-    for w in items:
-        done = fetch_one(b, w, cfg.backup.dir)
-        if progress is not None:
-            progress(done)
-        out.append(done)
-    with contextlib.suppress(OSError):  # empty once every object landed
-        os.rmdir(os.path.join(cfg.backup.dir, STAGING))
+    with staging_locked(cfg.backup.dir):
+        for w in items:
+            done = fetch_one(b, w, cfg.backup.dir)
+            if progress is not None:
+                progress(done)
+            out.append(done)
     return out
+
+
+@contextlib.contextmanager
+def staging_locked(directory: str) -> Iterator[str]:
+    """The staging dir (0700, made if missing), held by this fetch alone: two fetches writing the
+    same part would each check the bytes they streamed, not the file the other truncated."""
+    ensure_private_dir(directory)
+    staging = os.path.join(directory, STAGING)
+    ensure_private_dir(staging)
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(f"another `backup fetch` is writing into {directory}: wait for it to end") from None
+        try:
+            yield staging
+        finally:
+            with contextlib.suppress(OSError):  # gone when no part is kept to be continued
+                os.rmdir(staging)
+    finally:
+        os.close(fd)
 
 
 def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
@@ -165,8 +186,7 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
     target = os.path.join(directory, file)
     if os.path.lexists(target):
         return Fetched(w, _already_here(b, obj, target))
-    staging = os.path.join(directory, STAGING)
-    ensure_private_dir(staging)
+    staging = os.path.join(directory, STAGING)  # made and held by staging_locked
     part, etag_file = os.path.join(staging, file + ".part"), os.path.join(staging, file + ".etag")
     offset, sha = _resume_from(part, etag_file, obj)
     try:

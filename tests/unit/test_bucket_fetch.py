@@ -2,14 +2,17 @@
 in which order a chain's objects come."""
 from __future__ import annotations
 
+import os
+import stat
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
 from etcd_agent.bucket import layout
-from etcd_agent.bucket.fetch import Wanted, local_file, order, select
+from etcd_agent.bucket.fetch import STAGING, Wanted, local_file, order, select, staging_locked
 from etcd_agent.bucket.remote import RemoteObject
-from etcd_agent.errors import BackupCorrupt, UsageError
+from etcd_agent.errors import BackupCorrupt, BusyError, UsageError
 
 KEY = "cd" * 32
 
@@ -65,3 +68,16 @@ def test_the_full_backup_first_then_checkpoints_then_segments_by_revision() -> N
     cp = Wanted("c", "etcd-2026-03-01-10-05-00.tar", layout.CHECKPOINT, 1)
     full = Wanted("f", "etcd-2026-03-01-10-00-00.tar", layout.FULL, 1)
     assert [w.name for w in order([*seg, cp, full])] == ["f", "c", "n1", "n0", "n2"]
+
+
+def test_two_fetches_into_one_backup_dir_do_not_interleave(tmp_path: Path) -> None:
+    """A second fetch into the same dir is busy (exit 4) rather than writing the same parts."""
+    directory = str(tmp_path / "backups")
+    with staging_locked(directory) as staging:
+        assert staging == os.path.join(directory, STAGING)
+        assert stat.S_IMODE(os.stat(staging).st_mode) == 0o700
+        with pytest.raises(BusyError, match="another `backup fetch` is writing into"):
+            with staging_locked(directory):
+                pass  # pragma: no cover
+    with staging_locked(directory):  # released with the first
+        pass
