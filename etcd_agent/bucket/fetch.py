@@ -184,10 +184,12 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
     file, _kind = local_file(w.name)
     obj = remote.checkable(b, w.name)  # HEAD: sha256 metadata present, size bounded
     target = os.path.join(directory, file)
-    if os.path.lexists(target):
-        return Fetched(w, _already_here(b, obj, target))
     staging = os.path.join(directory, STAGING)  # made and held by staging_locked
     part, etag_file = os.path.join(staging, file + ".part"), os.path.join(staging, file + ".etag")
+    if os.path.lexists(target):
+        how = _already_here(b, obj, target)
+        _discard(part, etag_file)  # a part of a run killed between the link and its clean-up
+        return Fetched(w, how)
     offset, sha = _resume_from(part, etag_file, obj)
     try:
         free = shutil.disk_usage(staging).free
@@ -195,7 +197,7 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
             raise BackupError(f"{b.where(w.name)} holds {obj.size} bytes, more than the {free} free in {staging}")
         if not offset:
             write_atomic(etag_file, (obj.etag or "-").encode())
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "r+b") as fh:
             fh.truncate(offset)  # a part longer than what was hashed would not be continued
             fh.seek(offset)

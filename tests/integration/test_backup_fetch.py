@@ -175,6 +175,13 @@ def test_a_fetch_killed_halfway_is_continued(rgw: RgwBed, tmp_path: Path, caplog
     done = fetch.fetch_all(cfg, items)
     assert [f.how for f in done] == ["fetched", "already here"]
     assert _sha(os.path.join(cfg.backup.dir, NAME)) == hashlib.sha256(body).hexdigest()
+    # a run killed between the rename and its clean-up: the file is here, its part too
+    os.makedirs(staging, mode=0o700)
+    for suffix in (".part", ".etag"):
+        Path(staging, NAME + suffix).write_bytes(b"left")
+    done = fetch.fetch_all(cfg, items)
+    assert [f.how for f in done] == ["already here", "already here"]
+    assert _landed(cfg) == sorted([NAME, segment]), _landed(cfg)
 
 
 def test_a_different_local_file_of_the_same_name_is_never_overwritten(rgw: RgwBed, tmp_path: Path) -> None:
