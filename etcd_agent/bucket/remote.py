@@ -278,7 +278,7 @@ def download(cfg: Config, name: str, dest: str) -> str:
     if parse_name(name) is None:  # also keeps "../x" out of dest
         raise BackupError(f"{name!r} is not a backup archive name")
     b = Bucket(cfg)
-    obj = _checkable(b, name)
+    obj = checkable(b, name)
     target = os.path.join(dest, name) if os.path.isdir(dest) else dest
     directory = os.path.dirname(os.path.abspath(target))
     try:
@@ -290,7 +290,7 @@ def download(cfg: Config, name: str, dest: str) -> str:
         raise BackupError(f"cannot write into {directory}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as fh:
-            size, sha = _stream_object(b, obj, fh)
+            size, sha = stream_object(b, obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
         problems = mismatches(obj.size, obj.sha256 or "", size, sha)
@@ -311,15 +311,15 @@ def download(cfg: Config, name: str, dest: str) -> str:
 def verify_remote(cfg: Config, name: str) -> RemoteObject:
     """Read copy ``name`` back in full and check it against its sha256 metadata (nothing is deleted)."""
     b = Bucket(cfg)
-    obj = _checkable(b, name)
-    size, sha = _stream_object(b, obj, None)
+    obj = checkable(b, name)
+    size, sha = stream_object(b, obj, None)
     problems = mismatches(obj.size, obj.sha256 or "", size, sha)
     if problems:
         raise BackupCorrupt(f"{b.where(name)} does not match its checksum", details=problems)
     return obj
 
 
-def _checkable(b: Bucket, name: str) -> RemoteObject:
+def checkable(b: Bucket, name: str) -> RemoteObject:
     """HEAD a copy about to be read: it carries its sha256, and claims a size we would read."""
     obj = _head(b, name)
     if obj.sha256 is None:
@@ -430,7 +430,7 @@ def _verify_upload(b: Bucket, name: str, d: Digests, check: str) -> RemoteObject
             log.info("the ETag of %s is not an MD5 (server-side encryption?): verifying it by reading it back",
                      b.where(name))
         check = "read-back"
-        size, sha = _stream_object(b, obj, None)
+        size, sha = stream_object(b, obj, None)
         problems = mismatches(d.size, d.sha256, size, sha)
     if problems:
         try:
@@ -466,15 +466,21 @@ def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObjec
     return obj, h.get("ChecksumSHA256")
 
 
-def _stream_object(b: Bucket, obj: RemoteObject, out: Any) -> Tuple[int, str]:
+def stream_object(b: Bucket, obj: RemoteObject, out: Any, *, offset: int = 0,
+                  sha: "Optional[hashlib._Hash]" = None) -> Tuple[int, str]:
     """GET the object HEAD found (If-Match its ETag) in chunks, hashing (and writing to ``out`` if
     given), within its deadline; returns (size, sha256). Never more than the size HEAD gave is
-    taken: a body that runs on is refused at the first byte too many."""
-    sha = hashlib.sha256()
-    size = 0
+    taken: a body that runs on is refused at the first byte too many. ``offset`` > 0 continues
+    a partial copy (a Range GET from there), ``sha`` holding the digest of its first bytes."""
+    sha = sha if sha is not None else hashlib.sha256()
+    size = offset
+    if offset >= obj.size:
+        return size, sha.hexdigest()
     what = f"cannot read {b.where(obj.name)}"
-    with b.within(obj.size), b.errors(what):
+    with b.within(obj.size - offset), b.errors(what):
         extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+        if offset:
+            extra["Range"] = f"bytes={offset}-"
         body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
         try:
             for chunk in body.iter_chunks(READ_CHUNK):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from etcd_agent.cli.main import Context, Output
-from etcd_agent.errors import EXIT_FAILED, EXIT_OK, BackupError, UsageError
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK, AgentError, BackupError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -67,6 +67,12 @@ def register(sub: Any) -> None:
                          "segments), in order, once; the daemon does the same by itself and retries")
     pu.add_argument("--dry-run", action="store_true", help="list what the bucket lacks, copy nothing")
     pu.set_defaults(func=cmd_push)
+
+    pf = bsub.add_parser("fetch", help="bring a backup from the bucket, with its chain's segments and checkpoints, "
+                         "into the backup dir (resumable; each file appears only whole and checked)")
+    pf.add_argument("backup", metavar="BACKUP", help="latest, a file name in the bucket, or a date like 2019-08-07")
+    pf.add_argument("--dry-run", action="store_true", help="list the objects it would fetch; fetch nothing")
+    pf.set_defaults(func=cmd_fetch)
 
     pp = bsub.add_parser("prune", help="apply the retention policy; every decision is printed with its reason")
     pp.add_argument("--dry-run", action="store_true", help="decide and print, delete nothing")
@@ -223,6 +229,38 @@ def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:
     rows.append(f"{len(res.copied)} object(s) copied; nothing pending" if not left else
                 f"{len(res.copied)} object(s) copied; {len(left)} appeared meanwhile (the next push or the daemon copies them)")
     return Output({"copied": [f.name for f in res.copied], "pending": [f.name for f in left]}, "\n".join(rows))
+
+
+def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
+    from etcd_agent.bucket import fetch
+
+    cfg = ctx.config()
+    _require_remote(cfg)
+    full, items = fetch.plan(cfg, args.backup)
+    total = sum(w.size for w in items)
+    data: Dict[str, Any] = {"backup": full.name, "chain": full.chain or None, "dry_run": args.dry_run,
+                            "objects": [w.to_json() for w in items], "bytes": total}
+    if args.dry_run:
+        plan = [f"would fetch {w.name} ({_size(w.size)})" for w in items]
+        plan.append(f"{len(items)} object(s), {_size(total)}, into {cfg.backup.dir}; nothing fetched")
+        return Output(data, "\n".join(plan))
+    rows: List[str] = []
+
+    def said(done: "fetch.Fetched") -> None:
+        w = done.wanted
+        at = f", continued at byte {done.resumed_at}" if done.resumed_at else ""
+        rows.append(f"{done.how} {w.file} ({_size(w.size)}{at})")
+        if not ctx.json:
+            print(rows[-1], flush=True)
+
+    try:
+        got = fetch.fetch_all(cfg, items, progress=said)
+    except AgentError as exc:
+        exc.message = f"backup fetch: {len(rows)} of {len(items)} object(s) in place, then: {exc.message}"
+        raise
+    data["objects"] = [f.to_json() for f in got]
+    summary = f"{full.name}: {len(got)} object(s), {_size(total)}, in {cfg.backup.dir}"
+    return Output(data, summary)
 
 
 def _client(cfg: "Config") -> Any:

@@ -1,0 +1,198 @@
+"""`backup fetch` (issue 33 item 3) on a real S3 server (Ceph RGW): a daemon-made chain fetched
+into an empty backup dir, then listed and verified; bytes that do not match their sha256 metadata,
+no metadata, a hostile name, each refused with nothing in the backup dir; a fetch killed halfway
+continued by the next run."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+
+from etcd_agent.bucket import client as remotebucket
+from etcd_agent.bucket import fetch, layout
+from etcd_agent.config import Config
+from etcd_agent.errors import BackupCorrupt
+from tests.harness.rgw import RgwBed
+from tests.integration.continuous import agent, beds, full_backups, put, rpc, segment_files, wait_durable, wait_for
+from tests.integration.test_backup_remote import remote_config
+from tests.integration.test_bucket_queue import landed, started
+
+pytestmark = pytest.mark.integration
+
+NAME = "etcd-2026-03-01-10-00-00.tar"
+KEY = "ab" * 32
+
+
+@pytest.fixture
+def bed(tmp_path):  # type: ignore[no-untyped-def]
+    with beds(str(tmp_path), 1) as make:
+        yield make
+
+
+def test_a_daemon_made_chain_is_fetched_into_an_empty_backup_dir(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]
+    from tests.integration.test_pitr_checkpoints import CHECKPOINTS, vouched
+
+    d, c, bucket = started(bed, rgw, delta=CHECKPOINTS)
+    r = rpc(c)
+    rev = 0
+    for i in range(100):  # 1.6 MB of events: past the checkpoint's growth
+        rev = put(r, f"/fetch/{i:03d}", os.urandom(8192).hex().encode())
+    wait_durable(c, rev)
+    checkpoint = wait_for(lambda: vouched(c.cfg.backup.dir), 120, "a checkpoint the chain vouches for")[0][0]
+    want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
+    wait_for(lambda: landed(rgw, bucket, want), 120, f"the {len(want)} files copied")
+    d.stop()  # the cluster keeps serving (verify checks the identity against it); nothing writes there now
+    directory = c.cfg.backup.dir
+    newest_full = [n for n in full_backups(c) if n not in {cp for cp, _rev in vouched(directory)}][-1]
+    aside = directory + ".aside"
+    os.rename(directory, aside)
+
+    dry = agent(c, "--json", "backup", "fetch", "--dry-run", "latest")
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert planned["objects"][0]["kind"] == "full" and planned["objects"][0]["file"] == newest_full
+    assert not os.path.exists(directory), "a dry run wrote into the backup dir"
+
+    res = agent(c, "backup", "fetch", "latest")
+    assert res.returncode == 0, res.stdout + res.stderr
+    fetched = sorted(os.listdir(directory))
+    assert fetched == sorted(o["file"] for o in planned["objects"]), (fetched, planned)
+    assert any(f.endswith(".seg") for f in fetched) and checkpoint in fetched, fetched
+    assert [o["kind"] for o in planned["objects"]][:2] == ["full", "checkpoint"], planned
+    for f in fetched:  # the same bytes as the files the daemon made
+        assert _sha(os.path.join(directory, f)) == _sha(os.path.join(aside, f)), f
+    assert res.stdout.splitlines()[0].startswith(f"fetched {planned['objects'][0]['file']}"), res.stdout
+
+    listed = agent(c, "backup", "list")
+    assert listed.returncode == 0 and planned["objects"][0]["file"] in listed.stdout, listed.stdout + listed.stderr
+    verified = agent(c, "backup", "verify", "latest")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    again = agent(c, "backup", "fetch", "latest")  # everything already here: nothing fetched twice
+    assert again.returncode == 0 and "fetched" not in again.stdout.replace("already here", ""), again.stdout
+    # a name under the chain that is not ours: the whole fetch refused, in one sentence, exit 1
+    rgw.client().put_object(Bucket=bucket, Key=f"p/chains/{planned['chain']}/../x", Body=b"x")
+    shutil.rmtree(directory)
+    hostile = agent(c, "backup", "fetch", "latest")
+    assert hostile.returncode == 1, hostile.stdout + hostile.stderr
+    assert "is not a backup, a checkpoint or a segment of ours" in hostile.stderr and \
+        len(hostile.stderr.strip().splitlines()) == 1, hostile.stderr
+    assert not os.path.exists(directory), os.listdir(directory)
+    print(f"\nFIGURE fetched {len(fetched)} objects: {res.stdout.splitlines()[-1]}")
+
+
+# ---------------------------------------------------------------- faults, objects put by hand
+
+
+def _config(rgw: RgwBed, tmp_path: Path) -> Config:
+    """test_backup_remote's config (a fresh bucket of the bed), its backup dir under tmp_path."""
+    cfg = remote_config(rgw)
+    return dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=str(tmp_path / "backups")))
+
+
+def _put(cfg: Config, rgw: RgwBed, name: str, body: bytes, meta: Any = None) -> None:
+    key = remotebucket.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name) + name
+    metadata = {"sha256": hashlib.sha256(body).hexdigest()} if meta is None else meta
+    rgw.client().put_object(Bucket=cfg.backup.remote.bucket, Key=key, Body=body, Metadata=metadata)
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _landed(cfg: Config) -> List[str]:
+    d = cfg.backup.dir
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_bytes_that_do_not_match_their_sha256_are_refused_and_nothing_kept(rgw: RgwBed, tmp_path: Path) -> None:
+    cfg = _config(rgw, tmp_path)
+    body = os.urandom(300 * 1024)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), body, {"sha256": hashlib.sha256(b"other").hexdigest()})
+    _full, items = fetch.plan(cfg, "latest")
+    with pytest.raises(BackupCorrupt, match="failed its checksum on fetch: nothing of it kept"):
+        fetch.fetch_all(cfg, items)
+    assert _landed(cfg) == [], _landed(cfg)
+
+
+def test_an_object_without_sha256_metadata_is_refused(rgw: RgwBed, tmp_path: Path) -> None:
+    cfg = _config(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000), {})
+    _full, items = fetch.plan(cfg, NAME)
+    with pytest.raises(BackupCorrupt, match="carries no sha256 metadata: it cannot be checked"):
+        fetch.fetch_all(cfg, items)
+    assert _landed(cfg) == []
+
+
+@pytest.mark.parametrize("hostile", [f"chains/{KEY}/../x", f"chains/{KEY}/notes.txt",
+                                     f"chains/{KEY}/checkpoints/etcd-delta-1-2-20260301T100000Z.seg"])
+def test_a_hostile_name_under_the_chain_refuses_the_fetch(rgw: RgwBed, tmp_path: Path, hostile: str) -> None:
+    cfg = _config(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    _put(cfg, rgw, hostile, b"x")
+    with pytest.raises(BackupCorrupt, match="is not a backup, a checkpoint or a segment of ours"):
+        fetch.plan(cfg, "latest")
+    assert _landed(cfg) == []
+
+
+def test_a_fetch_killed_halfway_is_continued(rgw: RgwBed, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _config(rgw, tmp_path)
+    body = os.urandom(7 * 1024 * 1024)
+    segment = "etcd-delta-11-20-20260301T100001Z.seg"
+    _put(cfg, rgw, layout.full_name(KEY, NAME), body)
+    _put(cfg, rgw, layout.segment_name(KEY, segment), b"s" * 100)
+    # what a run killed 3 MiB into the full backup leaves: the part and the ETag it began on
+    head = rgw.client().head_object(Bucket=cfg.backup.remote.bucket,
+                                    Key=remotebucket.expand_prefix(cfg.backup.remote.prefix, cfg.cluster.name)
+                                    + layout.full_name(KEY, NAME))
+    staging = os.path.join(cfg.backup.dir, fetch.STAGING)
+    os.makedirs(staging, mode=0o700)
+    os.chmod(cfg.backup.dir, 0o700)
+    with open(os.path.join(staging, NAME + ".part"), "wb") as fh:
+        fh.write(body[:3 * 1024 * 1024])
+    with open(os.path.join(staging, NAME + ".etag"), "w") as fh:
+        fh.write(head["ETag"].strip('"'))
+    _full, items = fetch.plan(cfg, "2026-03-01")
+    assert [w.file for w in items] == [NAME, segment]
+    with caplog.at_level("INFO"):
+        done = fetch.fetch_all(cfg, items)
+    assert [(f.how, f.resumed_at) for f in done] == [("resumed", 3 * 1024 * 1024), ("fetched", 0)]
+    assert _sha(os.path.join(cfg.backup.dir, NAME)) == hashlib.sha256(body).hexdigest()
+    assert _landed(cfg) == sorted([NAME, segment]), _landed(cfg)  # the staging dir is gone once empty
+    # a part begun on another version of the object starts over
+    os.unlink(os.path.join(cfg.backup.dir, NAME))
+    os.makedirs(staging, mode=0o700)
+    with open(os.path.join(staging, NAME + ".part"), "wb") as fh:
+        fh.write(b"old bytes")
+    with open(os.path.join(staging, NAME + ".etag"), "w") as fh:
+        fh.write("0123456789abcdef0123456789abcdef")
+    done = fetch.fetch_all(cfg, items)
+    assert [f.how for f in done] == ["fetched", "already here"]
+    assert _sha(os.path.join(cfg.backup.dir, NAME)) == hashlib.sha256(body).hexdigest()
+    # a run killed between the rename and its clean-up: the file is here, its part too
+    os.makedirs(staging, mode=0o700)
+    for suffix in (".part", ".etag"):
+        Path(staging, NAME + suffix).write_bytes(b"left")
+    done = fetch.fetch_all(cfg, items)
+    assert [f.how for f in done] == ["already here", "already here"]
+    assert _landed(cfg) == sorted([NAME, segment]), _landed(cfg)
+
+
+def test_a_different_local_file_of_the_same_name_is_never_overwritten(rgw: RgwBed, tmp_path: Path) -> None:
+    from etcd_agent.errors import RefusedError
+
+    cfg = _config(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    os.makedirs(cfg.backup.dir, mode=0o700)
+    Path(cfg.backup.dir, NAME).write_bytes(b"mine")
+    _full, items = fetch.plan(cfg, "latest")
+    with pytest.raises(RefusedError, match="exists and differs from .*: it is not overwritten"):
+        fetch.fetch_all(cfg, items)
+    assert Path(cfg.backup.dir, NAME).read_bytes() == b"mine"
+    shutil.rmtree(cfg.backup.dir)
