@@ -507,43 +507,64 @@ def _apply_lease_rule(
     """Drop the keys of leases expired at ``at_ms``; move keys of snapshot leases whose TTL is
     longer than what they had left to a lease with the remaining TTL. Returns fix-up revisions."""
     fates = lease_fates(sorted(present), records, at_ms, min_ttl=min_ttl)
-    ops: List[RequestOp] = []
-    dropped = reattached = 0
-    revoke: List[int] = []
+    moves = _LeaseMoves()
     for lid, fate in fates.items():
         if not fate.alive:
-            keys = rpc.lease_ttl(lid, keys=True).keys
-            ops.extend(proto.op_delete(k) for k in keys)
-            dropped += len(keys)
-            revoke.append(lid)
+            moves.drop(rpc, lid)
         elif lid in snapshot_leases and fate.ttl is not None and fate.ttl < present[lid]:
-            keys = rpc.lease_ttl(lid, keys=True).keys
-            if keys:
-                new_id, _ttl = rpc.lease_grant(fate.ttl)
-                keeper.hold(new_id, fate.ttl)
-                for k in keys:
-                    ops.append(proto.op_put(k, b"", new_id, ignore_value=True))
-                reattached += len(keys)
-            revoke.append(lid)
+            moves.reattach(rpc, lid, fate.ttl, keeper)
+    fixups = _write_fixups(rpc, moves.ops)
+    for lid in moves.revoke:  # keyless now: revoking them writes no revision
+        keeper.release(lid)
+        rpc.lease_revoke(lid)
+    outcome = LeaseOutcome(
+        alive=sum(1 for f in fates.values() if f.alive),
+        expired=sum(1 for f in fates.values() if not f.alive),
+        unknown=sum(1 for f in fates.values() if f.ttl is None and f.alive),
+        keys_dropped=moves.dropped,
+        keys_reattached=moves.reattached,
+        fates=tuple(fates.values()),
+    )
+    if moves.dropped or moves.reattached:
+        log.info("lease rule: %d key(s) of expired leases dropped, %d moved to their remaining TTL (revision %s)",
+                 moves.dropped, moves.reattached, ", ".join(str(r) for r in fixups))
+    return outcome, fixups
+
+
+@dataclasses.dataclass
+class _LeaseMoves:
+    """What the lease rule changes: the fix-up ops to write, the leases to revoke after them."""
+
+    ops: List[RequestOp] = dataclasses.field(default_factory=list)
+    revoke: List[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0
+    reattached: int = 0
+
+    def drop(self, rpc: EtcdRpc, lid: int) -> None:
+        """Lease ``lid`` expired by the target: its keys deleted, the lease revoked."""
+        keys = rpc.lease_ttl(lid, keys=True).keys
+        self.ops.extend(proto.op_delete(k) for k in keys)
+        self.dropped += len(keys)
+        self.revoke.append(lid)
+
+    def reattach(self, rpc: EtcdRpc, lid: int, ttl: int, keeper: _LeaseKeeper) -> None:
+        """Lease ``lid`` had only ``ttl`` seconds left: its keys moved to a new lease of that TTL
+        (kept alive by ``keeper`` until the restore), the old one revoked."""
+        keys = rpc.lease_ttl(lid, keys=True).keys
+        if keys:
+            new_id, _ttl = rpc.lease_grant(ttl)
+            keeper.hold(new_id, ttl)
+            self.ops.extend(proto.op_put(k, b"", new_id, ignore_value=True) for k in keys)
+            self.reattached += len(keys)
+        self.revoke.append(lid)
+
+
+def _write_fixups(rpc: EtcdRpc, ops: List[RequestOp]) -> List[int]:
+    """The lease rule's ops written in transactions of ``FIXUP_CHUNK``; their revisions."""
     fixups: List[int] = []
     for i in range(0, len(ops), FIXUP_CHUNK):
         try:
             fixups.append(rpc.txn(ops[i : i + FIXUP_CHUNK], timeout=120.0).revision)
         except EtcdError as exc:
             raise ReplayError(f"applying the lease rule failed: {exc.message}") from None
-    for lid in revoke:  # keyless now: revoking them writes no revision
-        keeper.release(lid)
-        rpc.lease_revoke(lid)
-    alive = sum(1 for f in fates.values() if f.alive)
-    outcome = LeaseOutcome(
-        alive=alive,
-        expired=sum(1 for f in fates.values() if not f.alive),
-        unknown=sum(1 for f in fates.values() if f.ttl is None and f.alive),
-        keys_dropped=dropped,
-        keys_reattached=reattached,
-        fates=tuple(fates.values()),
-    )
-    if dropped or reattached:
-        log.info("lease rule: %d key(s) of expired leases dropped, %d moved to their remaining TTL (revision %s)",
-                 dropped, reattached, ", ".join(str(r) for r in fixups))
-    return outcome, fixups
+    return fixups
