@@ -184,7 +184,7 @@ def _clean_leftovers(ctx: Context) -> None:
         cfg = ctx.config()
     except (AgentError, OSError):
         return
-    from etcd_agent.pitr.prepare import clean
+    from etcd_agent.pitr.workdirs import clean
 
     try:
         clean(cfg)

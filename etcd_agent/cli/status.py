@@ -36,7 +36,7 @@ def cmd_status(args: argparse.Namespace, ctx: Context) -> Output:
     problem = load(cfg.backup.dir).problem
     if problem:  # retention deletes nothing until it is fixed: the disk fills, and nothing else says so
         warnings = [*warnings, f"PRUNE HELD: {unreadable_message(problem)}"]
-    from etcd_agent.pitr.prepare import leftovers
+    from etcd_agent.pitr.workdirs import leftovers
 
     left = leftovers(cfg)  # a killed point-in-time restore's: the next other command removes them
     lock = _lock_holder(cfg)

@@ -4,7 +4,7 @@ newest full backup here, never with a silent gap.
 ``DeltaSupervisor`` runs on a thread of its own, started and stopped with the daemon; the watch
 runs on another (``DeltaWatcher``), off-host copies on a third (``bucket.copier``). Nothing it waits for (a
 full backup of a big db, a slow bucket) can delay a daemon cycle, and no daemon cycle can delay
-the watch. Every ``TICK`` seconds it looks and decides (``decide``, pure):
+the watch. Every ``TICK`` seconds it looks and decides (``decision.decide``, pure):
 
 - continuous backup disabled, or a restore journaled for this member: no watch (hands off, as
   the daemon's cycle is; the restored cluster gets a new chain afterwards);
@@ -24,15 +24,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from etcd_agent.chain import chains
-from etcd_agent.chain.check import BaseBackup
 from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
-from etcd_agent.continuous import checkpoints, status
+from etcd_agent.continuous import breaks, checkpoints, reporting, status
+from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
@@ -48,82 +47,6 @@ TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
 RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
-# a chain that breaks again soon after the full backup that started it: the next full backup
-# waits BREAK_BACKOFF[0] s after the previous one, doubling with every repeat up to
-# BREAK_BACKOFF[1]; a chain that ran STABLE_AFTER s resets the count
-BREAK_BACKOFF = (30.0, 3600.0)
-STABLE_AFTER = 600.0
-
-
-def break_backoff(in_row: int) -> float:
-    """Seconds between the previous chain's full backup and the next one, after ``in_row``
-    breaks in a row (the first one is answered at once)."""
-    if in_row <= 1:
-        return 0.0
-    return min(BREAK_BACKOFF[0] * float(2 ** (in_row - 2)), BREAK_BACKOFF[1])
-
-
-@dataclass(frozen=True)
-class Full:
-    name: str
-    path: str
-    revision: int
-    time: float
-    sha256: str = ""  # its snapshot db's ("" unknown)
-    size: int = 0  # the backup file's bytes (what a checkpoint's interval is measured against)
-
-    @property
-    def base(self) -> BaseBackup:
-        """What its chain names: its snapshot's sha256, and its time."""
-        return BaseBackup(self.sha256, int(self.time * 1000))
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What one tick sees (the input of ``decide``)."""
-
-    enabled: bool
-    restore_in_progress: bool
-    newest: Optional[Full]
-    newest_unusable: str  # why the newest good backup cannot be a base ("" if it can)
-    watching_base: Optional[int]  # the running watcher's base, None when none runs
-    broken: str  # why the last watch could not go on ("" none), no full backup taken since
-    over_bounds: str  # which bound the current chain passed ("" none)
-    retry_wait: bool  # a recent attempt failed: wait before the next
-    breaks_in_row: int = 0  # chains that broke soon after they started, in a row
-    backoff_left: float = 0.0  # seconds until the full backup for the break may be taken
-    checkpoint_due: str = ""  # why the running chain wants a checkpoint now ("" it does not)
-
-
-def decide(f: Facts) -> Tuple[str, str]:
-    """(action, why): none | stop | backup | rebase | start | wait | checkpoint."""
-    if not f.enabled:
-        return ("stop", "continuous backup is disabled") if f.watching_base is not None else ("none", "disabled")
-    if f.restore_in_progress:
-        return ("stop", "a restore of this member is in progress: hands off") if f.watching_base is not None else (
-            "none", "a restore is in progress")
-    if f.retry_wait:
-        return "wait", "the last attempt failed; trying again shortly"
-    if f.broken and f.backoff_left > 0:
-        return "wait", (f"{f.broken} {f.breaks_in_row} times in a row, each soon after its full backup: the next "
-                        f"full backup in {f.backoff_left:.0f}s (backing off, not looping)")
-    if f.broken:
-        return "backup", f"{f.broken}: a full backup now, then a new chain from it"
-    if f.newest is None:
-        return "backup", "no full backup on this host to continue: taking one"
-    if f.newest_unusable:
-        return "backup", f"the newest full backup cannot start a chain ({f.newest_unusable}): taking one"
-    if f.watching_base is None:
-        return "start", f"watching from {f.newest.name} (revision {f.newest.revision})"
-    if f.watching_base != f.newest.revision:
-        return "rebase", f"{f.newest.name} (revision {f.newest.revision}) is newer: a new chain continues it"
-    if f.over_bounds:
-        return "backup", f"the chain passed {f.over_bounds}: a full backup bounds what a restore replays"
-    if f.checkpoint_due:
-        return "checkpoint", f"{f.checkpoint_due}: a checkpoint, so that a restore replays only what follows it"
-    return "none", "watching"
-
-
 class DeltaSupervisor:
     """``start()`` / ``stop()``; ``status()`` for metrics. ``source()`` returns the daemon's current
     config and member (a reload takes effect at the next tick)."""
@@ -191,34 +114,52 @@ class DeltaSupervisor:
         from etcd_agent.state import markers
 
         cfg, me = self._source()
-        enabled = cfg.backup.delta.enabled
         self._follow_remote(cfg)
         self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
         restoring = bool(markers.read_restore(cfg, me.name))
         self._collect_watcher(cfg, restoring)
+        facts = self._look(cfg, restoring)
+        action, why = decide(facts)
+        if action in ("stop", "none", "wait"):
+            self._hold(action, why, facts)
+        else:
+            self._act(action, why, cfg, me)
+        self._write_textfile(cfg)
+        return action
+
+    def _look(self, cfg: Config, restoring: bool) -> Facts:
+        """What this tick sees (``decide``'s input); the newest full backup looked up when a watch
+        may run."""
+        enabled = cfg.backup.delta.enabled
         if enabled and not restoring:
             self._find_newest(cfg)
-        facts = Facts(
+        return Facts(
             enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
             breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
             checkpoint_due=self._checkpoint_due(cfg),
         )
-        action, why = decide(facts)
+
+    def _hold(self, action: str, why: str, facts: Facts) -> None:
+        """stop, none, wait: no backup taken, no watch started; the state says why."""
         if action == "stop":
             self._stop_watcher(why)
-            self._state, self._detail = ("disabled" if not enabled else "paused"), why
+            self._state, self._detail = ("disabled" if not facts.enabled else "paused"), why
         elif action == "none" and self.watcher is None:
-            self._state, self._detail = ("disabled" if not enabled else "paused" if restoring else self._state), why
+            self._state, self._detail = ("disabled" if not facts.enabled else
+                                         "paused" if facts.restore_in_progress else self._state), why
         elif action == "wait" and facts.backoff_left > 0 and not facts.retry_wait:
             self._state, self._detail = "backoff", why
             if not self._said_backoff:
                 log.warning("delta: %s", why)
                 self._said_backoff = True
-        elif action == "backup":
+
+    def _act(self, action: str, why: str, cfg: Config, me: Member) -> None:
+        """backup, rebase, start, checkpoint."""
+        if action == "backup":
             self._full_backup(cfg, me, why)
         elif action == "rebase":
             log.info("delta: %s", why)
@@ -229,8 +170,6 @@ class DeltaSupervisor:
             self._start_watcher(cfg, me)
         elif action == "checkpoint":
             self._checkpoint(cfg, me, why)
-        self._write_textfile(cfg)
-        return action
 
     def _follow_remote(self, cfg: Config) -> None:
         """The copy queue runs while ``[backup.remote]`` is enabled, with continuous backup or
@@ -327,13 +266,7 @@ class DeltaSupervisor:
             return
         self._broken, self._broken_reason = "the chain broke", "chain_broken"
         self._state, self._detail = "broken", exc.message
-        rec = status.BreakRecord(w.base_revision, w.pos.chain_id, exc.at_revision, exc.reason, time.time(),
-                                 exc.compact_revision)
-        try:
-            self._breaks_total = status.record_break(cfg.backup.dir, rec)
-        except OSError as err:
-            self._breaks_total = (self._breaks_total or 0) + 1
-            log.warning("could not record the chain break in %s: %s", cfg.backup.dir, err)
+        self._breaks_total = breaks.record_break(cfg, w, exc, self._breaks_total or 0)
         log.error("delta: CHAIN BROKEN (continuing %s): %s; taking a full backup and starting a new chain "
                   "(break #%d)", full, exc.message, self._breaks_total)
 
@@ -341,26 +274,12 @@ class DeltaSupervisor:
         """The member's data was replaced under the chain. A restore of the agent's records itself
         as it finishes; one it did not record (by hand: etcdutl, no journal) is recorded here, so
         the backups from before it are kept and listed as such (``backup.boundaries``)."""
-        from etcd_agent.backup import boundaries
-
         # since the chain's full backup: a watch restarted on it after the agent's restore (its
         # first segment newer than the restore's record) breaks for that same restore
         starts = [self._full.time] if self._full else []
         if w.pos.seq == 0:
             starts.append(w.pos.start_time_ms / 1000.0)
-        began = min(starts, default=0.0)
-        try:
-            if boundaries.recorded_since(cfg.backup.dir, began) is not None:
-                return  # the agent's own restore (its record is newer than this chain)
-            now = time.time()
-            b = boundaries.Boundary(op=f"detected-{int(now * 1000)}", time=now, kind="detected", reason=exc.reason)
-            boundaries.record(cfg.backup.dir, b)
-            log.warning("delta: the member's data was replaced without a restore of the agent's (%s): recorded as a "
-                        "restore by hand; the backups from before it are kept as its rollback points", exc.reason)
-        except OSError as err:
-            log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err)
-        except AgentError as err:  # an unreadable record: kept as found (prune holds), said
-            log.warning("could not record the restore by hand in %s: %s", cfg.backup.dir, err.message)
+        breaks.record_by_hand(cfg, min(starts, default=0.0), exc)
 
     def _find_newest(self, cfg: Config) -> None:
         """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
@@ -534,45 +453,17 @@ class DeltaSupervisor:
         w, full = self.watcher, self._full
         ws: Optional[WatcherStatus] = w.status() if w is not None else None
         with self._mu:
-            events, size, segs = self._totals
-        newest = self._newest
-        base = full if (w is not None and full is not None) else newest
-
-        def s(ms: int) -> Optional[float]:
-            return ms / 1000.0 if ms else None
-
-        # the host's count, from the record beside the segments: on a one-host cluster the daemon
-        # writing the chain (and the textfile) now may not be the one whose watch broke
-        breaks = max(self._breaks_total or 0,
-                     status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0)
-        st = status.DeltaStatus(
-            enabled=cfg.backup.delta.enabled, state=ws.state if ws else self._state, detail=self._detail,
-            full_backup=base.name if base else None, full_backup_time=base.time if base else None,
-            base_revision=base.revision if base else None, breaks_total=breaks,
-            full_backups=dict(self._full_backups), at=time.time(), breaks_in_row=self._breaks_in_row,
-            backoff_seconds=self._backoff_left(),
-        )
+            totals = self._totals
+        st = reporting.base_status(
+            cfg, state=ws.state if ws else self._state, detail=self._detail,
+            base=full if (w is not None and full is not None) else self._newest,
+            breaks_seen=self._breaks_total or 0, full_backups=dict(self._full_backups),
+            breaks_in_row=self._breaks_in_row, backoff=self._backoff_left())
         if ws is not None:
-            st = replace(st, captured_revision=ws.captured_revision, durable_revision=ws.durable_revision,
-                         durable_time=s(ws.durable_time_ms), newest_event_time=s(ws.newest_event_ms),
-                         covered_time=s(ws.covered_ms), member_revision=ws.member_revision or None,
-                         chain_events=events, chain_bytes=size, chain_segments=segs)
-        elif cfg.backup.delta.enabled and os.path.isdir(cfg.backup.dir):
-            # no watch here (stopped, broken, or another daemon of this host writes the chain on a
-            # one-host cluster): what is on disk, so the RPO grows from the chain's real end
-            active = chains.active_base(cfg.backup.dir)
-            wanted = active if active is not None else (newest.revision if newest else None)
-            of = newest.base if newest is not None and newest.revision == wanted else None
-            c = chains.scan(cfg.backup.dir).for_full(wanted, of) if wanted is not None else None
-            if c is not None and c.usable:
-                st = replace(st, base_revision=c.base_revision, captured_revision=c.end_revision,
-                             durable_revision=c.end_revision, durable_time=(c.end_time_ms or 0) / 1000.0 or None,
-                             chain_events=c.events, chain_bytes=c.bytes, chain_segments=c.usable)
-        copies = self.copies()
-        if copies is not None:
-            st = replace(st, uploads_pending=copies.pending, upload_failures=copies.failures_total,
-                         uploads=dict(copies.verified))
-        return st
+            st = reporting.with_watch(st, ws, totals)
+        elif cfg.backup.delta.enabled:
+            st = reporting.with_chain_on_disk(st, cfg, self._newest)
+        return reporting.with_copies(st, self.copies())
 
     def _write_textfile(self, cfg: Optional[Config] = None, *, force: bool = False) -> None:
         if cfg is None:
@@ -582,10 +473,7 @@ class DeltaSupervisor:
         if path is None or (not force and now - self._textfile_at < TEXTFILE_EVERY):
             return
         w = self.watcher
-        if (w is None or not w.running) and os.path.isdir(cfg.backup.dir) and chains.active_base(cfg.backup.dir) is not None:
-            # another daemon of this host writes the chain, and the file (one-host clusters); a
-            # standby daemon trying its watch again (every RETRY_AFTER) wrote a status of a watch
-            # that never ran: an RPO of the time since the full backup, every ~10 s
+        if reporting.another_writes(cfg, w is not None and w.running):
             return
         self._textfile_at = now
         status.write_textfile(path, self.status(), self.copies())

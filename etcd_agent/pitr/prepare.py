@@ -1,5 +1,6 @@
 """Point-in-time restore, before the cluster is touched: which full backup, how far its chain
-goes, the replay into a throwaway member, and the lines the restore plan shows.
+goes, the replay into a throwaway member (its work dirs and their housekeeping: ``pitr.workdirs``;
+the lines the restore plan shows: ``pitr.report``).
 
 ``prepare`` decides from headers, footers and every segment's verified bytes (``check_chain``)
 where the replay stops, and refuses (nothing touched) a target the chain cannot reach - past a
@@ -27,20 +28,19 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 from etcd_agent.chain import chains
 from etcd_agent.chain import sign as segsign
 from etcd_agent.chain.chains import events_after
-from etcd_agent.chain.check import ChainCheck, Opener, check_chain
+from etcd_agent.chain.check import BaseBackup, ChainCheck, Opener, check_chain
 from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
 from etcd_agent.continuous import status
 from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
-from etcd_agent.fs import makedirs, open_regular, write_atomic
+from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.pitr.replayrun import replay
+from etcd_agent.pitr.workdirs import pitr_dir, private_dir, work_dir
 from etcd_agent.safejson import load as load_json
-from etcd_agent.scratch.leftovers import remove_left
 from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions
-from etcd_agent.state.locks import CLEANUP, SHORT_WAIT, OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -49,18 +49,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-PITR_DIR = ".pitr"
-PRIVATE_DIR = "decrypted"  # under [daemon] state_dir: the plaintext of encrypted backups and chains
-OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PRIVATE_DIR
-# what a replay makes in its work dir: a dead run's are removed (``sweep``)
-WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX)
 FUTURE_MARGIN_MS = 2000
 MAX_KEPT_RESULT = 1 << 22  # a kept replay's result (<name>.json)
 # a segment dated later than now by more than this is not trusted (as the catalogue's full backups)
 SEGMENT_CLOCK_MARGIN_MS = 5 * 60 * 1000
 
 
-def _when(ms: Optional[int]) -> str:
+def when_text(ms: Optional[int]) -> str:
+    """A chain time (ms since the epoch) as the plan shows it; "?" when unknown."""
     return ms_to_datetime(ms).isoformat(timespec="milliseconds") if ms else "?"
 
 
@@ -155,23 +151,6 @@ def _vouched_in(check: ChainCheck, start: Start) -> bool:
     return any(s.sha256 and start.checkpoint in s.footer.checkpoints for s in check.segments)
 
 
-def pitr_dir(cfg: "Config") -> str:
-    return os.path.join(cfg.backup.dir, PITR_DIR)
-
-
-def private_dir(cfg: "Config") -> str:
-    """Where the plaintext of an encrypted backup or chain is staged: a 0700 dir outside the
-    backup dir (copied off-host, backed up by other tools), removed when the restore ends."""
-    return os.path.join(cfg.daemon.state_dir, PRIVATE_DIR)
-
-
-def work_dir(cfg: "Config", encrypted: bool) -> str:
-    """A replay's work dir (its throwaway etcd, its kept result), made 0700."""
-    d = private_dir(cfg) if encrypted else pitr_dir(cfg)
-    makedirs(d, 0o700)
-    return d
-
-
 def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", List[str]]:
     """``--from`` with a target, and the plan's lines on the choice. ``latest`` is the newest
     good full backup at or before the target (a later one cannot be rolled back to it) whose
@@ -222,45 +201,20 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     Signatures (``segsign``): checked with this host's manifest key; a forged segment stops the
     chain, and a restore that would reach it - ``newest`` too - is refused; a chain not signed
     with the key (legacy) is refused unless ``accept_unsigned`` (``--accept-unsigned-chain``)."""
-    entry, picked = resolve_full(cfg, spec, target)
-    if entry.revision is None and entry.encrypted and identities is not None and staging is not None:
-        entry = _read_sealed(cfg, entry, identities, staging)
-    if entry.revision is None:
-        how = (f"pass --identity FILE to read it, or run `etcd-agent backup verify {entry.name} --identity FILE`"
-               if entry.encrypted else f"run `etcd-agent backup verify {entry.name}`")
-        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; {how} first; nothing touched")
+    entry, picked = _full_backup(cfg, spec, target, identities, staging)
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if target.kind == "time" and target.time_ms is not None and target.time_ms > now_ms + FUTURE_MARGIN_MS:
-        raise UsageError(f"target {target.describe()} is in the future (now {_when(now_ms)})")
+        raise UsageError(f"target {target.describe()} is in the future (now {when_text(now_ms)})")
+    assert entry.revision is not None  # _full_backup refused one without
     paths = list_segments(cfg.backup.dir)
     base = find_base(paths, entry.revision)
     # the chain of exactly this backup: another backup at the same revision (the cluster before an
     # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
-    of = entry.base if base == entry.revision else None
-    not_after = now_ms + SEGMENT_CLOCK_MARGIN_MS
-    opener = _opener(cfg, identities, staging)
-    key = _key(cfg)
-    start: Optional[Start] = None
-    passed: List[str] = []
-    if checkpoints:
-        outline = check_chain(paths, base, verify=False, base=of, not_after_ms=not_after)
-        start, passed = choose_start(cfg, entry, outline, target, skip)
-    check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key,
-                        verify_from=start.checkpoint.leases_from if start is not None else None)
-    plan = _plan(entry, check, target)
-    if start is not None and (start.revision > plan.stop_revision or not _vouched_in(check, start)):
-        # damage between its lease census and it, or a time target met before it: every segment then
-        passed.append(f"{start.name}: the verified chain does not reach it "
-                      f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
-        start = None
-        check = check_chain(paths, base, base=of, not_after_ms=not_after, opener=opener, key=key)
-        plan = _plan(entry, check, target)
-    if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
-        raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
-                           "restore from an older full backup; nothing touched")
-    if plan.stop_revision < entry.revision:
-        raise RefusedError(f"{target.describe()} predates {entry.name} (revision {entry.revision}): restore from an "
-                           "older full backup; nothing touched")
+    chain = _Chain(paths, base, entry.base if base == entry.revision else None, now_ms + SEGMENT_CLOCK_MARGIN_MS,
+                   _opener(cfg, identities, staging), _key(cfg))
+    start, passed = choose_start(cfg, entry, chain.outline(), target, skip) if checkpoints else (None, [])
+    check, plan, start = _verified(entry, target, chain, start, passed)
+    _refuse_before(entry, target, plan)
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
     choice = tuple(picked + fullpick.chain_lines(entry, check))
@@ -269,7 +223,72 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
         raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
                            "nothing touched", details=refusal_hints(cfg, prep))
-    return _signed(cfg, prep, key, accept_unsigned)
+    return _signed(cfg, prep, chain.key, accept_unsigned)
+
+
+def _full_backup(cfg: "Config", spec: str, target: Target, identities: Optional["Identities"],
+                 staging: Optional[str]) -> Tuple["Entry", List[str]]:
+    """The full backup the replay builds on (``resolve_full``), its revision known: read from an
+    encrypted one's own db when the catalogue does not know it and it can be decrypted, else
+    refused (nothing touched)."""
+    entry, picked = resolve_full(cfg, spec, target)
+    if entry.revision is None and entry.encrypted and identities is not None and staging is not None:
+        entry = _read_sealed(cfg, entry, identities, staging)
+    if entry.revision is None:
+        how = (f"pass --identity FILE to read it, or run `etcd-agent backup verify {entry.name} --identity FILE`"
+               if entry.encrypted else f"run `etcd-agent backup verify {entry.name}`")
+        raise RefusedError(f"{entry.name}: its revision is unknown without reading it; {how} first; nothing touched")
+    return entry, picked
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """The chain of one full backup as ``prepare`` checks it: its segment files, its base revision,
+    the backup it must name (None: any at that revision), the latest time a segment may claim, how
+    encrypted segments are opened and the manifest key its signatures are checked with."""
+
+    paths: List[str]
+    base: int
+    of: Optional[BaseBackup]
+    not_after_ms: int
+    opener: Optional[Opener]
+    key: Optional[bytes]
+
+    def outline(self) -> ChainCheck:
+        """Headers and footers only (where a replay may start)."""
+        return check_chain(self.paths, self.base, verify=False, base=self.of, not_after_ms=self.not_after_ms)
+
+    def verified(self, from_revision: Optional[int] = None) -> ChainCheck:
+        """Every segment's bytes verified, from ``from_revision``'s segment on (None: all)."""
+        return check_chain(self.paths, self.base, base=self.of, not_after_ms=self.not_after_ms, opener=self.opener,
+                           key=self.key, verify_from=from_revision)
+
+
+def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Start],
+              passed: List[str]) -> Tuple[ChainCheck, Plan, Optional[Start]]:
+    """The chain verified from ``start``'s lease census on (every segment without one) and the
+    replay planned; when the verified chain does not reach ``start``, it is passed over (a line
+    in ``passed``) and the whole chain verified instead."""
+    check = chain.verified(start.checkpoint.leases_from if start is not None else None)
+    plan = _plan(entry, check, target)
+    if start is None or (start.revision <= plan.stop_revision and _vouched_in(check, start)):
+        return check, plan, start
+    # damage between its lease census and it, or a time target met before it: every segment then
+    passed.append(f"{start.name}: the verified chain does not reach it "
+                  f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
+    check = chain.verified()
+    return check, _plan(entry, check, target), None
+
+
+def _refuse_before(entry: "Entry", target: Target, plan: Plan) -> None:
+    """A target before the full backup: only an older full backup reaches it."""
+    assert entry.revision is not None
+    if target.kind == "revision" and target.revision is not None and target.revision < entry.revision:
+        raise RefusedError(f"target revision {target.revision} is before {entry.name} (revision {entry.revision}): "
+                           "restore from an older full backup; nothing touched")
+    if plan.stop_revision < entry.revision:
+        raise RefusedError(f"{target.describe()} predates {entry.name} (revision {entry.revision}): restore from an "
+                           "older full backup; nothing touched")
 
 
 def _key(cfg: "Config") -> Optional[bytes]:
@@ -368,9 +387,9 @@ def stop_sentence(p: Prepared) -> str:
     if c.stop is not None:
         good = c.stop.last_good_time_ms or int(p.entry.time.timestamp() * 1000)  # none: the backup's own time
         return (f"the chain stops at revision {c.stop.at_revision} ({c.stop.kind}: {c.stop.reason}); its last good "
-                f"point is revision {c.stop.last_good_revision} at {_when(good)}; nothing after a "
+                f"point is revision {c.stop.last_good_revision} at {when_text(good)}; nothing after a "
                 f"gap is ever applied{passed}")
-    end = f"revision {c.end_revision} at {_when(c.end_time_ms)}" if c.segments else \
+    end = f"revision {c.end_revision} at {when_text(c.end_time_ms)}" if c.segments else \
         f"the full backup itself (revision {c.base_revision}: no segment continues it)"
     brk = next((b for b in reversed(p.breaks)), None)
     why = (f"; the daemon recorded a break there: {b_reason(brk)}" if brk is not None else
@@ -411,93 +430,6 @@ def scratch_options(cfg: "Config", encrypted: bool = False) -> ScratchOptions:
                            "set [etcd] etcdutl; nothing touched")
     return ScratchOptions(binaries=EtcdBinaries(etcd=e.binary, etcdutl=e.etcdutl, etcdctl=e.etcdctl),
                           parent_dir=work_dir(cfg, encrypted))
-
-
-def lock(cfg: "Config") -> OperationLock:
-    """One point-in-time restore at a time on this host (held from the replay to the restore's
-    end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""
-    held = _lock(cfg, "point-in-time replay", wait=SHORT_WAIT)  # past another command's ``clean``
-    sweep(cfg)
-    return held
-
-
-def _lock(cfg: "Config", operation: str, wait: float = 0.0) -> OperationLock:
-    d = pitr_dir(cfg)
-    makedirs(d, 0o700)
-    return OperationLock(os.path.join(d, ".lock"), operation).acquire(wait=wait)
-
-
-def sweep(cfg: "Config") -> List[str]:
-    """What dead runs left (call it holding ``lock``): the etcds still running in their work dirs
-    are stopped and the dirs removed - decrypted segments, scratch data - and the decrypted
-    backups of readers that died; the paths removed."""
-    from etcd_agent.backup.reader import remove_stale_stages
-
-    removed = [os.path.join(pitr_dir(cfg), n) for n in remove_left(pitr_dir(cfg), WORK_PREFIXES)]
-    private = private_dir(cfg)
-    if os.path.isdir(private):
-        removed += [os.path.join(private, n) for n in remove_left(private, WORK_PREFIXES)]
-        removed += [os.path.join(private, n) for n in remove_stale_stages(private)]
-    if removed:
-        log.warning("removed what a killed point-in-time restore left: %s", ", ".join(removed))
-    return removed
-
-
-def leftovers(cfg: "Config") -> List[str]:
-    """What a killed point-in-time restore left on this host, one line each (``status``): its
-    work dirs, their size, whether they hold plaintext, the etcds still running in them. [] while
-    a replay runs (they are its own). The next command of any kind removes them (``clean``)."""
-    from etcd_agent.backup.reader import stale_stages
-    from etcd_agent.scratch.leftovers import etcds_in, left_dirs
-
-    if not lock_free(cfg):
-        return []
-    private = private_dir(cfg)
-    found = [(d, False) for d in left_dirs(pitr_dir(cfg), WORK_PREFIXES)]
-    found += [(d, True) for d in left_dirs(private, WORK_PREFIXES)]
-    found += [(os.path.join(private, n), True) for n in stale_stages(private)]
-    lines = []
-    for d, plain in found:
-        size = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(d) for f in fs
-                   if os.path.isfile(os.path.join(r, f)))
-        pids = [p.pid for p in etcds_in([d])]
-        lines.append(f"{d}: {size / 1e6:.1f} MB{' of decrypted (plaintext) data' if plain else ''}"
-                     + (f"; etcd pid {', '.join(map(str, pids))} still running in it" if pids else ""))
-    return lines
-
-
-def clean(cfg: "Config") -> List[str]:
-    """``sweep`` when no replay runs; what it removed. Creates nothing: without ``.pitr`` no
-    replay ever ran here, and only the decrypted copies of dead readers can be left."""
-    from etcd_agent.backup.reader import remove_stale_stages
-    from etcd_agent.errors import BusyError
-
-    if not os.path.isdir(pitr_dir(cfg)):
-        private = private_dir(cfg)
-        return [os.path.join(private, n) for n in remove_stale_stages(private)]
-    try:
-        held = _lock(cfg, CLEANUP)
-    except BusyError:
-        return []  # a replay runs: its dirs are its own
-    try:
-        return sweep(cfg)
-    finally:
-        held.release()
-
-
-def lock_free(cfg: "Config") -> bool:
-    """No point-in-time replay runs on this host (its dirs are then a dead run's)."""
-    from etcd_agent.state.locks import held_by
-
-    return held_by(os.path.join(pitr_dir(cfg), ".lock")) is None
-
-
-def open_staging(cfg: "Config") -> str:
-    """A private (0700) dir under ``private_dir`` for the decrypted segments of one restore; call
-    it holding ``lock`` and remove it (``shutil.rmtree``) when the replay is done."""
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=OPEN_PREFIX, dir=work_dir(cfg, True))
 
 
 def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None) -> Tuple[str, ReplayResult, bool]:
@@ -547,55 +479,3 @@ def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
         return None
     with open_regular(path + ".json") as fh:
         return path, ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT))
-
-
-def describe(p: Optional[Prepared], res: ReplayResult, *, reused: bool = False) -> List[str]:
-    """What the plan says about the point in time: full backup, segments, reached, lost after, leases."""
-    lines: List[str] = []
-    if p is not None:
-        rev = res.started_revision or p.entry.revision or 0
-        segs = [s for s in p.plan.segments if s.end_revision > rev] or list(p.plan.segments)
-        used = (f"{len(segs)} delta segment(s) {os.path.basename(segs[0].disk_path)} .. {os.path.basename(segs[-1].disk_path)}"
-                if segs else "no delta segment")
-        full = f"full backup {p.entry.name} (revision {p.entry.revision}, {p.entry.time.isoformat()})"
-        if res.started_from:
-            full = (f"checkpoint {res.started_from} (revision {res.started_revision}, taken inside the chain of {full} "
-                    "and vouched for by it: its snapshot's sha256 and revision checked)")
-        lines.append(f"point in time: {full} + {used}; target {p.target.describe()}")
-        if p.passed_over:
-            lines.append(f"point in time: newer checkpoint(s) passed over: {'; '.join(p.passed_over)}")
-        lines += [f"point in time: {x}" for x in p.choice]
-    when = res.reached_time.isoformat(timespec="milliseconds") if res.reached_time else "the chain's end"
-    lines.append(f"point in time: replayed {res.revisions_applied} revision(s), {res.events_applied} event(s) in "
-                 f"{res.replay_seconds:.1f}s{' (reused from an interrupted run)' if reused else ''}: reached revision "
-                 f"{res.reached_revision} at {when}; {res.stopped_because}")
-    if res.load_revisions:
-        lines.append(f"point in time: the {res.keys_loaded} key(s) they left changed were written in "
-                     f"{len(res.load_revisions)} transaction(s) at new revisions {res.load_revisions[0]}.."
-                     f"{res.load_revisions[-1]}, above any the cluster reached (every key and value as at the "
-                     "target; keys the chain wrote have new mod revisions)")
-    lines.append(f"point in time: {lost_after(p, res)}")
-    lo = res.leases
-    lines.append(f"point in time: leases as at the target: {lo.alive} alive with the TTL they had left (at least "
-                 f"5 s), {lo.expired} expired by then ({lo.keys_dropped} key(s) not restored), {lo.keys_reattached} "
-                 f"key(s) moved to a lease with their remaining TTL"
-                 + (f" (fix-up revision {', '.join(map(str, res.fixup_revisions))})" if res.fixup_revisions else ""))
-    return lines
-
-
-def lost_after(p: Optional[Prepared], res: ReplayResult) -> str:
-    if not res.complete and res.lost_after is not None:
-        s = res.lost_after
-        return (f"NOT COMPLETE - the chain stops at revision {s.at_revision} ({s.kind}: {s.reason}); everything from "
-                f"there on is lost to this restore (the last good point, revision {s.last_good_revision}, is what "
-                "is restored)")
-    if p is None:
-        return "what comes after the reached point is not restored"
-    c = p.check
-    if c.end_revision > res.reached_revision:
-        return (f"lost after it: revisions {res.reached_revision + 1}..{c.end_revision} that the chain holds (until "
-                f"{_when(c.end_time_ms)}) are not restored, nor anything later")
-    brk = next((b for b in reversed(p.breaks)), None)
-    tail = f"; the daemon recorded a break there: {b_reason(brk)}" if brk is not None else ""
-    return (f"lost after it: only what was never captured - changes after {_when(c.end_time_ms)}, the end of the "
-            f"newest closed segment{tail}")

@@ -200,27 +200,38 @@ class Plan:
 def plan_replay(check: ChainCheck, target: Target) -> Plan:
     """Where the replay stops, from a checked chain and the target."""
     segs = check.segments
-    base = check.base_revision
     records = tuple(r for s in segs for r in s.lease_records)
     end_rev, end_ms = check.end_revision, check.end_time_ms
     broken = check.stop
     short = f"the chain stops at revision {end_rev}: {broken.reason}" if broken else ""
     if target.kind == "newest":
         because = short or f"newest: end of the chain at revision {end_rev}"
-        return Plan(base, end_rev, end_ms, segs, records, broken is None, because, broken)
+        return Plan(check.base_revision, end_rev, end_ms, segs, records, broken is None, because, broken)
     if target.kind == "revision":
-        n = target.revision
-        assert n is not None
-        if n < base:
-            raise ReplayError(f"target revision {n} is before the full backup's revision {base}")
-        if n > end_rev:
-            because = short or f"the chain ends at revision {end_rev}, before the target revision {n}"
-            return Plan(base, end_rev, end_ms, segs, records, False, because, broken)
-        need = tuple(s for s in segs if s.start_revision <= n)
-        t = _time_of_revision(need, n) if n > base else (segs[0].header.start_time_ms if segs else None)
-        return Plan(base, n, t, need, records, True, f"target revision {n} reached", None)
-    t_ms = target.time_ms
-    assert t_ms is not None
+        assert target.revision is not None
+        return _to_revision(check, records, short, target.revision)
+    assert target.time_ms is not None
+    return _to_time(check, records, short, target.time_ms)
+
+
+def _to_revision(check: ChainCheck, records: Tuple[LeaseRecord, ...], short: str, n: int) -> Plan:
+    """The plan for ``--to-revision n``: the segments up to it, or the whole chain when it ends
+    before (``short``: why it stops, when it broke)."""
+    segs, base, end_rev = check.segments, check.base_revision, check.end_revision
+    if n < base:
+        raise ReplayError(f"target revision {n} is before the full backup's revision {base}")
+    if n > end_rev:
+        because = short or f"the chain ends at revision {end_rev}, before the target revision {n}"
+        return Plan(base, end_rev, check.end_time_ms, segs, records, False, because, check.stop)
+    need = tuple(s for s in segs if s.start_revision <= n)
+    t = _time_of_revision(need, n) if n > base else (segs[0].header.start_time_ms if segs else None)
+    return Plan(base, n, t, need, records, True, f"target revision {n} reached", None)
+
+
+def _to_time(check: ChainCheck, records: Tuple[LeaseRecord, ...], short: str, t_ms: int) -> Plan:
+    """The plan for ``--to-time``: the segments that began by then, up to its last transaction
+    committed by then; refused before the chain starts, the whole chain when it ends before."""
+    segs, base, end_ms = check.segments, check.base_revision, check.end_time_ms
     if segs and t_ms < segs[0].header.start_time_ms:
         raise ReplayError(
             f"target time {ms_to_datetime(t_ms).isoformat()} is before the chain starts "
@@ -232,7 +243,7 @@ def plan_replay(check: ChainCheck, target: Target) -> Plan:
             f"the chain covers up to {ms_to_datetime(end_ms).isoformat() if end_ms else 'nothing'}, "
             f"before the target time"
         )
-        return Plan(base, end_rev, end_ms, segs, records, False, because, broken)
+        return Plan(base, check.end_revision, end_ms, segs, records, False, because, check.stop)
     picked: List[SegmentInfo] = []
     rev = base
     note = ""
@@ -243,19 +254,26 @@ def plan_replay(check: ChainCheck, target: Target) -> Plan:
         if s.footer.end_time_ms <= t_ms:
             rev = s.end_revision
             continue
-        seg = reread(s)
-        for txn in seg.txns:
-            if txn.time_ms > t_ms:
-                if txn.catchup:
-                    note = (
-                        f"; revision {txn.revision} on was received in a batch of the watch (or while "
-                        "catching up after a reconnect), so its commit time is known only as no later "
-                        "than its receipt: some of it may predate the target (--to-revision is exact)"
-                    )
-                break
-            rev = txn.revision
+        rev, note = _last_by(s, t_ms, rev)
         break
     return Plan(base, rev, t_ms, tuple(picked), records, True, f"target time reached at revision {rev}{note}", None)
+
+
+def _last_by(s: SegmentInfo, t_ms: int, rev: int) -> Tuple[int, str]:
+    """The revision of segment ``s``'s last transaction committed by ``t_ms`` (``rev``: the one
+    before it) and, when the first one after it came in a batch, a note that its commit time is
+    only bounded by its receipt."""
+    for txn in reread(s).txns:
+        if txn.time_ms > t_ms:
+            if txn.catchup:
+                return rev, (
+                    f"; revision {txn.revision} on was received in a batch of the watch (or while "
+                    "catching up after a reconnect), so its commit time is known only as no later "
+                    "than its receipt: some of it may predate the target (--to-revision is exact)"
+                )
+            return rev, ""
+        rev = txn.revision
+    return rev, ""
 
 
 def reread(info: SegmentInfo) -> Any:

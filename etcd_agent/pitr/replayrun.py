@@ -38,7 +38,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
@@ -50,10 +49,11 @@ from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd import proto
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
-from etcd_agent.etcd.rpc import EtcdRpc, KeepAliveStream
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.pitr import keyspace
-from etcd_agent.pitr.leases import MIN_TTL, fate_of, lease_fates
-from etcd_agent.pitr.replay import LeaseOutcome, Plan, ReplayResult, Target, find_base, plan_replay
+from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
+from etcd_agent.pitr.leases import MIN_TTL, fate_of
+from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, etcd_flags, scratch_etcd
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-FIXUP_CHUNK = 10000
 # a load transaction: large enough that round trips do not count (measured: 5000 puts of 1 KiB a
 # transaction, 70,000 puts/s), well inside the scratch member's --max-txn-ops/--max-request-bytes
 LOAD_OPS = 10000
@@ -69,48 +68,6 @@ LOAD_BYTES = 16 * 1024 * 1024
 # how far past the chain's end the loaded revisions start: the margin a restore bumps by
 # (restore.plan.BUMP_REVISION), since the original may have gone on after the chain's end
 LOAD_MARGIN = 1_000_000_000
-
-
-# ---------------------------------------------------------------- lease keeping during replay
-
-
-class _LeaseKeeper:
-    """Keeps every lease of the scratch store alive until the snapshot is saved: each is renewed
-    when a third of its TTL has passed (checked every 0.25 s)."""
-
-    def __init__(self, rpc: EtcdRpc) -> None:
-        self._ka: KeepAliveStream = rpc.keepalive()
-        self._ttl: Dict[int, int] = {}
-        self._renewed: Dict[int, float] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="delta-lease-keeper", daemon=True)
-        self._thread.start()
-
-    def hold(self, lease_id: int, ttl: int) -> None:
-        with self._lock:
-            self._ttl[lease_id] = max(1, ttl)
-            self._renewed[lease_id] = time.monotonic()
-
-    def release(self, lease_id: int) -> None:
-        with self._lock:
-            self._ttl.pop(lease_id, None)
-            self._renewed.pop(lease_id, None)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                due = [lid for lid, ttl in self._ttl.items() if now - self._renewed[lid] >= ttl / 3.0]
-                for lid in due:
-                    self._renewed[lid] = now
-            if due:
-                self._ka.renew(due)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._ka.close()
 
 
 # ---------------------------------------------------------------- replay
@@ -369,7 +326,7 @@ def _run(
     start_rev = rpc.header().revision
     if start_rev != restored + bump:
         raise ReplayError(f"the scratch member starts at revision {start_rev}, expected {restored + bump}")
-    keeper = _LeaseKeeper(rpc)
+    keeper = LeaseKeeper(rpc)
     try:
         t_load = time.monotonic()
         present: Dict[int, int] = {}  # lease id -> granted TTL in the scratch store
@@ -388,14 +345,14 @@ def _run(
             fate = fate_of(lid, by_lease.get(lid, ()), at_ms, min_ttl=min_ttl)
             # an expired lease still holds its keys until the rule removes them at the end
             ttl = fate.ttl if fate.alive and fate.ttl is not None else (unknown_ttl if fate.alive else 60)
-            _grant(rpc, lid, ttl)
+            grant(rpc, lid, ttl)
             present[lid] = ttl
             keeper.hold(lid, ttl)
         lap("leases")
         keys, loads = _load(rpc, ks, restored, start_rev)
         load_seconds = time.monotonic() - t_load
         lap("load")
-        outcome, fixups = _apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
+        outcome, fixups = apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
         final = rpc.header().revision
         lap("lease rule")
         # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
@@ -484,66 +441,3 @@ def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) ->
         keys += 1
     flush()
     return keys, revs
-
-
-def _grant(rpc: EtcdRpc, lease_id: int, ttl: int) -> None:
-    try:
-        rpc.lease_grant(ttl, lease_id)
-    except EtcdError as exc:
-        raise ReplayError(
-            f"granting lease {lease_id:x} (TTL {ttl}s) on the scratch member failed: {exc.message}"
-        ) from None
-
-
-def _apply_lease_rule(
-    rpc: EtcdRpc,
-    present: Dict[int, int],
-    snapshot_leases: Set[int],
-    records: Sequence[LeaseRecord],
-    at_ms: int,
-    min_ttl: int,
-    keeper: _LeaseKeeper,
-) -> Tuple[LeaseOutcome, List[int]]:
-    """Drop the keys of leases expired at ``at_ms``; move keys of snapshot leases whose TTL is
-    longer than what they had left to a lease with the remaining TTL. Returns fix-up revisions."""
-    fates = lease_fates(sorted(present), records, at_ms, min_ttl=min_ttl)
-    ops: List[RequestOp] = []
-    dropped = reattached = 0
-    revoke: List[int] = []
-    for lid, fate in fates.items():
-        if not fate.alive:
-            keys = rpc.lease_ttl(lid, keys=True).keys
-            ops.extend(proto.op_delete(k) for k in keys)
-            dropped += len(keys)
-            revoke.append(lid)
-        elif lid in snapshot_leases and fate.ttl is not None and fate.ttl < present[lid]:
-            keys = rpc.lease_ttl(lid, keys=True).keys
-            if keys:
-                new_id, _ttl = rpc.lease_grant(fate.ttl)
-                keeper.hold(new_id, fate.ttl)
-                for k in keys:
-                    ops.append(proto.op_put(k, b"", new_id, ignore_value=True))
-                reattached += len(keys)
-            revoke.append(lid)
-    fixups: List[int] = []
-    for i in range(0, len(ops), FIXUP_CHUNK):
-        try:
-            fixups.append(rpc.txn(ops[i : i + FIXUP_CHUNK], timeout=120.0).revision)
-        except EtcdError as exc:
-            raise ReplayError(f"applying the lease rule failed: {exc.message}") from None
-    for lid in revoke:  # keyless now: revoking them writes no revision
-        keeper.release(lid)
-        rpc.lease_revoke(lid)
-    alive = sum(1 for f in fates.values() if f.alive)
-    outcome = LeaseOutcome(
-        alive=alive,
-        expired=sum(1 for f in fates.values() if not f.alive),
-        unknown=sum(1 for f in fates.values() if f.ttl is None and f.alive),
-        keys_dropped=dropped,
-        keys_reattached=reattached,
-        fates=tuple(fates.values()),
-    )
-    if dropped or reattached:
-        log.info("lease rule: %d key(s) of expired leases dropped, %d moved to their remaining TTL (revision %s)",
-                 dropped, reattached, ", ".join(str(r) for r in fixups))
-    return outcome, fixups

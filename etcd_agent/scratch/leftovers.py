@@ -3,7 +3,7 @@
 A drill or a point-in-time replay killed with -9 (or a power cut of the agent alone) cannot stop
 the scratch member it started: that etcd keeps its ports, its CPU share and its deleted files
 forever. The next run of the same kind, holding the same host lock, calls ``remove_left`` (for a
-replay: also the next command of any kind, ``pitr.clean``; ``status`` reports them till then): every
+replay: also the next command of any kind, ``pitr.workdirs.clean``; ``status`` reports them till then): every
 etcd process whose working directory is one of those dirs or below (``ScratchEtcd`` starts etcd
 in its own dir) is stopped by escalation, then the dir is removed. A process is matched by its
 working directory and its executable's name, never by a pid someone wrote down, so a reused pid

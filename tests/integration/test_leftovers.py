@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr import workdirs
 from tests.harness.loopback import orphan_etcd
 from tests.harness.releases import DEFAULT, release
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_the_next_replay_stops_the_etcd_a_killed_one_left_and_nothing_else(cluster_factory, tmp_path):
     c = cluster_factory(1)
     binary = release(DEFAULT).etcd
-    d = pitr.pitr_dir(c.cfg)
+    d = workdirs.pitr_dir(c.cfg)
     os.makedirs(d, mode=0o700)
     scratch = orphan_etcd(os.path.join(d, "etcd-scratch-dead"), binary)
     replay = orphan_etcd(os.path.join(d, "etcd-replay-dead", "below"), binary)
@@ -29,7 +29,7 @@ def test_the_next_replay_stops_the_etcd_a_killed_one_left_and_nothing_else(clust
     with open(kept, "wb") as fh:
         fh.write(b"a kept replay")
     try:
-        held = pitr.lock(c.cfg)  # taken, and the sweep done, when it returns
+        held = workdirs.lock(c.cfg)  # taken, and the sweep done, when it returns
         try:
             assert scratch.wait(30) is not None and replay.wait(30) is not None
             assert bystander.poll() is None, "an etcd outside the replay dirs was stopped"

@@ -9,6 +9,7 @@ import pytest
 
 from etcd_agent.chain.chains import ChainSummary, FullRef, Scan, plan_prune
 from etcd_agent.config import parse_text
+from etcd_agent.continuous.decision import Facts, Full, decide
 from etcd_agent.continuous.status import (
     BreakRecord,
     DeltaCollector,
@@ -17,7 +18,6 @@ from etcd_agent.continuous.status import (
     record_break,
     textfile_path,
 )
-from etcd_agent.continuous.supervisor import Facts, Full, decide
 from etcd_agent.errors import UsageError
 
 BASE = """
@@ -208,7 +208,7 @@ def test_restore_target_flags() -> None:
 
 
 def test_a_break_that_repeats_backs_off_instead_of_looping() -> None:
-    from etcd_agent.continuous.supervisor import BREAK_BACKOFF, break_backoff
+    from etcd_agent.continuous.decision import BREAK_BACKOFF, break_backoff
 
     assert break_backoff(1) == 0.0 and break_backoff(2) == BREAK_BACKOFF[0]
     assert break_backoff(3) == 2 * BREAK_BACKOFF[0] and break_backoff(50) == BREAK_BACKOFF[1]

@@ -23,6 +23,7 @@ from etcd_agent.chain.seal import SEAL_BLOCK, SEAL_MAGIC, Seal, read_seal, seal_
 from etcd_agent.chain.segments import U32, list_segments
 from etcd_agent.errors import IdentityRefused, RefusedError
 from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr import workdirs
 from etcd_agent.pitr.replay import Target
 from etcd_agent.restore.orchestrator.source import open_pitr_source
 from tests.harness.chains import tree
@@ -172,10 +173,10 @@ CASES = [bit_flip, cut_at_chunk_boundary, other_cluster, ten_thousand_recipients
 
 def outside_pitr(root: str) -> Any:
     """The tree without the replay's dirs - ``.pitr`` in the backup dir, the private dir of its
-    plaintext in the state dir (``pitr.private_dir``) - and without the backup and state dirs' own
+    plaintext in the state dir (``pitr.workdirs.private_dir``) - and without the backup and state dirs' own
     mtimes, which their creation changes."""
     return {p: v for p, v in tree(root).items()
-            if "/.pitr" not in p and f"/{pitr.PRIVATE_DIR}" not in p and not p.endswith(("/backups", "/state"))}
+            if "/.pitr" not in p and f"/{workdirs.PRIVATE_DIR}" not in p and not p.endswith(("/backups", "/state"))}
 
 
 def refused_cleanly(cfg: Any, root: str, before: Any, what: str, msg: str) -> None:
@@ -187,7 +188,7 @@ def refused_cleanly(cfg: Any, root: str, before: Any, what: str, msg: str) -> No
     assert "\n" not in msg, msg
     assert after == before and written == 0, sorted(set(after) ^ set(before))
     assert left == [".lock"], left
-    private = pitr.private_dir(cfg)
+    private = workdirs.private_dir(cfg)
     assert not os.path.isdir(private) or os.listdir(private) == [], os.listdir(private)
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from etcd_agent.backup import boundaries
 from etcd_agent.chain.errors import ChainBroken
-from etcd_agent.continuous.supervisor import DeltaSupervisor, Full
+from etcd_agent.continuous.decision import Full
+from etcd_agent.continuous.supervisor import DeltaSupervisor
 
 
 def supervisor(full_time: float) -> DeltaSupervisor:

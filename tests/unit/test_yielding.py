@@ -1,4 +1,4 @@
-"""restore.node.yielding: this master's own copy and restore run below the ship in CPU priority,
+"""restore.host.priority.yielding: this master's own copy and restore run below the ship in CPU priority,
 on a thread of their own; the processes they start inherit it; nothing else does. Real threads,
 real processes."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Tuple
 
 import pytest
 
-from etcd_agent.restore.host.node import YIELD_NICE, yielding
+from etcd_agent.restore.host.priority import YIELD_NICE, yielding
 
 
 def here() -> int:

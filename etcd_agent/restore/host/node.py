@@ -15,26 +15,24 @@ import os
 import pwd
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple, TypeVar
+from typing import Callable, List, Optional, Tuple
 
-from etcd_agent import __version__
 from etcd_agent.config import Config, Member
 from etcd_agent.errors import AgentError, OperationFailed, RefusedError
-from etcd_agent.etcd.tools import ETCDCTL_ENV, cached_version, snapshot_restore_argv
+from etcd_agent.etcd.tools import ETCDCTL_ENV, snapshot_restore_argv
 from etcd_agent.fs import ensure_private_dir, makedirs, write_atomic
 from etcd_agent.hosts.base import Result
 from etcd_agent.hosts.local import LocalHost
-from etcd_agent.locality import machine_identity
 from etcd_agent.member import serving
-from etcd_agent.member.dblock import db_locked, db_path
+from etcd_agent.member.dblock import db_locked
 from etcd_agent.member.local import LocalMember, backend_for
 from etcd_agent.member.process import etcd_owner
 from etcd_agent.node import replies as R
 from etcd_agent.restore.host import journal as J
-from etcd_agent.restore.host import undo
-from etcd_agent.restore.host.conf import restore_conf_values, restored_cluster_id, rewrite_conf
-from etcd_agent.restore.host.facts import NODE_PROTOCOL, NodeFacts, work_dir_for
+from etcd_agent.restore.host import survey, undo
+from etcd_agent.restore.host.conf import restore_conf_values, rewrite_conf
+from etcd_agent.restore.host.facts import NodeFacts, work_dir_for
+from etcd_agent.restore.host.priority import yielding
 from etcd_agent.restore.host.receive import RECEIVED, SNAPSHOT, Landed, land_file, still_sound
 from etcd_agent.restore.host.setaside import cleanup_set_aside, free_name
 from etcd_agent.safejson import UnsafeJson, loads
@@ -47,28 +45,6 @@ log = logging.getLogger(__name__)
 MAX_RECORD = 64 << 10  # received.json: a few hundred bytes
 HALT_TIMEOUT = 30.0  # seconds `halt` waits for etcd to close its db
 HALT_POLL = 0.01
-# This master's own members copy and restore their snapshot at this much lower CPU priority: they
-# have time to spare (the others' ship and restore take longer), and the ship they run beside is
-# what the other masters wait for. On the namespace bench: 12.3-12.5 s for a 1.29 GB restore
-# instead of 13.9-14.6 s.
-YIELD_NICE = 10
-
-T = TypeVar("T")
-
-
-def yielding(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own, ``YIELD_NICE`` lower in CPU priority. On Linux the nice
-    value is the thread's, and the processes it starts (etcdutl) inherit it; it ends with the
-    thread, so nothing else of the session runs at it."""
-    def lowered() -> T:
-        try:
-            os.nice(YIELD_NICE)
-        except OSError as exc:  # a sandbox that forbids it: the same work, at the usual priority
-            log.debug("cannot lower this thread's priority: %s", exc)
-        return fn()
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="yielding") as ex:
-        return ex.submit(lowered).result()
 
 
 class NodeRestore:
@@ -88,7 +64,7 @@ class NodeRestore:
         self.backend = backend_for(self.cfg, member)
         self.spots = serving.spots_for(self.cfg, member, self.data_dir)
 
-    def _servers(self) -> List[serving.Server]:
+    def servers(self) -> List[serving.Server]:
         """What serves this member on this host, whatever started it (``member.serving``)."""
         return serving.find(self.spots, self.backend.kind, self._main_pid())
 
@@ -100,7 +76,7 @@ class NodeRestore:
     def journal(self) -> Optional[J.Journal]:
         return J.load(self.journal_path)
 
-    def _mine(self) -> J.Journal:
+    def mine(self) -> J.Journal:
         """The journal of this op; refused when another (or no) restore is journaled."""
         j = self.journal()
         if j is None or j.op != self.op:
@@ -115,7 +91,7 @@ class NodeRestore:
         """Run ``fn(journal)`` unless ``name`` is journaled already; journal its reply. A journaled
         step runs again when ``again()`` gives a reason (what the journal cannot tell: whether a
         process it started still runs); the reply then says that reason."""
-        j = self._mine()
+        j = self.mine()
         if not j.open:
             raise RefusedError(f"{self.member.name}: restore {self.op} is {j.state} already")
         prev = j.steps.get(name)
@@ -140,81 +116,7 @@ class NodeRestore:
     # ------------------------------------------------------------ precheck (read-only)
 
     def precheck(self) -> NodeFacts:
-        cfg, m = self.cfg, self.member
-        tools = (("etcd", cfg.etcd.binary), ("etcdctl", cfg.etcd.etcdctl), ("etcdutl", cfg.etcd.etcdutl))
-        with ThreadPoolExecutor(max_workers=len(tools)) as ex:  # three binaries started at once
-            versions = dict(zip((key for key, _b in tools), ex.map(lambda kb: cached_version(self.host, kb[1]), tools)))
-        probe = os.path.dirname(self.data_dir) or "/"
-        while not os.path.exists(probe) and probe != "/":
-            probe = os.path.dirname(probe)
-        if not os.path.lexists(self.data_dir):
-            state = "absent"
-        elif not os.path.isdir(self.data_dir) or os.path.islink(self.data_dir):
-            state = "other"
-        elif os.path.isdir(os.path.join(self.data_dir, "member")):
-            state = "member"
-        else:
-            state = "empty"
-        try:
-            running = self.backend.is_active()
-        except AgentError:
-            running = False
-        try:
-            servers = self._servers()
-            foreign = tuple(serving.refusal(s, self.backend.kind) for s in servers if not s.ours)
-        except (OSError, AgentError) as exc:
-            servers, foreign = [], (f"the processes serving it cannot be listed ({getattr(exc, 'message', exc)}): "
-                                    "whether its data dir is in use cannot be told",)
-        running = running or any(s.ours for s in servers)  # an etcd of ours whose pid file is gone
-        fence_ok, fence_detail = self._fence_possible()
-        t = cfg.tls
-        rec = bootstrap.read(cfg, m.name)
-        db_ids, db_note = self._db_member_ids() if state == "member" else ((), "")
-        j = self.journal()
-        return NodeFacts(
-            member=m.name, protocol=NODE_PROTOCOL, agent_version=__version__,
-            etcd_version=versions["etcd"], etcdctl_version=versions["etcdctl"], etcdutl_version=versions["etcdutl"],
-            free_bytes=shutil.disk_usage(probe).free, data_dir=self.data_dir, data_dir_state=state,
-            work_dir=self.work_dir, conf_file=cfg.conf_file(m.name), conf_present=os.path.isfile(cfg.conf_file(m.name)),
-            unit_present=os.path.isfile(cfg.etcd.unit_file) if cfg.etcd.service_manager == "systemd" else None,
-            backend=cfg.etcd.service_manager, running=running, fence_ok=fence_ok, fence_detail=fence_detail,
-            identity_match=machine_identity().is_me(m.host),
-            tls_missing=tuple(p for p in (t.client_ca, t.client_cert, t.client_key, t.peer_ca, t.peer_cert, t.peer_key)
-                              if p and not os.path.isfile(p)),
-            journal=j.summary() if j is not None else None, peer_url=m.peer_url, client_url=m.client_url,
-            bootstrap_member_id=rec.member_id if rec else None, bootstrap_cluster_id=rec.cluster_id if rec else None,
-            lineage=tuple(tuple(sorted(s)) for s in lineage.read(cfg)),
-            db_member_ids=db_ids, db_note=db_note,
-            etcdctl_path=cfg.etcd.etcdctl, etcdutl_path=cfg.etcd.etcdutl,
-            foreign=foreign,
-        )
-
-    def _db_member_ids(self) -> Tuple[Tuple[str, ...], str]:
-        """The member ids in this data dir's own db: which cluster this host runs, readable with
-        etcd down (evidence for whose backup may be restored here)."""
-        from etcd_agent.etcd.snapdb import read_identity
-
-        db = db_path(self.data_dir)
-        try:
-            return tuple(f"{x:x}" for x in read_identity(db).member_ids), ""
-        except FileNotFoundError:
-            return (), ""
-        except (AgentError, OSError, ValueError) as exc:
-            return (), f"{db} could not be read ({getattr(exc, 'message', None) or exc})"
-
-    def _fence_possible(self) -> Tuple[bool, str]:
-        k = self.cfg.kubernetes
-        if k.fence == "none":
-            return True, "no fencing configured"
-        if k.fence == "unit":
-            res = self.host.run(["systemctl", "show", k.apiserver_unit, "-p", "LoadState"], timeout=30, check=False)
-            if res.ok and "LoadState=loaded" in res.stdout:
-                return True, f"{k.apiserver_unit} is loaded"
-            return False, f"{k.apiserver_unit} is not a loaded unit ({(res.stdout or res.stderr).strip()[:120]})"
-        aside = os.path.join(k.manifest_aside_dir, os.path.basename(k.manifest))
-        if os.path.isfile(k.manifest) or os.path.isfile(aside):
-            return True, f"{k.manifest} can be moved to {k.manifest_aside_dir}"
-        return False, f"neither {k.manifest} nor {aside} exists"
+        return survey.facts(self)
 
     # ------------------------------------------------------------ steps
 
@@ -234,7 +136,7 @@ class NodeRestore:
             j = J.Journal(op=str(self.op), member=self.member.name, backup=backup, token=token,
                           initial_cluster=initial_cluster, sha256=sha256, size=size, bump=bump,
                           fence_owner=fence_owner, new_cluster=new_cluster,
-                          was_running=self.backend.is_active() or any(s.ours for s in self._servers()))
+                          was_running=self.backend.is_active() or any(s.ours for s in self.servers()))
             J.save(self.journal_path, j)
         return self._step("begin", lambda j: R.BeginReply(was_running=j.was_running))
 
@@ -274,7 +176,7 @@ class NodeRestore:
             if not self.backend.is_active():
                 # no pid file (lost, or a killed run's etcd that never got one), yet an etcd of
                 # ours may serve: stopped like any other, its data not moved from under it
-                strays = [s for s in self._servers() if s.ours]
+                strays = [s for s in self.servers() if s.ours]
                 if not strays:
                     return R.HaltReply(how="not running")
                 self._pending(j, "halt", J.Pending())  # from here on, rollback starts it again
@@ -314,7 +216,7 @@ class NodeRestore:
             pend = j.pending.get("aside")
             if pend and pend.target and not os.path.lexists(self.data_dir) and os.path.lexists(pend.target):
                 return R.AsideReply(moved=pend.target)  # moved before a crash, not journaled yet
-            live = self._servers()
+            live = self.servers()
             if self.backend.is_active() or live:
                 # something started etcd again since `stop` (a supervisor that is not hands-off):
                 # never move a live member's data from under it
@@ -402,7 +304,7 @@ class NodeRestore:
             def run() -> Result:
                 return self.host.run(argv, timeout=1800, check=False, env=ETCDCTL_ENV)
 
-            # copied from a file here: this master's own member, beside the ship (see YIELD_NICE)
+            # copied from a file here: this master's own member, beside the ship (see restore.host.priority)
             res = yielding(run) if landed.codec == "file" else run()
             if not res.ok:
                 if os.path.lexists(tmp):
@@ -497,27 +399,9 @@ class NodeRestore:
         return self._step("start", do, again=gone)
 
     def serving(self, min_revision: Optional[int]) -> R.ServingReply:
-        """After the start (and the cluster's convergence): this member is served by the etcd its
-        backend just started, alone, from the restored data dir, answering for the restored
-        cluster at a revision of at least ``min_revision`` (the snapshot's, bumped). Else the
-        restore fails and rolls back: an old etcd still answering is no restore. Read-only, not
+        """The restored member is what serves (``survey.restored_serving``). Read-only, not
         journaled: a resumed restore checks again."""
-        from etcd_agent.etcd.client import EtcdClient
-
-        j = self._mine()
-        me = serving.served_by(self.spots, self.backend.kind, self.backend.pid())
-        want = restored_cluster_id(j.initial_cluster, j.token)
-        url = self.member.client_url
-        with EtcdClient.from_config(self.cfg, timeout=5.0) as c:
-            st = c.status(url)
-        if st.cluster_id != want:
-            raise OperationFailed(f"{self.member.name}: {url} (pid {me.pid}) answers for cluster {st.cluster_id:x}, "
-                                  f"not the restored cluster {want:x}")
-        if min_revision is not None and st.revision < min_revision:
-            raise OperationFailed(f"{self.member.name}: {url} (pid {me.pid}) is at revision {st.revision}, below the "
-                                  f"snapshot's bumped revision {min_revision}")
-        return R.ServingReply(step="serving", member=self.member.name, pid=me.pid, cluster_id=f"{want:x}",
-                              revision=st.revision)
+        return survey.restored_serving(self, min_revision)
 
     def unfence(self) -> R.StepReply:
         return self._step("unfence", self._unfence)
@@ -538,7 +422,7 @@ class NodeRestore:
         """Mark the journal done, record what this member now is (its new id, the new token) and
         where its data came from (``ancestors``: the snapshot's member ids), drop the payload."""
         res = self._step("finish", lambda j: R.StepReply())
-        j = self._mine()
+        j = self.mine()
         j.state = J.DONE
         J.save(self.journal_path, j)
         if member_id and cluster_id:
@@ -571,7 +455,7 @@ class NodeRestore:
     def rollback(self) -> R.RollbackReply:
         """Undo whatever this op did here: old data dir back, conf back, etcd and apiserver as
         before; then report what is true now (running or not), not what was intended."""
-        j = self._mine()
+        j = self.mine()
         if j.state == J.ROLLED_BACK:
             markers.clear_restore(self.cfg, self.member.name, self.op)
             return R.RollbackReply(step="rollback", member=self.member.name, skipped="already rolled back",

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from etcd_agent.backup.identity import Evidence, HostIds, Verdict, judge
 from etcd_agent.config import Config, Member
@@ -40,7 +40,7 @@ from etcd_agent.errors import (
 from etcd_agent.fs import ensure_private_dir
 from etcd_agent.node.client import NodeClient, new_owner
 from etcd_agent.node.protocol import Owner
-from etcd_agent.node.replies import ReceiveReply, RollbackReply, StepReply, StepsReply
+from etcd_agent.node.replies import RollbackReply, StepReply, StepsReply
 from etcd_agent.node.sessions import (
     HostNode,
     StopWaiting,
@@ -54,6 +54,7 @@ from etcd_agent.node.sessions import (
 from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
+from etcd_agent.restore.orchestrator.finish import finish, served, unfence
 from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
 from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
 from etcd_agent.restore.orchestrator.precheck import (
@@ -65,19 +66,14 @@ from etcd_agent.restore.orchestrator.precheck import (
     set_aside_problems,
     token_problem,
 )
-from etcd_agent.restore.orchestrator.ship import Standby, ship_snapshot
+from etcd_agent.restore.orchestrator.ship import Standby
 from etcd_agent.restore.orchestrator.source import Source
 from etcd_agent.restore.orchestrator.source import open_source as _open_source
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+from etcd_agent.restore.orchestrator.stage import stage
 
 log = logging.getLogger(__name__)
 
 PREPARE = ["aside", "install", "chown", "repair"]  # a stopped member's steps before it starts
-
-
-# ---------------------------------------------------------------- the running cluster
 
 
 # ---------------------------------------------------------------- restore
@@ -287,15 +283,15 @@ class Restore:
         return resume_state({m: f.journal for m, f in facts.items()}, self.cluster.member_ids(), plan.op,
                             plan.initial_cluster, plan.token)
 
-    def _active(self) -> List[Member]:
+    def active(self) -> List[Member]:
         """Every member but those that finished this restore already (a resumed one)."""
         return [m for n in self.nodes for m in n.members if m.name not in self.resume.finished]
 
-    def _phase(self, name: str, fn: Callable[[Member], Any], members: Optional[Sequence[Member]] = None) -> None:
+    def phase(self, name: str, fn: Callable[[Member], Any], members: Optional[Sequence[Member]] = None) -> None:
         """``fn`` for every member (that has not finished): hosts in parallel, a host's own members
         one after another."""
         t = time.monotonic()
-        todo = list(members) if members is not None else self._active()
+        todo = list(members) if members is not None else self.active()
         by_host: Dict[str, List[Member]] = {}
         for m in todo:
             by_host.setdefault(self.node_of(m.name).where, []).append(m)
@@ -310,7 +306,7 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
-    def _batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]], timing: Optional[str] = None) -> None:
+    def batch(self, name: str, plan: Sequence[Tuple[Member, Sequence[str]]], timing: Optional[str] = None) -> None:
         """Simple steps, each member's list in order: one ``steps`` call per host carrying all its
         members, which the host runs at once; the hosts in parallel. A member that fails stops
         only its own list; the phase then fails naming every member that did. ``timing``: the
@@ -332,7 +328,7 @@ class Restore:
                     failed.append(f"{m.name} ({n.where}): no answer for this member")
                     continue
                 for r in a.steps:
-                    self._said(m, r, "?")
+                    self.said(m, r, "?")
                 if a.error is not None:
                     failed.append(f"{m.name} ({n.where}): {error_from_json(a.error).message}")
             return failed
@@ -347,89 +343,93 @@ class Restore:
         if failed:
             raise OperationFailed(f"restore failed at {name}", details=failed)
 
-    def _call(self, m: Member, step: str, **args: Any) -> StepReply:
+    def call(self, m: Member, step: str, **args: Any) -> StepReply:
         res = self.node_of(m.name).ask(StepReply, step, member=m.name, op=self.op, **args)
-        self._said(m, res, step)
+        self.said(m, res, step)
         return res
 
-    def _said(self, m: Member, r: StepReply, step: str) -> None:
+    def said(self, m: Member, r: StepReply, step: str) -> None:
         """One progress line for a step's result."""
         extra = r.note()
         self.say(f"{m.name} ({self.node_of(m.name).where}): {r.step or step} ok" + (f" - {extra}" if extra else ""))
 
     def _execute(self, plan: P.Plan, source: Source, facts: Dict[str, NodeFacts], outcome: Outcome) -> None:
-        owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
         began: List[Member] = []
+        try:
+            self._through(plan, source, facts, outcome, began)
+        except BaseException as exc:
+            self._failed(plan, exc, began)
+        finish(self, plan, source)
+
+    def _through(self, plan: P.Plan, source: Source, facts: Dict[str, NodeFacts], outcome: Outcome,
+                 began: List[Member]) -> None:
+        """begin, stage, fence, stop, prepare, start, until every member serves the restored
+        cluster and the apiservers run again; ``began``: the members whose journal exists."""
+        owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
 
         def begin(m: Member) -> None:
-            self._call(m, "begin", token=plan.token, initial_cluster=plan.initial_cluster, sha256=source.sha256,
-                       size=source.size, backup=plan.backup, bump=P.BUMP_REVISION if plan.bump else None,
-                       fence_owner=owners[m.name], new_cluster=plan.new_cluster)
+            self.call(m, "begin", token=plan.token, initial_cluster=plan.initial_cluster, sha256=source.sha256,
+                      size=source.size, backup=plan.backup, bump=P.BUMP_REVISION if plan.bump else None,
+                      fence_owner=owners[m.name], new_cluster=plan.new_cluster)
             began.append(m)
 
-        fenced_at: Optional[float] = None
-        try:
-            self._phase("begin", begin)
-            self._stage(source, facts)
-            t = time.monotonic()
-            followers = self._followers()
-            self.timings["leader"] = time.monotonic() - t
-            fenced_at = time.monotonic()
-            everyone = self._active()
-            self._batch("fence", [(m, ["fence"]) for m in everyone])
-            # the followers first, until each has closed its data (``halt``: its exit takes etcd
-            # 3.5 another second); then the leader, which finds them gone and stops at once. Each
-            # member's data is touched only after its own exit (``stop``, then the prepare steps)
-            self._batch("stop", [(m, ["halt"]) for m in followers])
-            self._batch("prepare", [(m, ["stop"] + PREPARE) for m in everyone])
-            self._batch("start", [(m, ["start"]) for m in everyone])
-            t = time.monotonic()
-            outcome.revisions = self.cluster.converged(
-                self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
-            )
-            outcome.timings["wait"] = time.monotonic() - t
-            self._served(plan, source)
-            t = time.monotonic()
-            self.cluster.record_lineage(list(source.member_ids))
-            outcome.cleanup = self.cluster.k8s_cleanup()
-            outcome.timings["lineage"] = time.monotonic() - t
-            for line in outcome.cleanup:
-                self.say(f"kubernetes: {line}")
-            self._unfence(outcome)
-            outcome.downtime = time.monotonic() - fenced_at
-        except BaseException as exc:
-            if isinstance(exc, StopWaiting):
-                raise Interrupted(f"restore {self.op} interrupted twice: " + LEFT_AS_IS) from exc
-            details = exc.details if isinstance(exc, AgentError) else [message(exc)]
-            if self.resume.forward:  # members serve the restored cluster: rolling back would split it
-                raise self._unfinished(plan, exc, details) from exc
-            if isinstance(exc, KeyboardInterrupt):
-                self.say("interrupted: rolling every member back")
-            try:
-                ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
-            except StopWaiting:
-                raise Interrupted(f"restore {self.op}: its rollback interrupted twice: " + LEFT_AS_IS) from exc
-            if ok:
-                msg = f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
-            elif self.unanswered:
-                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once "
-                       f"{', '.join(self.unanswered)} answer again, run `etcd-agent restore rollback --yes` on any master")
-            else:
-                msg = (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below; once that is "
-                       "fixed, run `etcd-agent restore rollback --yes` on any master")
-            raise OperationFailed(msg, details=list(details) + lines) from exc
+        self.phase("begin", begin)
+        stage(self, source, facts)
         t = time.monotonic()
-        ids = self.cluster.member_ids()
-        self.timings["ids"] = time.monotonic() - t
-        self.resume = dataclasses.replace(self.resume, serving=tuple(ids))  # every member runs the restored data
-        try:
-            self._phase("finish", lambda m: self._call(m, "finish", member_id=ids[m.name][0] if m.name in ids else None,
-                                                       cluster_id=ids[m.name][1] if m.name in ids else None,
-                                                       ancestors=list(source.member_ids)))
-        except OperationFailed as exc:
-            raise self._unfinished(plan, exc, exc.details) from exc
+        followers = self._followers()
+        self.timings["leader"] = time.monotonic() - t
+        fenced_at = time.monotonic()
+        everyone = self.active()
+        self.batch("fence", [(m, ["fence"]) for m in everyone])
+        # the followers first, until each has closed its data (``halt``: its exit takes etcd
+        # 3.5 another second); then the leader, which finds them gone and stops at once. Each
+        # member's data is touched only after its own exit (``stop``, then the prepare steps)
+        self.batch("stop", [(m, ["halt"]) for m in followers])
+        self.batch("prepare", [(m, ["stop"] + PREPARE) for m in everyone])
+        self.batch("start", [(m, ["start"]) for m in everyone])
+        t = time.monotonic()
+        outcome.revisions = self.cluster.converged(
+            self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
+        )
+        outcome.timings["wait"] = time.monotonic() - t
+        served(self, plan, source)
+        t = time.monotonic()
+        self.cluster.record_lineage(list(source.member_ids))
+        outcome.cleanup = self.cluster.k8s_cleanup()
+        outcome.timings["lineage"] = time.monotonic() - t
+        for line in outcome.cleanup:
+            self.say(f"kubernetes: {line}")
+        unfence(self, outcome)
+        outcome.downtime = time.monotonic() - fenced_at
 
-    def _unfinished(self, plan: P.Plan, exc: BaseException, details: Sequence[str]) -> OperationFailed:
+    def _failed(self, plan: P.Plan, exc: BaseException, began: List[Member]) -> NoReturn:
+        """``exc`` stopped the restore after ``begin``: every member rolled back (or, when members
+        serve the restored cluster already, nothing: the restore only goes forward), and the error
+        saying what is true now."""
+        if isinstance(exc, StopWaiting):
+            raise Interrupted(f"restore {self.op} interrupted twice: " + LEFT_AS_IS) from exc
+        details = exc.details if isinstance(exc, AgentError) else [message(exc)]
+        if self.resume.forward:  # members serve the restored cluster: rolling back would split it
+            raise self.unfinished(plan, exc, details) from exc
+        if isinstance(exc, KeyboardInterrupt):
+            self.say("interrupted: rolling every member back")
+        try:
+            ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
+        except StopWaiting:
+            raise Interrupted(f"restore {self.op}: its rollback interrupted twice: " + LEFT_AS_IS) from exc
+        raise OperationFailed(self._rolled_back(exc, ok), details=list(details) + lines) from exc
+
+    def _rolled_back(self, exc: BaseException, ok: bool) -> str:
+        """The failed restore's message once its rollback ran: complete, or what to do next."""
+        if ok:
+            return f"restore {self.op} failed ({message(exc)}); every member was rolled back to its data from before"
+        if self.unanswered:
+            return (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - once "
+                    f"{', '.join(self.unanswered)} answer again, run `etcd-agent restore rollback --yes` on any master")
+        return (f"restore {self.op} failed ({message(exc)}); ROLLBACK INCOMPLETE - see why below; once that is "
+                "fixed, run `etcd-agent restore rollback --yes` on any master")
+
+    def unfinished(self, plan: P.Plan, exc: BaseException, details: Sequence[str]) -> OperationFailed:
         """A restore that can only go forward stopped short: nothing is rolled back (members serve
         the restored cluster); the same command finishes it."""
         return OperationFailed(
@@ -437,123 +437,12 @@ class Restore:
             f"rolling back the others would leave two clusters - run `etcd-agent restore --from {plan.backup} --yes` "
             "again to finish it (below: what stopped it)", details=list(details))
 
-    def _served(self, plan: P.Plan, source: Source) -> None:
-        """Healthy is not restored: an old etcd (one without a pid file, one started by hand)
-        answers health checks too. Each member's host checks that its serving process is the one
-        just started, from the restored data dir, answering for the restored cluster at the
-        bumped revision; a member that is not fails the restore, which then rolls back."""
-        least = source.revision + P.BUMP_REVISION if plan.bump and source.revision is not None else None
-        self._phase("serving", lambda m: self._call(m, "serving", min_revision=least))
-
-    def _unfence(self, outcome: Outcome) -> None:
-        """The apiservers start again one host at a time: each host's unfence, then (with
-        ``[kubernetes] readyz_url``) a wait until that apiserver answers /readyz, then the next.
-        A slow apiserver is reported, not rolled back: etcd is restored and healthy by now."""
-        t = time.monotonic()
-        owners = P.fence_owners(self.cfg, {m.name: n.where for n in self.nodes for m in n.members})
-        for m in self.cfg.members:
-            if m.name in self.resume.finished:
-                continue
-            self._call(m, "unfence")
-            if not owners[m.name] or self.cfg.kubernetes.fence == "none":
-                continue
-            try:
-                waited = self.cluster.wait_ready(m)
-            except OperationFailed as exc:
-                outcome.ready[m.name] = f"NOT ready: {exc.message}"
-                self.say(f"{m.name}: apiserver {outcome.ready[m.name]}; starting the next one anyway")
-                continue
-            if waited is not None:
-                outcome.ready[m.name] = f"ready after {waited:.1f}s"
-                self.say(f"{m.name}: apiserver ready after {waited:.1f}s")
-        self.timings["unfence"] = time.monotonic() - t
-
     def _followers(self) -> List[Member]:
         """The members halted before the leader is stopped (stopping the leader together with
         its followers stalls while it hands leadership to peers that are going); every member
         when no leader answers."""
         leader = self.cluster.leader()
         return [m for m in self.cfg.members if m.name != leader and m.name not in self.resume.finished]
-
-    # ------------------------------------------------------------ staging: copy or ship, restore
-
-    def _stage(self, source: Source, facts: Dict[str, NodeFacts]) -> None:
-        """Every member's snapshot into its work dir and restored beside its data dir while etcd
-        still serves (none of it is downtime). This master's own members copy it from the file
-        here and restore it at once, on a thread of their own, while it is shipped to the others,
-        which then restore theirs: the local restore overlaps the ship. Both halves end before
-        anything is raised, so a rollback never races a step still running."""
-        everyone = self._active()
-        here = [m for m in everyone if self.node_of(m.name).local]
-        away = [m for m in everyone if not self.node_of(m.name).local]
-        copied: Dict[str, str] = {}  # member -> sha256 of its copy
-
-        def local_half() -> Optional[str]:
-            self._phase("copy", lambda m: self._copy(m, source, copied), self._unreceived(here, facts))
-            self._batch("restore", [(m, ["restore"]) for m in here], timing="restore here")
-            return None
-
-        def remote_half() -> Optional[str]:
-            sha = self._ship(source, self._unreceived(away, facts))
-            self._batch("restore", [(m, ["restore"]) for m in away])
-            return sha
-
-        halves = [f for f, ms in ((local_half, here), (remote_half, away)) if ms]
-        results = parallel(lambda f: f(), halves)
-        failed = [e for _f, _r, e in results if e is not None]
-        for e in failed:
-            if len(failed) == 1 or isinstance(e, KeyboardInterrupt):
-                raise e
-        if failed:
-            raise OperationFailed("restore failed while staging the snapshot; nothing stopped",
-                                  details=[message(e) for e in failed])
-        shipped = next((sha for _f, sha, _e in results if sha is not None), None)
-        wrong = {n: s for n, s in copied.items() if shipped is not None and s != shipped}
-        if wrong:  # one read here, another there: the file changed under the restore
-            assert shipped is not None
-            raise OperationFailed("the snapshot copied on this master is not the one shipped to the others "
-                                  f"({shipped[:16]}...); nothing stopped",
-                                  details=[f"{n}: {s[:16]}..." for n, s in sorted(wrong.items())])
-
-    def _unreceived(self, members: List[Member], facts: Dict[str, NodeFacts]) -> List[Member]:
-        """``members`` whose snapshot this op has not received yet (a resumed restore skips the rest)."""
-        out = []
-        for m in members:
-            f = facts.get(m.name)
-            j = f.journal if f is not None else None
-            if not (j is not None and j.op == self.op and "receive" in j.steps):
-                out.append(m)
-        return out
-
-    def _copy(self, m: Member, source: Source, copied: Dict[str, str]) -> None:
-        """A member on this master: its node copies the snapshot from the file here, with the
-        receiver's checks (sha256 against the manifest's when there is one, etcd's trailer, bbolt)."""
-        path, offset = source.location()
-        r = self.node_of(m.name).ask(ReceiveReply, "receive", member=m.name, op=self.op, sha256=source.sha256,
-                                     copy_from=os.path.abspath(path), offset=offset)
-        self._said(m, r, "receive")
-        if r.sha256 is None:
-            raise OperationFailed(f"{m.name}: its copy of the snapshot reports no sha256")
-        copied[m.name] = r.sha256
-
-    def _ship(self, source: Source, todo: List[Member]) -> Optional[str]:
-        """The snapshot to the other masters' members while etcd still serves (shipping is not
-        downtime): read and hashed once here, fanned out to one receiver per member, each hashing
-        what lands (``restore.ship``); then each member's ``receive`` step compares. The sha256
-        shipped, or None when there was nothing to ship."""
-        t = time.monotonic()
-        sha = None
-        if todo:
-            assert self.owner is not None
-            shipped = ship_snapshot(self.cfg, source, [(m, self.node_of(m.name)) for m in todo], op=self.op,
-                                    owner=self.owner, say=self.say, standby=self.standby)
-            self.say(shipped.describe())
-            self.timings["ship: receivers ready"] = shipped.ready
-            self.timings["ship: stream"] = shipped.seconds - shipped.ready
-            self._phase("ship", lambda m: self._call(m, "receive", sha256=shipped.sha256), todo)
-            sha = shipped.sha256
-        self.timings["ship"] = time.monotonic() - t
-        return sha
 
     # ------------------------------------------------------------ rollback
 

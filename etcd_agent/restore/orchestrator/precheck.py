@@ -63,6 +63,23 @@ def check_host(
     resuming: bool,
 ) -> List[str]:
     """Everything that must hold on one host before anything is touched there."""
+    p = _agreement_problems(cfg, member, facts, agent_version)
+    p += _tool_problems(cfg, facts)
+    p += version_problems(snapshot_version, facts)
+    if not resuming:
+        p += _room_problems(facts, snapshot_size)
+    if not facts.fence_ok:
+        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
+    p += [f"TLS file {f} is missing" for f in facts.tls_missing]
+    p += facts.foreign
+    j = facts.journal
+    if j is not None and j.open and not resuming:
+        p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
+    return p
+
+
+def _agreement_problems(cfg: Config, member: Member, facts: NodeFacts, agent_version: str) -> List[str]:
+    """The host's agent and config agree with this one's, and the host is the member's."""
     p: List[str] = []
     if facts.protocol != NODE_PROTOCOL:
         p.append(f"agent {facts.agent_version} speaks node protocol {facts.protocol}, this one {NODE_PROTOCOL} ({agent_version}): upgrade the agents")
@@ -74,6 +91,12 @@ def check_host(
         p.append(f"the host's config gives {member.name} client URL {facts.client_url}, this config {member.client_url}: configs differ")
     if not facts.identity_match:
         p.append(f"host {member.host} of member {member.name} is not this machine's address or name (wrong ssh_host?)")
+    return p
+
+
+def _tool_problems(cfg: Config, facts: NodeFacts) -> List[str]:
+    """The binaries the restore runs on the host run there."""
+    p: List[str] = []
     tool = facts.etcdutl_version or facts.etcdctl_version
     if tool is None:
         p.append("neither etcdutl nor etcdctl runs on this host")
@@ -82,20 +105,17 @@ def check_host(
         p.append(f"etcdutl {facts.etcdutl_path or cfg.etcd.etcdutl} is configured but does not run on this host")
     if facts.etcd_version is None:
         p.append("etcd does not run on this host (etcd --version failed)")
-    p += version_problems(snapshot_version, facts)
+    return p
+
+
+def _room_problems(facts: NodeFacts, snapshot_size: int) -> List[str]:
+    """Room for the restore beside the data dir, and a data dir it can set aside."""
+    p: List[str] = []
     need = required_free(snapshot_size)
-    if facts.free_bytes < need and not resuming:
+    if facts.free_bytes < need:
         p.append(f"{facts.free_bytes} bytes free beside {facts.data_dir}, the restore needs {need}")
-    if facts.data_dir_state == "other" and not resuming:
+    if facts.data_dir_state == "other":
         p.append(f"{facts.data_dir} exists but is not a directory")
-    if not facts.fence_ok:
-        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
-    for f in facts.tls_missing:
-        p.append(f"TLS file {f} is missing")
-    p += facts.foreign
-    j = facts.journal
-    if j is not None and j.open and not resuming:
-        p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
     return p
 
 

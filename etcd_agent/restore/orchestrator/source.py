@@ -8,7 +8,7 @@ not, no manifest). Cheap first: headers, manifest, signature and the snapshot's 
 tar's snapshot is then shipped straight from the archive (no copy here) and hashed as it is read,
 a compressed one is decompressed once into a private staging dir. An encrypted one
 (``etcd_snapshot.db.age``) is decrypted here, with ``--identity``, into a private staging dir outside
-the backup dir (``delta.pitr.private_dir``) on this master only: the other masters receive the plaintext through their node sessions, as always.
+the backup dir (``pitr.workdirs.private_dir``) on this master only: the other masters receive the plaintext through their node sessions, as always.
 Without an identity it is refused before anything is touched.
 
 ``open_pitr_source`` (``restore --to-time/--to-revision/--to newest``) reads the full backup the
@@ -124,7 +124,7 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
         return kept
     path = resolve_from(cfg, spec).path
     if identities is not None:  # its plaintext never under the backup dir (copied off-host)
-        from etcd_agent.pitr.prepare import work_dir
+        from etcd_agent.pitr.workdirs import work_dir
 
         staging_parent = work_dir(cfg, True)
     arc = open_archive(path, staging_dir=staging_parent, hash_snapshot=hash_now, key=local_key(cfg).key,
@@ -166,20 +166,21 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
-    dir outside the backup dir, ``pitr.private_dir``, removed once replayed). ``checkpoints`` False: the replay
+    dir outside the backup dir, ``pitr.workdirs.private_dir``, removed once replayed). ``checkpoints`` False: the replay
     starts from the full backup whatever checkpoints its chain vouches for. ``accept_unsigned``:
     a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
     import shutil
 
     from etcd_agent.chain.errors import CheckpointUnusable
     from etcd_agent.pitr import prepare as pitr
+    from etcd_agent.pitr import report, workdirs
     from etcd_agent.pitr.replay import Target
 
     parsed = Target.parse(target)
     t0 = time.monotonic()
     timings: Dict[str, float] = {}
-    held = pitr.lock(cfg)  # first: the staging of the segments below is this run's own
-    staging = pitr.open_staging(cfg) if identities is not None else None
+    held = workdirs.lock(cfg)  # first: the staging of the segments below is this run's own
+    staging = workdirs.open_staging(cfg) if identities is not None else None
     skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
@@ -215,7 +216,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
                 shutil.rmtree(staging, ignore_errors=True)
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
-        lines = pitr.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
+        lines = report.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
         lines += _encryption_lines(prep) + ([prep.signatures] if prep.signatures else [])
         t = time.monotonic()
         src = _replayed(path, res, base, lines)
@@ -241,16 +242,17 @@ def _encryption_lines(prep: "Prepared") -> List[str]:
 def _kept_replay(cfg: Config, spec: str) -> Optional[Source]:
     """``--from`` naming a replay a crashed point-in-time restore left (its journal names it)."""
     from etcd_agent.pitr import prepare as pitr
+    from etcd_agent.pitr import report, workdirs
 
     found = pitr.kept_result(cfg, spec)
     if found is None:
         return None
     path, res = found
-    held = pitr.lock(cfg)
+    held = workdirs.lock(cfg)
     try:
         base = open_source(cfg, _base_of(cfg, path), os.path.dirname(path), hash_now=False)
         try:
-            lines = pitr.describe(None, res, reused=True) + [f"full backup: {x}" for x in base.checked]
+            lines = report.describe(None, res, reused=True) + [f"full backup: {x}" for x in base.checked]
         finally:
             base.close()
         src = _replayed(path, res, base, lines)
