@@ -149,7 +149,7 @@ def test_wrong_credentials_then_fixed(bed, rgw: RgwBed) -> None:  # type: ignore
     d.procs[c.members[0].member.name].send_signal(signal.SIGHUP)
     want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
     wait_for(lambda: landed(rgw, bucket, want), 60, f"the {len(want)} files here copied with the right credentials")
-    assert "failed ones are tried again now" in logs(d)
+    assert "failed copies are tried again now" in logs(d)
     assert wrong not in logs(d)
 
 

@@ -115,11 +115,12 @@ def test_listings_page_over_more_than_1000_segments_and_backups(
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(put, segs + backups))
 
-    assert offsite.remote_chains(cfg) == {base: sorted(segs)}
+    # segments under delta-<rev>/ are the legacy layout: listed apart from chains/<key>/
+    assert offsite.remote_chains(cfg) == ({}, {base: sorted(segs)})
     listed = remote.list_remote(cfg)
     assert sorted(o.name for o in listed) == sorted(backups)
-    decisions = offsite.prune_remote_chains(cfg, {base}, dry_run=True)
-    assert [d.name for d in decisions] == [f"remote delta chain after revision {base} (1100 segment(s))"]
+    decisions = offsite.prune_remote_chains(cfg, set(), {base}, dry_run=True)
+    assert [d.name for d in decisions] == [f"legacy remote delta chain after revision {base} (1100 segment(s))"]
 
 
 # ------------------------------------------------------------------ addressing styles and errors
@@ -207,7 +208,10 @@ def test_a_real_full_backup_larger_than_the_part_size_lands_with_the_multipart_e
     with open(archive, "rb") as fh:
         for chunk in iter(lambda: fh.read(5 * MiB), b""):
             md5s.append(hashlib.md5(chunk).digest())
-    head = rgw.client().head_object(Bucket=bucket, Key=_prefix(c.cfg) + archive.name)
+    # the copy lands under its chain: chains/<sha256 of the snapshot>/<name>
+    (key,) = [o["Key"] for o in rgw.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+              if o["Key"].endswith("/" + archive.name) and "/chains/" in "/" + o["Key"]]
+    head = rgw.client().head_object(Bucket=bucket, Key=key)
     assert head["ContentLength"] == size
     assert head["Metadata"]["sha256"] == _sha(archive)
     assert head["ETag"].strip('"') == f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
