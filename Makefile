@@ -37,7 +37,8 @@ demo: deps-demo venv
 # process): its tests mostly wait on etcd, and each picks ports from its worker's own range. A
 # file stays on one worker (--dist loadfile: module-scoped clusters and ordered tests); the demo's
 # fixed ports are a flock (tests/integration/conftest.py). The namespace and nspawn tiers share
-# one machine-wide bed and stay serial. The package is byte-compiled first, as the RPM ships it:
+# one machine-wide bed and stay serial. Each tier prints its 15 slowest tests (--durations): where
+# the suite's half hour goes. The package is byte-compiled first, as the RPM ships it:
 # with PYTHONDONTWRITEBYTECODE (set on these machines) every agent process a test starts would
 # otherwise compile each module it imports.
 TIERS ?= unit component integration multihost systemd
@@ -51,7 +52,7 @@ test: deps-test venv
 	$(VENV)/bin/python -m compileall -q -j 0 etcd_agent >/dev/null || failed="$$failed compileall"; \
 	for t in $(TIERS); do \
 	  case $$t in integration) x="$(XDIST_integration)";; *) x="";; esac; \
-	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $$x $(PYTEST_ARGS); rc=$$?; \
+	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $$x --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: tests/$$t collected no tests - the tier is broken, not passing" >&2; fi; \
 	  [ $$rc -eq 0 ] || failed="$$failed $$t"; \
 	done; \
