@@ -54,7 +54,8 @@ from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
-from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, etcd_flags, scratch_etcd
+from etcd_agent.scratch.machine import etcd_flags
+from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, scratch_etcd
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities

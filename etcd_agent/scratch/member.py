@@ -18,13 +18,8 @@ With ``snapshot=None`` the member starts empty
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import logging
 import os
-import pwd
-import random
-import re
 import secrets
 import shutil
 import signal
@@ -33,14 +28,16 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from etcd_agent import safejson
 from etcd_agent.chain.errors import ScratchError
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent
+from etcd_agent.scratch.machine import chown_tree, etcd_flags, pick_ports, run_as, unreachable_by
 from etcd_agent.waiting import poll
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,11 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 ETCD_DIR = "/opt/etcd/3.5.16"
-PORT_RANGE = (10000, 21998)
-# What a Kubernetes master listens on inside that range (kubelet 10248/10250/10255, kube-proxy
-# 10249/10256, controller-manager 10257, scheduler 10259): free while that component restarts, and
-# a throwaway etcd holding one then would keep it from coming back for the length of a drill.
-KUBERNETES_PORTS = frozenset(range(10248, 10260))
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 # A restore with --bump-revision --mark-compacted leaves the snapshot's whole history to compact
 # once the member starts, and a replay waits for that compaction (``compact(physical=True)``)
@@ -116,28 +108,6 @@ class SnapshotStatus:
                 "totalSize": self.total_size, "hash": self.hash}
 
 
-def etcd_flags(binary: str) -> FrozenSet[str]:
-    """The ``--flags`` that ``binary --help`` lists (empty when it cannot be run: the flags only
-    some releases know are then left out, and a binary that does not run fails at its start)."""
-    try:
-        st = os.stat(binary)
-    except OSError:
-        return frozenset()
-    return _flags_of(binary, st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _flags_of(binary: str, _mtime_ns: int, _size: int) -> FrozenSet[str]:
-    try:
-        out = subprocess.run([binary, "--help"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
-                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.info("cannot list the flags of %s: %s", binary, exc)
-        return frozenset()
-    text = (out.stdout + out.stderr).decode(errors="replace")
-    return frozenset(re.findall(r"(?m)^\s*(--[a-z0-9][a-z0-9-]*)", text))
-
-
 def _accepting(port: int) -> bool:
     """Something accepts connections on loopback ``port``."""
     try:
@@ -145,64 +115,6 @@ def _accepting(port: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def pick_ports(rng: Optional[random.Random] = None) -> Tuple[int, int]:
-    """A (client, peer) pair of adjacent loopback ports, both free right now."""
-    rng = rng or random.Random()
-    for _ in range(1000):
-        c = rng.randrange(PORT_RANGE[0], PORT_RANGE[1], 2)
-        if c not in KUBERNETES_PORTS and c + 1 not in KUBERNETES_PORTS and _free(c) and _free(c + 1):
-            return c, c + 1
-    raise ScratchError(f"no free port pair in {PORT_RANGE[0]}-{PORT_RANGE[1]} after 1000 tries")
-
-
-def _run_as(user: Optional[str]) -> Optional[Tuple[int, int]]:
-    """(uid, gid) to run as: only when we are root and the user exists."""
-    if not user or os.geteuid() != 0:
-        return None
-    try:
-        pw = pwd.getpwnam(user)
-    except KeyError:
-        log.info("user %s does not exist; the scratch etcd runs as root", user)
-        return None
-    return pw.pw_uid, pw.pw_gid
-
-
-def _unreachable_by(path: str, uid: int, gid: int) -> Optional[str]:
-    """The first directory from / down to ``path`` that ``uid``/``gid`` may not traverse."""
-    p = os.path.abspath(path)
-    parts = [p]
-    while p != os.path.dirname(p):
-        p = os.path.dirname(p)
-        parts.append(p)
-    for d in reversed(parts):
-        st = os.stat(d)
-        if st.st_uid == uid:
-            ok = st.st_mode & 0o100
-        elif st.st_gid == gid:
-            ok = st.st_mode & 0o010
-        else:
-            ok = st.st_mode & 0o001
-        if not ok:
-            return d
-    return None
-
-
-def _chown_tree(top: str, uid: int, gid: int) -> None:
-    os.chown(top, uid, gid, follow_symlinks=False)
-    for root, dirs, files in os.walk(top):
-        for n in dirs + files:
-            os.chown(os.path.join(root, n), uid, gid, follow_symlinks=False)
 
 
 class ScratchEtcd:
@@ -215,10 +127,10 @@ class ScratchEtcd:
         self.dir = tempfile.mkdtemp(prefix="etcd-scratch-", dir=parent)  # 0700
         self.data_dir = os.path.join(self.dir, "data")
         self.log_path = os.path.join(self.dir, "etcd.log")
-        self.ids = _run_as(options.user)
+        self.ids = run_as(options.user)
         if self.ids is not None:
             os.chown(self.dir, *self.ids)
-            blocked = _unreachable_by(parent, *self.ids)
+            blocked = unreachable_by(parent, *self.ids)
             if blocked:
                 shutil.rmtree(self.dir, ignore_errors=True)
                 raise ScratchError(
@@ -353,7 +265,7 @@ class ScratchEtcd:
         except CommandError as exc:
             raise ScratchError(f"restoring {snapshot} into a scratch dir failed: {exc.message}") from None
         if self.ids is not None:
-            _chown_tree(self.data_dir, *self.ids)
+            chown_tree(self.data_dir, *self.ids)
 
     def _etcd_argv(self) -> List[str]:
         o = self.options
@@ -498,8 +410,8 @@ class ScratchEtcd:
         if shown is None:
             return None
         try:
-            data = json.loads(shown.stdout)
-        except ValueError:
+            data = safejson.loads(shown.stdout, max_bytes=1 << 16)
+        except ValueError:  # UnsafeJson included: one line of a tool's output, bounded
             raise ScratchError(f"snapshot status of {dest} printed no JSON: {shown.stdout[:200]!r}") from None
         if not isinstance(data, dict):
             raise ScratchError(f"snapshot status of {dest} printed {data!r}")

@@ -19,9 +19,6 @@ DEEP = "[" * 30_000 + "]" * 30_000  # within every bound; json.loads recurses pe
 # the readers that may parse JSON themselves, and why
 PARSERS = {
     "etcd_agent/safejson.py": "the bounded reader itself",
-    # another helper is changing this file this session (the scratch etcd's speed); its
-    # `etcdctl endpoint status` output is routed in a later change
-    "etcd_agent/scratch/member.py": "left to the change in flight",
 }
 
 

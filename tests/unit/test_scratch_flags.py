@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from etcd_agent.scratch.member import EtcdBinaries, ScratchEtcd, ScratchOptions, etcd_flags
+from etcd_agent.scratch.machine import etcd_flags
+from etcd_agent.scratch.member import EtcdBinaries, ScratchEtcd, ScratchOptions
 
 
 def fake_etcd(path: str, help_text: str) -> str:

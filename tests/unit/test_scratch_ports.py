@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 from typing import List
 
-from etcd_agent.scratch.member import KUBERNETES_PORTS, PORT_RANGE, pick_ports
+from etcd_agent.scratch.machine import KUBERNETES_PORTS, PORT_RANGE, pick_ports
 
 
 class Scripted:

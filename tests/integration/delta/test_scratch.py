@@ -8,7 +8,8 @@ import pytest
 
 from etcd_agent.chain.errors import ScratchError
 from etcd_agent.etcd import proto
-from etcd_agent.scratch.member import PORT_RANGE, ScratchOptions, scratch_etcd
+from etcd_agent.scratch.machine import PORT_RANGE
+from etcd_agent.scratch.member import ScratchOptions, scratch_etcd
 
 from .helpers import dump
 
