@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.cli.main import Context, Output
 from etcd_agent.errors import EXIT_FAILED, EXIT_OK, AgentError, BackupError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.backup.boundaries import Boundary, Record
+    from etcd_agent.backup.catalog import Entry
+    from etcd_agent.chain.chains import ChainSummary, Scan
     from etcd_agent.config import Config
 
 # state.locks.SHORT_WAIT, as a restore waits (not imported here: the CLI starts without tenacity)
@@ -127,50 +130,12 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
     docs = []
     for e in entries:
-        if not e.complete:
-            state = f"QUARANTINED: {e.problem}"
-        elif e.verified:
-            state = f"yes: {e.check}"
-        else:
-            state = f"no: {e.check}"
-        rows.append(f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
-                    f"{e.kind:<8} {e.signature:<11} {state}")
-        if e.checkpoint_of:
-            vouched = any(c.name == e.name for ch in found.chains if ch.chain_id == e.checkpoint_of
-                          for c in ch.checkpoints)
-            rows.append(f"{'':<36}   a checkpoint the daemon took inside delta chain {e.checkpoint_of[:8]}: "
-                        + ("vouched for by the chain, a point-in-time restore starts its replay here" if vouched else
-                           "not vouched for by its chain (yet): no restore starts from it")
-                        + " (kept apart from retention's slots)")
-        elif e.origin == "daemon":
-            rows.append(f"{'':<36}   taken by the daemon to start a delta chain (retention counts these apart)")
-        rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
-        boundary = boundaries.before(restores, e.time.timestamp())
-        if boundary is not None:
-            rows.append(f"{'':<36}   BEFORE {boundary.describe()}: the cluster as it was then (a rollback point; "
-                        "`restore --from` it with --new-cluster)")
-        if e.drill is not None:
-            rows.append(f"{'':<36}   {e.drill.summary()}")
-        doc = e.to_json()
-        doc["before_restore"] = boundary.to_json() if boundary is not None else None
-        chain = found.for_full(e.revision, e.base) if e.revision is not None else None
-        if e.complete and not e.checkpoint_of:
-            live = " (being written now)" if chain is not None and chain.base_revision == active else ""
-            rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
-        doc["chain"] = chain.to_json() if chain else None
+        more, doc = _entry(e, found, restores, active)
+        rows += more
         docs.append(doc)
     orphans = [c for c in found.chains if not any(e.revision == c.base_revision and c.continues(e.base)
                                                   for e in entries)]
-    for c in orphans:
-        rows.append(f"ORPHANED delta chain after revision {c.base_revision}: no full backup here that it continues "
-                    f"(pruned at the next backup or prune): {c.describe()}")
-    for path, why in found.unreadable:
-        if path in found.junk:  # by its content: no chain's, whatever its name says (never a gap)
-            rows.append(f"NOT A SEGMENT {os.path.basename(path)}: {why}; named like one, passed over by every chain")
-        else:
-            rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
-    if record.problem:
-        rows.append(f"PRUNE HELD: {boundaries.unreadable_message(record.problem)}")
+    rows += _problem_rows(found, orphans, record)
     best, skipped = latest(entries)
     if not entries:
         rows.append(f"(no backups in {cfg.backup.dir})")
@@ -185,6 +150,67 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
             "not_segments": [{"path": p, "problem": w} for p, w in found.unreadable if p in found.junk],
             "replay_events_per_second": chains.REPLAY_EVENTS_PER_SECOND}
     return Output(data, "\n".join(rows))
+
+
+def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Optional[int]
+           ) -> Tuple[List[str], Dict[str, Any]]:
+    """One backup's lines of ``backup list`` and its JSON document."""
+    from etcd_agent.backup import boundaries
+
+    if not e.complete:
+        state = f"QUARANTINED: {e.problem}"
+    elif e.verified:
+        state = f"yes: {e.check}"
+    else:
+        state = f"no: {e.check}"
+    rows = [f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
+            f"{e.kind:<8} {e.signature:<11} {state}"]
+    rows += _origin_rows(e, found)
+    rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
+    boundary = boundaries.before(restores, e.time.timestamp())
+    if boundary is not None:
+        rows.append(f"{'':<36}   BEFORE {boundary.describe()}: the cluster as it was then (a rollback point; "
+                    "`restore --from` it with --new-cluster)")
+    if e.drill is not None:
+        rows.append(f"{'':<36}   {e.drill.summary()}")
+    doc = e.to_json()
+    doc["before_restore"] = boundary.to_json() if boundary is not None else None
+    chain = found.for_full(e.revision, e.base) if e.revision is not None else None
+    if e.complete and not e.checkpoint_of:
+        live = " (being written now)" if chain is not None and chain.base_revision == active else ""
+        rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
+    doc["chain"] = chain.to_json() if chain else None
+    return rows, doc
+
+
+def _origin_rows(e: "Entry", found: "Scan") -> List[str]:
+    """What ``backup list`` says of a backup the daemon took: a checkpoint, or a chain's start."""
+    if e.checkpoint_of:
+        vouched = any(c.name == e.name for ch in found.chains if ch.chain_id == e.checkpoint_of
+                      for c in ch.checkpoints)
+        return [f"{'':<36}   a checkpoint the daemon took inside delta chain {e.checkpoint_of[:8]}: "
+                + ("vouched for by the chain, a point-in-time restore starts its replay here" if vouched else
+                   "not vouched for by its chain (yet): no restore starts from it")
+                + " (kept apart from retention's slots)"]
+    if e.origin == "daemon":
+        return [f"{'':<36}   taken by the daemon to start a delta chain (retention counts these apart)"]
+    return []
+
+
+def _problem_rows(found: "Scan", orphans: List["ChainSummary"], record: "Record") -> List[str]:
+    """The chains and files of the backup dir that ``backup list`` must warn about."""
+    from etcd_agent.backup import boundaries
+
+    rows = [f"ORPHANED delta chain after revision {c.base_revision}: no full backup here that it continues "
+            f"(pruned at the next backup or prune): {c.describe()}" for c in orphans]
+    for path, why in found.unreadable:
+        if path in found.junk:  # by its content: no chain's, whatever its name says (never a gap)
+            rows.append(f"NOT A SEGMENT {os.path.basename(path)}: {why}; named like one, passed over by every chain")
+        else:
+            rows.append(f"DAMAGED segment {os.path.basename(path)}: {why}")
+    if record.problem:
+        rows.append(f"PRUNE HELD: {boundaries.unreadable_message(record.problem)}")
+    return rows
 
 
 def _require_remote(cfg: "Config") -> None:
