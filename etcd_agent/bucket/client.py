@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -252,7 +253,6 @@ def probe(b: "Bucket") -> Integrity:
     if found is not None:
         return found
     import base64
-    import hashlib
 
     from botocore.exceptions import ClientError
 
@@ -299,3 +299,34 @@ def _quiet_sdk_logs() -> None:
         logger = logging.getLogger(name)
         if logger.getEffectiveLevel() < logging.INFO:
             logger.setLevel(logging.INFO)
+
+
+# what each check proves, for the log line
+CHECKS = {
+    "checksum": "checksum (x-amz-checksum-sha256 of every part, checked by the store, and returned)",
+    "etag": "etag (Content-MD5 of every part, checked by the store, and the MD5 ETag)",
+    "read-back": "read-back (the object streamed back and its sha256 compared)",
+}
+
+
+def choose_check(b: Bucket) -> str:
+    """The check an upload gets: what ``verify`` asks, from what the store was found to enforce.
+
+    ``checksum`` on a store that accepts a wrong SHA-256 (or never returns one) is refused: a
+    copy logged as checked by a checksum nobody checked is worse than no claim."""
+    mode = b.section.verify
+    if mode == "download":
+        return "read-back"
+    if mode == "etag":
+        return "etag"
+    found = probe(b)
+    if found.sha256:
+        return "checksum"
+    if mode == "checksum":
+        how = "accepts a wrong x-amz-checksum-sha256" if not found.sha256_enforced else "does not return it"
+        raise BackupError(
+            f"[backup.remote] verify = \"checksum\", but {b.endpoint_name()} {how}: it does not check SHA-256 "
+            "checksums, so no copy could be verified by one; set verify = \"auto\" (the strongest check the "
+            "store enforces: Content-MD5 and the MD5 ETag on Ceph RGW) or \"etag\""
+        )
+    return "etag" if found.md5_enforced else "read-back"

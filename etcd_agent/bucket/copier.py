@@ -141,7 +141,7 @@ def pending(cfg: Config, caches: queue.Caches) -> queue.Plan:
 
 def copy_one(cfg: Config, f: queue.LocalFile) -> str:
     """Copy one file to its place (verified as every copy is: ``bucket.remote.upload_file``);
-    returns the check that verified the copy (``bucket.remote.CHECKS``)."""
+    returns the check that verified the copy (``bucket.client.CHECKS``)."""
     from etcd_agent.bucket.remote import manifest_metadata, upload_file
 
     if f.kind == layout.SEGMENT:

@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from etcd_agent.backup.archive import parse_name as parse_backup_name
 from etcd_agent.backup.retention import BackupRef
@@ -31,6 +31,7 @@ from etcd_agent.config import Config
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry
+    from etcd_agent.chain.chains import Scan
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,15 @@ def scan_local(cfg: Config, caches: Caches) -> List[LocalFile]:
     if not os.path.isdir(directory):
         return []
     entries = _backups(cfg, caches)
-    digest = caches.local_sha
-    scan = chains.scan(directory)
+    fulls, full_key = _fulls(entries, caches.local_sha)
+    segments, chain_key = _segments(chains.scan(directory), entries, full_key)
+    checkpoints = [LocalFile(layout.CHECKPOINT, e.path, e.size, _mtime(e.path), chain_key.get(e.checkpoint_of, ""),
+                             int(e.time.timestamp()), e.manifest or {}) for e in entries if e.checkpoint_of]
+    return fulls + segments + checkpoints
+
+
+def _fulls(entries: Sequence["Entry"], digest: Callable[[str], str]) -> Tuple[List[LocalFile], Dict[str, str]]:
+    """The full backups (not checkpoints), and each one's chain key by name."""
     out: List[LocalFile] = []
     full_key: Dict[str, str] = {}  # full backup name -> key
     for e in entries:
@@ -268,12 +276,19 @@ def scan_local(cfg: Config, caches: Caches) -> List[LocalFile]:
                 continue
         full_key[e.name] = key
         out.append(LocalFile(layout.FULL, e.path, e.size, _mtime(e.path), key, 0, e.manifest or {}))
+    return out, full_key
+
+
+def _segments(scan: "Scan", entries: Sequence["Entry"], full_key: Mapping[str, str]
+              ) -> Tuple[List[LocalFile], Dict[str, str]]:
+    """Every chain's segments with the chain's key, and each chain id's key (for its checkpoints)."""
+    out: List[LocalFile] = []
     chain_key: Dict[str, str] = {}  # chain id -> key
     for c in scan.chains:
         key = c.base_sha256 if layout.KEY_RE.match(c.base_sha256 or "") else ""
         if not key:  # an older chain: named by the local full backup it continues
             match = next((x for x in entries if not x.checkpoint_of and x.revision == c.base_revision
-                      and c.continues(x.base)), None)
+                          and c.continues(x.base)), None)
             key = full_key.get(match.name, "") if match is not None else ""
         if c.chain_id:
             chain_key[c.chain_id] = key
@@ -284,12 +299,7 @@ def scan_local(cfg: Config, caches: Caches) -> List[LocalFile]:
                 continue
             rng = parse_segment_name(os.path.basename(p))
             out.append(LocalFile(layout.SEGMENT, p, st.st_size, st.st_mtime, key, rng[0] if rng else 0))
-    for e in entries:
-        if e.checkpoint_of:
-            when = e.time.timestamp()
-            out.append(LocalFile(layout.CHECKPOINT, e.path, e.size, _mtime(e.path), chain_key.get(e.checkpoint_of, ""),
-                                 int(when), e.manifest or {}))
-    return out
+    return out, chain_key
 
 
 def _mtime(path: str) -> float:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
-from etcd_agent.bucket.client import Bucket, probe
+from etcd_agent.bucket.client import CHECKS, Bucket, choose_check
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     READ_CHUNK,
@@ -58,12 +58,6 @@ MAX_OBJECT_BYTES = 64 * 1024 * 1024 * 1024
 # a listing stops here: ~3 years of hourly backups, or of segments of one chain (at most
 # max_chain_segments, 1000 by default); more under one prefix is not this agent's layout
 MAX_LISTED = 100_000
-# what each check proves, for the log line
-CHECKS = {
-    "checksum": "checksum (x-amz-checksum-sha256 of every part, checked by the store, and returned)",
-    "etag": "etag (Content-MD5 of every part, checked by the store, and the MD5 ETag)",
-    "read-back": "read-back (the object streamed back and its sha256 compared)",
-}
 
 
 @dataclass(frozen=True)
@@ -131,29 +125,6 @@ def upload_file(cfg: Config, path: str, name: str,
         time.monotonic() - started, CHECKS[obj.verified_by],
     )
     return obj
-
-
-def choose_check(b: Bucket) -> str:
-    """The check an upload gets: what ``verify`` asks, from what the store was found to enforce.
-
-    ``checksum`` on a store that accepts a wrong SHA-256 (or never returns one) is refused: a
-    copy logged as checked by a checksum nobody checked is worse than no claim."""
-    mode = b.section.verify
-    if mode == "download":
-        return "read-back"
-    if mode == "etag":
-        return "etag"
-    found = probe(b)
-    if found.sha256:
-        return "checksum"
-    if mode == "checksum":
-        how = "accepts a wrong x-amz-checksum-sha256" if not found.sha256_enforced else "does not return it"
-        raise BackupError(
-            f"[backup.remote] verify = \"checksum\", but {b.endpoint_name()} {how}: it does not check SHA-256 "
-            "checksums, so no copy could be verified by one; set verify = \"auto\" (the strongest check the "
-            "store enforces: Content-MD5 and the MD5 ETag on Ceph RGW) or \"etag\""
-        )
-    return "etag" if found.md5_enforced else "read-back"
 
 
 def list_names(cfg: Config, under: str) -> List[str]:
