@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.cli.main import Context, Output
@@ -219,17 +220,31 @@ def _require_remote(cfg: "Config") -> None:
 
 
 def _list_remote(cfg: "Config") -> Output:
+    from etcd_agent.bucket import layout
+    from etcd_agent.bucket.offsite import remote_chains
     from etcd_agent.bucket.remote import list_remote
 
     _require_remote(cfg)
     objs = list_remote(cfg)
+    keyed, legacy = remote_chains(cfg)
     rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  {'SHA256':<16}  CHAIN"]
+    docs = []
     for o in objs:
         where = f"chains/{o.chain[:16]}…" if o.chain else "legacy (top of the prefix)"
         rows.append(f"{o.name:<32} {o.time.isoformat():<25} {_size(o.size):>10}  {(o.sha256 or '-')[:16]:<16}  {where}")
+        revision = _int_or_none(o.metadata.get("revision"))
+        names = keyed.get(o.chain, []) if o.chain else legacy.get(revision, []) if revision is not None else []
+        got = layout.reach(names, revision)
+        rows.append(f"{'':<32}   {got.describe()}")
+        docs.append({**o.to_json(), "chain_reach": got.to_json()})
     if not objs:
         rows.append("(no off-host copies)")
-    return Output({"remote": True, "backups": [o.to_json() for o in objs]}, "\n".join(rows))
+    return Output({"remote": True, "backups": docs}, "\n".join(rows))
+
+
+def _int_or_none(text: Optional[str]) -> Optional[int]:
+    """A revision from an object's metadata (hostile: anything that is not a plain number is None)."""
+    return int(text) if text is not None and re.fullmatch(r"[0-9]{1,18}", text) else None
 
 
 def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:

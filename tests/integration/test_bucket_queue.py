@@ -134,6 +134,9 @@ def test_a_full_backup_whose_copy_failed_lands_before_its_segments(bed, rgw: Rgw
     assert tf["etcd_agent_bucket_copies_total"] >= 1
     listed = agent(c, "backup", "list", "--remote").stdout
     assert cli_backup in listed and "chains/" in listed, listed
+    # each copy's chain as the bucket holds it: a point-in-time restore from the bucket gets that far
+    assert "segment(s), 0 checkpoint(s) in the bucket; a point-in-time restore from the bucket reaches revision " \
+        in listed, listed
     print(f"\nFIGURE bucket after the outage: {len(names(rgw, bucket))} objects, status copies {st}")
 
 
