@@ -46,6 +46,7 @@ class CopyStatus(Document):
     at: float = 0.0  # Unix s this status was made
     pending: int = 0  # objects still to copy
     pending_bytes: int = 0
+    pending_revisions: int = 0  # revisions held by the pending segments (the off-host RPO in revisions)
     oldest_pending_since: Optional[float] = None  # Unix s the oldest pending file appeared
     failing_since: Optional[float] = None  # Unix s of the first failure in a row (None: not failing)
     last_error: str = ""  # the last failure, credentials scrubbed ("" none since the last success)
@@ -67,7 +68,8 @@ class CopyStatus(Document):
             return "off-host copies: disabled in the daemon's config"
         if self.pending:
             what = (f"{self.pending} object(s) pending ({self.pending_bytes} bytes), the oldest for "
-                    f"{self.oldest_pending_seconds(self.at):.0f}s")
+                    f"{self.oldest_pending_seconds(self.at):.0f}s (off-host RPO: {self.pending_revisions} "
+                    "revision(s) not in the bucket)")
         else:
             what = "nothing pending"
         if self.failing_since is not None:
@@ -308,7 +310,7 @@ class Copier:
     def _pass(self, cfg: Config) -> bool:
         """One ``push``; True when it failed (the back-off then waits)."""
         if not cfg.backup.remote.enabled:
-            self._set(enabled=False, pending=0, pending_bytes=0, oldest_pending_since=None)
+            self._set(enabled=False, pending=0, pending_bytes=0, pending_revisions=0, oldest_pending_since=None)
             return False
         res = push(cfg, self._caches, stop=self._stop.is_set, on_plan=self._planned, on_copied=self._copied)
         before = self.status()
@@ -317,7 +319,8 @@ class Copier:
             error = scrub(cfg, f"{res.failed}: {res.error}")
             st = self._set(failing_since=before.failing_since or time.time(), last_error=error,
                            failures_total=before.failures_total + 1, pending=len(res.left) or before.pending,
-                           pending_bytes=sum(f.size for f in res.left) or before.pending_bytes)
+                           pending_bytes=sum(f.size for f in res.left) or before.pending_bytes,
+                           pending_revisions=queue.revisions_of(res.left) or before.pending_revisions)
             level = logging.WARNING if before.failing_since is None or before.last_error != error else logging.INFO
             log.log(level, "off-host copy failed: %s; %d object(s) pending, retrying in %.0fs (until they land or "
                     "their files are pruned)", error, st.pending, wait)
@@ -326,7 +329,7 @@ class Copier:
         self._backoff.succeeded()
         left = res.left
         st = self._set(enabled=True, failing_since=None, last_error="", pending=len(left),
-                       pending_bytes=sum(f.size for f in left),
+                       pending_bytes=sum(f.size for f in left), pending_revisions=queue.revisions_of(left),
                        oldest_pending_since=min((f.since for f in left), default=None))
         if before.failing_since is not None:
             log.info("off-host copies resumed (failing since %s, %.0fs): %d object(s) copied, %d pending",
@@ -340,6 +343,7 @@ class Copier:
 
     def _planned(self, p: queue.Plan) -> None:
         self._set(enabled=True, pending=len(p.pending), pending_bytes=p.pending_bytes,
+                  pending_revisions=p.pending_revisions,
                   oldest_pending_since=p.oldest_since(), unplaced=len(p.unplaced))
 
     def _copied(self, f: queue.LocalFile, check: str) -> None:
@@ -347,6 +351,7 @@ class Copier:
             s = self._status
             self._status = replace(s, at=time.time(), pending=max(0, s.pending - 1),
                                    pending_bytes=max(0, s.pending_bytes - f.size), last_copy=time.time(),
+                                   pending_revisions=max(0, s.pending_revisions - queue.revisions_of([f])),
                                    copied_total=s.copied_total + 1,
                                    verified={**s.verified, check: s.verified.get(check, 0) + 1})
 
@@ -364,7 +369,9 @@ GAUGES = {
     "enabled": "1 if off-host copies ([backup.remote]) are enabled in the daemon.",
     "pending_objects": "Files (full backups, checkpoints, segments) the bucket does not hold yet.",
     "pending_bytes": "Bytes of the files the bucket does not hold yet.",
-    "oldest_pending_seconds": "Age of the oldest file waiting for its off-host copy (0: none).",
+    "oldest_pending_seconds": "Age of the oldest file waiting for its off-host copy (0: none): the off-host RPO.",
+    "lag_revisions": "Revisions in delta segments here that the bucket does not hold yet: the off-host RPO in "
+                     "revisions.",
     "failing_since_timestamp_seconds": "Unix time copies started failing (0: they are not failing).",
     "last_copy_timestamp_seconds": "Unix time of the last off-host copy that landed (verified).",
 }
@@ -380,6 +387,7 @@ def metric_values(s: CopyStatus) -> Dict[str, float]:
         "pending_objects": float(s.pending),
         "pending_bytes": float(s.pending_bytes),
         "oldest_pending_seconds": s.oldest_pending_seconds(time.time()),
+        "lag_revisions": float(s.pending_revisions),
         "failing_since_timestamp_seconds": s.failing_since or 0.0,
         "last_copy_timestamp_seconds": s.last_copy or 0.0,
     }

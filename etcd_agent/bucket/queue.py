@@ -86,6 +86,21 @@ class Plan:
     def oldest_since(self) -> Optional[float]:
         return min((f.since for f in self.pending), default=None)
 
+    @property
+    def pending_revisions(self) -> int:
+        return revisions_of(self.pending)
+
+
+def revisions_of(files: Iterable[LocalFile]) -> int:
+    """The revisions the segments among ``files`` hold (by their names): what the bucket lacks of
+    this host's chains, the off-host RPO counted in revisions."""
+    total = 0
+    for f in files:
+        rng = parse_segment_name(f.file) if f.kind == layout.SEGMENT else None
+        if rng is not None:
+            total += max(0, rng[1] - rng[0] + 1)
+    return total
+
 
 # ---------------------------------------------------------------- pure
 

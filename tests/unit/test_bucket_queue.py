@@ -132,3 +132,13 @@ def test_a_hostile_status_file_is_refused_by_its_types() -> None:
     bad: Dict[str, object] = {"enabled": True, "pending": "many"}
     with pytest.raises(ProtocolError):
         CopyStatus.from_json(bad, "status")
+
+
+def test_the_off_host_rpo_in_revisions_counts_the_pending_segments_only() -> None:
+    plan = queue.Plan((full(F1, K1), segment(11, K1), segment(16, K1), checkpoint(K1)))
+    assert plan.pending_revisions == 10  # two segments of five revisions each; fulls and checkpoints hold none
+    st = CopyStatus(enabled=True, at=5000.0, pending=4, pending_revisions=plan.pending_revisions,
+                    oldest_pending_since=1000.0)
+    assert metric_values(st)["lag_revisions"] == 10.0
+    assert "off-host RPO: 10 revision(s) not in the bucket" in st.describe(5000.0)
+    assert queue.revisions_of([]) == 0
