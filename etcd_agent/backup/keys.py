@@ -52,7 +52,10 @@ class KeyState:
 
 
 def key_path(cfg: "Config") -> str:
-    """Beside the config file the agent was started with, else the default."""
+    """``[backup] manifest_key``, else beside the config file the agent was started with, else the
+    default."""
+    if cfg.backup.manifest_key:
+        return cfg.backup.manifest_key
     if cfg.path:
         return os.path.join(os.path.dirname(os.path.abspath(cfg.path)), KEY_NAME)
     return KEY_FILE

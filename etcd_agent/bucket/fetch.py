@@ -24,7 +24,8 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Sequence, Tuple
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent.backup.catalog import DATE_SPEC_RE, STAMP_RE
 from etcd_agent.bucket import layout
@@ -77,25 +78,61 @@ def local_file(name: str) -> Tuple[str, str]:
     return placed.file, placed.kind
 
 
-def select(objs: Sequence["RemoteObject"], spec: str) -> "RemoteObject":
+def select(objs: Sequence["RemoteObject"], spec: str, *, now: Optional[datetime] = None) -> "RemoteObject":
     """``spec`` (latest, a file name, a date(-time) prefix, as ``restore --from``) among the full
-    backups ``list_remote`` found (newest first); a copy under chains/ before a legacy one."""
+    backups ``list_remote`` found (newest first); a copy under chains/ before a legacy one. A
+    backup dated ahead of ``now`` (the catalog's zone; a clock that once jumped) is never chosen
+    by ``latest`` or a date, and refused by name, as the local catalog refuses it."""
     spec = spec.strip()
     if not objs:
         raise UsageError("backup fetch: the bucket holds no full backup")
-    if spec == "latest":
-        return objs[0]
+    ahead = {id(o): _ahead(o, now) for o in objs}
     named = [o for o in objs if o.name == spec]
     if named:
-        return sorted(named, key=lambda o: not o.chain)[0]
+        pick = sorted(named, key=lambda o: not o.chain)[0]
+        if ahead[id(pick)]:
+            raise RefusedError(f"{pick.name} in the bucket is not usable: {ahead[id(pick)]}; nothing fetched")
+        return pick
+    usable = [o for o in objs if not ahead[id(o)]]
+    if not usable:
+        raise UsageError(f"every full backup in the bucket is dated in the future ({_stamp(objs[0].name)} ... "
+                         f"{_stamp(objs[-1].name)}; now {now}): none is trusted as latest")
+    if spec == "latest":
+        return usable[0]
     if "/" in spec or not DATE_SPEC_RE.match(spec):
         raise UsageError(f"backup fetch {spec!r}: not a backup in the bucket, a date(-time) prefix like 2019-08-07 or "
                          "2019-08-07-13, or latest")
-    matches = [o for o in objs if _stamp(o.name) == spec or _stamp(o.name).startswith(spec + "-")]
+    matches = [o for o in usable if _stamp(o.name) == spec or _stamp(o.name).startswith(spec + "-")]
     if not matches:
         raise UsageError(f"backup fetch {spec}: no backup from {spec} in the bucket (its backups range from "
                          f"{_stamp(objs[-1].name)} to {_stamp(objs[0].name)})")
     return matches[0]
+
+
+def _ahead(o: "RemoteObject", now: Optional[datetime]) -> str:
+    from etcd_agent.backup.catalog import CLOCK_MARGIN
+
+    if now is not None and o.time > now + CLOCK_MARGIN:
+        return f"dated in the future by its name ({o.time.isoformat()}; now {now.isoformat(timespec='seconds')})"
+    return ""
+
+
+def _not_after(objs: Sequence["RemoteObject"], when: Optional[datetime],
+               revision: Optional[int]) -> List["RemoteObject"]:
+    """The full backups taken at or before ``when`` / at or below ``revision`` (the revision of
+    the object's metadata only narrows the choice; the restore reads it from the content)."""
+    out = []
+    for o in objs:
+        rev = str(o.metadata.get("revision", ""))
+        if when is not None and o.time > when:
+            continue
+        if revision is not None and rev.isdigit() and int(rev) > revision:
+            continue
+        out.append(o)
+    if not out:
+        raise UsageError("the bucket holds no full backup from before the target"
+                         + (f" (its oldest is {_stamp(objs[-1].name)})" if objs else ""))
+    return out
 
 
 def _stamp(name: str) -> str:
@@ -112,11 +149,18 @@ def order(items: Sequence[Wanted]) -> List[Wanted]:
     return sorted(items, key=key)
 
 
-def plan(cfg: "Config", spec: str) -> Tuple["RemoteObject", List[Wanted]]:
-    """The chosen full backup and every object to fetch for it, in order; listing only."""
+def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
+         max_revision: Optional[int] = None) -> Tuple["RemoteObject", List[Wanted]]:
+    """The chosen full backup and every object to fetch for it, in order; listing only.
+    ``latest`` with ``not_after`` (a time in the catalog's zone) or ``max_revision`` (a point in
+    time's target): the newest full backup at or before it."""
     from etcd_agent.bucket import remote
 
-    full = select(remote.list_remote(cfg), spec)
+    objs = remote.list_remote(cfg)
+    if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
+        objs = _not_after(objs, not_after, max_revision)
+    now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
+    full = select(objs, spec, now=now)
     name = layout.full_name(full.chain, full.name) if full.chain else full.name
     items = [Wanted(name, full.name, layout.FULL, full.size)]
     if full.chain:
@@ -179,6 +223,29 @@ def staging_locked(directory: str) -> Iterator[str]:
 
 def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
     """One object into ``directory``: staged, checked, renamed; resumed from a kept part."""
+    staged = stage_one(b, w, directory)
+    return publish(b, staged, directory)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An object whose bytes were checked against its sha256 metadata: in its part file in the
+    staging dir (``part``), or already in the backup dir with the same bytes (``part`` None)."""
+
+    fetched: Fetched
+    obj: "RemoteObject"
+    part: Optional[str]
+    bytes_read: int = 0  # what this run took from the bucket
+
+    @property
+    def file(self) -> str:
+        return self.fetched.wanted.file
+
+
+def stage_one(b: "Bucket", w: Wanted, directory: str, *,
+              progress: Optional[Callable[[int, int], None]] = None) -> Staged:
+    """One object streamed into its part in the staging dir and checked whole; nothing is written
+    outside the staging dir. A part a killed run left is continued; a whole one is re-hashed."""
     from etcd_agent.bucket import remote
 
     file, _kind = local_file(w.name)
@@ -189,7 +256,7 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
     if os.path.lexists(target):
         how = _already_here(b, obj, target)
         _discard(part, etag_file)  # a part of a run killed between the link and its clean-up
-        return Fetched(w, how)
+        return Staged(Fetched(w, how), obj, None)
     offset, sha = _resume_from(part, etag_file, obj)
     try:
         free = shutil.disk_usage(staging).free
@@ -201,7 +268,8 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
         with os.fdopen(fd, "r+b") as fh:
             fh.truncate(offset)  # a part longer than what was hashed would not be continued
             fh.seek(offset)
-            size, digest = remote.stream_object(b, obj, fh, offset=offset, sha=sha)
+            size, digest = remote.stream_object(b, obj, _Counted(fh, offset, obj.size, progress),
+                                                offset=offset, sha=sha)
             fh.flush()
             os.fsync(fh.fileno())
     except BackupCorrupt:  # more bytes than claimed: nothing of it is worth continuing
@@ -213,19 +281,45 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
     if problems:  # a bad copy is not kept to be continued
         _discard(part, etag_file)
         raise BackupCorrupt(f"{b.where(w.name)} failed its checksum on fetch: nothing of it kept", details=problems)
+    how = "resumed" if offset else "fetched"
+    return Staged(Fetched(w, how, offset), obj, part, size - offset)
+
+
+def publish(b: "Bucket", staged: Staged, directory: str) -> Fetched:
+    """A staged object's part linked into ``directory`` under its own name (never over a
+    different file of that name), its part and ETag file removed."""
+    if staged.part is None:
+        return staged.fetched
+    file = staged.file
+    target = os.path.join(directory, file)
+    etag_file = staged.part[:-len(".part")] + ".etag"
     try:
-        os.link(part, target)  # fails rather than replace a file that appeared meanwhile
+        os.link(staged.part, target)  # fails rather than replace a file that appeared meanwhile
     except FileExistsError:
-        _discard(part, etag_file)
-        return Fetched(w, _already_here(b, obj, target))
+        _discard(staged.part, etag_file)
+        return Fetched(staged.fetched.wanted, _already_here(b, staged.obj, target))
     except OSError as exc:
         raise BackupError(f"cannot write {target}: {exc.strerror or exc}") from exc
     fsync_dir(directory)
-    _discard(part, etag_file)
-    how = "resumed" if offset else "fetched"
-    log.info("%s %s to %s (%d bytes, sha256 ok%s)", how, b.where(w.name), target, size,
-             f", continued at byte {offset}" if offset else "")
-    return Fetched(w, how, offset)
+    _discard(staged.part, etag_file)
+    f = staged.fetched
+    log.info("%s %s to %s (%d bytes, sha256 ok%s)", f.how, b.where(f.wanted.name), target, staged.obj.size,
+             f", continued at byte {f.resumed_at}" if f.resumed_at else "")
+    return f
+
+
+class _Counted:
+    """The part file's writer, telling ``progress`` (bytes so far, object size) as bytes land."""
+
+    def __init__(self, fh: Any, done: int, total: int, progress: Optional[Callable[[int, int], None]]) -> None:
+        self.fh, self.done, self.total, self.progress = fh, done, total, progress
+
+    def write(self, chunk: bytes) -> int:
+        n: int = self.fh.write(chunk)
+        self.done += len(chunk)
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        return n
 
 
 def _resume_from(part: str, etag_file: str, obj: "RemoteObject") -> Tuple[int, "hashlib._Hash"]:
@@ -266,6 +360,11 @@ def _already_here(b: "Bucket", obj: "RemoteObject", target: str) -> str:
         raise RefusedError(f"{target} exists and differs from {b.where(obj.name)}: it is not overwritten; move it "
                            "away to fetch the copy")
     return "already here"
+
+
+def discard_part(part: str) -> None:
+    """A staged part and its ETag file removed (bytes that failed a check are not continued)."""
+    _discard(part, part[:-len(".part")] + ".etag")
 
 
 def _discard(*paths: str) -> None:

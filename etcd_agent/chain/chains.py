@@ -34,7 +34,7 @@ from etcd_agent.chain.segments import (
     ms_to_datetime,
     parse_name,
 )
-from etcd_agent.fs import regular_fd
+from etcd_agent.fs import regular_fd, size_text
 from etcd_agent.safejson import loads
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class ChainSummary:
                 cps = (f" from checkpoint {self.checkpoints[-1].name} (the newest of {len(self.checkpoints)} it vouches "
                        f"for; {self.replay_events} events after it)")
             what = (f"{self.usable} segment(s){enc}, revisions {self.base_revision + 1}..{self.end_revision} "
-                    f"(until {end}), {self.events} events, {_size(self.bytes)}; a restore to its end replays "
+                    f"(until {end}), {self.events} events, {size_text(self.bytes)}; a restore to its end replays "
                     f"~{self.replay_seconds:.0f}s{cps} (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
         if self.stop is not None:
             what += f"; BROKEN at revision {self.stop.at_revision}: {self.stop.reason}"
@@ -138,14 +138,6 @@ class Scan:
         """The chain continuing the full backup ``base`` at ``revision`` (the one a watcher
         resumes and a restore replays), or None."""
         return next((c for c in self.chains if c.base_revision == revision and c.continues(base)), None)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
 
 
 def scan(directory: str) -> Scan:

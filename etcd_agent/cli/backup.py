@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.cli.main import Context, Output
 from etcd_agent.errors import EXIT_FAILED, EXIT_OK, AgentError, BackupError, UsageError
+from etcd_agent.fs import size_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.boundaries import Boundary, Record
@@ -103,14 +104,6 @@ def cmd_backup(args: argparse.Namespace, ctx: Context) -> Output:
     return Output(res.to_json(), text)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.backup import keys
     from etcd_agent.backup.catalog import latest, list_backups
@@ -164,7 +157,7 @@ def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Op
         state = f"yes: {e.check}"
     else:
         state = f"no: {e.check}"
-    rows = [f"{e.name:<36} {e.time.isoformat():<25} {_size(e.size):>10} {str(e.revision or '-'):>9} "
+    rows = [f"{e.name:<36} {e.time.isoformat():<25} {size_text(e.size):>10} {str(e.revision or '-'):>9} "
             f"{e.kind:<8} {e.signature:<11} {state}"]
     rows += _origin_rows(e, found)
     rows += [f"{'':<36}   {n}" for n in (e.notes if e.complete else ())]
@@ -214,7 +207,7 @@ def _problem_rows(found: "Scan", orphans: List["ChainSummary"], record: "Record"
     return rows
 
 
-def _require_remote(cfg: "Config") -> None:
+def require_remote(cfg: "Config") -> None:
     if not cfg.backup.remote.enabled:
         raise UsageError("no off-host copies configured: set [backup.remote] enabled = true")
 
@@ -224,14 +217,14 @@ def _list_remote(cfg: "Config") -> Output:
     from etcd_agent.bucket.offsite import remote_chains
     from etcd_agent.bucket.remote import list_remote
 
-    _require_remote(cfg)
+    require_remote(cfg)
     objs = list_remote(cfg)
     keyed, legacy = remote_chains(cfg)
     rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  {'SHA256':<16}  CHAIN"]
     docs = []
     for o in objs:
         where = f"chains/{o.chain[:16]}…" if o.chain else "legacy (top of the prefix)"
-        rows.append(f"{o.name:<32} {o.time.isoformat():<25} {_size(o.size):>10}  {(o.sha256 or '-')[:16]:<16}  {where}")
+        rows.append(f"{o.name:<32} {o.time.isoformat():<25} {size_text(o.size):>10}  {(o.sha256 or '-')[:16]:<16}  {where}")
         revision = _int_or_none(o.metadata.get("revision"))
         names = keyed.get(o.chain, []) if o.chain else legacy.get(revision, []) if revision is not None else []
         got = layout.reach(names, revision)
@@ -251,17 +244,17 @@ def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.bucket import copier, queue
 
     cfg = ctx.config()
-    _require_remote(cfg)
+    require_remote(cfg)
     caches = queue.Caches()
     if args.dry_run:
         plan = copier.pending(cfg, caches)
-        rows = [f"would copy {f.path} to {f.name} ({_size(f.size)})" for f in plan.pending]
+        rows = [f"would copy {f.path} to {f.name} ({size_text(f.size)})" for f in plan.pending]
         rows += [f"not copied: {p}: {why}" for p, why in zip(plan.unplaced, plan.why_unplaced)]
         return Output({"pending": [f.name for f in plan.pending], "pending_bytes": plan.pending_bytes},
                       "\n".join(rows) or "nothing pending: the bucket holds every backup, checkpoint and segment here")
     res = copier.push(cfg, caches)
     left = res.left
-    rows = [f"copied {f.path} to {f.name} ({_size(f.size)})" for f in res.copied]
+    rows = [f"copied {f.path} to {f.name} ({size_text(f.size)})" for f in res.copied]
     if res.error and not res.plan.pending:  # the listing or the backup dir: nothing known to be pending
         raise BackupError(f"backup push: nothing copied: {res.error} (the daemon retries)")
     if res.error:
@@ -276,21 +269,21 @@ def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.bucket import fetch
 
     cfg = ctx.config()
-    _require_remote(cfg)
+    require_remote(cfg)
     full, items = fetch.plan(cfg, args.backup)
     total = sum(w.size for w in items)
     data: Dict[str, Any] = {"backup": full.name, "chain": full.chain or None, "dry_run": args.dry_run,
                             "objects": [w.to_json() for w in items], "bytes": total}
     if args.dry_run:
-        plan = [f"would fetch {w.name} ({_size(w.size)})" for w in items]
-        plan.append(f"{len(items)} object(s), {_size(total)}, into {cfg.backup.dir}; nothing fetched")
+        plan = [f"would fetch {w.name} ({size_text(w.size)})" for w in items]
+        plan.append(f"{len(items)} object(s), {size_text(total)}, into {cfg.backup.dir}; nothing fetched")
         return Output(data, "\n".join(plan))
     rows: List[str] = []
 
     def said(done: "fetch.Fetched") -> None:
         w = done.wanted
         at = f", continued at byte {done.resumed_at}" if done.resumed_at else ""
-        rows.append(f"{done.how} {w.file} ({_size(w.size)}{at})")
+        rows.append(f"{done.how} {w.file} ({size_text(w.size)}{at})")
         if not ctx.json:
             print(rows[-1], flush=True)
 
@@ -300,7 +293,7 @@ def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
         exc.message = f"backup fetch: {len(rows)} of {len(items)} object(s) in place, then: {exc.message}"
         raise
     data["objects"] = [f.to_json() for f in got]
-    summary = f"{full.name}: {len(got)} object(s), {_size(total)}, in {cfg.backup.dir}"
+    summary = f"{full.name}: {len(got)} object(s), {size_text(total)}, in {cfg.backup.dir}"
     return Output(data, summary)
 
 
@@ -408,7 +401,7 @@ def cmd_prune(args: argparse.Namespace, ctx: Context) -> Output:
     if args.remote:
         from etcd_agent.bucket.remote import prune_remote
 
-        _require_remote(cfg)
+        require_remote(cfg)
         decisions = prune_remote(cfg, dry_run=args.dry_run)
     else:
         decisions = prune_locked(cfg, dry_run=args.dry_run)

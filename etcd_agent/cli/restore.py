@@ -1,4 +1,4 @@
-"""`etcd-agent restore --from NAME|PATH|DATE|latest [--to-time T | --to-revision N | --to newest]
+"""`etcd-agent restore --from NAME|PATH|DATE|latest | --from-bucket NAME|DATE|latest [--key-file F] [--to-time T | --to-revision N | --to newest]
 [--accept-unsigned-chain] [--dry-run] [--yes] [--new-token T] [--new-cluster]`,
 `restore rollback [--dry-run] [--yes]` and `restore cleanup [--dry-run] [--keep N] [--yes]`.
 
@@ -15,12 +15,22 @@ from etcd_agent.cli.main import Context, Output
 from etcd_agent.errors import EXIT_REFUSED, RefusedError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.config import Config
     from etcd_agent.node.replies import CleanupReply
+    from etcd_agent.restore.orchestrator.frombucket import BucketPlan
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("restore", help="restore the whole cluster from a backup (all hosts, all or nothing)")
-    p.add_argument("--from", dest="spec", metavar="BACKUP", help="a path, a file name in the backup dir, a date like 2019-08-07, or latest")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--from", dest="spec", metavar="BACKUP", help="a path, a file name in the backup dir, a date like 2019-08-07, or latest")
+    src.add_argument("--from-bucket", dest="bucket_spec", metavar="BACKUP",
+                     help="the same words (a file name, a date, latest), looked up in the bucket of [backup.remote]: "
+                          "the backup (and, for a point in time, its chain) is fetched into the backup dir, checked "
+                          "from its content, then restored - for masters whose backup dir is gone too")
+    p.add_argument("--key-file", metavar="FILE",
+                   help="the cluster's manifest key (a copy of manifest.key kept off the masters, mode 0600): "
+                        "manifests and delta segments are checked with it instead of this host's cached key")
     p.add_argument("--dry-run", action="store_true", help="print the plan per host and run the pre-checks; change nothing")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--new-token", metavar="TOKEN", help="initial cluster token of the restored cluster (default: a new one)")
@@ -69,37 +79,104 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     from etcd_agent.restore.orchestrator.orchestrate import restore
     from etcd_agent.restore.orchestrator.plan import render_plan
 
-    if not args.spec:
-        raise UsageError("restore needs --from BACKUP (a path, a file name, a date like 2019-08-07, or latest)")
+    if not args.spec and not args.bucket_spec:
+        raise UsageError("restore needs --from BACKUP (a path, a file name, a date like 2019-08-07, or latest) or "
+                         "--from-bucket BACKUP")
     identities = load_identity(args.identity)  # refused before anything else when others can read it
-
-    def confirm(text: str) -> bool:
-        sys.stderr.write(text)
-        return ctx.confirm("Restore the whole cluster as planned above?", args.yes)
-
-    opts = Options(
-        spec=args.spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
-        confirm=None if args.yes else confirm, progress=_progress, identities=identities,
-    )
     target = _target(args)
     if args.accept_unsigned_chain and target is None:
         raise UsageError("--accept-unsigned-chain is for a point-in-time restore (--to-time, --to-revision, --to newest)")
+    cfg = ctx.config()
+    if args.key_file:
+        cfg = with_key_file(cfg, args.key_file)
+    spec, fetched = args.spec, None
+    if args.bucket_spec:
+        from etcd_agent.restore.orchestrator import frombucket
+
+        bp = _bucket_plan(cfg, args, target)
+        if args.dry_run:
+            return _bucket_dry_run(cfg, bp)
+        fetched = frombucket.fetch_checked(
+            cfg, bp, _parsed(target), identities=identities, new_cluster=args.new_cluster,
+            checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain, key_file=args.key_file,
+            progress=(lambda s: None) if ctx.json else _progress)
+        spec = bp.file
+    before = "".join(f"  {x}\n" for x in (["from the bucket:"] + fetched.checked if fetched else []))
+
+    def confirm(text: str) -> bool:
+        sys.stderr.write(before + text)
+        return ctx.confirm("Restore the whole cluster as planned above?", args.yes)
+
+    opts = Options(
+        spec=spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
+        confirm=None if args.yes else confirm, progress=_progress, identities=identities,
+    )
     if target is None:
-        out = restore(ctx.config(), opts)
+        out = restore(cfg, opts)
     else:
         from etcd_agent.restore.orchestrator.orchestrate import Restore
         from etcd_agent.restore.orchestrator.source import open_pitr_source
 
-        out = Restore(ctx.config(), opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
+        out = Restore(cfg, opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
             cfg, spec, target, staging, progress=_progress, identities=identities,
             checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain)).run()
+    data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}
     text = render_plan(out.plan)
     if args.dry_run:
         replayed = " (the point-in-time replay ran in a throwaway etcd on loopback)" if target else ""
-        return Output(out.to_json(), text + (f"dry run: nothing changed{replayed}\n" if out.plan.ok
-                                             else "dry run: pre-checks FAILED\n"),
+        return Output(data, text + (f"dry run: nothing changed{replayed}\n" if out.plan.ok
+                                    else "dry run: pre-checks FAILED\n"),
                       exit_code=0 if out.plan.ok else EXIT_REFUSED)
-    return Output(out.to_json(), f"restored from {out.plan.backup} in {out.duration:.1f}s (op {out.plan.op})")
+    return Output(data, f"restored from {out.plan.backup} in {out.duration:.1f}s (op {out.plan.op})")
+
+
+def with_key_file(cfg: "Config", path: str) -> "Config":
+    """``cfg`` checking signatures with the manifest key in ``path`` (``--key-file``): refused
+    unless it holds a key and only its owner can read it."""
+    import dataclasses
+
+    from etcd_agent.backup.keys import read_key_file
+
+    state = read_key_file(path)
+    if state.key is None:
+        raise UsageError(f"--key-file {path}: " + ("; ".join(state.warnings) or "no such file"))
+    if state.warnings:  # its mode: a key others can read signs nothing anyone can trust
+        raise UsageError(f"--key-file {path}: {'; '.join(state.warnings)} (chmod 600 it)")
+    return dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, manifest_key=path))
+
+
+def _parsed(target: Optional[str]) -> Any:
+    from etcd_agent.pitr.replay import Target
+
+    return Target.parse(target) if target is not None else None
+
+
+def _bucket_plan(cfg: "Config", args: argparse.Namespace, target: Optional[str]) -> "BucketPlan":
+    from etcd_agent.cli.backup import require_remote
+    from etcd_agent.restore.orchestrator.frombucket import plan_fetch
+
+    require_remote(cfg)
+    return plan_fetch(cfg, args.bucket_spec, _parsed(target), checkpoints=not args.no_checkpoint)
+
+
+def _bucket_dry_run(cfg: "Config", bp: "BucketPlan") -> Output:
+    """What a restore from the bucket would fetch, object by object; nothing large is fetched, so
+    what needs the snapshot's bytes (its members, the chain, each host's pre-checks) is named,
+    not run."""
+    lines = [f"restore from the bucket: {bp.full.name}" + (f" (chain {bp.full.chain[:16]}...)" if bp.full.chain else
+                                                          " (a legacy copy at the top of the prefix)")]
+    lines += [f"  {x}" for x in bp.lines(cfg.backup.dir)]
+    lines += [
+        "after the fetch, before any master is touched (not run by a dry run: they read the fetched bytes):",
+        "  each object's size and sha256 against its metadata, as it streams",
+        "  the manifest's signature (with --key-file, or the manifest key on this host)",
+        "  the snapshot's members from its own db against this config's names and peer URLs",
+        "  for a point in time: the chain's continuity and sha256 links, its signatures",
+        "  then the restore's own plan and every host's pre-checks, as restore --from the fetched file",
+        "dry run: nothing fetched (`etcd-agent backup fetch` brings it here, then `restore --from NAME --dry-run` "
+        "shows the per-host plan)",
+    ]
+    return Output({"dry_run": True, "bucket": bp.to_json()}, "\n".join(lines) + "\n")
 
 
 def _target(args: argparse.Namespace) -> Optional[str]:

@@ -79,6 +79,7 @@ def demo_config_text(directory: str, members: int, etcd_binary: str, etcdctl: st
         "[backup]",
         f'dir = "{d}/backups"',
         f'metrics_file = "{d}/metrics/etcd_agent_backup.prom"',
+        f'manifest_key = "{d}/manifest.key"',  # where it was before the setting: beside agent.toml
         "",
         "[backup.delta]",
         "enabled = true",

@@ -201,6 +201,9 @@ class BackupSection:
     # age recipients (age1..., public keys): the snapshot is encrypted to them as it streams, so
     # the masters never hold the key that decrypts; empty = not encrypted
     encrypt_to: Tuple[str, ...] = ()
+    # the manifest key's file; None = manifest.key beside the config. A restore on new hosts
+    # (`restore --from-bucket --key-file`) points it at the copy the operator kept off-host
+    manifest_key: Optional[str] = None
     remote: RemoteSection = field(default_factory=RemoteSection)
     delta: DeltaSection = field(default_factory=DeltaSection)
 

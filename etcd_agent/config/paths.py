@@ -40,6 +40,7 @@ EXAMPLES = {
     "drill.dir": "/var/lib/etcd-agent-drill",
     "drill.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_drill.prom",
     "backup.delta.metrics_file": "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom",
+    "backup.manifest_key": "/etc/etcd-agent/manifest.key",
 }
 
 
@@ -98,7 +99,7 @@ def configured_paths(cfg: Config) -> List[Tuple[str, Optional[str], PathKind]]:
         *((f"tls.{n}", getattr(t, n), READ) for n in ("client_ca", "client_cert", "client_key", "peer_ca",
                                                         "peer_cert", "peer_key")),
         ("backup.dir", b.dir, DATA), ("backup.metrics_file", b.metrics_file, WRITE),
-        ("backup.delta.metrics_file", b.delta.metrics_file, WRITE),
+        ("backup.delta.metrics_file", b.delta.metrics_file, WRITE), ("backup.manifest_key", b.manifest_key, WRITE),
         ("backup.remote.credentials_file", r.credentials_file, READ), ("backup.remote.ca_bundle", r.ca_bundle, READ),
         ("ssh.identity_file", s.identity_file, READ), ("ssh.known_hosts", s.known_hosts, READ),
         ("ssh.agent_path", s.agent_path, READ),

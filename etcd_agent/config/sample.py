@@ -75,6 +75,11 @@ host = "10.0.0.13"
 # space_margin = 0.2                  # free space needed: expected size x (1 + margin)
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_backup.prom"
 #                                     # node_exporter textfile: last success time, size, failures
+# manifest_key = "/etc/etcd-agent/manifest.key"
+#                                     # the key that signs manifests and delta segments (default:
+#                                     # manifest.key beside this file; the cluster shares it through
+#                                     # etcd). Keep a copy OFF the masters: a restore on new hosts
+#                                     # checks signatures with it (restore --from-bucket --key-file)
 # encrypt_to = []                     # age recipients, e.g. ["age1...", "age1..."] (at most 20; public
 #                                     # keys: `age-keygen -y KEYFILE` prints one): the snapshot is
 #                                     # encrypted as it streams, the masters never hold the key; restore,

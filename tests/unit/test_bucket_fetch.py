@@ -12,7 +12,7 @@ import pytest
 from etcd_agent.bucket import layout
 from etcd_agent.bucket.fetch import STAGING, Wanted, local_file, order, select, staging_locked
 from etcd_agent.bucket.remote import RemoteObject
-from etcd_agent.errors import BackupCorrupt, BusyError, UsageError
+from etcd_agent.errors import BackupCorrupt, BusyError, RefusedError, UsageError
 
 KEY = "cd" * 32
 
@@ -81,3 +81,19 @@ def test_two_fetches_into_one_backup_dir_do_not_interleave(tmp_path: Path) -> No
                 pass  # pragma: no cover
     with staging_locked(directory):  # released with the first
         pass
+
+
+def test_a_backup_dated_in_the_future_is_never_latest_and_named_is_refused_before_a_fetch() -> None:
+    """A clock that jumped ahead once named a backup in the future: the local catalog does not
+    trust it, and neither does the bucket's choice (fetching it first would only end in the same
+    refusal, after the download)."""
+    now = datetime(2026, 3, 3, 12, 0, 0)
+    ahead, newest, older = (_obj("etcd-2099-01-01-00-00-00.tar"), _obj("etcd-2026-03-02-09-00-00.tar"),
+                            _obj("etcd-2026-03-01-13-00-00.tar"))
+    objs = [ahead, newest, older]
+    assert select(objs, "latest", now=now) is newest
+    assert select(objs, "2026-03", now=now) is newest
+    with pytest.raises(RefusedError, match="dated in the future by its name"):
+        select(objs, "etcd-2099-01-01-00-00-00.tar", now=now)
+    with pytest.raises(UsageError, match="dated in the future"):
+        select([ahead], "latest", now=now)
