@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
+import subprocess
 from datetime import datetime, timedelta, timezone
 from typing import Any, List
 
@@ -210,3 +213,40 @@ def test_wrong_credentials_are_one_sentence_and_keep_nothing(bed, rgw: RgwBed, t
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert wrong not in res.stdout + res.stderr and rgw.secret_key not in res.stdout + res.stderr
     assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name))
+
+
+def readme_block() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    m = re.search(r"<!-- bucket-disaster -->\s*```sh\n(.*?)```\s*<!-- /bucket-disaster -->", text, re.S)
+    assert m, "the README lost its bucket-disaster block"
+    return m.group(1)
+
+
+def test_the_readme_walk_through_runs_verbatim(bed, rgw: RgwBed, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """README "Every master is gone": its block, line by line, on a master whose data dir, backup
+    dir and manifest key are gone; ``etcd-agent`` on PATH reads this bed's config (on a master:
+    /etc/etcd-agent/agent.toml), the key's off-host copy in the current directory."""
+    from tests.integration.test_restore import AGENT
+
+    d, c, bucket = started(bed, rgw)
+    last = _written(c, 30, "/readme/")
+    wait_durable(c, last)
+    live = user_keys(live_at(c.cfg.members[0].client_url, last))
+    want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
+    wait_for(lambda: landed(rgw, bucket, want), 120, f"the {len(want)} files copied")
+    offsite = str(tmp_path / "offsite")
+    _disaster(d, c, offsite)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "etcd-agent"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(AGENT)} -c {shlex.quote(c.config_path)} "$@"\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
+    res = subprocess.run(["bash", "-e", "-x", "-c", readme_block()], cwd=offsite, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "nothing fetched" in res.stdout and "restored from" in res.stdout, res.stdout
+    got = user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0)))
+    assert got == live, (len(got), len(live))
