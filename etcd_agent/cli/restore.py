@@ -17,6 +17,7 @@ from etcd_agent.errors import EXIT_REFUSED, RefusedError, UsageError
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
     from etcd_agent.node.replies import CleanupReply
+    from etcd_agent.pitr.replay import Target
     from etcd_agent.restore.orchestrator.frombucket import BucketPlan
 
 
@@ -97,7 +98,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         if args.dry_run:
             return _bucket_dry_run(cfg, bp)
         fetched = frombucket.fetch_checked(
-            cfg, bp, _parsed(target), identities=identities, new_cluster=args.new_cluster,
+            cfg, bp, target, identities=identities, new_cluster=args.new_cluster,
             checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain, key_file=args.key_file,
             progress=(lambda s: None) if ctx.json else _progress)
         spec = bp.file
@@ -110,16 +111,9 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     opts = Options(
         spec=spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
         confirm=None if args.yes else confirm, progress=_progress, identities=identities,
+        target=target, checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain,
     )
-    if target is None:
-        out = restore(cfg, opts)
-    else:
-        from etcd_agent.restore.orchestrator.orchestrate import Restore
-        from etcd_agent.restore.orchestrator.source import open_pitr_source
-
-        out = Restore(cfg, opts, open_source=lambda cfg, spec, staging, _now: open_pitr_source(
-            cfg, spec, target, staging, progress=_progress, identities=identities,
-            checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain)).run()
+    out = restore(cfg, opts)
     data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}
     text = render_plan(out.plan)
     if args.dry_run:
@@ -145,18 +139,12 @@ def with_key_file(cfg: "Config", path: str) -> "Config":
     return dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, manifest_key=path))
 
 
-def _parsed(target: Optional[str]) -> Any:
-    from etcd_agent.pitr.replay import Target
-
-    return Target.parse(target) if target is not None else None
-
-
-def _bucket_plan(cfg: "Config", args: argparse.Namespace, target: Optional[str]) -> "BucketPlan":
+def _bucket_plan(cfg: "Config", args: argparse.Namespace, target: Optional["Target"]) -> "BucketPlan":
     from etcd_agent.cli.backup import require_remote
     from etcd_agent.restore.orchestrator.frombucket import plan_fetch
 
     require_remote(cfg)
-    return plan_fetch(cfg, args.bucket_spec, _parsed(target), checkpoints=not args.no_checkpoint)
+    return plan_fetch(cfg, args.bucket_spec, target, checkpoints=not args.no_checkpoint)
 
 
 def _bucket_dry_run(cfg: "Config", bp: "BucketPlan") -> Output:
@@ -179,25 +167,25 @@ def _bucket_dry_run(cfg: "Config", bp: "BucketPlan") -> Output:
     return Output({"dry_run": True, "bucket": bp.to_json()}, "\n".join(lines) + "\n")
 
 
-def _target(args: argparse.Namespace) -> Optional[str]:
-    """The point-in-time target (``newest``, a revision, an ISO time), None for a plain restore."""
+def _target(args: argparse.Namespace) -> Optional["Target"]:
+    """The point-in-time target, parsed once here (``newest``, a revision, an ISO time with its
+    zone) and carried typed through the restore; None for a plain restore."""
     from etcd_agent.chain.errors import ReplayError
     from etcd_agent.pitr.replay import Target
 
     if args.to_newest:
-        return "newest"
+        return Target.newest()
     if args.to_revision is not None:
         if args.to_revision < 1:
             raise UsageError("--to-revision must be a revision (>= 1)")
-        return str(args.to_revision)
+        return Target.to_revision(args.to_revision)
     if args.to_time is not None:
         if args.to_time.strip().isdigit() or args.to_time.strip() == "newest":
             raise UsageError(f"--to-time {args.to_time!r}: give an ISO time with its zone, e.g. 2026-12-01T10:03:00Z")
         try:
-            Target.parse(args.to_time)
+            return Target.parse(args.to_time)
         except ReplayError as exc:
             raise UsageError(f"--to-time: {exc.message}") from None
-        return str(args.to_time).strip()
     return None
 
 

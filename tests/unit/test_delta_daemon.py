@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.pitr.replay import Target
 
 import pytest
 
@@ -187,7 +190,7 @@ def test_delta_config_defaults_and_validation() -> None:
                       "backup.delta.checkpoint_keep must be between 1 and 10"], errors
 
 
-def target(*argv: str) -> Optional[str]:
+def target(*argv: str) -> Optional["Target"]:
     from etcd_agent.cli.main import build_parser
     from etcd_agent.cli.restore import _target
 
@@ -196,9 +199,13 @@ def target(*argv: str) -> Optional[str]:
 
 def test_restore_target_flags() -> None:
     assert target() is None
-    assert target("--to", "newest") == "newest"
-    assert target("--to-revision", "42") == "42"
-    assert target("--to-time", "2026-12-01T10:03:00Z") == "2026-12-01T10:03:00Z"
+    from datetime import datetime, timezone
+
+    from etcd_agent.pitr.replay import Target
+
+    assert target("--to", "newest") == Target.newest()  # parsed once, here, and carried typed
+    assert target("--to-revision", "42") == Target.to_revision(42)
+    assert target("--to-time", "2026-12-01T10:03:00Z") == Target.to_time(datetime(2026, 12, 1, 10, 3, tzinfo=timezone.utc))
     for bad in (("--to-time", "2026-12-01T10:03:00"), ("--to-time", "yesterday"), ("--to-time", "42"),
                 ("--to-revision", "0")):
         with pytest.raises(UsageError):

@@ -63,7 +63,7 @@ def run(cfg: Any, identities: Any) -> Any:
     real = pitr.replay_kept
     pitr.replay_kept = no_replay  # type: ignore[assignment]
     try:
-        return open_pitr_source(cfg, "latest", str(END), os.path.join(cfg.backup.dir, ".stage"), identities=identities)
+        return open_pitr_source(cfg, "latest", Target.to_revision(END), os.path.join(cfg.backup.dir, ".stage"), identities=identities)
     finally:
         pitr.replay_kept = real  # type: ignore[assignment]
 

@@ -11,6 +11,7 @@ from etcd_agent.restore.orchestrator.live import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
+    from etcd_agent.pitr.replay import Target
 
 # what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
 LEFT_AS_IS = ("steps still running on the hosts were not waited for and nothing more was done (a stuck one is "
@@ -35,6 +36,10 @@ class Options:
     progress: Progress = lambda s: None
     health_timeout: Optional[float] = None
     identities: Optional["Identities"] = None  # decrypts an encrypted backup (--identity)
+    # a point in time (parsed once, by the CLI): the full backup's chain replayed to it; None: plain
+    target: Optional["Target"] = None
+    checkpoints: bool = True  # False: --no-checkpoint (the whole chain from the full backup)
+    accept_unsigned: bool = False  # --accept-unsigned-chain
 
 
 @dataclass

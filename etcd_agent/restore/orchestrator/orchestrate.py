@@ -67,7 +67,7 @@ from etcd_agent.restore.orchestrator.precheck import (
     token_problem,
 )
 from etcd_agent.restore.orchestrator.ship import Standby
-from etcd_agent.restore.orchestrator.source import Source
+from etcd_agent.restore.orchestrator.source import Source, open_pitr_source
 from etcd_agent.restore.orchestrator.source import open_source as _open_source
 from etcd_agent.restore.orchestrator.stage import stage
 
@@ -102,8 +102,15 @@ class Restore:
         self._evidence: "Optional[Future[Evidence]]" = None
         self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
-        self._open_source = open_source or (lambda c, spec, st, now: _open_source(c, spec, st, hash_now=now,
-                                                                                   identities=opts.identities))
+        self._open_source = open_source or self._default_source
+
+    def _default_source(self, cfg: Config, spec: str, staging: str, hash_now: bool) -> Source:
+        """The backup ``--from`` names; with a target, its chain replayed to it first."""
+        o = self.opts
+        if o.target is None:
+            return _open_source(cfg, spec, staging, hash_now=hash_now, identities=o.identities)
+        return open_pitr_source(cfg, spec, o.target, staging, progress=o.progress, identities=o.identities,
+                                checkpoints=o.checkpoints, accept_unsigned=o.accept_unsigned)
 
     def open_all(self, command: str) -> None:
         """Sessions to every host, each holding its lock, for ``command`` (e.g. "restore

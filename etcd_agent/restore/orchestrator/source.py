@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
 from etcd_agent.backup.reader import Archive, open_archive
 from etcd_agent.config import Config
@@ -38,8 +38,9 @@ from etcd_agent.state.locks import OperationLock
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
+    from etcd_agent.backup.catalog import Entry
     from etcd_agent.pitr.prepare import Prepared
-    from etcd_agent.pitr.replay import ReplayResult
+    from etcd_agent.pitr.replay import ReplayResult, Target
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Source:
             self.lock.release()
 
 
-def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool = False,
+def open_source(cfg: Config, spec: Union[str, "Entry"], staging_parent: str, *, hash_now: bool = False,
                 identities: Optional["Identities"] = None) -> Source:
     """The backup ``spec`` names, read and checked (``hash_now``: hash the whole snapshot now, as
     a dry run does; otherwise it is hashed as it is shipped). An encrypted one is decrypted with
@@ -119,10 +120,13 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
     from etcd_agent.backup.catalog import resolve_from
     from etcd_agent.backup.keys import local_key
 
-    kept = _kept_replay(cfg, spec)
-    if kept is not None:
-        return kept
-    path = resolve_from(cfg, spec).path
+    if isinstance(spec, str):
+        kept = _kept_replay(cfg, spec)
+        if kept is not None:
+            return kept
+        path = resolve_from(cfg, spec).path
+    else:  # the entry a point-in-time restore resolved already (--from is resolved once)
+        path = spec.path
     if identities is not None:  # its plaintext never under the backup dir (copied off-host)
         from etcd_agent.pitr.workdirs import work_dir
 
@@ -158,7 +162,7 @@ def open_source(cfg: Config, spec: str, staging_parent: str, *, hash_now: bool =
         raise
 
 
-def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *,
+def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
                      identities: Optional["Identities"] = None, checkpoints: bool = True,
                      accept_unsigned: bool = False) -> Source:
@@ -174,9 +178,8 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
     from etcd_agent.chain.errors import CheckpointUnusable
     from etcd_agent.pitr import prepare as pitr
     from etcd_agent.pitr import report, workdirs
-    from etcd_agent.pitr.replay import Target
 
-    parsed = Target.parse(target)
+    parsed = target
     t0 = time.monotonic()
     timings: Dict[str, float] = {}
     held = workdirs.lock(cfg)  # first: the staging of the segments below is this run's own
@@ -188,7 +191,7 @@ def open_pitr_source(cfg: Config, spec: str, target: str, staging_parent: str, *
                 prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
                                     checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
                 timings["prepare"] = time.monotonic() - t0
-                base = open_source(cfg, prep.entry.path, staging_parent, hash_now=False, identities=identities)
+                base = open_source(cfg, prep.entry, staging_parent, hash_now=False, identities=identities)
                 timings["full backup"] = time.monotonic() - t0 - timings["prepare"]
                 try:
                     _chain_matches(prep, base)
