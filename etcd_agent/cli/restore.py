@@ -96,7 +96,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
 
         bp = _bucket_plan(cfg, args, target)
         if args.dry_run:
-            return _bucket_dry_run(cfg, bp)
+            return _bucket_dry_run(cfg, bp, identities)
         fetched = frombucket.fetch_checked(
             cfg, bp, target, identities=identities, new_cluster=args.new_cluster,
             checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain, key_file=args.key_file,
@@ -147,24 +147,33 @@ def _bucket_plan(cfg: "Config", args: argparse.Namespace, target: Optional["Targ
     return plan_fetch(cfg, args.bucket_spec, target, checkpoints=not args.no_checkpoint)
 
 
-def _bucket_dry_run(cfg: "Config", bp: "BucketPlan") -> Output:
-    """What a restore from the bucket would fetch, object by object; nothing large is fetched, so
-    what needs the snapshot's bytes (its members, the chain, each host's pre-checks) is named,
-    not run."""
+def _bucket_dry_run(cfg: "Config", bp: "BucketPlan", identities: Any) -> Output:
+    """What a restore from the bucket would fetch, object by object, and every host's pre-check
+    (sessions, locks, tools, room for a snapshot of the full backup's size); nothing large is
+    fetched, so what needs the snapshot's bytes (its members, the chain) is named, not run."""
+    from etcd_agent.restore.orchestrator.options import Options
+    from etcd_agent.restore.orchestrator.orchestrate import Restore
+
+    hosts = Restore(cfg, Options(spec="", dry_run=True, progress=_progress, identities=identities)).host_checks(
+        "restore --from-bucket --dry-run", bp.full.size)
+    ok = all(not problems for _m, _h, problems in hosts)
     lines = [f"restore from the bucket: {bp.full.name}" + (f" (chain {bp.full.chain[:16]}...)" if bp.full.chain else
                                                           " (a legacy copy at the top of the prefix)")]
     lines += [f"  {x}" for x in bp.lines(cfg.backup.dir)]
+    lines += [f"{m} ({h}): pre-check {'ok' if not p else 'FAILED: ' + '; '.join(p)}" for m, h, p in hosts]
     lines += [
         "after the fetch, before any master is touched (not run by a dry run: they read the fetched bytes):",
         "  each object's size and sha256 against its metadata, as it streams",
         "  the manifest's signature (with --key-file, or the manifest key on this host)",
         "  the snapshot's members from its own db against this config's names and peer URLs",
         "  for a point in time: the chain's continuity and sha256 links, its signatures",
-        "  then the restore's own plan and every host's pre-checks, as restore --from the fetched file",
+        "  then the restore's own plan and every host's pre-checks again, as restore --from the fetched file",
         "dry run: nothing fetched (`etcd-agent backup fetch` brings it here, then `restore --from NAME --dry-run` "
-        "shows the per-host plan)",
+        "shows the whole plan)" if ok else "dry run: pre-checks FAILED; nothing fetched",
     ]
-    return Output({"dry_run": True, "bucket": bp.to_json()}, "\n".join(lines) + "\n")
+    data = {"dry_run": True, "bucket": bp.to_json(),
+            "hosts": [{"member": m, "host": h, "problems": p} for m, h, p in hosts]}
+    return Output(data, "\n".join(lines) + "\n", exit_code=0 if ok else EXIT_REFUSED)
 
 
 def _target(args: argparse.Namespace) -> Optional["Target"]:

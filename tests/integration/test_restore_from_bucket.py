@@ -99,12 +99,16 @@ def test_every_master_gone_restored_from_the_bucket_alone(bed, rgw: RgwBed, tmp_
 
     dry = agent(c, "--json", "restore", "--from-bucket", "latest", "--to", "newest", "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    planned = json.loads(dry.stdout)["bucket"]
+    dry_doc = json.loads(dry.stdout)
+    planned = dry_doc["bucket"]
+    assert [(h["member"], h["problems"]) for h in dry_doc["hosts"]] == [("m1", [])], dry_doc["hosts"]
     kinds = [o["kind"] for o in planned["objects"]]
     assert kinds[0] == "full" and "segment" in kinds, planned
-    assert not os.path.exists(directory) or not _tree(directory), "a dry run fetched"
+    # the hosts' sessions take their operation lock (.etcd-agent.lock in the backup dir), as any dry run's
+    assert not os.path.exists(directory) or _tree(directory) == [".etcd-agent.lock"], "a dry run fetched"
     text = agent(c, "restore", "--from-bucket", "latest", "--to", "newest", "--dry-run")
     assert text.returncode == 0 and "fetch chains/" in text.stdout and "nothing fetched" in text.stdout, text.stdout
+    assert "m1 (local): pre-check ok" in text.stdout, text.stdout
 
     res = agent(c, "restore", "--from-bucket", "latest", "--to", "newest", "--key-file", key, "--yes", timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -122,6 +122,30 @@ class Restore:
     def close_all(self) -> None:
         close_sessions(self.nodes)
 
+    def host_checks(self, command: str, snapshot_size: int) -> List[Tuple[str, str, List[str]]]:
+        """(member, host, problems) of every member, before there is a snapshot to plan with
+        (``restore --from-bucket --dry-run``): sessions (locks taken, unreachable hosts noted),
+        then each host's pre-check against a snapshot of ``snapshot_size`` bytes and an etcd
+        version not known yet; what needs the snapshot's content (identity) is not judged."""
+        from etcd_agent import __version__
+
+        self.nodes = self._make_nodes(self.cfg)
+        self.owner = new_owner(command)
+        self.unreachable = open_sessions(self.cfg, self.nodes, self.owner, self.say, require_all=False)
+        try:
+            facts, problems = self._precheck()
+        finally:
+            close_sessions(self.nodes)
+        out = []
+        for n in self.nodes:
+            for m in n.members:
+                found = list(problems.get(m.name, []))
+                if m.name in facts:
+                    found += check_host(self.cfg, self.cfg.member(m.name), facts[m.name], snapshot_size=snapshot_size,
+                                        snapshot_version=None, agent_version=__version__, resuming=False)
+                out.append((m.name, n.where, found))
+        return out
+
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))
 
