@@ -6,7 +6,8 @@ What runs, in order, before any master is touched:
 1. **List** (``plan_fetch``): the full backup the spec names (the same words as ``--from``:
    ``latest``, a file name, a date), chosen among the bucket's full backups - for a point in time,
    the newest at or before the target - and, for a point in time, its chain's segments and
-   checkpoints (``bucket.fetch.plan``; names from the bucket are hostile: only ours are taken).
+   newest checkpoint at or before the target (``bucket.fetch.plan``; names from the bucket are
+   hostile: only ours are taken; the other checkpoints, each a full backup's size, stay there).
    ``--dry-run`` stops here: it lists every object and its size and fetches nothing.
 2. **Fetch into the staging dir** (``<backup dir>/.fetch/``, 0700, hidden from the catalog): each
    object streamed into its part file, its size and sha256 checked against the object's metadata
@@ -97,16 +98,44 @@ def plan_fetch(cfg: Config, spec: str, target: Optional["Target"], *, checkpoint
     if target is None:
         kept = [w for w in items if w.kind == layout.FULL]
         return BucketPlan(full, tuple(kept), _skipped(items, kept, "a plain restore reads the full backup only"))
+    chosen = _checkpoint(cfg, [w for w in items if w.kind == layout.CHECKPOINT], target) if checkpoints else None
     kept = []
     for w in items:
-        if w.kind == layout.CHECKPOINT and not checkpoints:
+        if w.kind == layout.CHECKPOINT and w != chosen:
             continue
         if w.kind == layout.SEGMENT and target.kind == "revision" and target.revision is not None:
             rng = parse_name(w.file)
             if rng is not None and rng[0] > target.revision:
                 continue
         kept.append(w)
-    return BucketPlan(full, tuple(kept), _skipped(items, kept, f"not needed to reach {target.describe()}"))
+    return BucketPlan(full, tuple(kept), _skipped(items, kept, f"not needed to reach {target.describe()} (older "
+                                                                "checkpoints, segments after the target)"))
+
+
+def _checkpoint(cfg: Config, cps: Sequence[fetch.Wanted], target: "Target") -> Optional[fetch.Wanted]:
+    """The one checkpoint worth fetching: the newest at or before the target (by its name's time,
+    or for a revision by its object's metadata). Each is a full backup's size: the others are
+    left in the bucket. Nothing here is trusted - the chain decides whether the replay may start
+    from it (``pitr.prepare``), and without it the replay starts from the full backup."""
+    from etcd_agent.backup.catalog import name_time
+    from etcd_agent.bucket import remote
+    from etcd_agent.bucket.client import Bucket
+
+    def when_ms(w: fetch.Wanted) -> int:
+        t = name_time(w.file, cfg.backup.utc)
+        return int(t.timestamp() * 1000) if t is not None else 0
+
+    newest_first = sorted(cps, key=when_ms, reverse=True)
+    if target.kind == "time" and target.time_ms is not None:
+        return next((w for w in newest_first if when_ms(w) <= target.time_ms), None)
+    if target.kind == "revision" and target.revision is not None:
+        b = Bucket(cfg)
+        for w in newest_first:
+            rev = str(remote.checkable(b, w.name).metadata.get("revision", ""))
+            if rev.isdigit() and int(rev) <= target.revision:
+                return w
+        return None
+    return newest_first[0] if newest_first else None
 
 
 def _choice(cfg: Config, target: Optional["Target"]) -> Dict[str, Any]:
