@@ -22,8 +22,9 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 STAGING = ".fetch"
+_FOLDER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")  # what expand_prefix makes of a host name
 _KIND_RANK = {layout.FULL: 0, layout.CHECKPOINT: 1, layout.SEGMENT: 2}
 
 
@@ -156,11 +158,13 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
     time's target): the newest full backup at or before it."""
     from etcd_agent.bucket import remote
 
-    objs = remote.list_remote(cfg)
+    objs = sorted((replace(o, folder=folder) for folder, bound_cfg in host_folders(cfg)
+                   for o in remote.list_remote(bound_cfg)), key=lambda o: (o.time, o.name), reverse=True)
     if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
         objs = _not_after(objs, not_after, max_revision)
     now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
     full = select(objs, spec, now=now)
+    cfg = bound(cfg, full.folder)  # its chain is in the same master's folder
     name = layout.full_name(full.chain, full.name) if full.chain else full.name
     items = [Wanted(name, full.name, layout.FULL, full.size)]
     if full.chain:
@@ -181,6 +185,33 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
             raise BackupCorrupt(f"{w.name} in the bucket claims {w.size} bytes, more than any backup "
                                 f"({remote.MAX_OBJECT_BYTES} bytes): nothing fetched")
     return full, order(items)
+
+
+def host_folders(cfg: "Config") -> List[Tuple[str, "Config"]]:
+    """(folder, the config bound to it) of every master that copied to the bucket. With ``{host}``
+    a whole segment of ``[backup.remote] prefix`` (the default), each master copies into a folder
+    named after its host name; a restore on new hosts - maybe named otherwise - looks through
+    every folder found there (names of plain characters only; anything else is not ours). Any
+    other prefix: this host's own, as for every other command."""
+    from etcd_agent.bucket import remote
+    from etcd_agent.bucket.client import expand_prefix
+
+    r = cfg.backup.remote
+    parts = r.prefix.split("/")
+    if "{host}" not in parts:
+        return [("", cfg)]
+    above = "/".join(parts[:parts.index("{host}")])
+    above = expand_prefix(above + "/", cfg.cluster.name) if above else ""
+    found = sorted({f for f in remote.list_folders(cfg, above) if _FOLDER_RE.match(f)})
+    return [(f, bound(cfg, f)) for f in found] or [("", cfg)]
+
+
+def bound(cfg: "Config", folder: str) -> "Config":
+    """``cfg`` with its prefix's ``{host}`` pinned to ``folder`` ("" unchanged)."""
+    if not folder:
+        return cfg
+    r = cfg.backup.remote
+    return replace(cfg, backup=replace(cfg.backup, remote=replace(r, prefix=r.prefix.replace("{host}", folder))))
 
 
 def fetch_all(cfg: "Config", items: Sequence[Wanted], *,

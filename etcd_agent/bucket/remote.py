@@ -75,6 +75,9 @@ class RemoteObject:
     metadata: Mapping[str, str] = field(default_factory=dict)
     verified_by: str = ""  # after an upload: the check that ran (CHECKS)
     chain: str = ""  # the chain's key under chains/ ("" a legacy copy at the top of the prefix)
+    # the master's folder it was found in, when the prefix holds {host} and a restore on a new
+    # host looks through every master's ("" this host's own prefix)
+    folder: str = ""
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -154,6 +157,20 @@ def list_objects(cfg: Config, under: str) -> List[Tuple[str, int, str]]:
     b = Bucket(cfg)
     return [(item["Key"][len(b.prefix):], int(item.get("Size", 0)), str(item.get("ETag", "")).strip('"'))
             for item in _pages(b, under, delimiter=False)]
+
+
+def list_folders(cfg: Config, above: str) -> List[str]:
+    """The folder names one level below ``above`` (a key prefix of the bucket, not of ours):
+    one delimited listing, bounded like every listing."""
+    b = Bucket(cfg)
+    where = f"s3://{b.bucket}/{above}"
+    out: List[str] = []
+    with b.within(), b.errors(f"cannot list {where}"):
+        for page in b.client.get_paginator("list_objects_v2").paginate(Bucket=b.bucket, Prefix=above, Delimiter="/"):
+            out += [str(p.get("Prefix", ""))[len(above):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            if len(out) > MAX_LISTED:
+                raise BackupError(f"cannot list {where}: more than {MAX_LISTED} folders under it")
+    return out
 
 
 def head_sha256(cfg: Config, name: str) -> Optional[str]:

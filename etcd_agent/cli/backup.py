@@ -272,7 +272,8 @@ def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
     require_remote(cfg)
     full, items = fetch.plan(cfg, args.backup)
     total = sum(w.size for w in items)
-    data: Dict[str, Any] = {"backup": full.name, "chain": full.chain or None, "dry_run": args.dry_run,
+    data: Dict[str, Any] = {"backup": full.name, "chain": full.chain or None, "folder": full.folder or None,
+                            "dry_run": args.dry_run,
                             "objects": [w.to_json() for w in items], "bytes": total}
     if args.dry_run:
         plan = [f"would fetch {w.name} ({size_text(w.size)})" for w in items]
@@ -288,7 +289,7 @@ def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
             print(rows[-1], flush=True)
 
     try:
-        got = fetch.fetch_all(cfg, items, progress=said)
+        got = fetch.fetch_all(fetch.bound(cfg, full.folder), items, progress=said)
     except AgentError as exc:
         exc.message = f"backup fetch: {len(rows)} of {len(items)} object(s) in place, then: {exc.message}"
         raise

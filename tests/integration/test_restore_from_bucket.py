@@ -254,3 +254,44 @@ def test_the_readme_walk_through_runs_verbatim(bed, rgw: RgwBed, tmp_path) -> No
     assert "nothing fetched" in res.stdout and "restored from" in res.stdout, res.stdout
     got = user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0)))
     assert got == live, (len(got), len(live))
+
+
+def test_new_hosts_with_other_names_find_the_old_masters_folders(bed, rgw: RgwBed, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The default prefix (``etcd-backup/{cluster}/{host}/``) files each master's copies under its
+    host name; the new masters may be named otherwise. The restore looks through every master's
+    folder (a hostile folder name is not one), takes the newest, and fetches from that folder."""
+    from tests.integration.continuous import start_all, wait_watching
+    from tests.integration.test_bucket_queue import remote_table
+
+    bucket = rgw.new_bucket()
+    table = remote_table(rgw, bucket).replace('prefix = "p/"', 'prefix = "etcd-backup/{cluster}/{host}/"')
+    d = bed(tables=table)
+    start_all(d)
+    wait_watching(d.c)
+    c = d.c
+    last = _written(c, 20, "/hosts/")
+    wait_durable(c, last)
+    live = user_keys(live_at(c.cfg.members[0].client_url, last))
+    s3 = rgw.client()
+    mine = remotebucket.expand_prefix("etcd-backup/{cluster}/{host}/", c.cfg.cluster.name)
+    want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
+
+    def copied() -> bool:
+        got = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(Bucket=bucket, Prefix=mine).get("Contents", [])}
+        return all(f in got for f in want)
+
+    wait_for(copied, 120, f"the {len(want)} files copied under {mine}")
+    _disaster(d, c, str(tmp_path / "offsite"))
+    old = f"etcd-backup/{c.cfg.cluster.name}/old-master-1/"
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=mine)["Contents"]:  # the old master's folder
+        head = s3.head_object(Bucket=bucket, Key=o["Key"])
+        s3.copy_object(Bucket=bucket, Key=old + o["Key"][len(mine):], CopySource={"Bucket": bucket, "Key": o["Key"]},
+                       Metadata=head["Metadata"], MetadataDirective="REPLACE")
+        s3.delete_object(Bucket=bucket, Key=o["Key"])
+    s3.put_object(Bucket=bucket, Key=f"etcd-backup/{c.cfg.cluster.name}/.hidden/etcd-2099-01-01-00-00-00.tar", Body=b"x",
+                  Metadata={"sha256": hashlib.sha256(b"x").hexdigest()})
+    res = agent(c, "restore", "--from-bucket", "latest", "--to", "newest", "--yes", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "chains/" in res.stderr and "old-master-1" in res.stderr, res.stderr
+    wait_healthy(c.cfg, 1, 60)
+    assert user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))) == live

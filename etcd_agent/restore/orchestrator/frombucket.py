@@ -76,11 +76,13 @@ class BucketPlan:
         return self.full.name
 
     def to_json(self) -> Dict[str, Any]:
-        return {"backup": self.full.name, "chain": self.full.chain or None, "bytes": self.total,
+        return {"backup": self.full.name, "chain": self.full.chain or None, "folder": self.full.folder or None,
+                "bytes": self.total,
                 "objects": [w.to_json() for w in self.items], "not_fetched": list(self.skipped)}
 
     def lines(self, directory: str) -> List[str]:
-        out = [f"fetch {w.name} ({size_text(w.size)})" for w in self.items]
+        out = [f"from the folder of host {self.full.folder} (the prefix's {{host}})"] if self.full.folder else []
+        out += [f"fetch {w.name} ({size_text(w.size)})" for w in self.items]
         out += [f"not fetched: {s}" for s in self.skipped]
         out.append(f"{len(self.items)} object(s), {size_text(self.total)}, into {directory} (checked in "
                    f"{os.path.join(directory, fetch.STAGING)} first)")
@@ -98,7 +100,8 @@ def plan_fetch(cfg: Config, spec: str, target: Optional["Target"], *, checkpoint
     if target is None:
         kept = [w for w in items if w.kind == layout.FULL]
         return BucketPlan(full, tuple(kept), _skipped(items, kept, "a plain restore reads the full backup only"))
-    chosen = _checkpoint(cfg, [w for w in items if w.kind == layout.CHECKPOINT], target) if checkpoints else None
+    chosen = (_checkpoint(fetch.bound(cfg, full.folder), [w for w in items if w.kind == layout.CHECKPOINT], target)
+              if checkpoints else None)
     kept = []
     for w in items:
         if w.kind == layout.CHECKPOINT and w != chosen:
@@ -187,9 +190,12 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     from etcd_agent.bucket.client import Bucket
 
     t0 = time.monotonic()
-    b = Bucket(cfg)
+    b = Bucket(fetch.bound(cfg, bp.full.folder))  # the folder of the master that copied it
     directory = cfg.backup.dir
     staged: List[fetch.Staged] = []
+    if bp.full.folder:
+        progress(f"{bp.file} is in the folder of host {bp.full.folder} (the prefix's {{host}}: the newest of every "
+                 "master's folder found)")
     with fetch.staging_locked(directory) as staging:
         for i, w in enumerate(bp.items, 1):
             try:
