@@ -151,11 +151,10 @@ def _bucket_dry_run(cfg: "Config", bp: "BucketPlan", identities: Any) -> Output:
     """What a restore from the bucket would fetch, object by object, and every host's pre-check
     (sessions, locks, tools, room for a snapshot of the full backup's size); nothing large is
     fetched, so what needs the snapshot's bytes (its members, the chain) is named, not run."""
+    from etcd_agent.restore.orchestrator.frombucket import host_checks
     from etcd_agent.restore.orchestrator.options import Options
-    from etcd_agent.restore.orchestrator.orchestrate import Restore
 
-    hosts = Restore(cfg, Options(spec="", dry_run=True, progress=_progress, identities=identities)).host_checks(
-        "restore --from-bucket --dry-run", bp.full.size)
+    hosts = host_checks(cfg, Options(spec="", dry_run=True, progress=_progress, identities=identities), bp.full.size)
     ok = all(not problems for _m, _h, problems in hosts)
     lines = [f"restore from the bucket: {bp.full.name}" + (f" (chain {bp.full.chain[:16]}...)" if bp.full.chain else
                                                           " (a legacy copy at the top of the prefix)")]

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.bucket.client import Bucket
     from etcd_agent.bucket.remote import RemoteObject
     from etcd_agent.pitr.replay import Target
+    from etcd_agent.restore.orchestrator.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -367,3 +368,28 @@ def _check_chain(cfg: Config, here: Config, file: str, target: "Target", *,
     if prep.signatures:
         lines.append(prep.signatures)
     return lines
+
+
+def host_checks(cfg: Config, opts: "Options", snapshot_size: int) -> List[Tuple[str, str, List[str]]]:
+    """(member, host, problems) of every member before there is a snapshot to plan with (the
+    dry run): sessions (locks taken, unreachable hosts noted), then each host's pre-check against
+    a snapshot of ``snapshot_size`` bytes, its etcd version and identity left to the real run."""
+    from etcd_agent import __version__
+    from etcd_agent.restore.orchestrator.orchestrate import Restore
+    from etcd_agent.restore.orchestrator.precheck import check_host
+
+    r = Restore(cfg, opts)
+    r.open_reachable("restore --from-bucket --dry-run")
+    try:
+        facts, problems = r.precheck()
+    finally:
+        r.close_all()
+    out = []
+    for n in r.nodes:
+        for m in n.members:
+            found = list(problems.get(m.name, []))
+            if m.name in facts:
+                found += check_host(cfg, cfg.member(m.name), facts[m.name], snapshot_size=snapshot_size,
+                                    snapshot_version=None, agent_version=__version__, resuming=False)
+            out.append((m.name, n.where, found))
+    return out

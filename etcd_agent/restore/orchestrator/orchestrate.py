@@ -67,8 +67,7 @@ from etcd_agent.restore.orchestrator.precheck import (
     token_problem,
 )
 from etcd_agent.restore.orchestrator.ship import Standby
-from etcd_agent.restore.orchestrator.source import Source, open_pitr_source
-from etcd_agent.restore.orchestrator.source import open_source as _open_source
+from etcd_agent.restore.orchestrator.source import Source, source_for
 from etcd_agent.restore.orchestrator.stage import stage
 
 log = logging.getLogger(__name__)
@@ -102,15 +101,7 @@ class Restore:
         self._evidence: "Optional[Future[Evidence]]" = None
         self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
-        self._open_source = open_source or self._default_source
-
-    def _default_source(self, cfg: Config, spec: str, staging: str, hash_now: bool) -> Source:
-        """The backup ``--from`` names; with a target, its chain replayed to it first."""
-        o = self.opts
-        if o.target is None:
-            return _open_source(cfg, spec, staging, hash_now=hash_now, identities=o.identities)
-        return open_pitr_source(cfg, spec, o.target, staging, progress=o.progress, identities=o.identities,
-                                checkpoints=o.checkpoints, accept_unsigned=o.accept_unsigned)
+        self._open_source = open_source or source_for(opts)
 
     def open_all(self, command: str) -> None:
         """Sessions to every host, each holding its lock, for ``command`` (e.g. "restore
@@ -122,29 +113,12 @@ class Restore:
     def close_all(self) -> None:
         close_sessions(self.nodes)
 
-    def host_checks(self, command: str, snapshot_size: int) -> List[Tuple[str, str, List[str]]]:
-        """(member, host, problems) of every member, before there is a snapshot to plan with
-        (``restore --from-bucket --dry-run``): sessions (locks taken, unreachable hosts noted),
-        then each host's pre-check against a snapshot of ``snapshot_size`` bytes and an etcd
-        version not known yet; what needs the snapshot's content (identity) is not judged."""
-        from etcd_agent import __version__
-
+    def open_reachable(self, command: str) -> None:
+        """Sessions to every host that answers, each holding its lock (the others in
+        ``unreachable``), for ``command``: a dry run's pre-checks before there is a snapshot."""
         self.nodes = self._make_nodes(self.cfg)
         self.owner = new_owner(command)
         self.unreachable = open_sessions(self.cfg, self.nodes, self.owner, self.say, require_all=False)
-        try:
-            facts, problems = self._precheck()
-        finally:
-            close_sessions(self.nodes)
-        out = []
-        for n in self.nodes:
-            for m in n.members:
-                found = list(problems.get(m.name, []))
-                if m.name in facts:
-                    found += check_host(self.cfg, self.cfg.member(m.name), facts[m.name], snapshot_size=snapshot_size,
-                                        snapshot_version=None, agent_version=__version__, resuming=False)
-                out.append((m.name, n.where, found))
-        return out
 
     def node_of(self, member: str) -> HostNode:
         return next(n for n in self.nodes if any(m.name == member for m in n.members))
@@ -197,7 +171,7 @@ class Restore:
         # what the running cluster says of itself (read-only), asked while the hosts pre-check
         with ThreadPoolExecutor(max_workers=1) as ex:
             self._evidence = ex.submit(self.cluster.evidence)
-            facts, host_problems = self._precheck()
+            facts, host_problems = self.precheck()
             self.timings["precheck"] = time.monotonic() - t
             t = time.monotonic()
             plan = self._plan(source, facts, host_problems)
@@ -225,7 +199,7 @@ class Restore:
                  f"member healthy at revision {sorted(set(outcome.revisions.values()))}")
         return outcome
 
-    def _precheck(self) -> Tuple[Dict[str, NodeFacts], Dict[str, List[str]]]:
+    def precheck(self) -> Tuple[Dict[str, NodeFacts], Dict[str, List[str]]]:
         """Every reachable host's facts (read-only); a problem line for every member that has none."""
         facts: Dict[str, NodeFacts] = {}
         problems: Dict[str, List[str]] = {}

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.backup.catalog import Entry
     from etcd_agent.pitr.prepare import Prepared
     from etcd_agent.pitr.replay import ReplayResult, Target
+    from etcd_agent.restore.orchestrator.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,17 @@ class Source:
             remove_kept(self.remove_on_close)
         if self.lock is not None:
             self.lock.release()
+
+
+def source_for(opts: "Options") -> Callable[[Config, str, str, bool], "Source"]:
+    """How a restore asked ``opts`` opens its source: the backup ``--from`` names; with a target,
+    its chain replayed to it first (``open_pitr_source``)."""
+    def opened(cfg: Config, spec: str, staging: str, hash_now: bool) -> Source:
+        if opts.target is None:
+            return open_source(cfg, spec, staging, hash_now=hash_now, identities=opts.identities)
+        return open_pitr_source(cfg, spec, opts.target, staging, progress=opts.progress, identities=opts.identities,
+                                checkpoints=opts.checkpoints, accept_unsigned=opts.accept_unsigned)
+    return opened
 
 
 def open_source(cfg: Config, spec: Union[str, "Entry"], staging_parent: str, *, hash_now: bool = False,
