@@ -37,7 +37,9 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+FETCH_WORKERS = 4  # objects fetched at once
 CHECKED_DIR = "checked"  # under the staging dir: the fetched files under their own names, while checked
 PROGRESS_EVERY = 2.0  # seconds between two progress lines of one object
 
@@ -198,15 +201,15 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
         progress(f"{bp.file} is in the folder of host {bp.full.folder} (the prefix's {{host}}: the newest of every "
                  "master's folder found)")
     with fetch.staging_locked(directory) as staging:
-        for i, w in enumerate(bp.items, 1):
-            try:
-                staged.append(_stage(b, w, directory, f"[{i}/{len(bp.items)}]", progress))
-            except AgentError as exc:
-                exc.message = (f"restore --from-bucket: {len(staged)} of {len(bp.items)} object(s) fetched, then: "
-                               f"{exc.message}; nothing restored" + (
-                                   "" if isinstance(exc, (RefusedError, BackupCorrupt)) else
-                                   " - the same command continues the fetch where it stopped"))
-                raise
+        try:
+            staged = _stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress)
+        except _Stopped as stop:
+            exc = stop.error
+            exc.message = (f"restore --from-bucket: {stop.done} of {len(bp.items)} object(s) fetched, then: "
+                           f"{exc.message}; nothing restored" + (
+                               "" if isinstance(exc, (RefusedError, BackupCorrupt)) else
+                               " - the same command continues the fetch where it stopped"))
+            raise exc from None
         try:
             checked = _check_staged(cfg, staging, staged, bp, target, identities=identities,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
@@ -225,6 +228,58 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     progress(f"{len(objects)} object(s) of {bp.file} checked and in {directory} ({size_text(read)} fetched in "
              f"{took:.1f}s)")
     return Fetched(bp, objects, checked, took, read)
+
+
+class _Stopped(Exception):
+    def __init__(self, error: AgentError, done: int) -> None:
+        super().__init__(error.message)
+        self.error, self.done = error, done
+
+
+def _stage_all(cfg: Config, items: Sequence[fetch.Wanted], directory: str,
+               progress: Callable[[str], None]) -> List[fetch.Staged]:
+    """Every object staged, ``FETCH_WORKERS`` at a time (a chain is hundreds of small segments:
+    one at a time, the round trips, not the bytes, set the pace), in the plan's order; the first
+    failure stops what has not begun and is raised once the others in flight have ended."""
+    from etcd_agent.bucket.client import Bucket
+
+    local = threading.local()
+    stop = threading.Event()
+
+    def one(i: int, w: fetch.Wanted) -> Optional[fetch.Staged]:
+        if stop.is_set():
+            return None
+        if not hasattr(local, "bucket"):  # a Bucket's per-object deadline is its own: one per thread
+            local.bucket = Bucket(cfg)
+        try:
+            return _stage(local.bucket, w, directory, f"[{i}/{len(items)}]", progress)
+        except Exception:
+            stop.set()
+            raise
+
+    ex = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
+    futures = [ex.submit(one, i, w) for i, w in enumerate(items, 1)]
+    out: List[fetch.Staged] = []
+    first: Optional[BaseException] = None
+    try:
+        for f in futures:
+            try:
+                got = f.result()
+            except Exception as exc:  # re-raised below, once the others in flight have ended
+                first = first or exc
+                continue
+            if got is not None:
+                out.append(got)
+    except BaseException:  # Ctrl-C: nothing more begins; a part in flight is continued by the next run
+        stop.set()
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
+    if first is not None:
+        if isinstance(first, AgentError):
+            raise _Stopped(first, len(out))
+        raise first
+    return out
 
 
 def _failed_content(exc: AgentError) -> bool:
