@@ -12,8 +12,8 @@ from typing import Dict, List
 import pytest
 
 from etcd_agent.bucket import remote
-from etcd_agent.config import Config, parse_text
-from tests.harness.rgw import RgwBed
+from etcd_agent.config import Config
+from tests.harness.rgw import RgwBed, rgw_config
 
 pytestmark = pytest.mark.integration
 
@@ -29,29 +29,7 @@ def seg(start: int, end: int) -> str:
 
 
 def config(rgw: RgwBed, bucket: str, backup_dir: Path) -> Config:
-    text = f"""
-[cluster]
-name = "prod1"
-[[member]]
-name = "m1"
-host = "127.0.0.1"
-[backup]
-dir = "{backup_dir}"
-[backup.remote]
-enabled = true
-endpoint = "{rgw.endpoint}"
-bucket = "{bucket}"
-access_key = "{rgw.access_key}"
-secret_key = "{rgw.secret_key}"
-addressing_style = "path"
-prefix = "p/"
-keep_last = 1
-keep_hourly = 0
-keep_daily = 0
-"""
-    cfg, errors = parse_text(text)
-    assert not errors and cfg is not None, errors
-    return cfg
+    return rgw_config(rgw, bucket, backup_dir=str(backup_dir), prefix="p/", keep_last=1, keep_hourly=0, keep_daily=0)
 
 
 def put(cfg: Config, tmp: Path, name: str, meta: Dict[str, str]) -> None:
@@ -95,3 +73,4 @@ def test_chains_are_kept_and_pruned_with_their_full_backup_and_legacy_copies_too
 
     remote.prune_remote(cfg, dry_run=False)
     assert keys(rgw, bucket) == sorted(chain + ["notes.txt"])
+
