@@ -24,12 +24,18 @@ log = logging.getLogger(__name__)
 
 def remote_chains(cfg: Config) -> Tuple[Dict[str, List[str]], Dict[int, List[str]]]:
     """(chain key -> its segment and checkpoint names, legacy base revision -> its segment names)."""
-    from etcd_agent.bucket import layout
     from etcd_agent.bucket.remote import list_names
+
+    return chains_of(list_names(cfg, ""))
+
+
+def chains_of(names: List[str]) -> Tuple[Dict[str, List[str]], Dict[int, List[str]]]:
+    """``remote_chains`` of the object ``names`` under the prefix (a listing already made)."""
+    from etcd_agent.bucket import layout
 
     keyed: Dict[str, List[str]] = {}
     legacy: Dict[int, List[str]] = {}
-    for name in list_names(cfg, ""):
+    for name in names:
         p = layout.place(name)
         if p is None or p.kind == layout.FULL:
             continue  # full backups are prune_remote's

@@ -178,13 +178,23 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
     return _list(Bucket(cfg))
 
 
-def _list(b: Bucket) -> List[RemoteObject]:
+def list_remote_and_names(cfg: Config) -> Tuple[List[RemoteObject], List[str]]:
+    """The backup copies (as ``list_remote``) and every object name under the prefix (their
+    chains: ``offsite.chains_of``), from one listing."""
+    b = Bucket(cfg)
+    items = _pages(b, "", delimiter=False)
+    return _list(b, items), [item["Key"][len(b.prefix):] for item in items]
+
+
+def _list(b: Bucket, items: Optional[List[Dict[str, Any]]] = None) -> List[RemoteObject]:
     """Full backup copies: ``chains/<key>/<name>`` (``bucket.layout``) and the legacy ones at the
-    top of the prefix; ``name`` is the backup's file name, ``chain`` its chain's key ("" legacy)."""
+    top of the prefix; ``name`` is the backup's file name, ``chain`` its chain's key ("" legacy).
+    One HEAD each: the sha256 and the manifest's fields (the revision) are the object's metadata,
+    which a listing does not return. ``items``: the prefix's listing, when the caller made it."""
     from etcd_agent.bucket import layout
 
     out: List[RemoteObject] = []
-    for item in _pages(b, "", delimiter=False):
+    for item in _pages(b, "", delimiter=False) if items is None else items:
         rel = item["Key"][len(b.prefix):]
         placed = layout.place(rel)
         if placed is None or placed.kind != layout.FULL:  # only full backups are listed or pruned here

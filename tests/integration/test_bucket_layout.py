@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 
@@ -74,3 +74,34 @@ def test_chains_are_kept_and_pruned_with_their_full_backup_and_legacy_copies_too
     remote.prune_remote(cfg, dry_run=False)
     assert keys(rgw, bucket) == sorted(chain + ["notes.txt"])
 
+
+def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`backup list --remote` (a legacy copy, a keyed chain): one listing of the bucket for the
+    copies and their chains. Each full backup still gets one HEAD: its sha256 and revision (what
+    the listing shows, and where a legacy chain is found) are object metadata, which a listing
+    does not return."""
+    from etcd_agent.bucket import client as remotebucket
+    from etcd_agent.cli.backup import _list_remote
+
+    bucket = rgw.new_bucket()
+    (tmp_path / "backups").mkdir()
+    cfg = config(rgw, bucket, tmp_path / "backups")
+    for n in [OLD, f"delta-{10:016d}/{seg(11, 20)}", f"chains/{K_NEW}/{NEW}", f"chains/{K_NEW}/{seg(31, 40)}",
+              f"chains/{K_NEW}/checkpoints/{CP}"]:
+        put(cfg, tmp_path, n, {"revision": "10"} if n == OLD else {"revision": "30"} if n.endswith(NEW) else {})
+
+    calls: List[str] = []
+    made = remotebucket._client
+
+    def counted(*a: Any, **kw: Any) -> Any:  # every client the agent makes, its API calls counted
+        c = made(*a, **kw)
+        c.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+        return c
+
+    monkeypatch.setattr(remotebucket, "_client", counted)
+    out = _list_remote(cfg)
+    assert calls.count("ListObjectsV2") == 1, calls
+    assert calls.count("HeadObject") == 2 and set(calls) == {"ListObjectsV2", "HeadObject"}, calls
+    reach = {d["name"]: d["chain_reach"] for d in out.data["backups"]}
+    assert reach == {NEW: {"segments": 1, "checkpoints": 1, "revision": 40, "gap_after": None},
+                     OLD: {"segments": 1, "checkpoints": 0, "revision": 20, "gap_after": None}}, reach
