@@ -181,7 +181,10 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
 def list_remote_and_names(cfg: Config) -> Tuple[List[RemoteObject], List[str]]:
     """The backup copies (as ``list_remote``) and every object name under the prefix (their
     chains: ``offsite.chains_of``), from one listing."""
-    b = Bucket(cfg)
+    return _listing(Bucket(cfg))
+
+
+def _listing(b: Bucket) -> Tuple[List[RemoteObject], List[str]]:
     items = _pages(b, "", delimiter=False)
     return _list(b, items), [item["Key"][len(b.prefix):] for item in items]
 
@@ -214,7 +217,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
     ``delta-<revision>/`` segments go with their full backup (``offsite.prune_remote_chains``)."""
     r = cfg.backup.remote
     b = Bucket(cfg)
-    objects = _list(b)
+    objects, listed = _listing(b)  # one listing for the copies and their chains
     copies: Dict[str, List[RemoteObject]] = {}
     for o in objects:
         copies.setdefault(o.name, []).append(o)
@@ -243,7 +246,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
     kept_revisions = {int(o.metadata["revision"]) for o in kept if str(o.metadata.get("revision", "")).isdigit()}
     try:
         decisions = decisions + offsite.prune_remote_chains(cfg, {o.chain for o in kept if o.chain}, kept_revisions,
-                                                            dry_run=dry_run)
+                                                            dry_run=dry_run, listed=listed)
     except BackupError as exc:
         failed.append(exc.message)
     if failed:

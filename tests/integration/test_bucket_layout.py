@@ -76,8 +76,8 @@ def test_chains_are_kept_and_pruned_with_their_full_backup_and_legacy_copies_too
 
 
 def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`backup list --remote` (a legacy copy, a keyed chain): one listing of the bucket for the
-    copies and their chains. Each full backup still gets one HEAD: its sha256 and revision (what
+    """`backup list --remote` and the remote retention (a legacy copy, a keyed chain): one listing
+    of the bucket each, for the copies and their chains. Each full backup still gets one HEAD: its sha256 and revision (what
     the listing shows, and where a legacy chain is found) are object metadata, which a listing
     does not return."""
     from etcd_agent.bucket import client as remotebucket
@@ -105,3 +105,9 @@ def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, m
     reach = {d["name"]: d["chain_reach"] for d in out.data["backups"]}
     assert reach == {NEW: {"segments": 1, "checkpoints": 1, "revision": 40, "gap_after": None},
                      OLD: {"segments": 1, "checkpoints": 0, "revision": 20, "gap_after": None}}, reach
+
+    calls.clear()  # the remote retention (after each copied full backup, and `backup prune --remote`): one listing too
+    said = {d.name: d.keep for d in remote.prune_remote(cfg, dry_run=True)}
+    assert calls.count("ListObjectsV2") == 1 and calls.count("HeadObject") == 2, calls
+    assert said == {NEW: True, OLD: False, f"remote chain chains/{K_NEW}/ (1 segment(s), 1 checkpoint(s))": True,
+                    "legacy remote delta chain after revision 10 (1 segment(s))": False}, said
