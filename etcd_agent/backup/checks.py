@@ -12,7 +12,6 @@ backups in a second.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from datetime import datetime, timezone
 from typing import Any, Dict, Optional, Protocol, Tuple, Type, TypeVar
 
 from etcd_agent.errors import ProtocolError
-from etcd_agent.fs import open_regular, write_atomic
+from etcd_agent.fs import dir_locked, open_regular, write_atomic
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.typedjson import Document
 
@@ -146,24 +145,16 @@ def lookup(checks: Dict[str, Check], name: str, st: os.stat_result) -> Optional[
 
 
 def record(directory: str, name: str, check: Check) -> None:
-    """Add one check (read-modify-write under a lock; entries of vanished files dropped)."""
-    lock = os.path.join(directory, CACHE + ".lock")
+    """Add one check (read-modify-write under the dir's lock; entries of vanished files dropped)."""
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with dir_locked(directory):
+            checks = _load(directory)
+            checks[name] = check
+            present = set(os.listdir(directory))
+            data = {n: c.to_json() for n, c in sorted(checks.items()) if n in present}
+            write_atomic(os.path.join(directory, CACHE), (json.dumps(data, indent=1) + "\n").encode(), mode=0o600)
     except OSError as exc:
         log.warning("cannot record the check of %s (%s)", name, exc)
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        checks = _load(directory)
-        checks[name] = check
-        present = set(os.listdir(directory))
-        data = {n: c.to_json() for n, c in sorted(checks.items()) if n in present}
-        write_atomic(os.path.join(directory, CACHE), (json.dumps(data, indent=1) + "\n").encode(), mode=0o600)
-    except OSError as exc:
-        log.warning("cannot record the check of %s (%s)", name, exc)
-    finally:
-        os.close(fd)
 
 
 def check_of(path: str, *, ok: bool, how: str, clock: WallClock = SYSTEM_WALL_CLOCK, **kw: Any) -> Optional[Check]:

@@ -60,7 +60,7 @@ class BackupResult:
 
 
 class OffHostCopy(Protocol):
-    """The off-host copy of a new full backup (``bucket.remote.OffHostCopy``): the bucket sits
+    """The off-host copy of a new full backup (``bucket.copier.OffHostCopy``): the bucket sits
     above the backups it copies, so the backup is handed its copier and never imports it."""
 
     def upload(self, path: str, manifest: Mapping[str, Any], snapshot_sha256: str) -> None: ...
@@ -118,11 +118,13 @@ def take_backup(
     ``checkpoint_of``: the daemon's checkpoint inside that delta chain (its id): recorded in the
     signed manifest, kept by retention's checkpoint rule, and not copied off-host (a bucket
     holds full backups and chains; a checkpoint only shortens a local replay). ``off_host``: the
-    off-host copy (``bucket.remote.off_host(cfg)``, None when ``[backup.remote]`` is off) made of
-    a full backup once written, and the remote retention run after it."""
+    off-host copy (``bucket.copier.off_host(cfg)``, None when ``[backup.remote]`` is off) made of
+    a full backup once written, and the remote retention run after it: required when
+    ``[backup.remote]`` is on, except for the daemon's backups (its copy queue copies them)."""
     start = time.monotonic()
     if checkpoint_of is not None and origin != "daemon":
         raise ValueError("only the daemon takes checkpoints")
+    _check_off_host(cfg, origin, off_host)
     try:
         result = _take(cfg, member, check_space, full_verify, prune, start, clock, hold_lock, origin, lock_wait,
                        checkpoint_of)
@@ -154,6 +156,17 @@ def take_backup(
             result.warnings.append(f"remote prune failed: {exc.message}")
             log.warning("remote prune after backup failed: %s", exc.message)
     return result
+
+
+def _check_off_host(cfg: Config, origin: str, off_host: Optional["OffHostCopy"]) -> None:
+    """A caller that forgot the off-host copy fails at once, before any backup is taken: a backup
+    that [backup.remote] says is copied, silently not copied, is found only on the bad day."""
+    daemon = origin == "daemon"
+    if off_host is None and cfg.backup.remote.enabled and not daemon:
+        raise ValueError("take_backup: [backup.remote] is enabled but no off_host copier was given: the backup "
+                         "would not be copied (pass off_host=bucket.copier.off_host(cfg))")
+    if off_host is not None and daemon:
+        raise ValueError("take_backup: the daemon's backups are copied by its copy queue, not by off_host")
 
 
 def _choose(cfg: Config, member_name: Optional[str], client_for: Any) -> Tuple[Member, List[str]]:

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from etcd_agent.bucket import layout, queue
 from etcd_agent.config import Config, Member
@@ -36,6 +36,7 @@ STATUS_FILE = ".etcd-agent-bucket.json"
 MAX_STATUS_BYTES = 64 * 1024
 MAX_ERROR = 500  # characters of the last error kept (a status line, a metric label)
 PREFIX = "etcd_agent_bucket_"
+LISTING = "(listing the bucket)"  # what a pass that could not read the bucket stopped at
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class CopyStatus(Document):
     copied_total: int = 0  # by this daemon since it started
     failures_total: int = 0
     unplaced: int = 0  # files that cannot be placed in the bucket (logged once each)
+    # the lag is known only from a listing: while the bucket cannot be listed, the pending fields
+    # hold what is surely not copied (a lower bound: ``Copier._surely_pending``)
+    listed_at: Optional[float] = None  # Unix s of the last listing (None: not since the daemon started)
+    unreachable_since: Optional[float] = None  # Unix s the listings started failing (None: the last worked)
     # copies by the check that verified them (checksum, etag, read-back): a metric's label
     verified: Dict[str, int] = field(default_factory=dict)
 
@@ -62,10 +67,26 @@ class CopyStatus(Document):
             return 0.0
         return max(0.0, (self.at if now is None else now) - self.oldest_pending_since)
 
+    @property
+    def up(self) -> bool:
+        """The last pass listed the bucket: the pending fields are what the bucket lacks."""
+        return self.listed_at is not None and self.unreachable_since is None
+
     def describe(self, now: float) -> str:
         """One line for ``etcd-agent status``."""
         if not self.enabled:
             return "off-host copies: disabled in the daemon's config"
+        seen = f"(as the daemon saw it {max(0.0, now - self.at):.0f}s ago)"
+        if self.unreachable_since is not None:
+            if self.listed_at is None:
+                lag = "lag unknown (the bucket has not been listed since the daemon started)"
+            else:
+                lag = (f"lag at least {self.oldest_pending_seconds(now):.0f}s, {self.pending_revisions} revision(s), "
+                       f"{self.pending} object(s) (last listed {max(0.0, now - self.listed_at):.0f}s ago)")
+            failing = f"FAILING since {_utc(self.failing_since)} ({self.failures_total} failure(s)): " \
+                if self.failing_since is not None else ""
+            return (f"off-host copies: {failing}bucket unreachable since {_utc(self.unreachable_since)}; {lag}: "
+                    f"{self.last_error}; the daemon retries {seen}")
         if self.pending:
             what = (f"{self.pending} object(s) pending ({self.pending_bytes} bytes), the oldest for "
                     f"{self.oldest_pending_seconds(self.at):.0f}s (off-host RPO: {self.pending_revisions} "
@@ -73,11 +94,15 @@ class CopyStatus(Document):
         else:
             what = "nothing pending"
         if self.failing_since is not None:
-            what += (f"; FAILING since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.failing_since))}Z "
+            what += (f"; FAILING since {_utc(self.failing_since)} "
                      f"({self.failures_total} failure(s)): {self.last_error}; the daemon retries")
         elif self.last_copy is not None:
             what += f"; last copy {now - self.last_copy:.0f}s ago"
-        return f"off-host copies: {what} (as the daemon saw it {max(0.0, now - self.at):.0f}s ago)"
+        return f"off-host copies: {what} {seen}"
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + "Z"
 
 
 def status_path(cfg: Config) -> str:
@@ -123,6 +148,7 @@ class Pushed:
     copied: List[queue.LocalFile] = field(default_factory=list)
     error: str = ""  # why it stopped ("" it did not)
     failed: str = ""  # the object it stopped at
+    listed: bool = False  # the bucket was listed: ``plan`` is what it lacks
 
     @property
     def left(self) -> List[queue.LocalFile]:
@@ -192,12 +218,12 @@ def push(cfg: Config, caches: queue.Caches, *, stop: Callable[[], bool] = lambda
     try:
         plan = pending(cfg, caches)
     except AgentError as exc:
-        return Pushed(queue.Plan(()), error=exc.message, failed="(listing the bucket)")
+        return Pushed(queue.Plan(()), error=exc.message, failed=LISTING)
     except OSError as exc:
         return Pushed(queue.Plan(()), error=f"cannot read {cfg.backup.dir}: {exc.strerror or exc}",
                       failed="(the backup dir)")
     on_plan(plan)
-    out = Pushed(plan)
+    out = Pushed(plan, listed=True)
     for f in plan.pending:
         if stop():
             break
@@ -257,6 +283,8 @@ class Copier:
         self._status = CopyStatus(enabled=True, at=time.time())
         self._caches = queue.Caches()
         self._said_unplaced: set[str] = set()
+        self._known: Tuple[queue.LocalFile, ...] = ()  # pending as of the last listing
+        self._copied_then: Set[str] = set()  # what the pass of the last listing copied
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="bucket-copier", daemon=True)
@@ -312,15 +340,22 @@ class Copier:
         if not cfg.backup.remote.enabled:
             self._set(enabled=False, pending=0, pending_bytes=0, pending_revisions=0, oldest_pending_since=None)
             return False
-        res = push(cfg, self._caches, stop=self._stop.is_set, on_plan=self._planned, on_copied=self._copied)
         before = self.status()
+        started = time.time()  # files newer than the listing may be missing from it
+        res = push(cfg, self._caches, stop=self._stop.is_set, on_plan=self._planned, on_copied=self._copied)
+        now = time.time()
+        listing: Dict[str, Any] = {}  # the backup dir unreadable: what the bucket lacks is as known before
+        if res.listed:
+            self._known, self._copied_then = tuple(res.left), {f.name for f in res.copied}
+            listing = {"listed_at": started, "unreachable_since": None, **_pending_fields(res.left)}
+        elif res.failed == LISTING:
+            left = self._surely_pending(cfg, before.listed_at)
+            listing = {"unreachable_since": before.unreachable_since or now, **_pending_fields(left)}
         if res.error:
             wait = self._backoff.failed()
             error = scrub(cfg, f"{res.failed}: {res.error}")
-            st = self._set(failing_since=before.failing_since or time.time(), last_error=error,
-                           failures_total=before.failures_total + 1, pending=len(res.left) or before.pending,
-                           pending_bytes=sum(f.size for f in res.left) or before.pending_bytes,
-                           pending_revisions=queue.revisions_of(res.left) or before.pending_revisions)
+            st = self._set(failing_since=before.failing_since or now, last_error=error,
+                           failures_total=before.failures_total + 1, **listing)
             level = logging.WARNING if before.failing_since is None or before.last_error != error else logging.INFO
             log.log(level, "off-host copy failed: %s; %d object(s) pending, retrying in %.0fs (until they land or "
                     "their files are pruned)", error, st.pending, wait)
@@ -328,9 +363,7 @@ class Copier:
             return True
         self._backoff.succeeded()
         left = res.left
-        st = self._set(enabled=True, failing_since=None, last_error="", pending=len(left),
-                       pending_bytes=sum(f.size for f in left), pending_revisions=queue.revisions_of(left),
-                       oldest_pending_since=min((f.since for f in left), default=None))
+        st = self._set(enabled=True, failing_since=None, last_error="", **listing)
         if before.failing_since is not None:
             log.info("off-host copies resumed (failing since %s, %.0fs): %d object(s) copied, %d pending",
                      time.strftime("%H:%M:%S", time.gmtime(before.failing_since)), time.time() - before.failing_since,
@@ -340,6 +373,22 @@ class Copier:
         if any(f.kind == layout.FULL for f in res.copied):
             _prune(cfg)
         return False
+
+    def _surely_pending(self, cfg: Config, listed_at: Optional[float]) -> List[queue.LocalFile]:
+        """While the bucket cannot be listed: the files surely not in it, a lower bound of what it
+        lacks - those pending at the last listing and still here, and those that appeared since
+        (this copier copied nothing meanwhile; a CLI backup's own copy may have landed). Never
+        listed since the daemon started: nothing is known (``describe`` says so)."""
+        known = [f for f in self._known if os.path.exists(f.path)]
+        if listed_at is None:
+            return known
+        try:
+            here = queue.scan_local(cfg, self._caches)
+        except (AgentError, OSError) as exc:
+            log.info("the files here not scanned for the lag: %s", getattr(exc, "message", None) or exc)
+            return known
+        names = {f.name for f in known} | self._copied_then
+        return known + [f for f in here if f.since > listed_at and f.name not in names]
 
     def _planned(self, p: queue.Plan) -> None:
         self._set(enabled=True, pending=len(p.pending), pending_bytes=p.pending_bytes,
@@ -362,11 +411,21 @@ class Copier:
                 log.warning("%s is not copied off-host: %s", path, why)
 
 
+def _pending_fields(left: List[queue.LocalFile]) -> Dict[str, Any]:
+    return {"pending": len(left), "pending_bytes": sum(f.size for f in left),
+            "pending_revisions": queue.revisions_of(left), "oldest_pending_since": min((f.since for f in left),
+                                                                                      default=None)}
+
+
 # ---------------------------------------------------------------- metrics
 
 
 GAUGES = {
     "enabled": "1 if off-host copies ([backup.remote]) are enabled in the daemon.",
+    "up": "1 if the daemon's last pass listed the bucket; 0 if it could not (the pending and lag gauges then "
+          "hold what is surely not copied: a lower bound) or has not yet.",
+    "last_listing_timestamp_seconds": "Unix time the bucket was last listed (0: not since the daemon started; "
+                                      "while up is 0 the lag is then unknown).",
     "pending_objects": "Files (full backups, checkpoints, segments) the bucket does not hold yet.",
     "pending_bytes": "Bytes of the files the bucket does not hold yet.",
     "oldest_pending_seconds": "Age of the oldest file waiting for its off-host copy (0: none): the off-host RPO.",
@@ -384,6 +443,8 @@ COUNTERS = {
 def metric_values(s: CopyStatus) -> Dict[str, float]:
     return {
         "enabled": float(s.enabled),
+        "up": float(s.up),
+        "last_listing_timestamp_seconds": s.listed_at or 0.0,
         "pending_objects": float(s.pending),
         "pending_bytes": float(s.pending_bytes),
         "oldest_pending_seconds": s.oldest_pending_seconds(time.time()),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Dict, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.config import Config
@@ -24,12 +24,18 @@ log = logging.getLogger(__name__)
 
 def remote_chains(cfg: Config) -> Tuple[Dict[str, List[str]], Dict[int, List[str]]]:
     """(chain key -> its segment and checkpoint names, legacy base revision -> its segment names)."""
-    from etcd_agent.bucket import layout
     from etcd_agent.bucket.remote import list_names
+
+    return chains_of(list_names(cfg, ""))
+
+
+def chains_of(names: List[str]) -> Tuple[Dict[str, List[str]], Dict[int, List[str]]]:
+    """``remote_chains`` of the object ``names`` under the prefix (a listing already made)."""
+    from etcd_agent.bucket import layout
 
     keyed: Dict[str, List[str]] = {}
     legacy: Dict[int, List[str]] = {}
-    for name in list_names(cfg, ""):
+    for name in names:
         p = layout.place(name)
         if p is None or p.kind == layout.FULL:
             continue  # full backups are prune_remote's
@@ -51,16 +57,17 @@ def _active(cfg: Config) -> Tuple[Set[str], Set[int]]:
 
 
 def prune_remote_chains(cfg: Config, kept_keys: Set[str], kept_revisions: Set[int], *,
-                        dry_run: bool) -> List["Decision"]:
+                        dry_run: bool, listed: Optional[List[str]] = None) -> List["Decision"]:
     """Delete every remote chain whose full backup's copy is not kept (the chain being written
     here is kept); one decision per chain, with its reason. ``kept_keys``: the chains of the kept
-    copies; ``kept_revisions``: their revisions (what a legacy ``delta-<revision>/`` is known by)."""
+    copies; ``kept_revisions``: their revisions (what a legacy ``delta-<revision>/`` is known by).
+    ``listed``: the names under the prefix, when the caller listed them (else listed here)."""
     from etcd_agent.backup.retention import Decision
     from etcd_agent.bucket import layout
     from etcd_agent.bucket.remote import delete_names
 
     active_keys, active_revs = _active(cfg)
-    keyed, legacy = remote_chains(cfg)
+    keyed, legacy = remote_chains(cfg) if listed is None else chains_of(listed)
     groups: List[Tuple[str, List[str], bool, bool]] = []  # (label, names, kept, active)
     for key, names in sorted(keyed.items()):
         cps = sum(1 for n in names if (layout.place(n) or layout.Placed("", "")).kind == layout.CHECKPOINT)

@@ -195,13 +195,26 @@ def list_remote(cfg: Config) -> List[RemoteObject]:
     return _list(Bucket(cfg))
 
 
-def _list(b: Bucket) -> List[RemoteObject]:
+def list_remote_and_names(cfg: Config) -> Tuple[List[RemoteObject], List[str]]:
+    """The backup copies (as ``list_remote``) and every object name under the prefix (their
+    chains: ``offsite.chains_of``), from one listing."""
+    return _listing(Bucket(cfg))
+
+
+def _listing(b: Bucket) -> Tuple[List[RemoteObject], List[str]]:
+    items = _pages(b, "", delimiter=False)
+    return _list(b, items), [item["Key"][len(b.prefix):] for item in items]
+
+
+def _list(b: Bucket, items: Optional[List[Dict[str, Any]]] = None) -> List[RemoteObject]:
     """Full backup copies: ``chains/<key>/<name>`` (``bucket.layout``) and the legacy ones at the
-    top of the prefix; ``name`` is the backup's file name, ``chain`` its chain's key ("" legacy)."""
+    top of the prefix; ``name`` is the backup's file name, ``chain`` its chain's key ("" legacy).
+    One HEAD each: the sha256 and the manifest's fields (the revision) are the object's metadata,
+    which a listing does not return. ``items``: the prefix's listing, when the caller made it."""
     from etcd_agent.bucket import layout
 
     out: List[RemoteObject] = []
-    for item in _pages(b, "", delimiter=False):
+    for item in _pages(b, "", delimiter=False) if items is None else items:
         rel = item["Key"][len(b.prefix):]
         placed = layout.place(rel)
         if placed is None or placed.kind != layout.FULL:  # only full backups are listed or pruned here
@@ -221,7 +234,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
     ``delta-<revision>/`` segments go with their full backup (``offsite.prune_remote_chains``)."""
     r = cfg.backup.remote
     b = Bucket(cfg)
-    objects = _list(b)
+    objects, listed = _listing(b)  # one listing for the copies and their chains
     copies: Dict[str, List[RemoteObject]] = {}
     for o in objects:
         copies.setdefault(o.name, []).append(o)
@@ -250,7 +263,7 @@ def prune_remote(cfg: Config, dry_run: bool) -> List[Decision]:
     kept_revisions = {int(o.metadata["revision"]) for o in kept if str(o.metadata.get("revision", "")).isdigit()}
     try:
         decisions = decisions + offsite.prune_remote_chains(cfg, {o.chain for o in kept if o.chain}, kept_revisions,
-                                                            dry_run=dry_run)
+                                                            dry_run=dry_run, listed=listed)
     except BackupError as exc:
         failed.append(exc.message)
     if failed:

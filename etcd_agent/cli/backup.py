@@ -214,12 +214,12 @@ def require_remote(cfg: "Config") -> None:
 
 def _list_remote(cfg: "Config") -> Output:
     from etcd_agent.bucket import layout
-    from etcd_agent.bucket.offsite import remote_chains
-    from etcd_agent.bucket.remote import list_remote
+    from etcd_agent.bucket.offsite import chains_of
+    from etcd_agent.bucket.remote import list_remote_and_names
 
     require_remote(cfg)
-    objs = list_remote(cfg)
-    keyed, legacy = remote_chains(cfg)
+    objs, listed = list_remote_and_names(cfg)  # one listing for the copies and their chains
+    keyed, legacy = chains_of(listed)
     rows = [f"{'NAME':<32} {'TIME':<25} {'SIZE':>10}  {'SHA256':<16}  CHAIN"]
     docs = []
     for o in objs:

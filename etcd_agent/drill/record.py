@@ -15,7 +15,6 @@ the masters, one drills at a time) and on ``etcd_agent_restore_drill_last_result
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
 from etcd_agent import safejson
 from etcd_agent.backup.checks import Stamp, check_stamp, clip, parsed, stamp_of
 from etcd_agent.errors import ProtocolError
-from etcd_agent.fs import makedirs, open_regular, write_atomic
+from etcd_agent.fs import dir_locked, makedirs, open_regular, write_atomic
 from etcd_agent.typedjson import Document
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,28 +127,20 @@ def with_drills(entries: List["Entry"], directory: str) -> List["Entry"]:
 def record_backup(directory: str, path: str, rec: DrillRecord, before: os.stat_result) -> None:
     """Keep ``rec`` as the last drill of the backup at ``path`` (in ``directory``), stamped with
     ``before`` - the file as it was when the drill read it; nothing is kept when it has changed
-    since. Read-modify-write under a lock; entries of vanished files are dropped. Never raises."""
+    since. Read-modify-write under the dir's lock; entries of vanished files are dropped. Never raises."""
     name = os.path.basename(path)
-    lock = os.path.join(directory, RECORDS + ".lock")
     try:
         if stamp_of(os.stat(path, follow_symlinks=False)) != stamp_of(before):
             log.warning("%s changed while it was drilled: the drill is not recorded against it", path)
             return
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with dir_locked(directory):
+            recs = load_records(directory)
+            recs[name] = replace(rec, stamp=stamp_of(before))
+            present = set(os.listdir(directory))
+            data = {n: r.to_json() for n, r in sorted(recs.items()) if n in present}
+            write_atomic(os.path.join(directory, RECORDS), (json.dumps(data, indent=1) + "\n").encode(), mode=0o600)
     except OSError as exc:
         log.warning("cannot record the drill of %s (%s)", name, exc)
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        recs = load_records(directory)
-        recs[name] = replace(rec, stamp=stamp_of(before))
-        present = set(os.listdir(directory))
-        data = {n: r.to_json() for n, r in sorted(recs.items()) if n in present}
-        write_atomic(os.path.join(directory, RECORDS), (json.dumps(data, indent=1) + "\n").encode(), mode=0o600)
-    except OSError as exc:
-        log.warning("cannot record the drill of %s (%s)", name, exc)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- this host

@@ -35,12 +35,15 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import IO, Any, Dict, Iterator, List, Optional, Set
+from typing import IO, TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Union
 
 import psutil
 import pytest
 
 from etcd_agent.waiting import NotYet, poll
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,41 @@ def _listening_ports() -> Set[int]:
 
 def _alive(proc: "Optional[subprocess.Popen[bytes]]") -> bool:
     return proc is not None and proc.poll() is None
+
+
+TomlValue = Union[str, int, float, bool]
+
+
+def remote_table(rgw: "RgwBed", bucket: str, **keys: TomlValue) -> str:
+    """A ``[backup.remote]`` table copying to ``bucket`` of ``rgw``: enabled, path style, the bed's
+    keys, then ``keys`` (each overrides or adds one: ``secret_key="wrong"``, ``prefix="p/"``)."""
+    fields: Dict[str, TomlValue] = {"enabled": True, "endpoint": rgw.endpoint, "bucket": bucket,
+                                    "access_key": rgw.access_key, "secret_key": rgw.secret_key,
+                                    "addressing_style": "path", **keys}
+    return "[backup.remote]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in fields.items())
+
+
+def rgw_config_text(rgw: "RgwBed", bucket: str, *, backup_dir: Optional[str] = None, **keys: TomlValue) -> str:
+    """A whole agent config: cluster prod1 of one member m1 on 127.0.0.1, its backups in
+    ``backup_dir`` (else the default), copying as ``remote_table`` says."""
+    backup = f"[backup]\ndir = {_toml(backup_dir)}\n" if backup_dir is not None else ""
+    return ('[cluster]\nname = "prod1"\n[[member]]\nname = "m1"\nhost = "127.0.0.1"\n' + backup
+            + remote_table(rgw, bucket, **keys))
+
+
+def rgw_config(rgw: "RgwBed", bucket: str, *, backup_dir: Optional[str] = None, **keys: TomlValue) -> "Config":
+    """``rgw_config_text`` parsed (it must be valid)."""
+    from etcd_agent.config import parse_text
+
+    cfg, errors = parse_text(rgw_config_text(rgw, bucket, backup_dir=backup_dir, **keys))
+    assert not errors and cfg is not None, errors
+    return cfg
+
+
+def _toml(v: TomlValue) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v)  # a JSON string or number is a TOML one
 
 
 def session_bed(tmp_path_factory: pytest.TempPathFactory, name: str, addr: str) -> Iterator[RgwBed]:

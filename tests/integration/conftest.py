@@ -28,6 +28,17 @@ def cluster_factory(tmp_path):
 
 
 @pytest.fixture
+def bed(request, tmp_path):
+    """``make(**kw)``: daemon beds under tmp_path (``continuous.beds``: a loopback cluster with one
+    real ``etcd-agent run`` per member), every one stopped after the test; of the test module's
+    ``BED_MEMBERS`` members, 3 unless it says."""
+    from tests.integration.continuous import beds
+
+    with beds(str(tmp_path), getattr(request.module, "BED_MEMBERS", 3)) as make:
+        yield make
+
+
+@pytest.fixture
 def demo_ports():
     """The demo's fixed ports (2379/2380, 22379/22380, 32379/32380), held by one test at a time
     across pytest-xdist workers and other runs on this machine: a flock beside the temp root."""

@@ -19,7 +19,7 @@ from etcd_agent.bucket import fetch, layout
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt
 from tests.harness.rgw import RgwBed
-from tests.integration.continuous import agent, beds, full_backups, put, rpc, segment_files, wait_durable, wait_for
+from tests.integration.continuous import agent, full_backups, put, rpc, segment_files, wait_durable, wait_for
 from tests.integration.test_backup_remote import remote_config
 from tests.integration.test_bucket_queue import landed, started
 
@@ -29,10 +29,7 @@ NAME = "etcd-2026-03-01-10-00-00.tar"
 KEY = "ab" * 32
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
+BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
 
 
 def test_a_daemon_made_chain_is_fetched_into_an_empty_backup_dir(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]

@@ -16,9 +16,9 @@ import pytest
 
 from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket import remote
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table, rgw_config
 
 pytestmark = pytest.mark.integration
 
@@ -27,25 +27,7 @@ MiB = 1024 * 1024
 
 def remote_config(rgw: RgwBed) -> Config:
     """A config whose [backup.remote] is a fresh bucket of the bed (path style, 5 MiB parts)."""
-    bucket = rgw.new_bucket()
-    text = f"""
-[cluster]
-name = "prod1"
-[[member]]
-name = "m1"
-host = "127.0.0.1"
-[backup.remote]
-enabled = true
-endpoint = "{rgw.endpoint}"
-bucket = "{bucket}"
-access_key = "{rgw.access_key}"
-secret_key = "{rgw.secret_key}"
-addressing_style = "path"
-part_size_mb = 5
-"""
-    c, errors = parse_text(text)
-    assert not errors and c is not None
-    return c
+    return rgw_config(rgw, rgw.new_bucket(), part_size_mb=5)
 
 
 @pytest.fixture
@@ -319,12 +301,7 @@ def test_backup_command_uploads_prunes_and_records_metrics(cluster_factory: Any,
 
     bucket = rgw.new_bucket()
     prom = tmp_path / "etcd_agent_backup.prom"
-    extra = (
-        f'metrics_file = "{prom}"\n'
-        "[backup.remote]\nenabled = true\n"
-        f'endpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\naccess_key = "{rgw.access_key}"\nsecret_key = "{rgw.secret_key}"\n'
-        'addressing_style = "path"\nkeep_last = 1\nkeep_daily = 0\n'
-    )
+    extra = f'metrics_file = "{prom}"\n' + remote_table(rgw, bucket, keep_last=1, keep_daily=0)
     c = cluster_factory(1, extra=extra)
     c.start_static()
     base = [sys.executable, "-m", "etcd_agent.cli.main", "-c", c.config_path]

@@ -16,8 +16,9 @@ import pytest
 
 from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket import remote
-from etcd_agent.config import Config, parse_text
+from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError
+from tests.harness.rgw import TomlValue, rgw_config, rgw_config_text
 from tests.integration.test_backup_remote import _archive
 
 pytestmark = pytest.mark.integration
@@ -27,29 +28,12 @@ MiB = 1024 * 1024
 GUARD = 120.0
 
 
-def _config(rgw: Any, bucket: str, extra: str = "") -> str:
-    return f"""
-[cluster]
-name = "prod1"
-[[member]]
-name = "m1"
-host = "127.0.0.1"
-[backup.remote]
-enabled = true
-endpoint = "{rgw.endpoint}"
-bucket = "{bucket}"
-access_key = "{rgw.access_key}"
-secret_key = "{rgw.secret_key}"
-addressing_style = "path"
-prefix = "p/"
-part_size_mb = 5
-{extra}"""
+def _config(rgw: Any, bucket: str, **keys: TomlValue) -> str:
+    return rgw_config_text(rgw, bucket, prefix="p/", part_size_mb=5, **keys)
 
 
-def _cfg(rgw: Any, bucket: str, extra: str = "") -> Config:
-    c, errors = parse_text(_config(rgw, bucket, extra))
-    assert not errors and c is not None, errors
-    return c
+def _cfg(rgw: Any, bucket: str, **keys: TomlValue) -> Config:
+    return rgw_config(rgw, bucket, prefix="p/", part_size_mb=5, **keys)
 
 
 def _keys(rgw: Any, bucket: str) -> List[str]:
@@ -77,7 +61,7 @@ def _in_thread(fn: Any) -> Any:
 
 
 def test_a_hung_gateway_fails_a_listing_in_one_sentence(rgw: Any) -> None:
-    cfg = _cfg(rgw, rgw.new_bucket(), "connect_timeout = 1\nread_timeout = 1\nmax_attempts = 2\n")
+    cfg = _cfg(rgw, rgw.new_bucket(), connect_timeout=1, read_timeout=1, max_attempts=2)
     rgw.pause()
     try:
         kind, exc = _in_thread(lambda: remote.list_remote(cfg))
@@ -92,7 +76,7 @@ def test_the_deadline_ends_the_retries_of_one_object(rgw: Any, tmp_path: Path) -
     """Ten attempts of 1 s each are allowed, the object's deadline (2 s plus 1 s a MiB) ends them
     first; the multipart upload that hung is not waited on again to be aborted."""
     bucket = rgw.new_bucket()
-    cfg = _cfg(rgw, bucket, 'read_timeout = 1\nmax_attempts = 10\ndeadline = 2\nverify = "etag"\n')
+    cfg = _cfg(rgw, bucket, read_timeout=1, max_attempts=10, deadline=2, verify="etag")
     path = _archive(tmp_path, "etcd-2026-03-01-10-00-00.tar", 1024)
     rgw.pause()
     try:
@@ -105,7 +89,7 @@ def test_the_deadline_ends_the_retries_of_one_object(rgw: Any, tmp_path: Path) -
 
 def test_a_hung_gateway_fails_the_cli_in_one_sentence(rgw: Any, tmp_path: Path) -> None:
     conf = tmp_path / "agent.toml"
-    conf.write_text(_config(rgw, rgw.new_bucket(), "connect_timeout = 1\nread_timeout = 1\nmax_attempts = 2\n"))
+    conf.write_text(_config(rgw, rgw.new_bucket(), connect_timeout=1, read_timeout=1, max_attempts=2))
     conf.chmod(0o600)
     rgw.pause()
     try:
@@ -151,7 +135,7 @@ def test_rgw_is_probed_and_copies_are_verified_by_what_it_enforces(
 
 def test_verify_checksum_on_a_store_that_ignores_checksums_is_refused(rgw: Any, tmp_path: Path) -> None:
     bucket = rgw.new_bucket()
-    cfg = _cfg(rgw, bucket, 'verify = "checksum"\n')
+    cfg = _cfg(rgw, bucket, verify="checksum")
     path = _archive(tmp_path, "etcd-2026-03-01-12-00-00.tar", 100 * 1024)
     with pytest.raises(BackupError) as info:
         remote.upload_and_verify(cfg, str(path), {})
@@ -162,7 +146,7 @@ def test_verify_checksum_on_a_store_that_ignores_checksums_is_refused(rgw: Any, 
 
 def test_download_verify_reads_back_only_when_asked(rgw: Any, tmp_path: Path) -> None:
     bucket = rgw.new_bucket()
-    cfg = _cfg(rgw, bucket, 'verify = "download"\n')
+    cfg = _cfg(rgw, bucket, verify="download")
     obj = remote.upload_and_verify(cfg, str(_archive(tmp_path, "etcd-2026-03-01-13-00-00.tar", 64 * 1024)), {})
     assert obj.verified_by == "read-back"
 

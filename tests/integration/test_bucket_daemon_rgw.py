@@ -9,15 +9,13 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from tests.integration.continuous import beds, put, rpc, segment_files, start_all, wait_durable, wait_for, wait_watching
+from tests.harness.rgw import TomlValue, remote_table
+from tests.integration.continuous import put, rpc, segment_files, start_all, wait_durable, wait_for, wait_watching
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
+BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
 
 
 def _reload(d: Any, name: str, old: str, new: str) -> None:
@@ -32,12 +30,10 @@ def _reload(d: Any, name: str, old: str, new: str) -> None:
 class Bed:
     """A one-member daemon bed whose [backup.remote] points at a fresh bucket of ``rgw``."""
 
-    def __init__(self, make: Any, rgw: Any, remote: str) -> None:
+    def __init__(self, make: Any, rgw: Any, **remote: TomlValue) -> None:
         self.bucket = rgw.new_bucket()
         self.raw = rgw.client()
-        self.d = make(tables=f'[backup.remote]\nendpoint = "{rgw.endpoint}"\nbucket = "{self.bucket}"\n'
-                             f'access_key = "{rgw.access_key}"\nsecret_key = "{rgw.secret_key}"\n'
-                             f'addressing_style = "path"\nprefix = "p/"\n{remote}')
+        self.d = make(tables=remote_table(rgw, self.bucket, prefix="p/", **remote))
         self.c = self.d.c
         self.name = self.c.cfg.members[0].name
         start_all(self.d)
@@ -64,7 +60,7 @@ class Bed:
 
 
 def test_a_reload_enables_changes_and_disables_the_copies_at_once(bed: Any, rgw: Any) -> None:
-    b = Bed(bed, rgw, "enabled = false\n")
+    b = Bed(bed, rgw, enabled=False)
     d, name, bucket, raw = b.d, b.name, b.bucket, b.raw
     write, copied, local = b.write, b.copied, b.local
 
@@ -93,7 +89,7 @@ def test_a_reload_enables_changes_and_disables_the_copies_at_once(bed: Any, rgw:
 def test_a_hung_gateway_never_holds_up_the_segments(bed: Any, rgw: Any) -> None:
     """Segments close while radosgw is stopped (SIGSTOP: it accepts, never answers); the uploader's
     waits end (small timeouts here; the defaults' bound is a unit test) and it catches up after."""
-    b = Bed(bed, rgw, "enabled = true\nconnect_timeout = 1\nread_timeout = 1\nmax_attempts = 1\ndeadline = 2\n")
+    b = Bed(bed, rgw, connect_timeout=1, read_timeout=1, max_attempts=1, deadline=2)
     b.write("/a/")
     wait_for(lambda: set(b.copied()) >= set(b.local()), 60, "the first segments copied")
     rgw.pause()

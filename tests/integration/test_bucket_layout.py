@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 
 from etcd_agent.bucket import remote
-from etcd_agent.config import Config, parse_text
-from tests.harness.rgw import RgwBed
+from etcd_agent.config import Config
+from tests.harness.rgw import RgwBed, rgw_config
 
 pytestmark = pytest.mark.integration
 
@@ -29,29 +29,7 @@ def seg(start: int, end: int) -> str:
 
 
 def config(rgw: RgwBed, bucket: str, backup_dir: Path) -> Config:
-    text = f"""
-[cluster]
-name = "prod1"
-[[member]]
-name = "m1"
-host = "127.0.0.1"
-[backup]
-dir = "{backup_dir}"
-[backup.remote]
-enabled = true
-endpoint = "{rgw.endpoint}"
-bucket = "{bucket}"
-access_key = "{rgw.access_key}"
-secret_key = "{rgw.secret_key}"
-addressing_style = "path"
-prefix = "p/"
-keep_last = 1
-keep_hourly = 0
-keep_daily = 0
-"""
-    cfg, errors = parse_text(text)
-    assert not errors and cfg is not None, errors
-    return cfg
+    return rgw_config(rgw, bucket, backup_dir=str(backup_dir), prefix="p/", keep_last=1, keep_hourly=0, keep_daily=0)
 
 
 def put(cfg: Config, tmp: Path, name: str, meta: Dict[str, str]) -> None:
@@ -95,3 +73,41 @@ def test_chains_are_kept_and_pruned_with_their_full_backup_and_legacy_copies_too
 
     remote.prune_remote(cfg, dry_run=False)
     assert keys(rgw, bucket) == sorted(chain + ["notes.txt"])
+
+
+def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`backup list --remote` and the remote retention (a legacy copy, a keyed chain): one listing
+    of the bucket each, for the copies and their chains. Each full backup still gets one HEAD: its sha256 and revision (what
+    the listing shows, and where a legacy chain is found) are object metadata, which a listing
+    does not return."""
+    from etcd_agent.bucket import client as remotebucket
+    from etcd_agent.cli.backup import _list_remote
+
+    bucket = rgw.new_bucket()
+    (tmp_path / "backups").mkdir()
+    cfg = config(rgw, bucket, tmp_path / "backups")
+    for n in [OLD, f"delta-{10:016d}/{seg(11, 20)}", f"chains/{K_NEW}/{NEW}", f"chains/{K_NEW}/{seg(31, 40)}",
+              f"chains/{K_NEW}/checkpoints/{CP}"]:
+        put(cfg, tmp_path, n, {"revision": "10"} if n == OLD else {"revision": "30"} if n.endswith(NEW) else {})
+
+    calls: List[str] = []
+    made = remotebucket._client
+
+    def counted(*a: Any, **kw: Any) -> Any:  # every client the agent makes, its API calls counted
+        c = made(*a, **kw)
+        c.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+        return c
+
+    monkeypatch.setattr(remotebucket, "_client", counted)
+    out = _list_remote(cfg)
+    assert calls.count("ListObjectsV2") == 1, calls
+    assert calls.count("HeadObject") == 2 and set(calls) == {"ListObjectsV2", "HeadObject"}, calls
+    reach = {d["name"]: d["chain_reach"] for d in out.data["backups"]}
+    assert reach == {NEW: {"segments": 1, "checkpoints": 1, "revision": 40, "gap_after": None},
+                     OLD: {"segments": 1, "checkpoints": 0, "revision": 20, "gap_after": None}}, reach
+
+    calls.clear()  # the remote retention (after each copied full backup, and `backup prune --remote`): one listing too
+    said = {d.name: d.keep for d in remote.prune_remote(cfg, dry_run=True)}
+    assert calls.count("ListObjectsV2") == 1 and calls.count("HeadObject") == 2, calls
+    assert said == {NEW: True, OLD: False, f"remote chain chains/{K_NEW}/ (1 segment(s), 1 checkpoint(s))": True,
+                    "legacy remote delta chain after revision 10 (1 segment(s))": False}, said

@@ -15,10 +15,9 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table
 from tests.integration.continuous import (
     agent,
-    beds,
     full_backups,
     logs,
     put,
@@ -34,16 +33,7 @@ from tests.integration.continuous import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
-
-
-def remote_table(rgw: RgwBed, bucket: str, *, secret: str = "") -> str:
-    return (f'[backup.remote]\nenabled = true\nendpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\n'
-            f'access_key = "{rgw.access_key}"\nsecret_key = "{secret or rgw.secret_key}"\n'
-            'addressing_style = "path"\nprefix = "p/"\nkeep_last = 10\nconnect_timeout = 2\nread_timeout = 20\n')
+BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
 
 
 def names(rgw: RgwBed, bucket: str) -> List[str]:
@@ -87,7 +77,8 @@ def status_json(c: Any) -> Dict[str, Any]:
 def started(bed: Any, rgw: RgwBed, secret: str = "", **kw: Any) -> Tuple[Any, Any, str]:
     """A one-member cluster and its daemon, copying to a new bucket, its chain started."""
     bucket = rgw.new_bucket()
-    d = bed(tables=remote_table(rgw, bucket, secret=secret), **kw)
+    d = bed(tables=remote_table(rgw, bucket, secret_key=secret or rgw.secret_key, prefix="p/", keep_last=10,
+                                connect_timeout=2, read_timeout=20), **kw)
     start_all(d)
     wait_watching(d.c)
     return d, d.c, bucket

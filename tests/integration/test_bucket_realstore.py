@@ -26,7 +26,7 @@ from etcd_agent.bucket.client import Bucket
 from etcd_agent.chain.segments import segment_name
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupError
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table
 from tests.integration.test_backup_remote import MiB, _archive, _prefix, _sha, _with, remote_config
 
 pytestmark = pytest.mark.integration
@@ -183,11 +183,7 @@ def test_a_real_full_backup_larger_than_the_part_size_lands_with_the_multipart_e
     bucket is the local archive byte for byte (sha256 metadata, size) and its ETag is the one
     the parts make (md5 of the part md5s, "-N")."""
     bucket = rgw.new_bucket()
-    extra = (
-        "[backup.remote]\nenabled = true\n"
-        f'endpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\naccess_key = "{rgw.access_key}"\n'
-        f'secret_key = "{rgw.secret_key}"\naddressing_style = "path"\npart_size_mb = 5\nverify = "etag"\n'
-    )
+    extra = remote_table(rgw, bucket, part_size_mb=5, verify="etag")
     c = cluster_factory(1, extra=extra)
     c.start_static()
     client = c.client(timeout=30)

@@ -21,7 +21,6 @@ from etcd_agent.chain.segments import TEMP_PREFIX, parse_name
 from tests.harness.procs import agent_run
 from tests.integration.continuous import (
     agent,
-    beds,
     breaks,
     dump,
     full_backups,
@@ -42,12 +41,6 @@ pytestmark = pytest.mark.integration
 
 CLOSE = 1.0  # close_seconds of the bed (continuous.FAST)
 SLACK = 3.0  # batch_seconds (1 s) + a close's fsync + scheduling on a busy machine
-
-
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path)) as make:
-        yield make
 
 
 class Writer:

@@ -14,7 +14,6 @@ from etcd_agent.chain import chains
 from etcd_agent.errors import OperationFailed
 from tests.integration.continuous import (
     agent,
-    beds,
     breaks,
     delete,
     dump,
@@ -33,12 +32,6 @@ from tests.integration.continuous import (
 from tests.integration.test_daemon import wait_healthy
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path)) as make:
-        yield make
 
 
 def iso(t: float) -> str:

@@ -18,10 +18,9 @@ from etcd_agent.chain.reader import read_header, verify_segment
 from etcd_agent.daemon.metrics import samples
 from tests.harness.chains import EVIL, append_tail, strip_signatures, tree
 from tests.harness.loopback import free_port_pairs
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table
 from tests.integration.continuous import (
     agent,
-    beds,
     dump,
     full_backups,
     put,
@@ -37,10 +36,7 @@ from tests.integration.continuous import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
+BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
 
 
 def batch(c, prefix: str, n: int) -> int:  # type: ignore[no-untyped-def]
@@ -146,9 +142,7 @@ def _scrape(port: int) -> str:
 def test_segments_are_copied_off_host_as_they_close_and_pruned_with_their_chain(bed, rgw: RgwBed) -> None:  # type: ignore[no-untyped-def]
     bucket = rgw.new_bucket()
     raw = rgw.client()
-    remote = (f'[backup.remote]\nenabled = true\nendpoint = "{rgw.endpoint}"\nbucket = "{bucket}"\n'
-              f'access_key = "{rgw.access_key}"\nsecret_key = "{rgw.secret_key}"\n'
-              'addressing_style = "path"\nprefix = "p/"\nkeep_last = 1\nkeep_daily = 0\n')
+    remote = remote_table(rgw, bucket, prefix="p/", keep_last=1, keep_daily=0)
     d = bed(tables=remote)
     c = d.c
     start_all(d)

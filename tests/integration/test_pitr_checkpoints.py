@@ -17,7 +17,6 @@ from etcd_agent.etcd import proto
 from etcd_agent.etcd.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,
-    beds,
     delete,
     dump,
     put,
@@ -34,12 +33,6 @@ pytestmark = pytest.mark.integration
 # a checkpoint each time the chain grows by a fifth of its full backup - at least 1 MiB
 # (checkpoints.MIN_GROWTH), which the workload's 16 KiB values reach in ~65 puts - at most one every 2 s
 CHECKPOINTS = {"checkpoint_ratio": "0.2", "checkpoint_min_seconds": "2.0"}
-
-
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path)) as make:
-        yield make
 
 
 def live_at(r: EtcdRpc, revision: int) -> Dict[str, Tuple[bytes, int]]:

@@ -13,15 +13,12 @@ import pytest
 
 from etcd_agent.chain import chains
 from etcd_agent.chain.segments import segment_name
-from tests.integration.continuous import agent, beds, full_backups, put, rpc, start_all, wait_durable, wait_watching
+from tests.integration.continuous import agent, full_backups, put, rpc, start_all, wait_durable, wait_watching
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
+BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
 
 
 def test_latest_takes_the_backup_whose_chain_reaches_newest_and_a_junk_name_is_no_gap(bed) -> None:  # type: ignore[no-untyped-def]

@@ -14,16 +14,10 @@ import psutil
 import pytest
 
 from tests.harness.procs import agent_run
-from tests.integration.continuous import agent, beds, put, rpc, start_all, wait_durable, wait_watching
+from tests.integration.continuous import agent, put, rpc, start_all, wait_durable, wait_watching
 from tests.integration.test_restore import AGENT
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path)) as make:
-        yield make
 
 
 def _keyfile(tmp_path) -> tuple:  # type: ignore[no-untyped-def]

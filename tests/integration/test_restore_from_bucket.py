@@ -26,7 +26,6 @@ from etcd_agent.etcd.rpc import EtcdRpc
 from tests.harness.rgw import RgwBed
 from tests.integration.continuous import (
     agent,
-    beds,
     dump,
     full_backups,
     put,
@@ -43,10 +42,7 @@ from tests.integration.test_pitr_disaster import live_at
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def bed(tmp_path):  # type: ignore[no-untyped-def]
-    with beds(str(tmp_path), 1) as make:
-        yield make
+BED_MEMBERS = 1
 
 
 def _tree(path: str) -> List[str]:
@@ -202,8 +198,6 @@ def test_what_is_not_this_clusters_is_refused_before_the_member_is_touched(bed, 
 
 
 def test_wrong_credentials_are_one_sentence_and_keep_nothing(bed, rgw: RgwBed, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tests.integration.test_bucket_queue import remote_table
-
     d, c, bucket = started(bed, rgw)
     wait_for(lambda: landed(rgw, bucket, full_backups(c)), 60, "the first full backup copied")
     _disaster(d, c, str(tmp_path / "offsite"))
@@ -211,7 +205,7 @@ def test_wrong_credentials_are_one_sentence_and_keep_nothing(bed, rgw: RgwBed, t
         text = fh.read()
     wrong = "not-the-secret-0123456789"
     with open(c.config_path, "w") as fh:
-        fh.write(text.replace(remote_table(rgw, bucket), remote_table(rgw, bucket, secret=wrong)))
+        fh.write(text.replace(f'secret_key = "{rgw.secret_key}"', f'secret_key = "{wrong}"'))
     res = agent(c, "restore", "--from-bucket", "latest", "--yes", timeout=120)
     assert res.returncode != 0, res.stdout + res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
@@ -260,12 +254,11 @@ def test_new_hosts_with_other_names_find_the_old_masters_folders(bed, rgw: RgwBe
     """The default prefix (``etcd-backup/{cluster}/{host}/``) files each master's copies under its
     host name; the new masters may be named otherwise. The restore looks through every master's
     folder (a hostile folder name is not one), takes the newest, and fetches from that folder."""
+    from tests.harness.rgw import remote_table
     from tests.integration.continuous import start_all, wait_watching
-    from tests.integration.test_bucket_queue import remote_table
 
     bucket = rgw.new_bucket()
-    table = remote_table(rgw, bucket).replace('prefix = "p/"', 'prefix = "etcd-backup/{cluster}/{host}/"')
-    d = bed(tables=table)
+    d = bed(tables=remote_table(rgw, bucket, prefix="etcd-backup/{cluster}/{host}/", connect_timeout=2, read_timeout=20))
     start_all(d)
     wait_watching(d.c)
     c = d.c

@@ -40,3 +40,42 @@ def test_an_entry_that_is_not_a_check_is_unchecked_and_the_others_stay(tmp_path)
 def test_a_deeply_nested_cache_is_ignored(tmp_path):
     (tmp_path / checks.CACHE).write_text('{"b.tar": ' + "[" * 5000)
     assert checks.load(str(tmp_path)) == {}
+
+
+def _check_many(d, who, n):
+    for i in range(n):  # as `backup verify` and a backup's writer record at once
+        name = f"{who}-{i}.tar"
+        c = checks.check_of(os.path.join(d, name), ok=True, how="verify")
+        assert c is not None
+        checks.record(d, name, c)
+
+
+def _drill_many(d, who, n):
+    from etcd_agent.drill.record import DrillRecord, record_backup
+
+    for i in range(n):  # as two drills of this dir, at once
+        path = os.path.join(d, f"{who}-{i}.tar")
+        record_backup(d, path, DrillRecord(os.path.basename(path), True, 1.0, 2.0), os.stat(path))
+
+
+def test_concurrent_records_lose_no_check_and_no_drill(tmp_path):
+    """Separate processes recording checks and drills of one backup dir at once: each
+    read-modify-write is under the dir's lock (fs.dir_locked), so none is lost."""
+    import multiprocessing
+
+    from etcd_agent.drill import record as drillrecord
+
+    d = str(tmp_path)
+    names = [f"p{k}-{i}.tar" for k in range(4) for i in range(10)]
+    for n in names:
+        (tmp_path / n).write_bytes(n.encode())
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=fn, args=(d, f"p{k}", 10)) for fn in (_check_many, _drill_many) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(checks.load(d)) == sorted(names)
+    assert sorted(drillrecord.load_records(d)) == sorted(names)
+    assert [n for n in os.listdir(d) if n.endswith(".lock")] == []  # the dir's own lock: no lock file left
