@@ -270,7 +270,7 @@ def _text(rule: Text, v: str, path: str) -> None:
     if rule.choices and v not in rule.choices:
         raise _Refused(f"{path} must be one of {', '.join(rule.choices)}")
     if rule.pattern and not re.fullmatch(rule.pattern, v):
-        raise _Refused(f"{path} is not in its form")
+        raise _Refused(f"{path} is malformed")
 
 
 def _load(tp: Any, v: Any, path: str) -> Any:

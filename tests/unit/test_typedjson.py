@@ -66,7 +66,7 @@ def test_a_good_record_reads_and_writes_back_the_same() -> None:
     ({"member": 5}, "_Rec.member must be up to 16 hex digits"),
     ({"pair": ["a", 1, 2]}, "_Rec.pair must be a list of 2, not of 3"),
     ({"pair": ["a", "b"]}, "_Rec.pair[1] must be an integer, not a string"),
-    ({"inner": [{"name": "AB"}]}, "_Rec.inner[0]: _Inner.name is not in its form"),
+    ({"inner": [{"name": "AB"}]}, "_Rec.inner[0]: _Inner.name is malformed"),
     ({"inner": [{"name": ["ab"]}]}, "_Rec.inner[0]: _Inner.name must be a string, not a list"),
     ({"counts": [1, 2, 3]}, "_Rec.counts must hold 0 to 2 items, not 3"),
     ({"low": 3}, "low above high"),
