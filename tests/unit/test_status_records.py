@@ -60,3 +60,19 @@ def test_a_breaks_file_with_a_hostile_record_is_ignored_as_a_whole(tmp_path: Any
     assert status.read_breaks(str(tmp_path)) == (0, [])
     (tmp_path / status.BREAKS_FILE).write_text(json.dumps(dict(doc, breaks=[BREAK])))
     assert status.read_breaks(str(tmp_path)) == (2, [BreakRecord.from_json(BREAK, "b")])
+
+
+def test_a_watchers_status_is_a_typed_document() -> None:
+    """What ``status`` shows of the watch; read back through the same checks as every record."""
+    from etcd_agent.continuous.position import WatcherStatus
+
+    w = WatcherStatus("watching", "ab" * 16, 100, 151, 150, 3, "/b/etcd-delta-x.seg", None, durable_revision=149)
+    d = json.loads(json.dumps(w.to_json()))
+    assert d["broken"] is None and d["last_segment"] == "/b/etcd-delta-x.seg" and d["reconnects"] == 0
+    assert WatcherStatus.from_json(d, "watcher") == w
+    for change, why in [({"state": ["watching"]}, "WatcherStatus.state must be a string, not a list"),
+                        ({"next_revision": "151"}, "WatcherStatus.next_revision must be an integer, not a string"),
+                        ({"broken": "x" * 20000}, "WatcherStatus.broken is longer than 16384 characters")]:
+        with pytest.raises(ProtocolError) as ei:
+            WatcherStatus.from_json(dict(d, **change), "watcher")
+        assert ei.value.message == f"watcher: {why}"
