@@ -127,6 +127,7 @@ class Document:
     RANGES: ClassVar[Dict[str, Tuple[float, float]]] = {}  # numeric fields' (low, high), both included
     ERROR: ClassVar[Type[AgentError]] = ProtocolError  # what a refusal of this record raises
     ENVELOPE: ClassVar[str] = ""  # the record is {ENVELOPE: {...}} on the wire
+    NOT_ENVELOPED: ClassVar[str] = ""  # what a refusal says when the outer object lacks it
     CLOSED: ClassVar[bool] = False  # keys the class does not name are refused
     TAGS: ClassVar[Dict[str, Tuple[object, ...]]] = {}  # constant keys: the values read, the first written
     OMIT_DEFAULT: ClassVar[Tuple[str, ...]] = ()  # fields left out while they hold their default
@@ -169,7 +170,7 @@ class Document:
     def _read(cls: Type[D], d: object) -> D:
         if cls.ENVELOPE:
             if not isinstance(d, dict) or not isinstance(d.get(cls.ENVELOPE), dict):
-                raise _Refused(f"not a {cls.__name__} (no {cls.ENVELOPE!r} object)")
+                raise _Refused(cls.NOT_ENVELOPED or f"not a {cls.__name__} (no {cls.ENVELOPE!r} object)")
             d = d[cls.ENVELOPE]
         if not isinstance(d, dict):
             raise _Refused(f"{cls.__name__} must be a JSON object, not {_kind(d)}")
