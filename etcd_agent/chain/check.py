@@ -27,7 +27,7 @@ from etcd_agent.chain.segments import (
     parse_name,
 )
 from etcd_agent.fs import open_regular
-from etcd_agent.typedjson import Document, Text
+from etcd_agent.typedjson import Document, JsonObject, Text
 
 # an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)
 Opener = Callable[[str], SegmentInfo]
@@ -68,7 +68,7 @@ class ChainStop(Document):
     last_good_revision: int
     last_good_time_ms: Optional[int]
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "kind": self.kind,
             "reason": self.reason,

@@ -34,7 +34,7 @@ import hashlib
 import hmac
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Annotated, Any, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
 from etcd_agent.chain.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
@@ -53,7 +53,7 @@ from etcd_agent.chain.segments import (
 )
 from etcd_agent.chain.sign import key_id
 from etcd_agent.fs import regular_fd
-from etcd_agent.typedjson import Items, Text
+from etcd_agent.typedjson import Items, JsonObject, Text
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
     from etcd_agent.age import Encryptor, Identities, X25519Recipient
@@ -94,7 +94,7 @@ class Seal(SegmentRecord):
     recipients: Annotated[Tuple[Annotated[str, RECIPIENT], ...], Items(1, 64)]
     signature: Annotated[Optional[Tuple[str, str]], SIGNATURE] = None  # (key id, hex mac)
 
-    def body(self) -> Dict[str, Any]:
+    def body(self) -> JsonObject:
         """What the signature covers: the seal without it."""
         return self.unsigned().to_json()
 

@@ -50,7 +50,7 @@ from typing import Annotated, Any, ClassVar, Dict, List, Optional, Tuple
 
 from etcd_agent.chain.errors import SegmentCorrupt
 from etcd_agent.errors import AgentError
-from etcd_agent.typedjson import HEX, Codec, Document, Items, Text
+from etcd_agent.typedjson import HEX, Codec, Document, Items, JsonObject, Text
 
 FORMAT = "etcd-agent-delta"
 FORMAT_VERSION = 1
@@ -314,7 +314,7 @@ class Segment:
     txns: Tuple[Txn, ...]
 
 
-def json_bytes(d: Dict[str, Any]) -> bytes:
+def json_bytes(d: JsonObject) -> bytes:
     """A header, footer or seal as the format writes it: sorted keys, no spaces."""
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 

@@ -17,12 +17,12 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Callable, Dict, Iterable, List, Optional, Tuple
 
 from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.safejson import load as load_json
-from etcd_agent.typedjson import Document, Items, Text
+from etcd_agent.typedjson import Document, Items, JsonObject, Text
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
@@ -87,7 +87,7 @@ class DeltaStatus(Document):
             return None
         return max(0, self.member_revision - self.durable_revision)
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         d = asdict(self)  # every field, null ones too: what ``status --json`` has always shown
         d["rpo_seconds"] = self.rpo_seconds()
         d["lag_revisions"] = self.lag_revisions()
@@ -220,7 +220,7 @@ class BreakRecord(Document):
     time: float  # Unix s
     compact_revision: Optional[int] = None
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
 

@@ -31,12 +31,12 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Annotated, Any, Callable, Iterator, List, Optional, Tuple, Union
 
 from etcd_agent.config.model import NAME_RE  # a member name, and an op id (stamp-sha-random) within it
 from etcd_agent.errors import OperationFailed, RefusedError
 from etcd_agent.safejson import UnsafeJson, loads
-from etcd_agent.typedjson import Document, Text
+from etcd_agent.typedjson import Document, JsonObject, Text
 
 CODECS = ("none", "zstd")
 ZSTD_LEVEL = 1  # on two cores, level 1 moves the most bytes per CPU-second; higher levels gain ~3%
@@ -147,15 +147,15 @@ def data_frames(payload: Chunk) -> List[Tuple[bytes, memoryview]]:
 
 
 def end_frame(end: End) -> Tuple[bytes, memoryview]:
-    return _json_frame(END, end.to_json())
+    return _json_frame(END, end)
 
 
 def order_frame(order: Order) -> Tuple[bytes, memoryview]:
-    return _json_frame(ORDER, order.to_json())
+    return _json_frame(ORDER, order)
 
 
-def _json_frame(kind: bytes, doc: Dict[str, Any]) -> Tuple[bytes, memoryview]:
-    body = json.dumps(doc, sort_keys=True).encode()
+def _json_frame(kind: bytes, doc: Document) -> Tuple[bytes, memoryview]:
+    body = json.dumps(doc.to_json(), sort_keys=True).encode()
     return HEADER.pack(kind, len(body)), memoryview(body)
 
 
@@ -245,8 +245,9 @@ class FrameReader:
             raise StreamError(f"{self.what}: the stream does not begin with the sender's order (frame {kind!r})")
         return Order.from_json(self._record(length, MAX_ORDER, "order"), f"{self.what}: order")
 
-    def _record(self, length: int, limit: int, name: str) -> Dict[str, Any]:
-        """A JSON object of ``length`` bytes, at most ``limit``, read and parsed within bounds."""
+    def _record(self, length: int, limit: int, name: str) -> JsonObject:
+        """A JSON object of ``length`` bytes, at most ``limit``, read and parsed within bounds (its
+        fields unchecked: the caller reads it as its document)."""
         if not 0 < length <= limit:
             raise StreamError(f"{self.what}: an {name} of {length} bytes (at most {limit})")
         body = memoryview(bytearray(length))

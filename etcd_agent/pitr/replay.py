@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Annotated, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Annotated, Any, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain.check import ChainCheck, ChainStop
 from etcd_agent.chain.errors import ReplayError, SegmentCorrupt
@@ -18,7 +18,7 @@ from etcd_agent.chain.reader import read_header, read_segment
 from etcd_agent.chain.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
 from etcd_agent.errors import BackupCorrupt
 from etcd_agent.pitr.leases import LeaseFate
-from etcd_agent.typedjson import Codec, Document, Text
+from etcd_agent.typedjson import Codec, Document, JsonObject, Text
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Target(Document):
             return f"time {ms_to_datetime(self.time_ms).isoformat()}"
         return "newest"
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"kind": self.kind, "revision": self.revision, "time_ms": self.time_ms}  # nulls too, as ever
 
     def violation(self) -> Optional[str]:
