@@ -83,8 +83,11 @@ class Key:
     name: str
 
 
+_HEX = re.compile(r"[0-9a-fA-F]{0,16}")
+
+
 def _read_hex(v: Any) -> int:
-    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-fA-F]{0,16}", v):
+    if not isinstance(v, str) or not _HEX.fullmatch(v):
         raise ValueError("must be up to 16 hex digits")
     return int(v or "0", 16)
 
@@ -134,14 +137,12 @@ class Document:
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {k: vs[0] for k, vs in self.TAGS.items()}
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f, slot in zip(dataclasses.fields(self), _plan(type(self)).slots):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             if v is None and _has_default(f) or f.name in self.OMIT_DEFAULT and v == _default(f):
                 continue
-            tp, marks = _split(hints[f.name])
-            key, codec = _marker(marks, Key), _marker(marks, Codec)
-            out[key.name if key else f.name] = codec.write(v) if codec and v is not None else _dump(v)
+            codec = slot.codec
+            out[slot.key] = codec.write(v) if codec is not None and v is not None else _dump(v)
         return {self.ENVELOPE: out} if self.ENVELOPE else out
 
     def violation(self) -> Optional[str]:
@@ -177,26 +178,25 @@ class Document:
         kind = cls.variant(d)
         if kind is not cls:
             return kind._read(d)
-        cls._check_keys(d)
-        hints = _hints(cls)
+        plan = _plan(cls)
+        cls._check_keys(d, plan)
         kw: Dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            tp, marks = _split(hints[f.name])
-            key = _marker(marks, Key)
-            name = key.name if key else f.name
-            v = d.get(name)
+        for slot in plan.slots:
+            v = d.get(slot.key)
             if v is None:
-                if f.name in cls.REQUIRED or not _has_default(f):
-                    if name not in d:
-                        raise _Refused(f"{cls.__name__} lacks its field {name!r}")
-                    if f.name in cls.REQUIRED or not _optional(tp):
-                        raise _Refused(f"{cls.__name__}.{name} must not be null")
-                    kw[f.name] = None
+                if slot.must:
+                    if slot.key not in d:
+                        raise _Refused(f"{cls.__name__} lacks its field {slot.key!r}")
+                    if not slot.nullable:
+                        raise _Refused(f"{slot.path} must not be null")
+                    kw[slot.name] = None
                 continue
-            kw[f.name] = _field(tp, marks, v, f"{cls.__name__}.{name}")
-            bounds = cls.RANGES.get(f.name)
-            if bounds is not None and not bounds[0] <= kw[f.name] <= bounds[1]:
-                raise _Refused(f"{cls.__name__}.{name} must be between {_num(bounds[0])} and {_num(bounds[1])}")
+            try:
+                x = kw[slot.name] = slot.read(v)
+            except _Bad as exc:
+                raise _Refused(f"{slot.path}{exc.rest}") from None
+            if slot.bounds is not None and not slot.bounds[0] <= x <= slot.bounds[1]:
+                raise _Refused(f"{slot.path} must be between {_num(slot.bounds[0])} and {_num(slot.bounds[1])}")
         doc = cls(**kw)
         problem = doc.violation()
         if problem is not None:
@@ -204,20 +204,66 @@ class Document:
         return doc
 
     @classmethod
-    def _check_keys(cls, d: JsonObject) -> None:
+    def _check_keys(cls, d: JsonObject, plan: "_Plan") -> None:
         for k, values in cls.TAGS.items():
             v = d.get(k)
             if not any(type(v) is type(x) and v == x for x in values):
                 raise _Refused(f"{cls.__name__}.{k} must be {' or '.join(repr(x) for x in values[:4])}")
         if cls.CLOSED:
-            hints = _hints(cls)
-            known = set(cls.TAGS)
-            for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-                key = _marker(_split(hints[f.name])[1], Key)
-                known.add(key.name if key else f.name)
-            extra = sorted(str(k)[:40] for k in d if k not in known)
+            extra = sorted(str(k)[:40] for k in d if k not in plan.keys)
             if extra:
                 raise _Refused(f"{cls.__name__} has unknown field(s) {', '.join(extra[:5])}")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """How one field is read: worked out once per class from its annotations."""
+
+    name: str  # the field's
+    key: str  # its JSON key
+    path: str  # "Class.key", as refusals name it
+    read: "Reader"  # the value (not null) as its type (Annotated and Optional taken off) and markers say
+    codec: Optional[Codec]  # how it is written, when not as itself
+    must: bool  # present on the wire: no default, or named in REQUIRED
+    nullable: bool  # present as null: Optional, and not named in REQUIRED
+    bounds: Optional[Tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class _Marks:
+    codec: Optional[Codec] = None
+    text: Optional[Text] = None
+    items: Optional[Items] = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    slots: Tuple[_Slot, ...]
+    keys: "frozenset[str]"  # every key the class names (its fields' and its tags)
+
+
+_PLANS: Dict[type, _Plan] = {}
+
+
+def _marks(meta: Tuple[Any, ...]) -> _Marks:
+    return _Marks(_marker(meta, Codec), _marker(meta, Text), _marker(meta, Items))
+
+
+def _plan(cls: Type[Document]) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints, slots = _hints(cls), []
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            tp, meta = _split(hints[f.name])
+            key = _marker(meta, Key)
+            name = key.name if key else f.name
+            optional = _optional(tp)
+            marks = _marks(meta)
+            slots.append(_Slot(f.name, name, f"{cls.__name__}.{name}", _reader(_unoptional(tp) if optional else tp, marks),
+                               marks.codec, f.name in cls.REQUIRED or not _has_default(f),
+                               optional and f.name not in cls.REQUIRED, cls.RANGES.get(f.name)))
+        plan = _PLANS[cls] = _Plan(tuple(slots), frozenset([s.key for s in slots] + list(cls.TAGS)))
+    return plan
 
 
 def _num(x: float) -> str:
@@ -246,86 +292,170 @@ def _dump(v: Any) -> Any:
     return v
 
 
-def _field(tp: Any, marks: Tuple[Any, ...], v: Any, path: str) -> Any:
-    """A field's value (not null) as its annotation and markers say."""
-    codec = _marker(marks, Codec)
+def _unoptional(tp: Any) -> Any:
+    return next(a for a in typing.get_args(tp) if a is not type(None))
+
+
+class _Bad(Exception):
+    """A value refused; ``rest`` is the sentence after its path, which the callers above prepend
+    (an index, a field): paths are built only for a refusal, never for a value that reads."""
+
+    def __init__(self, rest: str) -> None:
+        super().__init__(rest)
+        self.rest = rest
+
+
+Reader = Callable[[Any], Any]
+_READERS: Dict[Any, Reader] = {}
+
+
+def _reader(tp: Any, marks: Optional[_Marks] = None) -> Reader:
+    """The function that reads a (non-null) JSON value as ``tp`` with ``marks``: made once per
+    annotation, so a document is read without looking at its annotations again."""
+    if marks == _Marks():
+        marks = None
+    key = (tp, marks)
+    r = _READERS.get(key)
+    if r is None:
+        r = _READERS[key] = _marked(tp, marks) if marks is not None else _make(tp)
+    return r
+
+
+def _marked(tp: Any, marks: _Marks) -> Reader:
+    codec, text, items = marks.codec, marks.text, marks.items
     if codec is not None:
-        try:
-            return codec.read(v)
-        except ValueError as exc:
-            raise _Refused(f"{path} {exc}") from None
-    if _optional(tp):
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    out = _load(tp, v, path)
-    text, items = _marker(marks, Text), _marker(marks, Items)
-    if text is not None:
-        _text(text, out, path)
-    if items is not None and not items.low <= len(out) <= items.high:
-        raise _Refused(f"{path} must hold {items.low} to {items.high} items, not {len(out)}")
-    return out
+        def read_codec(v: Any) -> Any:
+            try:
+                return codec.read(v)
+            except ValueError as exc:
+                raise _Bad(f" {exc}") from None
+        return read_codec
+    inner = _reader(tp)
+    pattern = re.compile(text.pattern) if text is not None and text.pattern else None
+
+    def read_marked(v: Any) -> Any:
+        out = inner(v)
+        if text is not None:
+            _text(text, pattern, out)
+        if items is not None and not items.low <= len(out) <= items.high:
+            raise _Bad(f" must hold {items.low} to {items.high} items, not {len(out)}")
+        return out
+    return read_marked
 
 
-def _text(rule: Text, v: str, path: str) -> None:
-    if len(v) > rule.max_len:
-        raise _Refused(f"{path} is longer than {rule.max_len} characters")
-    if rule.choices and v not in rule.choices:
-        raise _Refused(f"{path} must be one of {', '.join(rule.choices)}")
-    if rule.pattern and not re.fullmatch(rule.pattern, v):
-        raise _Refused(f"{path} is malformed")
-
-
-def _load(tp: Any, v: Any, path: str) -> Any:
-    """``v`` as type ``tp``, or _Refused naming ``path``."""
-    tp, marks = _split(tp)
-    if marks:
-        return _field(tp, marks, v, path) if v is not None else _load(tp, v, path)
+def _make(tp: Any) -> Reader:
+    if tp in _WHAT:
+        return lambda v: _load_scalar(tp, v)
+    base, meta = _split(tp)
+    if meta:  # an item's own markers (the strings of a list, each bounded)
+        if _optional(base):
+            return _nullable(_reader(_unoptional(base), _marks(meta)))
+        return _reader(base, _marks(meta))
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:
-        if v is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1:
-            raise TypeError(f"{path}: only Optional[X] unions are supported")
-        return _load(inner[0], v, path)
+        if type(None) not in args or len(args) != 2:
+            raise TypeError(f"{tp!r}: only Optional[X] unions are supported")
+        return _nullable(_reader(_unoptional(tp)))
     if tp is Any:
-        return v  # a sub-document read by its own checked parser (an error document)
+        return lambda v: v  # a sub-document read by its own checked parser (an error document)
     if isinstance(tp, type) and issubclass(tp, Document):
-        try:
-            return tp._read(v)
-        except _Refused as exc:
-            raise _Refused(f"{path}: {exc}") from None
-    if origin in (tuple, list, dict):
-        return _load_container(origin, args, v, path)
-    return _load_scalar(tp, v, path)
-
-
-def _load_container(origin: Any, args: Tuple[Any, ...], v: Any, path: str) -> Any:
+        return lambda v: _document(tp, v)
     if origin is dict:
+        return _dict_reader(_reader(args[1]))
+    if origin in (tuple, list):
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return _tuple_reader(tuple(_reader(a) for a in args))
+        return _list_reader(_reader(args[0]), origin is tuple)
+    raise TypeError(f"no JSON reading of {tp!r}")
+
+
+def _nullable(inner: Reader) -> Reader:
+    return lambda v: None if v is None else inner(v)
+
+
+def _document(tp: Type[Document], v: Any) -> Any:
+    try:
+        return tp._read(v)
+    except _Refused as exc:
+        raise _Bad(f": {exc}") from None
+
+
+def _dict_reader(item: Reader) -> Reader:
+    def read_dict(v: Any) -> Any:
         if not isinstance(v, dict):
-            raise _Refused(f"{path} must be an object, not {_kind(v)}")
-        return {str(k): _load(args[1], x, f"{path}[{str(k)[:40]!r}]") for k, x in v.items()}
-    if not isinstance(v, list):
-        raise _Refused(f"{path} must be a list, not {_kind(v)}")
-    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-        if len(v) != len(args):  # a fixed-length tuple: (key id, mac), (revision, time) ...
-            raise _Refused(f"{path} must be a list of {len(args)}, not of {len(v)}")
-        return tuple(_load(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
-    items = [_load(args[0], x, f"{path}[{i}]") for i, x in enumerate(v)]
-    return tuple(items) if origin is tuple else items
+            raise _Bad(f" must be an object, not {_kind(v)}")
+        out = {}
+        for k, x in v.items():
+            try:
+                out[str(k)] = item(x)
+            except _Bad as exc:
+                raise _Bad(f"[{str(k)[:40]!r}]{exc.rest}") from None
+        return out
+    return read_dict
 
 
-def _load_scalar(tp: Any, v: Any, path: str) -> Any:
-    ok = {str: lambda: isinstance(v, str), bool: lambda: isinstance(v, bool),
-          int: lambda: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(tp)
-    if ok is None:
-        raise TypeError(f"{path}: no JSON reading of {tp!r}")
-    if not ok():
-        raise _Refused(f"{path} must be {_WHAT[tp]}, not {_kind(v)}")
-    if tp in (int, float) and not (isinstance(v, int) and -(1 << 63) <= v < 1 << 64
-                                   or isinstance(v, float) and math.isfinite(v)):
-        raise _Refused(f"{path} is out of range (a 64-bit integer or a finite number)")
-    return float(v) if tp is float else v
+def _list_reader(item: Reader, as_tuple: bool) -> Reader:
+    def read_list(v: Any) -> Any:
+        if not isinstance(v, list):
+            raise _Bad(f" must be a list, not {_kind(v)}")
+        try:
+            out = [item(x) for x in v]
+        except _Bad as exc:
+            i = next(i for i, x in enumerate(v) if _refuses(item, x))
+            raise _Bad(f"[{i}]{exc.rest}") from None
+        return tuple(out) if as_tuple else out
+    return read_list
+
+
+def _refuses(read: Reader, v: Any) -> bool:
+    try:
+        read(v)
+    except _Bad:
+        return True
+    return False
+
+
+def _tuple_reader(items: Tuple[Reader, ...]) -> Reader:
+    def read_tuple(v: Any) -> Any:
+        if not isinstance(v, list):
+            raise _Bad(f" must be a list, not {_kind(v)}")
+        if len(v) != len(items):  # a fixed-length tuple: (key id, mac), (revision, time) ...
+            raise _Bad(f" must be a list of {len(items)}, not of {len(v)}")
+        out = []
+        for i, (read, x) in enumerate(zip(items, v)):
+            try:
+                out.append(read(x))
+            except _Bad as exc:
+                raise _Bad(f"[{i}]{exc.rest}") from None
+        return tuple(out)
+    return read_tuple
+
+
+def _text(rule: Text, pattern: "Optional[re.Pattern[str]]", v: str) -> None:
+    if len(v) > rule.max_len:
+        raise _Bad(f" is longer than {rule.max_len} characters")
+    if rule.choices and v not in rule.choices:
+        raise _Bad(f" must be one of {', '.join(rule.choices)}")
+    if pattern is not None and not pattern.fullmatch(v):
+        raise _Bad(" is malformed")
+
+
+def _load_scalar(tp: Any, v: Any) -> Any:
+    if tp is str:
+        if isinstance(v, str):
+            return v
+    elif tp is bool:
+        if isinstance(v, bool):
+            return v
+    elif isinstance(v, int) and not isinstance(v, bool):  # int or float
+        if not -(1 << 63) <= v < 1 << 64:
+            raise _Bad(" is out of range (a 64-bit integer or a finite number)")
+        return v if tp is int else float(v)
+    elif tp is float and isinstance(v, float):
+        if not math.isfinite(v):
+            raise _Bad(" is out of range (a 64-bit integer or a finite number)")
+        return v
+    raise _Bad(f" must be {_WHAT[tp]}, not {_kind(v)}")
 
 
 _WHAT = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
