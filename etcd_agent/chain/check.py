@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Annotated, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain import sign as segsign
 from etcd_agent.chain.errors import NotASegment, SegmentCorrupt, SegmentForged
@@ -27,6 +27,7 @@ from etcd_agent.chain.segments import (
     parse_name,
 )
 from etcd_agent.fs import open_regular
+from etcd_agent.typedjson import Document, JsonObject, Text
 
 # an encrypted segment's path -> its info, opened with the key (``segseal.open_sealed``)
 Opener = Callable[[str], SegmentInfo]
@@ -57,17 +58,17 @@ def continues(h: SegmentHeader, base: Optional[BaseBackup]) -> bool:
 
 
 @dataclass(frozen=True)
-class ChainStop:
+class ChainStop(Document):
     """Where and why a chain stops being usable; nothing at or after ``at_revision`` is trusted."""
 
-    kind: str  # "gap" | "corrupt" | "mismatch" | "future" | "forged" (``segsign``)
-    reason: str
+    kind: Annotated[str, Text(16, r"[a-z-]+")]  # "gap" | "corrupt" | "mismatch" | "future" | "forged" (``segsign``)
+    reason: Annotated[str, Text(16 * 1024)]
     at_revision: int
-    path: Optional[str]
+    path: Annotated[Optional[str], Text(4096)]
     last_good_revision: int
     last_good_time_ms: Optional[int]
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "kind": self.kind,
             "reason": self.reason,
@@ -77,12 +78,6 @@ class ChainStop:
             "last_good_time": ms_to_datetime(self.last_good_time_ms).isoformat() if self.last_good_time_ms else None,
             "last_good_time_ms": self.last_good_time_ms,
         }
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "ChainStop":
-        t = d.get("last_good_time_ms")
-        return cls(str(d["kind"]), str(d["reason"]), int(d["at_revision"]), d.get("path"),
-                   int(d["last_good_revision"]), None if t is None else int(t))
 
 
 @dataclass(frozen=True)

@@ -88,11 +88,7 @@ def _header_of(path: str, data: bytes) -> Tuple[SegmentHeader, int]:
     (hlen,) = U32.unpack_from(data, 8)
     if hlen > MAX_JSON or 12 + hlen > len(data):
         raise SegmentCorrupt(path, f"header length {hlen} out of bounds")
-    try:
-        header = SegmentHeader.from_json(_parse_json(path, data[12 : 12 + hlen], "header"))
-    except ValueError as exc:
-        raise SegmentCorrupt(path, f"bad header: {exc}") from None
-    return header, 12 + hlen
+    return SegmentHeader.from_json(_parse_json(path, data[12 : 12 + hlen], "header"), path), 12 + hlen
 
 
 def read_header(path: str) -> SegmentHeader:
@@ -137,10 +133,7 @@ def _footer_of(path: str, data: bytes, pos: int, end: int) -> SegmentFooter:
     kind, ln = REC_HEAD.unpack_from(data, pos)
     if kind != REC_FOOTER or ln > MAX_JSON or pos + REC_HEAD.size + ln != end:
         raise SegmentCorrupt(path, "footer record missing or misplaced")
-    try:
-        return SegmentFooter.from_json(_parse_json(path, data[pos + REC_HEAD.size : end], "footer"))
-    except ValueError as exc:
-        raise SegmentCorrupt(path, f"bad footer: {exc}") from None
+    return SegmentFooter.from_json(_parse_json(path, data[pos + REC_HEAD.size : end], "footer"), path)
 
 
 def read_segment(path: str, *, max_bytes: int = MAX_SEGMENT) -> Segment:

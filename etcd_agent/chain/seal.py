@@ -29,28 +29,31 @@ Anything wrong is ``SegmentCorrupt`` (a chain stops there), a wrong identity ``I
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Annotated, Any, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
 from etcd_agent.chain.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
 from etcd_agent.chain.segments import (
     MAX_SEGMENT,
     SEALED_EXT,
+    SHA256_HEX,
+    SIGNATURE,
     U32,
     SealFacts,
     SegmentFooter,
     SegmentHeader,
     SegmentInfo,
+    SegmentRecord,
     json_bytes,
-    parse_signature,
-    signature_json,
 )
 from etcd_agent.chain.sign import key_id
 from etcd_agent.fs import regular_fd
+from etcd_agent.typedjson import Items, JsonObject, Text
 
 if TYPE_CHECKING:  # pragma: no cover - the age code (and `cryptography`) only when encrypting
     from etcd_agent.age import Encryptor, Identities, X25519Recipient
@@ -62,6 +65,7 @@ SEAL_VERSION = 1
 # age's overhead on the largest segment: a header of 20 recipients (~2 KiB), the nonce, a tag a chunk
 AGE_OVERHEAD_MAX = 64 * 1024 + 16 + (MAX_SEGMENT // (64 * 1024) + 1) * 16
 READ = 1 << 20
+SIZE = (0, (1 << 63) - 1)
 
 
 class StagingFailed(ReplayError):
@@ -69,42 +73,40 @@ class StagingFailed(ReplayError):
     stops; a chain is never cut short for it."""
 
 
+RECIPIENT = Text(99, r"age1.+")  # an age X25519 public key (``age1...``) of a sane length
+
+
 @dataclass(frozen=True)
-class Seal:
+class Seal(SegmentRecord):
     """The clear part of an encrypted segment: a claim until checked (see the module doc)."""
+
+    WHAT = "seal"
+    TAGS = {"format": (SEAL_FORMAT,), "format_version": (SEAL_VERSION,)}
+    CLOSED = True
+    RANGES = {"plain_size": SIZE, "age_size": SIZE}
 
     header: SegmentHeader
     footer: SegmentFooter
     plain_size: int
-    plain_sha256: str
+    plain_sha256: Annotated[str, Text(64, SHA256_HEX)]
     age_size: int
-    age_sha256: str
-    recipients: Tuple[str, ...]
-    signature: Optional[Tuple[str, str]] = None  # (key id, hex mac)
+    age_sha256: Annotated[str, Text(64, SHA256_HEX)]
+    recipients: Annotated[Tuple[Annotated[str, RECIPIENT], ...], Items(1, 64)]
+    signature: Annotated[Optional[Tuple[str, str]], SIGNATURE] = None  # (key id, hex mac)
 
-    def body(self) -> Dict[str, Any]:
-        return {
-            "format": SEAL_FORMAT,
-            "format_version": SEAL_VERSION,
-            "header": self.header.to_json(),
-            "footer": self.footer.to_json(),
-            "plain_size": self.plain_size,
-            "plain_sha256": self.plain_sha256,
-            "age_size": self.age_size,
-            "age_sha256": self.age_sha256,
-            "recipients": list(self.recipients),
-        }
+    def body(self) -> JsonObject:
+        """What the signature covers: the seal without it."""
+        return self.unsigned().to_json()
+
+    def unsigned(self) -> "Seal":
+        return dataclasses.replace(self, signature=None)
 
     def to_bytes(self) -> bytes:
-        d = self.body()
-        if self.signature is not None:
-            d["signature"] = signature_json(self.signature)
-        return json_bytes(d)
+        return json_bytes(self.to_json())
 
     def signed(self, key: bytes) -> "Seal":
         mac = hmac.new(key, json_bytes(self.body()), hashlib.sha256).hexdigest()
-        return Seal(self.header, self.footer, self.plain_size, self.plain_sha256, self.age_size, self.age_sha256,
-                    self.recipients, (key_id(key), mac))
+        return dataclasses.replace(self, signature=(key_id(key), mac))
 
     def signature_state(self, key: Optional[bytes]) -> str:
         """valid | unsigned | unknown-key (signed, not with ``key``, or no key here) | invalid."""
@@ -114,43 +116,6 @@ class Seal:
             return "unknown-key"
         want = hmac.new(key, json_bytes(self.body()), hashlib.sha256).hexdigest()
         return "valid" if hmac.compare_digest(want, self.signature[1]) else "invalid"
-
-    @classmethod
-    def from_json(cls, d: Any) -> "Seal":
-        if not isinstance(d, dict) or d.get("format") != SEAL_FORMAT:
-            raise ValueError(f"not an {SEAL_FORMAT} seal")
-        known = {"format", "format_version", "header", "footer", "plain_size", "plain_sha256", "age_size",
-                 "age_sha256", "recipients", "signature"}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"unknown seal field(s) {', '.join(extra[:5])}")
-        if d.get("format_version") != SEAL_VERSION:
-            raise ValueError(f"seal format version {d.get('format_version')!r} not supported (max {SEAL_VERSION})")
-        if not all(_is_size(d.get(k)) for k in ("plain_size", "age_size")):
-            raise ValueError("plain_size/age_size must be non-negative integers")
-        if not all(_is_sha256(d.get(k)) for k in ("plain_sha256", "age_sha256")):
-            raise ValueError("plain_sha256/age_sha256 must be sha256 hex digests")
-        recips: Any = d.get("recipients")
-        if not _are_recipients(recips):
-            raise ValueError("recipients must be 1 to 64 age1... public keys")
-        signature = parse_signature(d.get("signature"))
-        return cls(SegmentHeader.from_json(d.get("header")), SegmentFooter.from_json(d.get("footer")),
-                   int(d["plain_size"]), str(d["plain_sha256"]), int(d["age_size"]), str(d["age_sha256"]),
-                   tuple(recips), signature)
-
-
-def _is_size(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _is_sha256(v: Any) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
-
-
-def _are_recipients(v: Any) -> bool:
-    """1 to 64 age X25519 public keys (``age1...``), each of a sane length."""
-    return isinstance(v, list) and 0 < len(v) <= 64 and all(
-        isinstance(r, str) and r.startswith("age1") and len(r) < 100 for r in v)
 
 
 # ---------------------------------------------------------------- writing
@@ -230,9 +195,10 @@ def _seal_of(path: str, block: bytes, size: int) -> Seal:
     if any(block[12 + n:]):
         raise SegmentCorrupt(path, "bytes after the seal inside its block")
     try:
-        seal = Seal.from_json(safejson.loads(block[12 : 12 + n], max_bytes=SEAL_BLOCK))
+        raw = safejson.loads(block[12 : 12 + n], max_bytes=SEAL_BLOCK)
     except ValueError as exc:
         raise SegmentCorrupt(path, f"bad seal: {exc}") from None
+    seal = Seal.from_json(raw, path)
     if SEAL_BLOCK + seal.age_size != size:
         raise SegmentCorrupt(path, f"{size} bytes where its seal says {SEAL_BLOCK + seal.age_size}: truncated or "
                                    "appended to")

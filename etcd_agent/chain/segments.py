@@ -46,7 +46,11 @@ import re
 import struct
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Annotated, Any, ClassVar, Dict, List, Optional, Tuple
+
+from etcd_agent.chain.errors import SegmentCorrupt
+from etcd_agent.errors import AgentError
+from etcd_agent.typedjson import HEX, Codec, Document, Items, JsonObject, Text
 
 FORMAT = "etcd-agent-delta"
 FORMAT_VERSION = 1
@@ -116,79 +120,46 @@ class LeaseRecord:
         return self.remaining_ttl >= 0
 
 
-def _req(d: Dict[str, Any], key: str, kind: type) -> Any:
-    v = d.get(key)
-    if kind is int and isinstance(v, bool):
-        raise ValueError(f"{key} must be an integer")
-    if not isinstance(v, kind):
-        raise ValueError(f"{key} must be {kind.__name__}, got {type(v).__name__}")
-    return v
+SHA256_HEX = r"[0-9a-f]{64}"
+
+
+class SegmentRecord(Document):
+    """A segment's own JSON (header, footer, seal): refused as damage to the file, ``where``."""
+
+    WHAT: ClassVar[str] = "record"
+
+    @classmethod
+    def refused(cls, where: str, problem: str) -> AgentError:
+        return SegmentCorrupt(where, f"bad {cls.WHAT}: {problem}")
 
 
 @dataclass(frozen=True)
-class SegmentHeader:
-    chain_id: str
+class SegmentHeader(SegmentRecord):
+    WHAT = "header"
+    TAGS = {"format": (FORMAT,), "format_version": tuple(range(1, FORMAT_VERSION + 1))}
+    REQUIRED = ("cluster_id", "member_id", "endpoint")  # every writer has written them
+    OMIT_DEFAULT = ("base_sha256",)  # absent rather than empty: older readers see the header they know
+
+    chain_id: Annotated[str, Text(32, r"[0-9a-f]{32}")]
     seq: int
     base_revision: int
     start_revision: int
-    prev_sha256: str
+    prev_sha256: Annotated[str, Text(64, f"(?:{SHA256_HEX})?")]
     start_time_ms: int
-    cluster_id: int = 0
-    member_id: int = 0
-    endpoint: str = ""
+    cluster_id: Annotated[int, HEX] = 0
+    member_id: Annotated[int, HEX] = 0
+    endpoint: Annotated[str, Text(4096)] = ""
     # sha256 of the full backup's snapshot db this chain continues ("": written before chains
     # named it). Two full backups can share a revision (etcd 3.4 restores do not bump it): the
     # revision alone cannot tell which one a chain continues.
-    base_sha256: str = ""
+    base_sha256: Annotated[str, Text(64, f"(?:{SHA256_HEX})?")] = ""
 
-    def to_json(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "chain_id": self.chain_id,
-            "seq": self.seq,
-            "base_revision": self.base_revision,
-            "start_revision": self.start_revision,
-            "prev_sha256": self.prev_sha256,
-            "start_time_ms": self.start_time_ms,
-            "cluster_id": f"{self.cluster_id:x}",
-            "member_id": f"{self.member_id:x}",
-            "endpoint": self.endpoint,
-        }
-        if self.base_sha256:  # absent rather than empty: older readers see the header they know
-            d["base_sha256"] = self.base_sha256
-        return d
-
-    @classmethod
-    def from_json(cls, d: Any) -> "SegmentHeader":
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"not an {FORMAT} header")
-        version = _req(d, "format_version", int)
-        if version < 1 or version > FORMAT_VERSION:
-            raise ValueError(f"format version {version} not supported (max {FORMAT_VERSION})")
-        h = cls(
-            chain_id=_req(d, "chain_id", str),
-            seq=_req(d, "seq", int),
-            base_revision=_req(d, "base_revision", int),
-            start_revision=_req(d, "start_revision", int),
-            prev_sha256=_req(d, "prev_sha256", str),
-            start_time_ms=_req(d, "start_time_ms", int),
-            cluster_id=int(_req(d, "cluster_id", str) or "0", 16),
-            member_id=int(_req(d, "member_id", str) or "0", 16),
-            endpoint=_req(d, "endpoint", str),
-            base_sha256=_req(d, "base_sha256", str) if "base_sha256" in d else "",
-        )
-        if not re.fullmatch(r"[0-9a-f]{32}", h.chain_id):
-            raise ValueError("chain_id is not 32 hex digits")
-        if h.prev_sha256 and not re.fullmatch(r"[0-9a-f]{64}", h.prev_sha256):
-            raise ValueError("prev_sha256 is not a sha256")
-        if h.base_sha256 and not re.fullmatch(r"[0-9a-f]{64}", h.base_sha256):
-            raise ValueError("base_sha256 is not a sha256")
-        if h.seq < 0 or h.base_revision < 0 or h.start_revision < h.base_revision + 1:
-            raise ValueError("seq/base_revision/start_revision out of range")
-        if (h.seq == 0) != (h.prev_sha256 == "") or (h.seq == 0 and h.start_revision != h.base_revision + 1):
-            raise ValueError("only the first segment of a chain (seq 0, at base + 1) has no previous segment")
-        return h
+    def violation(self) -> Optional[str]:
+        if self.seq < 0 or self.base_revision < 0 or self.start_revision < self.base_revision + 1:
+            return "seq/base_revision/start_revision out of range"
+        if (self.seq == 0) != (self.prev_sha256 == "") or (self.seq == 0 and self.start_revision != self.base_revision + 1):
+            return "only the first segment of a chain (seq 0, at base + 1) has no previous segment"
+        return None
 
 
 # a full backup's name as the agent writes it (``backup.archive.NAME_RE``): what a footer may vouch for
@@ -197,7 +168,7 @@ MAX_CHECKPOINTS = 8  # vouched for in one footer (the daemon takes one a minute 
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(Document):
     """A full backup the daemon took *inside* this chain, vouched for by the chain itself: the
     watcher wrote this into a segment's footer only after it had written every revision up to
     ``revision`` and checked the member again after the backup was taken. A restore may start
@@ -209,30 +180,41 @@ class Checkpoint:
     from that one on holds what the lease rule needs about the leases in the checkpoint, so a
     replay from it reads nothing of the chain before that segment."""
 
-    name: str  # the backup's file name, in the same dir
-    sha256: str  # of its snapshot db (the plaintext, when the backup is encrypted)
+    CLOSED = True  # {name, sha256, revision, leases_from}: what the chain vouches for, nothing else
+
+    name: Annotated[str, Text(80, CHECKPOINT_NAME_RE.pattern)]  # the backup's file name, in the same dir
+    sha256: Annotated[str, Text(64, SHA256_HEX)]  # of its snapshot db (the plaintext, when the backup is encrypted)
     revision: int  # the snapshot's revision
     leases_from: int  # the revision the chain had written at the lease census (<= revision)
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "sha256": self.sha256, "revision": self.revision, "leases_from": self.leases_from}
+    def violation(self) -> Optional[str]:
+        if self.revision < 1 or not 0 <= self.leases_from <= self.revision:
+            return "checkpoint revision out of range"
+        return None
 
-    @classmethod
-    def from_json(cls, d: Any) -> "Checkpoint":
-        if not isinstance(d, dict) or set(d) != {"name", "sha256", "revision", "leases_from"}:
-            raise ValueError("a checkpoint is {name, sha256, revision, leases_from}")
-        c = cls(_req(d, "name", str), _req(d, "sha256", str), _req(d, "revision", int), _req(d, "leases_from", int))
-        if not CHECKPOINT_NAME_RE.match(c.name):
-            raise ValueError(f"checkpoint name {c.name[:80]!r} is not a full backup's")
-        if not re.fullmatch(r"[0-9a-f]{64}", c.sha256):
-            raise ValueError("checkpoint sha256 is not a sha256")
-        if c.revision < 1 or not 0 <= c.leases_from <= c.revision:
-            raise ValueError("checkpoint revision out of range")
-        return c
+
+def signature_json(sig: Tuple[str, str]) -> Dict[str, str]:
+    """A signature (key id, hex mac) as a footer or a seal writes it."""
+    return {"alg": SIG_ALG, "key_id": sig[0], "mac": sig[1]}
+
+
+def parse_signature(v: Any) -> Tuple[str, str]:
+    """(key id, hex mac) of a footer's or a seal's "signature"; ValueError if malformed."""
+    if not isinstance(v, dict) or v.get("alg") != SIG_ALG or set(v) != {"alg", "key_id", "mac"} or \
+            not all(isinstance(v[k], str) and 0 < len(v[k]) <= 128 for k in ("key_id", "mac")):
+        raise ValueError(f"is malformed (want {{alg: {SIG_ALG}, key_id, mac}})")
+    return str(v["key_id"]), str(v["mac"])
+
+
+SIGNATURE = Codec(parse_signature, signature_json)
 
 
 @dataclass(frozen=True)
-class SegmentFooter:
+class SegmentFooter(SegmentRecord):
+    WHAT = "footer"
+    REQUIRED = ("catchup_until",)
+    OMIT_DEFAULT = ("checkpoints",)  # absent rather than empty: older readers see the footer they know
+
     end_revision: int
     end_time_ms: int
     txns: int
@@ -241,26 +223,10 @@ class SegmentFooter:
     confirmed: bool  # coverage up to end_time confirmed by a watch progress notification
     catchup_until: int = 0  # revisions <= this were received while catching up (0: none)
     # full backups taken inside the chain that it vouches for (optional: older readers ignore it)
-    checkpoints: Tuple[Checkpoint, ...] = ()
+    checkpoints: Annotated[Tuple[Checkpoint, ...], Items(1, MAX_CHECKPOINTS)] = ()
     # (manifest key id, hex HMAC-SHA256) of a plain segment signed by the daemon (``segsign``;
     # optional: older readers ignore it); an encrypted segment's seal carries its signature instead
-    signature: Optional[Tuple[str, str]] = None
-
-    def to_json(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {
-            "end_revision": self.end_revision,
-            "end_time_ms": self.end_time_ms,
-            "txns": self.txns,
-            "events": self.events,
-            "leases": self.leases,
-            "confirmed": self.confirmed,
-            "catchup_until": self.catchup_until,
-        }
-        if self.checkpoints:  # absent rather than empty: older readers see the footer they know
-            d["checkpoints"] = [c.to_json() for c in self.checkpoints]
-        if self.signature is not None:
-            d["signature"] = signature_json(self.signature)
-        return d
+    signature: Annotated[Optional[Tuple[str, str]], SIGNATURE] = None
 
     def unsigned(self) -> "SegmentFooter":
         return dataclasses.replace(self, signature=None)
@@ -268,49 +234,12 @@ class SegmentFooter:
     def with_signature(self, signature: Tuple[str, str]) -> "SegmentFooter":
         return dataclasses.replace(self, signature=signature)
 
-    @classmethod
-    def from_json(cls, d: Any) -> "SegmentFooter":
-        if not isinstance(d, dict):
-            raise ValueError("footer is not an object")
-        f = cls(
-            end_revision=_req(d, "end_revision", int),
-            end_time_ms=_req(d, "end_time_ms", int),
-            txns=_req(d, "txns", int),
-            events=_req(d, "events", int),
-            leases=_req(d, "leases", int),
-            confirmed=_req(d, "confirmed", bool),
-            catchup_until=_req(d, "catchup_until", int),
-            checkpoints=_checkpoints(d.get("checkpoints")),
-            signature=parse_signature(d.get("signature")),
-        )
-        if min(f.end_revision, f.txns, f.events, f.leases, f.catchup_until) < 0:
-            raise ValueError("negative count in footer")
-        if any(c.revision > f.end_revision for c in f.checkpoints):
-            raise ValueError("a checkpoint past the segment's end: the chain cannot vouch for it")
-        return f
-
-
-def signature_json(sig: Tuple[str, str]) -> Dict[str, str]:
-    """A signature (key id, hex mac) as a footer or a seal writes it."""
-    return {"alg": SIG_ALG, "key_id": sig[0], "mac": sig[1]}
-
-
-def parse_signature(v: Any) -> Optional[Tuple[str, str]]:
-    """(key id, hex mac) of a footer's or a seal's "signature" (None: absent); ValueError if malformed."""
-    if v is None:
+    def violation(self) -> Optional[str]:
+        if min(self.end_revision, self.txns, self.events, self.leases, self.catchup_until) < 0:
+            return "negative count in footer"
+        if any(c.revision > self.end_revision for c in self.checkpoints):
+            return "a checkpoint past the segment's end: the chain cannot vouch for it"
         return None
-    if not isinstance(v, dict) or v.get("alg") != SIG_ALG or set(v) != {"alg", "key_id", "mac"} or \
-            not all(isinstance(v[k], str) and 0 < len(v[k]) <= 128 for k in ("key_id", "mac")):
-        raise ValueError(f"malformed signature (want {{alg: {SIG_ALG}, key_id, mac}})")
-    return str(v["key_id"]), str(v["mac"])
-
-
-def _checkpoints(v: Any) -> Tuple[Checkpoint, ...]:
-    if v is None:
-        return ()
-    if not isinstance(v, list) or not v or len(v) > MAX_CHECKPOINTS:
-        raise ValueError(f"checkpoints must be a list of 1..{MAX_CHECKPOINTS}")
-    return tuple(Checkpoint.from_json(x) for x in v)
 
 
 @dataclass(frozen=True)
@@ -385,7 +314,7 @@ class Segment:
     txns: Tuple[Txn, ...]
 
 
-def json_bytes(d: Dict[str, Any]) -> bytes:
+def json_bytes(d: JsonObject) -> bytes:
     """A header, footer or seal as the format writes it: sorted keys, no spaces."""
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 

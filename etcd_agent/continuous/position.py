@@ -13,13 +13,14 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Optional, Tuple
 
 from etcd_agent.chain import sign as segsign
 from etcd_agent.chain.check import BaseBackup, check_chain, verified
 from etcd_agent.chain.errors import ChainBroken, SegmentCorrupt
 from etcd_agent.chain.segments import SegmentHeader, SegmentInfo, list_segments
 from etcd_agent.etcd.rpc import StreamEnded
+from etcd_agent.typedjson import Document, Text
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import X25519Recipient
@@ -65,17 +66,17 @@ class ChainPosition:
 
 
 @dataclass(frozen=True)
-class WatcherStatus:
+class WatcherStatus(Document):
     """A watcher's state. Times are Unix ms (0: not known yet)."""
 
-    state: str  # "starting" | "watching" | "reconnecting" | "stopped" | "broken"
-    chain_id: str
+    state: Annotated[str, Text(32)]  # "starting" | "watching" | "reconnecting" | "stopped" | "broken"
+    chain_id: Annotated[str, Text(64)]
     base_revision: int
     next_revision: int
     captured_revision: int  # written to a segment, closed or still open
     segments_written: int
-    last_segment: Optional[str]
-    broken: Optional[str]
+    last_segment: Annotated[Optional[str], Text(4096)]
+    broken: Annotated[Optional[str], Text(16 * 1024)]
     durable_revision: int = 0  # the end of the newest closed segment (on disk, visible)
     durable_time_ms: int = 0  # ... and its end time
     newest_event_ms: int = 0  # when the newest captured revision was received
@@ -83,35 +84,6 @@ class WatcherStatus:
     member_revision: int = 0  # the member's revision at the last check
     member_checked_ms: int = 0
     reconnects: int = 0
-
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "state": self.state,
-            "chain_id": self.chain_id,
-            "base_revision": self.base_revision,
-            "next_revision": self.next_revision,
-            "captured_revision": self.captured_revision,
-            "segments_written": self.segments_written,
-            "last_segment": self.last_segment,
-            "broken": self.broken,
-            "durable_revision": self.durable_revision,
-            "durable_time_ms": self.durable_time_ms,
-            "newest_event_ms": self.newest_event_ms,
-            "covered_ms": self.covered_ms,
-            "member_revision": self.member_revision,
-            "member_checked_ms": self.member_checked_ms,
-            "reconnects": self.reconnects,
-        }
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "WatcherStatus":
-        return cls(
-            str(d["state"]), str(d["chain_id"]), int(d["base_revision"]), int(d["next_revision"]),
-            int(d["captured_revision"]), int(d["segments_written"]), d.get("last_segment"), d.get("broken"),
-            int(d.get("durable_revision", 0)), int(d.get("durable_time_ms", 0)), int(d.get("newest_event_ms", 0)),
-            int(d.get("covered_ms", 0)), int(d.get("member_revision", 0)), int(d.get("member_checked_ms", 0)),
-            int(d.get("reconnects", 0)),
-        )
 
 
 @dataclass(frozen=True)

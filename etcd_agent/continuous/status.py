@@ -17,10 +17,12 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Annotated, Callable, Dict, Iterable, List, Optional, Tuple
 
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.safejson import load as load_json
+from etcd_agent.typedjson import Document, Items, JsonObject, Text
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client.metrics_core import Metric
@@ -33,15 +35,16 @@ log = logging.getLogger(__name__)
 PREFIX = "etcd_agent_delta_"
 BREAKS_FILE = ".etcd-agent-delta-breaks.json"
 MAX_BREAKS = 100
+MAX_TEXT = 16 * 1024  # a reason, a detail, a path: sentences, never more
 DEFAULT_TEXTFILE = "etcd_agent_delta.prom"
 
 
 @dataclass(frozen=True)
-class DeltaStatus:
+class DeltaStatus(Document):
     enabled: bool
-    state: str  # disabled | no-backup | starting | watching | reconnecting | standby | paused | broken | stopped
-    detail: str = ""
-    full_backup: Optional[str] = None  # the full backup the chain continues
+    state: Annotated[str, Text(32)]  # disabled | no-backup | starting | watching | reconnecting | standby | paused | broken | stopped
+    detail: Annotated[str, Text(MAX_TEXT)] = ""
+    full_backup: Annotated[Optional[str], Text(MAX_TEXT)] = None  # the full backup the chain continues
     full_backup_time: Optional[float] = None  # Unix s
     base_revision: Optional[int] = None
     captured_revision: Optional[int] = None  # in a segment, closed or open
@@ -84,16 +87,11 @@ class DeltaStatus:
             return None
         return max(0, self.member_revision - self.durable_revision)
 
-    def to_json(self) -> Dict[str, Any]:
-        d = asdict(self)
+    def to_json(self) -> JsonObject:
+        d = asdict(self)  # every field, null ones too: what ``status --json`` has always shown
         d["rpo_seconds"] = self.rpo_seconds()
         d["lag_revisions"] = self.lag_revisions()
         return d
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "DeltaStatus":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 # ---------------------------------------------------------------- metrics
@@ -211,36 +209,39 @@ def write_textfile(path: str, status: DeltaStatus, copies: "Optional[CopyStatus]
 
 
 @dataclass(frozen=True)
-class BreakRecord:
+class BreakRecord(Document):
     """A chain that could not continue, kept so a restore can say where and why it stops."""
 
+
     base_revision: int
-    chain_id: str
+    chain_id: Annotated[str, Text(64, r"[0-9a-f]*")]
     at_revision: int  # the first revision the chain does not hold
-    reason: str
+    reason: Annotated[str, Text(MAX_TEXT)]
     time: float  # Unix s
     compact_revision: Optional[int] = None
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "BreakRecord":
-        cr = d.get("compact_revision")
-        return cls(int(d["base_revision"]), str(d["chain_id"]), int(d["at_revision"]), str(d["reason"]),
-                   float(d["time"]), None if cr is None else int(cr))
+
+@dataclass(frozen=True)
+class _Breaks(Document):
+    """The break record's file: how many breaks ever, and the newest MAX_BREAKS."""
+
+    total: int = 0
+    breaks: Annotated[Tuple[BreakRecord, ...], Items(0, MAX_BREAKS)] = ()
 
 
 def read_breaks(directory: str) -> Tuple[int, List[BreakRecord]]:
     """(breaks ever recorded, the newest MAX_BREAKS of them)."""
+    path = os.path.join(directory, BREAKS_FILE)
     try:
-        with open_regular(os.path.join(directory, BREAKS_FILE)) as fh:
-            raw = load_json(fh, max_bytes=1 << 20)
-        total = int(raw.get("total", 0))
-        return total, [BreakRecord.from_json(x) for x in raw.get("breaks", [])]
+        with open_regular(path) as fh:
+            doc = _Breaks.from_json(load_json(fh, max_bytes=1 << 20), path)
+        return doc.total, list(doc.breaks)
     except FileNotFoundError:
         return 0, []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, ProtocolError) as exc:
         log.warning("ignoring unreadable %s: %s", BREAKS_FILE, exc)
         return 0, []
 

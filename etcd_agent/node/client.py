@@ -81,7 +81,7 @@ class NodeClient:
             doc = self._read_doc(min(self.timeout, max(30.0, self.cfg.ssh.connect_timeout * 3)))
             if "error" in doc:
                 raise error_from_json(doc["error"], where=f"{self.where}: ")
-            self.welcome = Welcome.from_json(doc)
+            self.welcome = Welcome.from_json(doc, WHERE)
         except BaseException:
             self._drop()
             raise

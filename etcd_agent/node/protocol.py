@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, List, Mapping, Optional, Type, TypeVar
+from typing import Any, List, Mapping, Optional
 
 from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, error_from_json
 from etcd_agent.safejson import UnsafeJson, loads
@@ -38,26 +38,6 @@ PING_EVERY = 5.0
 SILENCE_LIMIT = 60.0
 WHERE = "node protocol"  # what a malformed document's ProtocolError starts with
 
-E = TypeVar("E", bound="_Enveloped")
-
-
-class _Enveloped(Document):
-    """A document sent inside a one-key object (``{"hello": {...}}``): the key says what the line is."""
-
-    KEY: ClassVar[str] = ""
-    MISSING: ClassVar[str] = ""  # what the error says when the line is not this document
-
-    def to_json(self) -> JsonObject:
-        return {self.KEY: super().to_json()}
-
-    @classmethod
-    def from_json(cls: Type[E], d: object, where: str = WHERE) -> E:
-        inner = d.get(cls.KEY) if isinstance(d, dict) else None
-        if not isinstance(inner, dict):
-            raise ProtocolError(f"{where}: {cls.MISSING}")
-        return super().from_json(inner, where)
-
-
 @dataclass(frozen=True)
 class Owner(Document):
     """Who drives a session: recorded in the host's lock so a refused second caller can be told."""
@@ -72,9 +52,9 @@ class Owner(Document):
 
 
 @dataclass(frozen=True)
-class Hello(_Enveloped):
-    KEY = "hello"
-    MISSING = "the session must start with a hello"
+class Hello(Document):
+    ENVELOPE = "hello"  # {"hello": {...}}: the key says what the line is
+    NOT_ENVELOPED = "the session must start with a hello"
 
     protocol: int
     owner: Owner
@@ -82,9 +62,9 @@ class Hello(_Enveloped):
 
 
 @dataclass(frozen=True)
-class Welcome(_Enveloped):
-    KEY = "welcome"
-    MISSING = "no welcome"
+class Welcome(Document):
+    ENVELOPE = "welcome"
+    NOT_ENVELOPED = "no welcome"
 
     protocol: int
     agent_version: str

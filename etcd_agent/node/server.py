@@ -103,7 +103,7 @@ def serve(cfg: Config, stdin: BinaryIO, stdout: BinaryIO, handlers: Dict[str, Ha
     if not hello_line:
         return 0  # the caller went away before saying anything
     try:
-        hello = Hello.from_json(decode(hello_line, "hello"))
+        hello = Hello.from_json(decode(hello_line, "hello"), WHERE)
         if hello.protocol != protocol:
             raise RefusedError(f"this agent ({__version__}) speaks node protocol {protocol}, the caller "
                                f"{hello.protocol}: install the same etcd-agent version on every master")

@@ -31,11 +31,12 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Annotated, Any, Callable, Iterator, List, Optional, Tuple, Union
 
 from etcd_agent.config.model import NAME_RE  # a member name, and an op id (stamp-sha-random) within it
 from etcd_agent.errors import OperationFailed, RefusedError
 from etcd_agent.safejson import UnsafeJson, loads
+from etcd_agent.typedjson import Document, JsonObject, Text
 
 CODECS = ("none", "zstd")
 ZSTD_LEVEL = 1  # on two cores, level 1 moves the most bytes per CPU-second; higher levels gain ~3%
@@ -75,100 +76,64 @@ def require_codec(codec: str) -> None:
         _zstd()
 
 
-def _int(d: Mapping[str, Any], key: str, what: str) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise StreamError(f"{what}: {key!r} must be a non-negative integer")
-    return v
-
-
-def _sha(d: Mapping[str, Any], key: str, what: str) -> str:
-    v = d.get(key)
-    if not isinstance(v, str) or not SHA256_RE.match(v):
-        raise StreamError(f"{what}: {key!r} must be a sha256 in hex")
-    return v
-
-
 # ---------------------------------------------------------------- the documents
 
+COUNT = (0, (1 << 63) - 1)  # sizes and byte counts: non-negative, within 64 bits
+MEMBER = Text(63, NAME_RE.pattern)
+SHA256 = Text(64, SHA256_RE.pattern)
+
 
 @dataclass(frozen=True)
-class Ready:
+class Ready(Document):
     """The receiver's first line: it holds a temp file with room for the snapshot."""
 
+    ERROR = StreamError
+    ENVELOPE = "ready"
+    RANGES = {"protocol": COUNT, "free": COUNT}
+
     protocol: int
-    codec: str
+    codec: Annotated[str, Text(8, choices=CODECS)]
     free: int  # bytes free beside the temp file
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"ready": {"protocol": self.protocol, "codec": self.codec, "free": self.free}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], what: str) -> "Ready":
-        r = d.get("ready")
-        if not isinstance(r, dict) or r.get("codec") not in CODECS:
-            raise StreamError(f"{what}: the receiver did not say it is ready")
-        return cls(_int(r, "protocol", what), str(r["codec"]), _int(r, "free", what))
-
 
 @dataclass(frozen=True)
-class Order:
+class Order(Document):
     """The sender's first frame: what this receiver is to take, for whom."""
 
-    member: str
-    op: str
-    owner: str  # the token of the session owner that holds the host's lock
+    ERROR = StreamError
+    RANGES = {"size": COUNT}
+
+    member: Annotated[str, MEMBER]
+    op: Annotated[str, MEMBER]
+    owner: Annotated[str, Text(128, TOKEN_RE.pattern)]  # the token of the session owner that holds the host's lock
     size: int
-    codec: str
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"member": self.member, "op": self.op, "owner": self.owner, "size": self.size, "codec": self.codec}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], what: str) -> "Order":
-        for key, rule in (("member", NAME_RE), ("op", NAME_RE), ("owner", TOKEN_RE)):
-            v = d.get(key)
-            if not isinstance(v, str) or not rule.match(v):
-                raise StreamError(f"{what}: {key!r} is missing or malformed")
-        codec = d.get("codec")
-        if not isinstance(codec, str) or not codec:
-            raise StreamError(f"{what}: 'codec' is missing")
-        return cls(str(d["member"]), str(d["op"]), str(d["owner"]), _int(d, "size", what), codec)
+    # any word: a codec this agent does not know is the receiver's refusal (``require_codec``)
+    codec: Annotated[str, Text(16, r"[A-Za-z0-9_.-]+")]
 
 
 @dataclass(frozen=True)
-class End:
+class End(Document):
     """The sender's last frame: the plaintext it read, checked on its side."""
 
+    ERROR = StreamError
+    RANGES = {"size": COUNT}
+
     size: int
-    sha256: str
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"size": self.size, "sha256": self.sha256}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], what: str) -> "End":
-        return cls(_int(d, "size", what), _sha(d, "sha256", what))
+    sha256: Annotated[str, SHA256]
 
 
 @dataclass(frozen=True)
-class Received:
+class Received(Document):
     """The receiver's last line: what it committed under the final name."""
 
-    member: str
+    ERROR = StreamError
+    ENVELOPE = "received"
+    RANGES = {"size": COUNT, "wire": COUNT}
+
+    member: Annotated[str, MEMBER]
     size: int
-    sha256: str
+    sha256: Annotated[str, SHA256]
     wire: int  # stream bytes read, frames included
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"received": {"member": self.member, "size": self.size, "sha256": self.sha256, "wire": self.wire}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], what: str) -> "Received":
-        r = d.get("received")
-        if not isinstance(r, dict) or not isinstance(r.get("member"), str):
-            raise StreamError(f"{what}: the receiver's answer is not a receipt")
-        return cls(str(r["member"]), _int(r, "size", what), _sha(r, "sha256", what), _int(r, "wire", what))
 
 
 # ---------------------------------------------------------------- the sender's side
@@ -182,15 +147,15 @@ def data_frames(payload: Chunk) -> List[Tuple[bytes, memoryview]]:
 
 
 def end_frame(end: End) -> Tuple[bytes, memoryview]:
-    return _json_frame(END, end.to_json())
+    return _json_frame(END, end)
 
 
 def order_frame(order: Order) -> Tuple[bytes, memoryview]:
-    return _json_frame(ORDER, order.to_json())
+    return _json_frame(ORDER, order)
 
 
-def _json_frame(kind: bytes, doc: Dict[str, Any]) -> Tuple[bytes, memoryview]:
-    body = json.dumps(doc, sort_keys=True).encode()
+def _json_frame(kind: bytes, doc: Document) -> Tuple[bytes, memoryview]:
+    body = json.dumps(doc.to_json(), sort_keys=True).encode()
     return HEADER.pack(kind, len(body)), memoryview(body)
 
 
@@ -280,8 +245,9 @@ class FrameReader:
             raise StreamError(f"{self.what}: the stream does not begin with the sender's order (frame {kind!r})")
         return Order.from_json(self._record(length, MAX_ORDER, "order"), f"{self.what}: order")
 
-    def _record(self, length: int, limit: int, name: str) -> Dict[str, Any]:
-        """A JSON object of ``length`` bytes, at most ``limit``, read and parsed within bounds."""
+    def _record(self, length: int, limit: int, name: str) -> JsonObject:
+        """A JSON object of ``length`` bytes, at most ``limit``, read and parsed within bounds (its
+        fields unchecked: the caller reads it as its document)."""
         if not 0 < length <= limit:
             raise StreamError(f"{self.what}: an {name} of {length} bytes (at most {limit})")
         body = memoryview(bytearray(length))

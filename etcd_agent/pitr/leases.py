@@ -24,35 +24,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Annotated, Dict, Iterable, List, Optional
 
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
+from etcd_agent.typedjson import HEX, Document, Key, Text
 
 MIN_TTL = 5
 
 
 @dataclass(frozen=True)
-class LeaseFate:
-    lease_id: int
+class LeaseFate(Document):
+    lease_id: Annotated[int, HEX, Key("lease")]
     alive: bool
     ttl: Optional[int]  # seconds to grant in the restored store; None: no observation (unknown)
     granted_ttl: int  # as last observed, -1 unknown
-    reason: str
-
-    def to_json(self) -> Dict[str, object]:
-        return {
-            "lease": f"{self.lease_id:x}",
-            "alive": self.alive,
-            "ttl": self.ttl,
-            "granted_ttl": self.granted_ttl,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "LeaseFate":
-        ttl = d.get("ttl")
-        return cls(int(str(d["lease"]), 16), bool(d["alive"]), None if ttl is None else int(ttl),
-                   int(d["granted_ttl"]), str(d["reason"]))
+    reason: Annotated[str, Text(16 * 1024)]
 
 
 def _ttl_left(rec: LeaseRecord, at_ms: int, min_ttl: int) -> int:

@@ -33,7 +33,7 @@ from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.seal import open_sealed
 from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
 from etcd_agent.continuous import status
-from etcd_agent.errors import IdentityRefused, RefusedError, UsageError
+from etcd_agent.errors import BackupCorrupt, IdentityRefused, RefusedError, UsageError
 from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
@@ -441,10 +441,10 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     if os.path.isfile(out) and os.path.isfile(side):
         try:
             with open_regular(side) as fh:
-                res = ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT))
+                res = ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT), side)
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, BackupCorrupt) as exc:
             log.warning("cannot reuse %s (%s): replaying again", out, exc)
     for stale in (out, side):
         if os.path.exists(stale):
@@ -478,4 +478,4 @@ def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
             or not os.path.isfile(path + ".json"):
         return None
     with open_regular(path + ".json") as fh:
-        return path, ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT))
+        return path, ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT), path + ".json")

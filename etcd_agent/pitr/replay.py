@@ -10,20 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Annotated, Any, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain.check import ChainCheck, ChainStop
 from etcd_agent.chain.errors import ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import read_header, read_segment
 from etcd_agent.chain.segments import LeaseRecord, SegmentInfo, datetime_to_ms, ms_to_datetime
+from etcd_agent.errors import BackupCorrupt
 from etcd_agent.pitr.leases import LeaseFate
+from etcd_agent.typedjson import Codec, Document, JsonObject, Text
 
 
 @dataclass(frozen=True)
-class Target:
+class Target(Document):
     """``newest`` | ``revision`` N | ``time`` T (Unix ms; from an aware datetime)."""
 
-    kind: str
+    ERROR = ReplayError
+
+    kind: Annotated[str, Text(8, choices=("newest", "revision", "time"))]
     revision: Optional[int] = None
     time_ms: Optional[int] = None
 
@@ -63,21 +67,24 @@ class Target:
             return f"time {ms_to_datetime(self.time_ms).isoformat()}"
         return "newest"
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"kind": self.kind, "revision": self.revision, "time_ms": self.time_ms}
+    def to_json(self) -> JsonObject:
+        return {"kind": self.kind, "revision": self.revision, "time_ms": self.time_ms}  # nulls too, as ever
 
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "Target":
-        if d.get("kind") not in ("newest", "revision", "time"):
-            raise ValueError(f"bad target kind {d.get('kind')!r}")
-        return cls(d["kind"], d.get("revision"), d.get("time_ms"))
+    def violation(self) -> Optional[str]:
+        if self.kind == "revision" and self.revision is None:
+            return "a revision target names its revision"
+        if self.kind == "time" and self.time_ms is None:
+            return "a time target names its time"
+        return None
 
 
 # ---------------------------------------------------------------- result
 
 
 @dataclass(frozen=True)
-class LeaseOutcome:
+class LeaseOutcome(Document):
+    REQUIRED = ("alive", "expired", "unknown", "keys_dropped", "keys_reattached")
+
     alive: int = 0  # leases in the result
     expired: int = 0  # leases expired by the target, revoked
     unknown: int = 0  # leases with no TTL observation (kept)
@@ -85,34 +92,43 @@ class LeaseOutcome:
     keys_reattached: int = 0  # keys moved to a lease with their remaining TTL
     fates: Tuple[LeaseFate, ...] = ()
 
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "alive": self.alive,
-            "expired": self.expired,
-            "unknown": self.unknown,
-            "keys_dropped": self.keys_dropped,
-            "keys_reattached": self.keys_reattached,
-            "fates": [f.to_json() for f in self.fates],
-        }
 
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "LeaseOutcome":
-        return cls(
-            int(d["alive"]), int(d["expired"]), int(d["unknown"]), int(d["keys_dropped"]),
-            int(d["keys_reattached"]), tuple(LeaseFate.from_json(f) for f in d.get("fates", [])),
-        )
+def _read_time(v: Any) -> Optional[datetime]:
+    try:
+        return datetime.fromisoformat(v) if v else None  # "" as older agents may have left it
+    except (TypeError, ValueError):
+        raise ValueError("is not an ISO-8601 time") from None
+
+
+def _read_phases(v: Any) -> Tuple[Tuple[str, float], ...]:
+    if not isinstance(v, dict) or len(v) > 64 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(x, (int, float)) and not isinstance(x, bool)
+            for k, x in v.items()):
+        raise ValueError("must map each phase's name to its seconds")
+    return tuple((k, float(x)) for k, x in v.items())
+
+
+ISO_TIME = Codec(_read_time, lambda v: v.isoformat())
+PHASES = Codec(_read_phases, lambda v: {k: round(x, 3) for k, x in v})  # {phase: seconds}, as people read it
+MAX_TEXT = 16 * 1024
 
 
 @dataclass(frozen=True)
-class ReplayResult:
-    snapshot_path: str
+class ReplayResult(Document):
+    """What a replay did; kept beside the replayed db (``<kept>.json``), read again by a restore
+    that resumes or is given the kept db: damage there is a corrupt backup."""
+
+    ERROR = BackupCorrupt
+    REQUIRED = ("leases",)
+
+    snapshot_path: Annotated[str, Text(4096)]
     base_revision: int
     reached_revision: int
-    reached_time: Optional[datetime]
+    reached_time: Annotated[Optional[datetime], ISO_TIME]
     events_applied: int
     revisions_applied: int
     segments_applied: int
-    stopped_because: str
+    stopped_because: Annotated[str, Text(MAX_TEXT)]
     complete: bool  # the target was reached with a sound chain
     lost_after: Optional[ChainStop]  # what could not be used, when the chain is broken
     leases: LeaseOutcome = field(default_factory=LeaseOutcome)
@@ -123,63 +139,11 @@ class ReplayResult:
     replay_seconds: float = 0.0
     keys_loaded: int = 0  # keys the chain left changed (puts and deletes), written in the load
     load_revisions: Tuple[int, ...] = ()  # the load's transactions' revisions in the scratch store
-    started_from: str = ""  # the checkpoint the replay started from ("": the full backup itself)
+    started_from: Annotated[str, Text(4096)] = ""  # the checkpoint the replay started from ("": the full backup itself)
     started_revision: int = 0  # the revision of the snapshot it started from
     # where the replay's time went, phase -> seconds (stage, fold, scratch restore, start, load,
     # defragment, save ...): the restore's JSON timings show them under "read: replay: "
-    phases: Tuple[Tuple[str, float], ...] = ()
-
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "snapshot_path": self.snapshot_path,
-            "base_revision": self.base_revision,
-            "reached_revision": self.reached_revision,
-            "reached_time": self.reached_time.isoformat() if self.reached_time else None,
-            "events_applied": self.events_applied,
-            "revisions_applied": self.revisions_applied,
-            "segments_applied": self.segments_applied,
-            "stopped_because": self.stopped_because,
-            "complete": self.complete,
-            "lost_after": self.lost_after.to_json() if self.lost_after else None,
-            "leases": self.leases.to_json(),
-            "fixup_revisions": list(self.fixup_revisions),
-            "snapshot_revision": self.snapshot_revision,
-            "snapshot_keys": self.snapshot_keys,
-            "seconds": self.seconds,
-            "replay_seconds": self.replay_seconds,
-            "keys_loaded": self.keys_loaded,
-            "load_revisions": list(self.load_revisions),
-            "started_from": self.started_from,
-            "started_revision": self.started_revision,
-            "phases": {k: round(v, 3) for k, v in self.phases},
-        }
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "ReplayResult":
-        when = d.get("reached_time")
-        return cls(
-            snapshot_path=str(d["snapshot_path"]),
-            base_revision=int(d["base_revision"]),
-            reached_revision=int(d["reached_revision"]),
-            reached_time=datetime.fromisoformat(when) if when else None,
-            events_applied=int(d["events_applied"]),
-            revisions_applied=int(d["revisions_applied"]),
-            segments_applied=int(d["segments_applied"]),
-            stopped_because=str(d["stopped_because"]),
-            complete=bool(d["complete"]),
-            lost_after=ChainStop.from_json(d["lost_after"]) if d.get("lost_after") else None,
-            leases=LeaseOutcome.from_json(d["leases"]),
-            fixup_revisions=tuple(int(r) for r in d.get("fixup_revisions", [])),
-            snapshot_revision=int(d.get("snapshot_revision", 0)),
-            snapshot_keys=int(d.get("snapshot_keys", 0)),
-            seconds=float(d.get("seconds", 0.0)),
-            replay_seconds=float(d.get("replay_seconds", 0.0)),
-            keys_loaded=int(d.get("keys_loaded", 0)),
-            load_revisions=tuple(int(r) for r in d.get("load_revisions", [])),
-            started_from=str(d.get("started_from", "")),
-            started_revision=int(d.get("started_revision", 0)),
-            phases=tuple((str(k), float(v)) for k, v in dict(d.get("phases") or {}).items()),
-        )
+    phases: Annotated[Tuple[Tuple[str, float], ...], PHASES] = ()
 
 
 # ---------------------------------------------------------------- planning (pure but for reads)

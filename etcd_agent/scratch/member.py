@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import IO, TYPE_CHECKING, Annotated, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from etcd_agent import safejson
 from etcd_agent.chain.errors import ScratchError
@@ -38,6 +38,7 @@ from etcd_agent.fs import fsync_dir
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent
 from etcd_agent.scratch.machine import chown_tree, etcd_flags, pick_ports, run_as, unreachable_by
+from etcd_agent.typedjson import Document, Key
 from etcd_agent.waiting import poll
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,16 +97,32 @@ class SnapshotStatus:
     total_size: int
     hash: int
 
-    @classmethod
-    def from_json(cls, path: str, d: Dict[str, object]) -> "SnapshotStatus":
-        try:
-            return cls(path, int(d["revision"]), int(d["totalKey"]), int(d["totalSize"]), int(d["hash"]))  # type: ignore[call-overload]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ScratchError(f"snapshot status of {path} lacks {exc}: {d!r}") from None
-
     def to_json(self) -> Dict[str, object]:
         return {"path": self.path, "revision": self.revision, "totalKey": self.total_keys,
                 "totalSize": self.total_size, "hash": self.hash}
+
+
+@dataclass(frozen=True)
+class EtcdutlStatus(Document):
+    """What etcdutl prints (its other keys, such as the version, ignored)."""
+
+    ERROR = ScratchError
+
+    revision: int
+    total_keys: Annotated[int, Key("totalKey")]
+    total_size: Annotated[int, Key("totalSize")]
+    hash: int
+
+
+def snapshot_status(path: str, out: Union[str, bytes]) -> SnapshotStatus:
+    """``etcdutl snapshot status -w json``'s output ``out`` about ``path``; ScratchError if it is not that."""
+    where = f"snapshot status of {path}"
+    try:
+        data = safejson.loads(out, max_bytes=1 << 16)
+    except ValueError:  # UnsafeJson included: one line of a tool's output, bounded
+        raise ScratchError(f"{where} printed no JSON: {out[:200]!r}") from None
+    s = EtcdutlStatus.from_json(data, where)
+    return SnapshotStatus(path, s.revision, s.total_keys, s.total_size, s.hash)
 
 
 def _accepting(port: int) -> bool:
@@ -409,13 +426,7 @@ class ScratchEtcd:
                     os.unlink(p)
         if shown is None:
             return None
-        try:
-            data = safejson.loads(shown.stdout, max_bytes=1 << 16)
-        except ValueError:  # UnsafeJson included: one line of a tool's output, bounded
-            raise ScratchError(f"snapshot status of {dest} printed no JSON: {shown.stdout[:200]!r}") from None
-        if not isinstance(data, dict):
-            raise ScratchError(f"snapshot status of {dest} printed {data!r}")
-        return SnapshotStatus.from_json(dest, data)
+        return snapshot_status(dest, shown.stdout)
 
     def stop_process(self, *, keep_client: bool = False) -> None:
         """TERM, wait, KILL - only the process this object started."""

@@ -114,7 +114,7 @@ def test_rpo_and_lag() -> None:
     assert status(captured_revision=None, durable_revision=None).rpo_seconds() == pytest.approx(100.0)
     assert status(captured_revision=None, durable_revision=None, full_backup_time=None).rpo_seconds() is None
     assert status(member_revision=None).lag_revisions() is None
-    again = DeltaStatus.from_json(status().to_json())
+    again = DeltaStatus.from_json(status().to_json(), "status")
     assert again == status()
 
 

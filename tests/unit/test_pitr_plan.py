@@ -28,7 +28,7 @@ def test_parse_targets():
         Target.parse("2026-12-01T09:15:00")
     with pytest.raises(ReplayError):
         Target.parse("yesterday")
-    assert Target.from_json(t.to_json()) == t
+    assert Target.from_json(t.to_json(), "target") == t
 
 
 def test_newest_and_revision(tmp_path):

@@ -89,7 +89,7 @@ def test_the_daemon_signs_plain_footers_and_the_reader_checks_them(signed_bed: A
     info = read_segment(segs[0]).info
     d = info.footer.to_json()
     assert set(d) - {"signature"} == set(dataclasses.replace(info.footer, signature=None).to_json())
-    assert SegmentFooter.from_json(dict(d, some_future_field=1)) == info.footer
+    assert SegmentFooter.from_json(dict(d, some_future_field=1), info.path) == info.footer
 
 
 def test_a_footer_edited_under_its_signature_is_forged(signed_bed: Any) -> None:

@@ -23,8 +23,8 @@ def test_the_lines_are_those_of_the_previous_version() -> None:
 def test_lines_of_the_previous_version_are_read() -> None:
     line = (b'{"hello":{"lock":false,"owner":{"command":"upgrade","host":"ops1","pid":42,"token":"t"},'
             b'"protocol":7}}\n')
-    assert Hello.from_json(decode(line, "hello")) == Hello(7, Owner("t", "ops1", 42, "upgrade"), False)
-    assert Welcome.from_json(decode(b'{"welcome":{"agent_version":"1.2.3","host":"m1","protocol":7}}', "x")) == \
+    assert Hello.from_json(decode(line, "hello"), "node protocol") == Hello(7, Owner("t", "ops1", 42, "upgrade"), False)
+    assert Welcome.from_json(decode(b'{"welcome":{"agent_version":"1.2.3","host":"m1","protocol":7}}', "x"), "node protocol") == \
         Welcome(7, "1.2.3", "m1")
     assert Request.from_json(decode(b'{"id":3,"step":"lock"}', "x"), "node protocol") == Request(3, "lock", {})
     assert Reply.from_json({"id": 3, "result": {"a": [1]}}, "node protocol").raise_for("h1") == {"a": [1]}
@@ -42,7 +42,7 @@ def test_lines_of_the_previous_version_are_read() -> None:
 ])
 def test_a_hostile_hello_is_refused_naming_the_field(doc: object, message: str) -> None:
     with pytest.raises(OperationFailed) as ei:
-        Hello.from_json(doc)
+        Hello.from_json(doc, "node protocol")
     assert ei.value.message == message
 
 
@@ -60,5 +60,5 @@ def test_a_hostile_request_or_reply_is_refused_naming_the_field() -> None:
         Reply.from_json({"id": 1}, "node protocol").raise_for("h1")
     assert ei.value.message == "node protocol: a reply needs a result or an error"
     with pytest.raises(OperationFailed) as ei:
-        Welcome.from_json({"error": {}})
+        Welcome.from_json({"error": {}}, "node protocol")
     assert ei.value.message == "node protocol: no welcome"

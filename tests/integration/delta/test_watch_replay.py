@@ -86,7 +86,7 @@ def test_replay_newest_equals_live(live, tmp_path, batch):
     # where the replay's time went, kept through the result's JSON (the kept replay's side file)
     phases = dict(res.phases)
     assert {"stage", "fold", "scratch: restore", "scratch: start", "load", "defragment"} <= set(phases), phases
-    assert all(v >= 0 for v in phases.values()) and ReplayResult.from_json(res.to_json()).phases == res.phases
+    assert all(v >= 0 for v in phases.values()) and ReplayResult.from_json(res.to_json(), "kept").phases == res.phases
     with restored(res.snapshot_path) as s:
         got = dump(s.rpc)
         assert_replayed(got, live_kv, base, final, moved=(b"snap-lease-key",))
@@ -482,7 +482,7 @@ def test_replay_from_a_backup_archive(live, tmp_path):
     finish(w, live)
     res = replay(written.path, list_segments(segdir), Target.newest(), output=str(tmp_path / "a.db"))
     assert res.complete and res.reached_revision == base + 1 and res.snapshot_revision == res.load_revisions[-1]
-    assert ReplayResult.from_json(res.to_json()) == res
+    assert ReplayResult.from_json(res.to_json(), "kept") == res
     with restored(res.snapshot_path) as s:
         assert values(dump(s.rpc)) == {b"x": b"1"}
 
