@@ -1,7 +1,7 @@
 """`restore --from-bucket` under bad input and faults (issue 33 item 6), on the real RGW: the store
 unreachable before and during a download, the agent killed mid-download, bytes that do not match
 their sha256 metadata or carry none, hostile object names and a claimed 10 GiB, a chain in the
-bucket with a missing, extra or forged segment, and the wrong --identity.
+bucket with a missing, extra, swapped or forged segment, and the wrong --identity.
 
 Each is refused in one sentence (the one ``etcd-agent: error:`` line, only its details after it)
 before the member is touched (its data dir stays absent), with nothing outside the staging dir
@@ -367,6 +367,21 @@ def test_a_missing_segment_refuses_a_target_beyond_the_gap(world: World) -> None
     fresh(w)
     w.rgw.client().delete_object(Bucket=w.bucket, Key=w.prefix + w.segs[1])
     refused(w, _pitr(w, "--to-revision", str(w.end(w.segs[-1]))), "cannot be reached from", rc=3)
+
+
+@pytest.mark.parametrize("pair", [0, -2], ids=["first-two", "last-two"])
+def test_two_segments_swapped_are_refused(world: World, pair: int) -> None:
+    """Each segment under the other's name, with its own (right) sha256: the first two (the chain's
+    idle first segment and the next share a start revision, so the walk by content still links them)
+    or the last two (the walk stops where a name lies)."""
+    w = world
+    fresh(w)
+    a, b = w.segs[pair], w.segs[pair + 1]
+    for name, other in ((a, b), (b, a)):
+        w.put(name, w.objects[other][0], w.objects[other][1])
+    refused(w, _pitr(w, "--to-revision", str(w.end(w.segs[-1]))), "renamed, or swapped with another segment", rc=3)
+    assert not os.path.exists(os.path.join(w.directory, ".fetch", a.rsplit("/", 1)[-1] + ".part")), \
+        "segments refused for their content kept to be continued"
 
 
 def _segment(w: World, tmp: str, name: str) -> Any:
