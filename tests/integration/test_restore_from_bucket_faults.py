@@ -223,6 +223,7 @@ def refused(w: Lost, res: "subprocess.CompletedProcess[str]", says: str, rc: int
     assert res.returncode == rc, res.stdout + res.stderr
     line = error_line(res.stderr)
     assert says in line, res.stderr
+    assert ".;" not in line, line  # one sentence, not a botocore sentence with ours glued on
     untouched(w)
     no_credential(w, res.stdout, res.stderr)
     print(f"\nrefused (exit {rc}): {line}")
@@ -477,7 +478,8 @@ def test_the_wrong_identity_is_refused_and_the_staged_backup_kept(rgw: RgwBed, t
         _disaster(d, c, str(tmp_path / "offsite"))
         w = Lost(c, rgw)
         res = agent(c, "restore", "--from-bucket", "latest", "--identity", wrong, "--yes", timeout=300)
-        refused(w, res, f"identity file {wrong} opens it", rc=3)
+        line = refused(w, res, f"identity file {wrong} opens it", rc=3)
+        assert "the same command with the right --identity does not fetch them again" in line, line
         part = staged(w, name)
         size = os.path.getsize(part)
         assert size == rgw.client().head_object(Bucket=bucket, Key=f"p/chains/{_chain_of(rgw, bucket, name)}/{name}"

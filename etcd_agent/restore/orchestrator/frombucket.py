@@ -169,7 +169,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                 staged.append(_stage(b, w, directory, f"[{i}/{len(bp.items)}]", progress))
             except AgentError as exc:
                 exc.message = (f"restore --from-bucket: {len(staged)} of {len(bp.items)} object(s) fetched, then: "
-                               f"{exc.message}; nothing restored" + (
+                               f"{exc.message.rstrip('.')}; nothing restored" + (  # botocore's texts end in "."
                                    "" if isinstance(exc, (RefusedError, BackupCorrupt)) else
                                    " - the same command continues the fetch where it stopped"))
                 raise
@@ -182,6 +182,9 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                 for s in staged:
                     if s.part is not None:
                         fetch.discard_part(s.part)
+            else:  # what the operator brought was refused, not the bytes: say they need not come again
+                exc.message = (f"{exc.message.rstrip('.')}; the {len(staged)} fetched object(s) are kept in {staging}: "
+                               f"the same command{_with_identity(exc)} does not fetch them again")
             raise
         objects = [fetch.publish(b, s, directory) for s in staged]
     took = time.monotonic() - t0
@@ -202,6 +205,12 @@ def _failed_content(exc: AgentError) -> bool:
     if isinstance(exc, IdentityRefused):
         return False
     return isinstance(exc, (RefusedError, BackupCorrupt, DeltaError))
+
+
+def _with_identity(exc: AgentError) -> str:
+    from etcd_agent.errors import IdentityRefused
+
+    return " with the right --identity" if isinstance(exc, IdentityRefused) else ""
 
 
 def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
