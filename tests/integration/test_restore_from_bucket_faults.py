@@ -480,6 +480,7 @@ def test_the_wrong_identity_is_refused_and_the_staged_backup_kept(rgw: RgwBed, t
         res = agent(c, "restore", "--from-bucket", "latest", "--identity", wrong, "--yes", timeout=300)
         line = refused(w, res, f"identity file {wrong} opens it", rc=3)
         assert "the same command with the right --identity does not fetch them again" in line, line
+        assert line.startswith(f"etcd-agent: error: {name}: ") and "/checked/" not in line, line  # no path that is gone
         part = staged(w, name)
         size = os.path.getsize(part)
         assert size == rgw.client().head_object(Bucket=bucket, Key=f"p/chains/{_chain_of(rgw, bucket, name)}/{name}"

@@ -178,6 +178,8 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
                                     accept_unsigned=accept_unsigned, key_file=key_file)
         except AgentError as exc:
+            # the files were checked under a dir of the staging dir that is gone now: named by name
+            exc.message = exc.message.replace(os.path.join(staging, CHECKED_DIR) + os.sep, "")
             if _failed_content(exc):  # bytes that failed a check are not kept to be continued
                 for s in staged:
                     if s.part is not None:
