@@ -175,6 +175,8 @@ def test_what_is_not_this_clusters_is_refused_before_the_member_is_touched(bed, 
     s3.put_object(Bucket=bucket, Key=f"p/{seg}", Body=bytes(forged),
                   Metadata={"sha256": hashlib.sha256(bytes(forged)).hexdigest()})
     refused("--to-revision", str(last), "--key-file", key, says="cannot be reached from")
+    err = refused("--to", "newest", "--key-file", key, says="To restore up to its last good point, say so: --to-revision")
+    assert "the chain stops at revision" in err, err
     s3.put_object(Bucket=bucket, Key=f"p/{seg}", Body=body, Metadata={"sha256": hashlib.sha256(body).hexdigest()})
 
     # another cluster's backup, newest under the prefix: its members are not this config's

@@ -15,7 +15,9 @@ What runs, in order, before any master is touched:
 3. **Check from the content, still in the staging dir** (``_check_staged``): the full backup is
    read with the one bounded reader - its manifest's signature with the manifest key (the copy the
    operator kept off-host: ``--key-file``), the snapshot's members from its own db against the
-   config's names and peer URLs; for a point in time the chain is checked as a restore checks it
+   config's names and peer URLs; each segment's name against the revisions and end time its header
+   and footer hold (a name that lies is refused: two swapped segments would replay right but enter
+   the backup dir misnamed); for a point in time the chain is checked as a restore checks it
    (continuity from the full backup's revision, each segment's sha256 links, signatures with the
    same key). The metadata of the bucket vouches for nothing but the bytes it came with: an object
    that passed its sha256 still has to pass these.
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from etcd_agent.bucket import fetch, layout
 from etcd_agent.config import Config
-from etcd_agent.errors import AgentError, BackupCorrupt, RefusedError
+from etcd_agent.errors import AgentError, BackupCorrupt, BackupError, RefusedError
 from etcd_agent.fs import size_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -206,7 +208,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
         except _Stopped as stop:
             exc = stop.error
             exc.message = (f"restore --from-bucket: {stop.done} of {len(bp.items)} object(s) fetched, then: "
-                           f"{exc.message}; nothing restored" + (
+                           f"{exc.message.rstrip('.')}; nothing restored" + (  # botocore's texts end in "."
                                "" if isinstance(exc, (RefusedError, BackupCorrupt)) else
                                " - the same command continues the fetch where it stopped"))
             raise exc from None
@@ -215,10 +217,15 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
                                     accept_unsigned=accept_unsigned, key_file=key_file)
         except AgentError as exc:
+            # the files were checked under a dir of the staging dir that is gone now: named by name
+            exc.message = exc.message.replace(os.path.join(staging, CHECKED_DIR) + os.sep, "")
             if _failed_content(exc):  # bytes that failed a check are not kept to be continued
                 for s in staged:
                     if s.part is not None:
                         fetch.discard_part(s.part)
+            else:  # what the operator brought was refused, not the bytes: say they need not come again
+                exc.message = (f"{exc.message.rstrip('.')}; the {len(staged)} fetched object(s) are kept in {staging}: "
+                               f"the same command{_with_identity(exc)} does not fetch them again")
             raise
         objects = [fetch.publish(b, s, directory) for s in staged]
     took = time.monotonic() - t0
@@ -293,6 +300,12 @@ def _failed_content(exc: AgentError) -> bool:
     return isinstance(exc, (RefusedError, BackupCorrupt, DeltaError))
 
 
+def _with_identity(exc: AgentError) -> str:
+    from etcd_agent.errors import IdentityRefused
+
+    return " with the right --identity" if isinstance(exc, IdentityRefused) else ""
+
+
 def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
            progress: Callable[[str], None]) -> fetch.Staged:
     """One object staged, with a line when it begins, every ``PROGRESS_EVERY`` seconds of a long
@@ -338,6 +351,7 @@ def _check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp:
         for s in staged:
             os.link(s.part if s.part is not None else os.path.join(cfg.backup.dir, s.file),
                     os.path.join(checked, s.file))
+        _named_as_they_hold(checked, staged)
         here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
         lines = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster, key_file=key_file)
         if target is not None:
@@ -346,6 +360,38 @@ def _check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp:
         return lines
     finally:
         shutil.rmtree(checked, ignore_errors=True)
+
+
+def _named_as_they_hold(checked: str, staged: Sequence[fetch.Staged]) -> None:
+    """Each segment's name says the revisions (and end time) its header and footer hold. The chain
+    is followed by content, so two segments swapped under each other's names would replay right,
+    but they would enter the backup dir under names that lie to everything that reads names
+    (listings, retention, the choice of what a later restore fetches): refused. A segment whose
+    header or footer cannot be read is left to the chain check, which says where it stops."""
+    from etcd_agent.chain.reader import read_summary
+    from etcd_agent.chain.segments import name_time_ms, parse_name
+
+    for s in staged:
+        if s.fetched.wanted.kind != layout.SEGMENT:
+            continue
+        named = parse_name(s.file)
+        try:
+            header, footer = read_summary(os.path.join(checked, s.file))
+        except BackupError:
+            continue
+        holds = (header.start_revision, footer.end_revision)
+        when = name_time_ms(s.file)  # to the ms, or to the second in a name without them
+        if named is not None and (holds != named or when not in (footer.end_time_ms, footer.end_time_ms // 1000 * 1000)):
+            raise RefusedError(
+                f"{s.fetched.wanted.name} in the bucket holds revisions {holds[0]}-{holds[1]} ending "
+                f"{_ms_text(footer.end_time_ms)} under a name that says {named[0]}-{named[1]} ending "
+                f"{_ms_text(when)}: renamed, or swapped with another segment; nothing restored")
+
+
+def _ms_text(ms: Optional[int]) -> str:
+    from etcd_agent.chain.segments import ms_to_datetime
+
+    return "?" if ms is None else ms_to_datetime(ms).isoformat(timespec="milliseconds")
 
 
 def _check_full(here: Config, file: str, *, identities: Optional["Identities"], new_cluster: bool,
@@ -417,8 +463,12 @@ def _check_chain(cfg: Config, here: Config, file: str, target: "Target", *,
             held.release()
     lines = [f"delta chain: {len(prep.plan.segments)} segment(s) link from {file}'s revision to revision "
              f"{prep.plan.stop_revision} ({target.describe()}), each by its sha256"]
-    if prep.check.stop is not None:  # `--to newest` restores up to the last good point: said, never silent
-        lines.append(f"WARNING: {pitr.stop_sentence(prep)}")
+    stop = prep.check.stop
+    if stop is not None and target.kind == "newest":
+        # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
+        # cut off by `newest` - the operator names the last good point to restore up to it
+        raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its last "
+                           f"good point, say so: --to-revision {stop.last_good_revision}")
     lines += list(prep.choice)
     if prep.signatures:
         lines.append(prep.signatures)
