@@ -36,14 +36,15 @@ demo: deps-demo venv
 # The loopback tier runs on two pytest-xdist workers (INTEGRATION_WORKERS=0 runs it in one
 # process): its tests mostly wait on etcd, and each picks ports from its worker's own range. A
 # file stays on one worker (--dist loadfile: module-scoped clusters and ordered tests); the demo's
-# fixed ports are a flock (tests/integration/conftest.py). The namespace and nspawn tiers share
+# fixed ports are a flock (tests/integration/conftest.py), whose collection order deals the long
+# files first (--no-loadscope-reorder keeps it). The namespace and nspawn tiers share
 # one machine-wide bed and stay serial. Each tier prints its 15 slowest tests (--durations): where
 # the suite's half hour goes. The package is byte-compiled first, as the RPM ships it:
 # with PYTHONDONTWRITEBYTECODE (set on these machines) every agent process a test starts would
 # otherwise compile each module it imports.
 TIERS ?= unit component integration multihost systemd
 INTEGRATION_WORKERS ?= 2
-XDIST_integration = $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile)
+XDIST_integration = $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \

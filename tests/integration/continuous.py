@@ -140,6 +140,13 @@ def segment_files(c: LoopbackCluster) -> List[str]:
     return list_segments(c.cfg.backup.dir)
 
 
+def closed_through(directory: str) -> int:
+    """The newest revision the closed delta segments of ``directory`` hold (0: none closed yet)."""
+    from etcd_agent.chain.segments import list_segments, parse_name
+
+    return max(((parse_name(os.path.basename(p)) or (0, 0))[1] for p in list_segments(directory)), default=0)
+
+
 def full_backups(c: LoopbackCluster) -> List[str]:
     return sorted(n for n in os.listdir(c.cfg.backup.dir) if n.startswith("etcd-") and n.endswith(".tar")
                   and not n.startswith("etcd-delta-"))

@@ -1,7 +1,8 @@
 """Total disaster with continuous backup, encrypted ([backup] encrypt_to: full backups and delta
 segments in age): a writer puts and deletes keys (some lease-attached, as Kubernetes does) and runs
-multi-key transactions for 60 s, logging every acknowledged write; three revisions' key spaces are
-read from the live cluster; every etcd is killed and its data dir destroyed; `restore --from
+multi-key transactions, logging every acknowledged write; three revisions' key spaces are read
+from the live cluster, each taken once the one before is in a closed segment (four segment closes
+in all, ~20 s); every etcd is killed and its data dir destroyed; `restore --from
 latest --to newest --identity KEY --yes`. Then: acknowledged writes missing, deleted keys that
 came back, expired-lease keys that came back; and `--to-revision N` for the three revisions, each
 restored key space against the live one read before the disaster."""
@@ -24,6 +25,7 @@ from etcd_agent.etcd import proto
 from etcd_agent.etcd.rpc import EtcdRpc
 from tests.integration.continuous import (
     agent,
+    closed_through,
     dump,
     full_backups,
     make_bed,
@@ -191,7 +193,7 @@ def keyfile(tmp_path):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def bed(tmp_path, keyfile):  # type: ignore[no-untyped-def]
     # the product's defaults for the watch (segments close every 5 s), everything encrypted;
-    # checkpoints at most every 10 s (the default's 60 s would leave at most one in the 60 s run)
+    # checkpoints at most every 10 s (the default's 60 s would leave none in the run)
     d = make_bed(str(tmp_path / "c"), delta={"close_seconds": "5.0", "idle_seconds": "60.0",
                                              "checkpoint_min_seconds": "10.0"},
                  backup=f'encrypt_to = ["{keyfile[1]}"]\n')
@@ -239,12 +241,19 @@ def test_total_disaster_loses_seconds_not_the_hour(bed, keyfile) -> None:  # typ
     wait_watching(c)
     w = Writer([m.client_url for m in c.cfg.members])
     w.start()
+    began = time.time()
+    # three revisions to restore to, taken during the run, each in a segment of its own: the next
+    # is taken once a closed segment holds the one before (a wait on the chain, not on a clock)
+    wait_for(lambda: w.acks, 30, "the writer's first acknowledged write")
     marks: List[int] = []
-    for _ in range(3):  # three revisions to restore to, taken during the run
-        time.sleep(15)
+    for _ in range(3):
+        before = marks[-1] if marks else min(a.revision for a in w.acks)
+        wait_for(lambda before=before: closed_through(c.cfg.backup.dir) >= before, 90,
+                 f"a closed segment holding revision {before}")
         with w._mu:
             marks.append(max(a.revision for a in w.acks))
-    time.sleep(15)
+    wait_for(lambda: closed_through(c.cfg.backup.dir) >= marks[-1], 90,
+             f"a closed segment holding revision {marks[-1]}")
     lives = {n: live_at(c.cfg.members[0].client_url, n) for n in marks}  # before the disaster
 
     # the disaster: every etcd killed at once, every data dir destroyed (the daemons live on and
@@ -289,7 +298,7 @@ def test_total_disaster_loses_seconds_not_the_hour(bed, keyfile) -> None:  # typ
         r["missing_old"], r["missing_recent"], r["resurrected"], r["expired_present"])
     uncertain, lag = r["uncertain"], r["lag"]
     print(f"\nFIGURE disaster (encrypted): {len(acks)} acknowledged writes ({sum(a.value is None for a in acks)} "
-          f"deletes, {sum(bool(a.lease) for a in acks)} lease-attached, {w.txns} multi-key transactions) over 60 s, "
+          f"deletes, {sum(bool(a.lease) for a in acks)} lease-attached, {w.txns} multi-key transactions) over {disaster - began:.0f} s, "
           f"{w.errors} writer errors; {len(segs)} encrypted segments")
     print(f"FIGURE disaster: acknowledged writes missing after the restore: {len(missing_old)} older than "
           f"{SLACK:.0f} s before the disaster, {len(missing_recent)} within the last {SLACK:.0f} s "

@@ -17,7 +17,6 @@ import sys
 import tarfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import List
 
 import pytest
@@ -30,6 +29,7 @@ from etcd_agent.restore.orchestrator.options import Options
 from etcd_agent.restore.orchestrator.orchestrate import restore
 from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for
+from tests.harness import restorebed
 from tests.harness.loopback import LoopbackCluster
 from tests.harness.releases import DEFAULT, LEGACY
 
@@ -40,13 +40,8 @@ EXTRA = f'[ssh]\nagent_path = "{AGENT}"\n'
 
 
 def put_many(c: LoopbackCluster, prefix: str, n: int, workers: int = 4) -> None:
-    def chunk(k: int) -> None:
-        with c.client() as cl:
-            for i in range(k, n, workers):
-                cl.put(f"{prefix}{i:06d}", b"x" * 64)
-
-    with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(chunk, range(workers)))
+    """``n`` keys of 64 ``x``s, in multi-put transactions (``tests/harness/restorebed.py``)."""
+    restorebed.put_many(c.cfg, prefix, n, workers)
 
 
 def counts(c: LoopbackCluster, *prefixes: str) -> List[int]:

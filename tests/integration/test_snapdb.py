@@ -6,7 +6,6 @@ stopped by PID at the end of its test.
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 import random
@@ -24,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import pytest
 
-from etcd_agent.etcd import bbolt, snapdb
+from etcd_agent.etcd import bbolt, proto, snapdb
+from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.etcd.snapdb import SnapshotFormatError, SnapshotIdentity
 from tests.harness.loopback import free_port_pairs
 
@@ -177,21 +177,11 @@ class Node:
     def ctl_json(self, *args: str) -> Any:
         return json.loads(self.ctl(*args, "-w", "json"))
 
-    def gateway(self, path: str, body: Dict[str, Any]) -> Any:
-        """The JSON gRPC gateway (/v3/...), for bulk writes without one etcdctl per key."""
-        req = urllib.request.Request(
-            self.client_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
-
     def put_many(self, items: Sequence[Tuple[bytes, bytes]], batch: int = 100) -> None:
-        for i in range(0, len(items), batch):
-            ops = [
-                {"requestPut": {"key": base64.b64encode(k).decode(), "value": base64.b64encode(v).decode()}}
-                for k, v in items[i : i + batch]
-            ]
-            self.gateway("/v3/kv/txn", {"success": ops})
+        """Multi-put transactions over gRPC (the JSON gateway took base64 and an HTTP request each)."""
+        with EtcdRpc(self.client_url, timeout=30.0) as r:
+            for i in range(0, len(items), batch):
+                r.txn([proto.op_put(k, v) for k, v in items[i : i + batch]])
 
     def snapshot(self, path: str) -> str:
         self.ctl("snapshot", "save", path)

@@ -41,6 +41,7 @@ ETC_DIR = "/etc/etcd-agent"
 AGENT_TOML = f"{ETC_DIR}/agent.toml"
 KEYS = 60_000  # ~1 KiB each: a ~70 MB snapshot, a drill of a few seconds
 RATE = 100.0  # writer puts per second
+WINDOW = 5.0  # s of puts before and after the drill: the latency figures' baseline and recovery (500 puts each)
 BED_LOCK = "/run/etcd-agent-testbed.lock"
 
 
@@ -230,11 +231,11 @@ def test_drill_while_a_writer_runs(bed: Bed) -> None:
     w = Writer(cfg)
     w.start()
     try:
-        time.sleep(15)  # the baseline
+        time.sleep(WINDOW)  # the baseline
         d0 = time.monotonic()
         drill = bed.agent(dr1, "--json", "drill")
         d1 = time.monotonic()
-        time.sleep(10)
+        time.sleep(WINDOW)
         a1 = time.monotonic()
     finally:
         w.stop()
@@ -242,7 +243,7 @@ def test_drill_while_a_writer_runs(bed: Bed) -> None:
     rep = json.loads(drill.stdout)
     after = bed.metrics(dr1)
 
-    base, during, post = w.between(d0 - 15, d0), w.between(d0, d1), w.between(d1, a1)
+    base, during, post = w.between(d0 - WINDOW, d0), w.between(d0, d1), w.between(d1, a1)
     steps = ", ".join(f"{st['step']} {st['seconds']:.2f}s" for st in rep["steps"])
     print(f"FIGURE netns drill: {rep['backup']} drilled on dr1 in {rep['duration']:.2f}s (wall {d1 - d0:.2f}s with "
           f"the CLI's start): {rep['keys']} keys, revision {rep['revision']}, {rep['sample']} sampled, etcd "

@@ -22,7 +22,7 @@ from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.member.process import ProcessBackend
 from etcd_agent.waiting import poll
 from tests.harness.netns import NetnsBed, NsHost
-from tests.integration.continuous import dump
+from tests.integration.continuous import closed_through, dump
 from tests.integration.test_pitr_disaster import SLACK, Writer, account
 
 pytestmark = pytest.mark.multihost
@@ -171,7 +171,17 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
              what=f"{h.name}'s delta watch", interval=0.5)
     w = Writer([m.client_url for m in cfg.members])
     w.start()
-    time.sleep(30)
+    began = time.time()
+    # writes across two of ez1's segment closes: the first holds the writer's first write, the
+    # second what it had acknowledged by then (the short leases of the first have run out)
+    poll(lambda: w.acks, timeout=30, what="the writer's first acknowledged write", interval=0.2)
+    first = min(a.revision for a in w.acks)
+    poll(lambda: closed_through(cfg.backup.dir) >= first, timeout=90, what=f"ez1's segment holding {first}",
+         interval=0.3)
+    with w._mu:
+        then = max(a.revision for a in w.acks)
+    poll(lambda: closed_through(cfg.backup.dir) >= then, timeout=90, what=f"ez1's segment holding {then}",
+         interval=0.3)
     # the disks go first, then the processes: the daemons notice an etcd's exit at once (a pidfd)
     # and would restart one killed before its data dir was gone onto what is left of it
     pids = [ProcessBackend(cfg, m.name).pid() for m in cfg.members]
@@ -190,7 +200,7 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
     poll(lambda: healthy(cfg), timeout=60, what="healthy after the restore", interval=0.5)
     got = dump(EtcdRpc(cfg.members[1].client_url, timeout=5.0))
     r = account(sorted(w.acks, key=lambda a: a.revision), got, w.short_expiry, disaster)
-    print(f"\nFIGURE netns/ssh disaster: {len(w.acks)} acknowledged writes over 30 s; missing after "
+    print(f"\nFIGURE netns/ssh disaster: {len(w.acks)} acknowledged writes over {disaster - began:.0f} s; missing after "
           f"`restore --from latest --to newest --yes` on ez1: {len(r['missing_old'])} older than {SLACK:.0f} s, "
           f"{len(r['missing_recent'])} within the last {SLACK:.0f} s (oldest lost {r['lag']:.3f}s before); deleted "
           f"keys present: {len(r['resurrected'])}; expired-lease keys present: {len(r['expired_present'])}; "

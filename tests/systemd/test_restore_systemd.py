@@ -27,7 +27,7 @@ from etcd_agent.config import Config
 from etcd_agent.etcd.client import EtcdClient
 from etcd_agent.restore.orchestrator.plan import BUMP_REVISION
 from etcd_agent.topology import initial_cluster, member_pairs
-from tests.harness import agentbed
+from tests.harness import agentbed, restorebed
 from tests.harness.agentbed import main_pid
 from tests.harness.nspawn import Container, NspawnBed
 from tests.harness.releases import DEFAULT
@@ -87,13 +87,8 @@ def agent(c: Container, *args: str, timeout: float = 300.0) -> "subprocess.Compl
 
 
 def put_many(cfg: Config, prefix: str, n: int, workers: int = 4) -> None:
-    def chunk(k: int) -> None:
-        with EtcdClient.from_config(cfg, timeout=10.0) as cl:
-            for i in range(k, n, workers):
-                cl.put(f"{prefix}{i:06d}", b"x" * 64)
-
-    with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(chunk, range(workers)))
+    """``n`` keys of 64 ``x``s, in multi-put transactions (``tests/harness/restorebed.py``)."""
+    restorebed.put_many(cfg, prefix, n, workers)
 
 
 def counts(cfg: Config, endpoint: str, *prefixes: str) -> List[int]:

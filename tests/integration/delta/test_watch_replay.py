@@ -1,5 +1,6 @@
 """Watcher and replay against real etcd 3.5.16 on loopback."""
 import os
+import threading
 import time
 
 import pytest
@@ -404,21 +405,25 @@ def test_fragments_of_a_slow_watch_are_reassembled(live, tmp_path):
     full, base = full_backup(live, str(tmp_path))
     segdir = str(tmp_path / "seg")
     stalled = []
+    written = threading.Event()
 
     def stall(info):
         if not stalled:
             stalled.append(info)
             # the reader's queue (1) fills, gRPC flow control holds etcd back, etcd's per-watcher
             # channel (128 responses) overflows: the watcher becomes a "victim", then catches up
-            # in batched (and fragmented) responses
-            time.sleep(8)
+            # in batched (and fragmented) responses. Held until all 300 revisions are written.
+            written.wait(120)
 
     w = started(live, base, segdir, fragment=True, queue_size=1, on_segment=stall, close_bytes=1)
     put(r, b"first", b"1")
     assert wait_for(lambda: stalled, 10)
     blob = os.urandom(60 * 1024)
-    for i in range(300):
-        r.txn([proto.op_put(b"big%03d-%d" % (i, j), blob[j * 7:] + b"%d" % i) for j in range(4)])
+    try:
+        for i in range(300):
+            r.txn([proto.op_put(b"big%03d-%d" % (i, j), blob[j * 7:] + b"%d" % i) for j in range(4)])
+    finally:
+        written.set()
     finish(w, live)
     assert w.fragments >= 1
     txns = [t for p in list_segments(segdir) for t in read_segment(p).txns]
