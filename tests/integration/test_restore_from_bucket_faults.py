@@ -36,7 +36,7 @@ from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket.digests import READ_CHUNK
 from etcd_agent.chain.segments import Txn, parse_name
 from tests.harness.cutproxy import CutProxy
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table
 from tests.integration.continuous import (
     agent,
     beds,
@@ -50,7 +50,7 @@ from tests.integration.continuous import (
     wait_for,
     wait_watching,
 )
-from tests.integration.test_bucket_queue import landed, remote_table
+from tests.integration.test_bucket_queue import landed
 from tests.integration.test_daemon import wait_healthy
 from tests.integration.test_restore import AGENT
 from tests.integration.test_restore_from_bucket import _disaster, _tree, _written
@@ -113,7 +113,7 @@ def world(rgw: RgwBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wor
     bucket = rgw.new_bucket()  # before any test begins: kept for the module
     try:
         with beds(str(tmp), 1) as make:
-            d = make(tables=remote_table(rgw, bucket).replace(rgw.endpoint, proxy.endpoint))
+            d = make(tables=remote_table(rgw, bucket, prefix="p/", keep_last=10, connect_timeout=2, read_timeout=20).replace(rgw.endpoint, proxy.endpoint))
             c = d.c
             start_all(d)
             wait_watching(c)
@@ -468,7 +468,7 @@ def test_the_wrong_identity_is_refused_and_the_staged_backup_kept(rgw: RgwBed, t
     wrong, _ = keypair(tmp_path, "wrong.txt")
     bucket = rgw.new_bucket()
     with beds(str(tmp_path / "enc"), 1) as make:
-        d = make(backup=f'encrypt_to = ["{recipient}"]\n', tables=remote_table(rgw, bucket))
+        d = make(backup=f'encrypt_to = ["{recipient}"]\n', tables=remote_table(rgw, bucket, prefix="p/", keep_last=10, connect_timeout=2, read_timeout=20))
         c = d.c
         c.start_static()
         made = agent(c, "backup")
