@@ -172,7 +172,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                    " - the same command continues the fetch where it stopped"))
                 raise
         try:
-            checked = _check_staged(cfg, staging, staged, bp, target, identities=identities,
+            checked, facts = _check_staged(cfg, staging, staged, bp, target, identities=identities,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
                                     accept_unsigned=accept_unsigned, key_file=key_file)
         except AgentError as exc:
@@ -182,6 +182,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                         fetch.discard_part(s.part)
             raise
         objects = [fetch.publish(b, s, directory) for s in staged]
+    _remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
     took = time.monotonic() - t0
     read = sum(s.bytes_read for s in staged)
     for line in checked:
@@ -189,6 +190,20 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     progress(f"{len(objects)} object(s) of {bp.file} checked and in {directory} ({size_text(read)} fetched in "
              f"{took:.1f}s)")
     return Fetched(bp, objects, checked, took, read)
+
+
+def _remember(directory: str, file: str, facts: Dict[str, Any]) -> None:
+    """The fetched full backup's check, as the backup that wrote it recorded one: what the fetch
+    read from its content (revision, member ids; the snapshot's sha256 only from a manifest whose
+    signature was valid). Without it an encrypted backup is one whose revision and snapshot no
+    listing can read: the daemon's chain pruning takes its chain for an orphan and deletes it,
+    and its copier copies it again under another chain key (the archive's own sha256), a copy
+    with no segments that ``--from-bucket latest`` then picks."""
+    from etcd_agent.backup import checks
+
+    c = checks.check_of(os.path.join(directory, file), ok=True, how="fetch", kind="agent", **facts)
+    if c is not None:
+        checks.record(directory, file, c)
 
 
 def _failed_content(exc: AgentError) -> bool:
@@ -236,10 +251,11 @@ def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
 
 def _check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: BucketPlan,
                   target: Optional["Target"], *, identities: Optional["Identities"], new_cluster: bool,
-                  checkpoints: bool, accept_unsigned: bool, key_file: Optional[str]) -> List[str]:
+                  checkpoints: bool, accept_unsigned: bool, key_file: Optional[str]) -> Tuple[List[str], Dict[str, Any]]:
     """The fetched files, under their own names in a dir of the staging dir, read as a restore
     reads them: the full backup (signature, identity from its db) and, for a point in time, its
-    chain. The lines say what was checked and what could not be."""
+    chain. The lines say what was checked and what could not be; the facts, what the full
+    backup's content showed (``_remember``)."""
     checked = os.path.join(staging, CHECKED_DIR)
     shutil.rmtree(checked, ignore_errors=True)  # a killed run's
     os.mkdir(checked, 0o700)
@@ -248,17 +264,18 @@ def _check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp:
             os.link(s.part if s.part is not None else os.path.join(cfg.backup.dir, s.file),
                     os.path.join(checked, s.file))
         here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
-        lines = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster, key_file=key_file)
+        lines, facts = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster,
+                                   key_file=key_file)
         if target is not None:
             lines += _check_chain(cfg, here, bp.file, target, identities=identities, checkpoints=checkpoints,
                                   accept_unsigned=accept_unsigned)
-        return lines
+        return lines, facts
     finally:
         shutil.rmtree(checked, ignore_errors=True)
 
 
 def _check_full(here: Config, file: str, *, identities: Optional["Identities"], new_cluster: bool,
-                key_file: Optional[str]) -> List[str]:
+                key_file: Optional[str]) -> Tuple[List[str], Dict[str, Any]]:
     from etcd_agent.backup.identity import layout_problems
     from etcd_agent.backup.keys import key_path, local_key
     from etcd_agent.restore.orchestrator.source import open_source
@@ -294,7 +311,9 @@ def _check_full(here: Config, file: str, *, identities: Optional["Identities"], 
         lines.append(f"the snapshot's members, read from its own db, {'are of another layout (--new-cluster)' if layout else 'have the config names and peer URLs'}"
                      f" (revision {src.revision})")
         lines += list(src.checked)
-        return lines
+        facts = {"revision": src.revision, "member_ids": src.member_ids, "signature": signature,
+                 "sha256": src.sha256 if signature == "valid" else None}
+        return lines, facts
     finally:
         src.close()
 
