@@ -120,9 +120,11 @@ def healthy(cfg: Config) -> bool:
 
 @contextlib.contextmanager
 def daemon_bed(tmp_path_factory: pytest.TempPathFactory, prefix: str, subnet: str,
-               toml: Callable[[str, List[NsHost], NsHost, NetnsBed], str]) -> Iterator[Bed]:
+               toml: Callable[[str, List[NsHost], NsHost, NetnsBed], str],
+               make: Callable[[NetnsBed, str], Bed] = Bed) -> Iterator[Bed]:
     """Three namespace hosts with sshd, each its own agent.toml (``toml``), backup and state dirs
-    and `etcd-agent run` daemon, until the cluster they start is healthy."""
+    and `etcd-agent run` daemon, until the cluster they start is healthy. ``make``: the Bed (a
+    subclass that starts the agent otherwise)."""
     if os.geteuid() != 0:
         pytest.skip("multihost tests need root (network namespaces, sshd)")
     made_etc = not os.path.exists(ETC_DIR)
@@ -130,7 +132,7 @@ def daemon_bed(tmp_path_factory: pytest.TempPathFactory, prefix: str, subnet: st
         os.makedirs(ETC_DIR, mode=0o755)
     net = NetnsBed(3, prefix=prefix, subnet=subnet)
     work = str(tmp_path_factory.mktemp(prefix))
-    b = Bed(net, work)
+    b = make(net, work)
     try:
         net.up()
         for h in net.hosts:

@@ -12,7 +12,7 @@ What runs, in order, before any master is touched:
 2. **Fetch into the staging dir** (``<backup dir>/.fetch/``, 0700, hidden from the catalog): each
    object streamed into its part file, its size and sha256 checked against the object's metadata
    as it streams (``bucket.fetch.stage_one``); a run killed halfway is continued by the next.
-3. **Check from the content, still in the staging dir** (``_check_staged``): the full backup is
+3. **Check from the content, still in the staging dir** (``stagedchecks.check_staged``): the full backup is
    read with the one bounded reader - its manifest's signature with the manifest key (the copy the
    operator kept off-host: ``--key-file``), the snapshot's members from its own db against the
    config's names and peer URLs; each segment's name against the revisions and end time its header
@@ -35,10 +35,8 @@ unless ``--accept-unsigned-chain`` says to restore it checked from its content a
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +45,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from etcd_agent.bucket import fetch, layout
 from etcd_agent.config import Config
-from etcd_agent.errors import AgentError, BackupCorrupt, BackupError, RefusedError
+from etcd_agent.errors import AgentError, BackupCorrupt, RefusedError
 from etcd_agent.fs import size_text
+from etcd_agent.restore.orchestrator import stagedchecks
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -60,7 +59,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 FETCH_WORKERS = 4  # objects fetched at once
-CHECKED_DIR = "checked"  # under the staging dir: the fetched files under their own names, while checked
 PROGRESS_EVERY = 2.0  # seconds between two progress lines of one object
 
 
@@ -213,12 +211,12 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                " - the same command continues the fetch where it stopped"))
             raise exc from None
         try:
-            checked = _check_staged(cfg, staging, staged, bp, target, identities=identities,
+            checked, facts = stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
                                     accept_unsigned=accept_unsigned, key_file=key_file)
         except AgentError as exc:
             # the files were checked under a dir of the staging dir that is gone now: named by name
-            exc.message = exc.message.replace(os.path.join(staging, CHECKED_DIR) + os.sep, "")
+            exc.message = exc.message.replace(os.path.join(staging, stagedchecks.CHECKED_DIR) + os.sep, "")
             if _failed_content(exc):  # bytes that failed a check are not kept to be continued
                 for s in staged:
                     if s.part is not None:
@@ -228,6 +226,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                f"the same command{_with_identity(exc)} does not fetch them again")
             raise
         objects = [fetch.publish(b, s, directory) for s in staged]
+    stagedchecks.remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
     took = time.monotonic() - t0
     read = sum(s.bytes_read for s in staged)
     for line in checked:
@@ -336,143 +335,6 @@ def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
         progress(f"{counter} {w.file}: {size_text(s.bytes_read)} in {took:.1f}s "
                  f"({s.bytes_read / max(took, 1e-6) / 1e6:.1f} MB/s{at}), sha256 matches its metadata")
     return s
-
-
-def _check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: BucketPlan,
-                  target: Optional["Target"], *, identities: Optional["Identities"], new_cluster: bool,
-                  checkpoints: bool, accept_unsigned: bool, key_file: Optional[str]) -> List[str]:
-    """The fetched files, under their own names in a dir of the staging dir, read as a restore
-    reads them: the full backup (signature, identity from its db) and, for a point in time, its
-    chain. The lines say what was checked and what could not be."""
-    checked = os.path.join(staging, CHECKED_DIR)
-    shutil.rmtree(checked, ignore_errors=True)  # a killed run's
-    os.mkdir(checked, 0o700)
-    try:
-        for s in staged:
-            os.link(s.part if s.part is not None else os.path.join(cfg.backup.dir, s.file),
-                    os.path.join(checked, s.file))
-        _named_as_they_hold(checked, staged)
-        here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
-        lines = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster, key_file=key_file)
-        if target is not None:
-            lines += _check_chain(cfg, here, bp.file, target, identities=identities, checkpoints=checkpoints,
-                                  accept_unsigned=accept_unsigned)
-        return lines
-    finally:
-        shutil.rmtree(checked, ignore_errors=True)
-
-
-def _named_as_they_hold(checked: str, staged: Sequence[fetch.Staged]) -> None:
-    """Each segment's name says the revisions (and end time) its header and footer hold. The chain
-    is followed by content, so two segments swapped under each other's names would replay right,
-    but they would enter the backup dir under names that lie to everything that reads names
-    (listings, retention, the choice of what a later restore fetches): refused. A segment whose
-    header or footer cannot be read is left to the chain check, which says where it stops."""
-    from etcd_agent.chain.reader import read_summary
-    from etcd_agent.chain.segments import name_time_ms, parse_name
-
-    for s in staged:
-        if s.fetched.wanted.kind != layout.SEGMENT:
-            continue
-        named = parse_name(s.file)
-        try:
-            header, footer = read_summary(os.path.join(checked, s.file))
-        except BackupError:
-            continue
-        holds = (header.start_revision, footer.end_revision)
-        when = name_time_ms(s.file)  # to the ms, or to the second in a name without them
-        if named is not None and (holds != named or when not in (footer.end_time_ms, footer.end_time_ms // 1000 * 1000)):
-            raise RefusedError(
-                f"{s.fetched.wanted.name} in the bucket holds revisions {holds[0]}-{holds[1]} ending "
-                f"{_ms_text(footer.end_time_ms)} under a name that says {named[0]}-{named[1]} ending "
-                f"{_ms_text(when)}: renamed, or swapped with another segment; nothing restored")
-
-
-def _ms_text(ms: Optional[int]) -> str:
-    from etcd_agent.chain.segments import ms_to_datetime
-
-    return "?" if ms is None else ms_to_datetime(ms).isoformat(timespec="milliseconds")
-
-
-def _check_full(here: Config, file: str, *, identities: Optional["Identities"], new_cluster: bool,
-                key_file: Optional[str]) -> List[str]:
-    from etcd_agent.backup.identity import layout_problems
-    from etcd_agent.backup.keys import key_path, local_key
-    from etcd_agent.restore.orchestrator.source import open_source
-
-    key = local_key(here)
-    src = open_source(here, file, here.backup.dir, hash_now=False, identities=identities)
-    try:
-        arc = src.archive
-        signature = arc.signature if arc is not None else "unsigned"
-        lines: List[str] = []
-        if key.key is None:
-            lines.append(f"not checked: the manifest's signature - no manifest key at {key_path(here)} (the key "
-                         "lived in the cluster that is gone; pass --key-file with the copy kept off-host to check "
-                         "it); the backup is judged from its content alone")
-        elif signature == "valid":
-            lines.append(f"manifest signature valid with the manifest key {key_path(here)}")
-        elif key_file is not None:
-            raise RefusedError(f"{file} in the bucket is {_unsigned(signature)} the key in {key_file}: it is "
-                               "another cluster's backup or was changed after it was written; nothing restored. "
-                               "Check the key file, or leave --key-file out to restore it checked from its "
-                               "content alone")
-        else:
-            lines.append(f"manifest {_unsigned(signature)} the manifest key {key_path(here)}: what it says is "
-                         "trusted for nothing; the backup is judged from its content")
-        if src.identity is None:
-            raise RefusedError(f"{file} in the bucket: the snapshot's members could not be read from its db; "
-                               "nothing restored")
-        layout = layout_problems(src.identity, here)
-        if layout and not new_cluster:
-            raise RefusedError(f"{file} in the bucket is a snapshot of another cluster layout "
-                               f"({'; '.join(layout)}): nothing restored. Restore it into this config's "
-                               "cluster only on purpose, with --new-cluster")
-        lines.append(f"the snapshot's members, read from its own db, {'are of another layout (--new-cluster)' if layout else 'have the config names and peer URLs'}"
-                     f" (revision {src.revision})")
-        lines += list(src.checked)
-        return lines
-    finally:
-        src.close()
-
-
-def _unsigned(signature: str) -> str:
-    return {"invalid": "signed, but not as it reads now, with",
-            "unknown-key": "signed with another key than",
-            "unsigned": "not signed with"}.get(signature, f"{signature}, not signed with")
-
-
-def _check_chain(cfg: Config, here: Config, file: str, target: "Target", *,
-                 identities: Optional["Identities"], checkpoints: bool, accept_unsigned: bool) -> List[str]:
-    """The chain checked as ``pitr.prepare`` checks it for a restore; encrypted segments are
-    decrypted into a private dir outside the backup dir (removed here)."""
-    from etcd_agent.pitr import prepare as pitr
-    from etcd_agent.pitr import workdirs
-
-    held = workdirs.lock(cfg) if identities is not None else None
-    try:
-        private = workdirs.open_staging(cfg) if identities is not None else None
-        try:
-            prep = pitr.prepare(here, file, target, identities=identities, staging=private,
-                                checkpoints=checkpoints, accept_unsigned=accept_unsigned)
-        finally:
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
-    finally:
-        if held is not None:
-            held.release()
-    lines = [f"delta chain: {len(prep.plan.segments)} segment(s) link from {file}'s revision to revision "
-             f"{prep.plan.stop_revision} ({target.describe()}), each by its sha256"]
-    stop = prep.check.stop
-    if stop is not None and target.kind == "newest":
-        # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
-        # cut off by `newest` - the operator names the last good point to restore up to it
-        raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its last "
-                           f"good point, say so: --to-revision {stop.last_good_revision}")
-    lines += list(prep.choice)
-    if prep.signatures:
-        lines.append(prep.signatures)
-    return lines
 
 
 def host_checks(cfg: Config, opts: "Options", snapshot_size: int) -> List[Tuple[str, str, List[str]]]:
