@@ -137,6 +137,37 @@ def _not_after(objs: Sequence["RemoteObject"], when: Optional[datetime],
     return out
 
 
+REACH_CANDIDATES = 10  # the newest full backups whose chains are listed to choose ``latest``
+
+
+def _reaching(cfg: "Config", objs: Sequence["RemoteObject"], reach_to: int) -> List["RemoteObject"]:
+    """``objs`` with the one ``latest`` should be put first: of the newest ``REACH_CANDIDATES``
+    (not dated ahead), the newest whose chain's segments in the bucket reach ``reach_to`` by
+    their names, or (-1) the one reaching furthest; unchanged when none does. Names only narrow
+    the choice; the restore checks the chain from its content."""
+    from etcd_agent.bucket import remote
+
+    now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
+    best: Optional[Tuple[int, datetime]] = None
+    pick: Optional["RemoteObject"] = None
+    for o in [o for o in objs if not _ahead(o, now) and o.chain][:REACH_CANDIDATES]:
+        rev = str(o.metadata.get("revision", ""))
+        base = int(rev) if rev.isdigit() else None
+        names = remote.list_names(bound(cfg, o.folder), layout.chain_dir(o.chain))
+        r = layout.reach(names, base)
+        reached = r.revision if r.revision is not None else (base if base is not None else -1)
+        if reach_to >= 0:
+            if reached >= reach_to and (base is None or base <= reach_to):
+                pick = o
+                break
+            continue
+        if best is None or (reached, o.time) > best:
+            best, pick = (reached, o.time), o
+    if pick is None:
+        return list(objs)
+    return [pick] + [o for o in objs if o is not pick]
+
+
 def _stamp(name: str) -> str:
     m = STAMP_RE.match(name)
     return "-".join(x for x in m.groups() if x) if m else name
@@ -152,16 +183,21 @@ def order(items: Sequence[Wanted]) -> List[Wanted]:
 
 
 def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
-         max_revision: Optional[int] = None) -> Tuple["RemoteObject", List[Wanted]]:
+         max_revision: Optional[int] = None, reach_to: Optional[int] = None) -> Tuple["RemoteObject", List[Wanted]]:
     """The chosen full backup and every object to fetch for it, in order; listing only.
     ``latest`` with ``not_after`` (a time in the catalog's zone) or ``max_revision`` (a point in
-    time's target): the newest full backup at or before it."""
+    time's target): the newest full backup at or before it. ``reach_to`` (a point in time:
+    its revision, or -1 for newest): ``latest`` is the newest whose chain in the bucket reaches
+    it (for newest: the one that reaches furthest) - a newer full backup at the same revision
+    may have no chain at all."""
     from etcd_agent.bucket import remote
 
     objs = sorted((replace(o, folder=folder) for folder, bound_cfg in host_folders(cfg)
                    for o in remote.list_remote(bound_cfg)), key=lambda o: (o.time, o.name), reverse=True)
     if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
         objs = _not_after(objs, not_after, max_revision)
+    if spec.strip() == "latest" and reach_to is not None:
+        objs = _reaching(cfg, objs, reach_to)
     now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
     full = select(objs, spec, now=now)
     cfg = bound(cfg, full.folder)  # its chain is in the same master's folder

@@ -106,8 +106,18 @@ def test_every_master_gone_restored_from_the_bucket_alone(bed, rgw: RgwBed, tmp_
     assert text.returncode == 0 and "fetch chains/" in text.stdout and "nothing fetched" in text.stdout, text.stdout
     assert "m1 (local): pre-check ok" in text.stdout, text.stdout
 
+    # a newer copy of the full backup with no chain (a backup by hand at the same revision, which
+    # the daemon's chain did not move onto): `latest --to newest` takes the chain that reaches furthest
+    s3 = rgw.client()
+    full_key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="p/")["Contents"]
+                    if o["Key"].endswith("/" + planned["backup"]))
+    lone = "f" * 64
+    newer = (datetime.now(timezone.utc) + timedelta(seconds=30)).strftime("etcd-%Y-%m-%d-%H-%M-%S.tar")
+    s3.copy_object(Bucket=bucket, Key=f"p/chains/{lone}/{newer}", CopySource={"Bucket": bucket, "Key": full_key},
+                   Metadata=s3.head_object(Bucket=bucket, Key=full_key)["Metadata"], MetadataDirective="REPLACE")
     res = agent(c, "restore", "--from-bucket", "latest", "--to", "newest", "--key-file", key, "--yes", timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert lone not in res.stderr and planned["chain"] in res.stderr, res.stderr
     assert "manifest signature valid with the manifest key" in res.stderr, res.stderr
     assert "sha256 matches its metadata" in res.stderr, res.stderr
     wait_healthy(c.cfg, 1, 60)

@@ -158,8 +158,8 @@ def _choice(cfg: Config, target: Optional["Target"]) -> Dict[str, Any]:
         naive = when.replace(tzinfo=None) if cfg.backup.utc else when.astimezone().replace(tzinfo=None)
         return {"not_after": naive}
     if target.kind == "revision" and target.revision is not None:
-        return {"max_revision": target.revision}
-    return {}
+        return {"max_revision": target.revision, "reach_to": target.revision}
+    return {"reach_to": -1}  # newest: the chain that reaches furthest
 
 
 def _skipped(items: Sequence[fetch.Wanted], kept: Sequence[fetch.Wanted], why: str) -> Tuple[str, ...]:
