@@ -177,8 +177,9 @@ def staging_locked(directory: str) -> Iterator[str]:
         os.close(fd)
 
 
-def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
-    """One object into ``directory``: staged, checked, renamed; resumed from a kept part."""
+def fetch_one(b: "Bucket", w: Wanted, directory: str, *, progress: Any = None) -> Fetched:
+    """One object into ``directory``: staged, checked, renamed; resumed from a kept part.
+    ``progress(done bytes, total bytes)`` as it streams (``remote.stream_object``)."""
     from etcd_agent.bucket import remote
 
     file, _kind = local_file(w.name)
@@ -201,7 +202,7 @@ def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
         with os.fdopen(fd, "r+b") as fh:
             fh.truncate(offset)  # a part longer than what was hashed would not be continued
             fh.seek(offset)
-            size, digest = remote.stream_object(b, obj, fh, offset=offset, sha=sha)
+            size, digest = remote.stream_object(b, obj, fh, offset=offset, sha=sha, progress=progress)
             fh.flush()
             os.fsync(fh.fileno())
     except BackupCorrupt:  # more bytes than claimed: nothing of it is worth continuing
