@@ -13,8 +13,9 @@ HEAD gave, each exactly as long as asked); they are written and hashed strictly 
 output is always a prefix of the object (a run killed halfway leaves a part that ``fetch`` can
 continue) and the hash is of the bytes as written.
 
-At most ``WORKERS`` requests run at once and at most ``WORKERS`` + 1 parts or ranges are held in
-memory (``buffer_parts``): ~64 MiB with the default 16 MiB parts, whatever the object's size.
+An upload sends ``WORKERS`` parts at once and holds at most ``WORKERS`` + 1 in memory
+(``buffer_parts``: 40 MiB with the default 8 MiB parts), a download ``RANGE_WORKERS`` ranges
+(32 MiB), whatever the object's size.
 ``bench/bucket_bench.py`` measures both against boto3 and curl on the same server.
 """
 from __future__ import annotations
@@ -31,8 +32,11 @@ from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import open_regular, start_writeback
 
 WORKERS = 4  # requests at once: enough to hide one request's latency on a 2-core master
-BUFFER_BYTES = 64 * 1024 * 1024  # parts held in memory at once, at most (at least two parts)
-RANGE_BYTES = 4 * 1024 * 1024  # a ranged GET's length: 4 in flight hold 16 MiB
+BUFFER_BYTES = 64 * 1024 * 1024  # parts in flight at once fit in this (two at least, a large part_size_mb)
+RANGE_BYTES = 4 * 1024 * 1024  # a ranged GET's length
+# ranged GETs at once, 32 MiB in flight: measured against 4 x 4, 4 x 8 and 2 x 8 MiB on the bench's
+# RGW (1 GiB, a loaded 2-core machine), the fastest and as steady as any (docs/bucket-speed.md)
+RANGE_WORKERS = 8
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
@@ -123,11 +127,10 @@ class UploadParts:
         with b.errors(f"cannot upload part {number}/{count} of {b.where(self.name)}"):
             resp = b.client.upload_part(Bucket=b.bucket, Key=b.key(self.name), UploadId=self.upload_id,
                                         PartNumber=number, Body=data, ContentMD5=b64(md5), **extra)
-        with self._mu:
+        with self._mu:  # parts end in any order: the count and its report only grow
             self._sent += len(data)
-            done = self._sent
-        if self.progress is not None:
-            self.progress(done, self._total)
+            if self.progress is not None:
+                self.progress(self._sent, self._total)
         return md5, sha, str(resp["ETag"])
 
 
@@ -168,10 +171,10 @@ def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
     size = offset
     starts = list(range(offset, obj.size, RANGE_BYTES))
     inflight: Deque["concurrent.futures.Future[List[bytes]]"] = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="download") as pool:
+    with concurrent.futures.ThreadPoolExecutor(RANGE_WORKERS, thread_name_prefix="download") as pool:
         try:
             for start in starts:
-                while len(inflight) >= WORKERS:
+                while len(inflight) >= RANGE_WORKERS:
                     size = _consume(inflight.popleft().result(), out, sha, size, obj.size, progress)
                 inflight.append(pool.submit(fetch, start, min(start + RANGE_BYTES, obj.size)))
             while inflight:
@@ -190,10 +193,19 @@ def _consume(chunks: List[bytes], out: Any, sha: "hashlib._Hash", size: int, tot
         if out is not None:
             out.write(chunk)
         size += len(chunk)
-    if out is not None and hasattr(out, "fileno"):
+    fd = _fileno(out)
+    if fd is not None:
         # the disk works while the rest streams in: the caller's fsync has little left to wait for
         out.flush()
-        start_writeback(out.fileno(), at, out.tell() - at)
+        start_writeback(fd, at, out.tell() - at)
     if progress is not None:
         progress(size, total)
     return size
+
+
+def _fileno(out: Any) -> Optional[int]:
+    """The descriptor of a file ``out`` writes to (None: no output, or one in memory)."""
+    try:
+        return int(out.fileno()) if out is not None else None
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return None

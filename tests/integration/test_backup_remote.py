@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 import pytest
 
 from etcd_agent.bucket import client as remotebucket
-from etcd_agent.bucket import remote, transfer
+from etcd_agent.bucket import digests, remote, transfer
 from etcd_agent.config import Config, parse_text
 from etcd_agent.errors import BackupCorrupt, BackupError, ConfigError
 from tests.harness.rgw import RgwBed
@@ -140,9 +140,9 @@ def test_copy_corrupted_before_verification_is_deleted(
     real_put = remote._put_file
 
     def put_then_tamper(*args: Any, **kwargs: Any) -> Any:
-        digests = real_put(*args, **kwargs)  # the real upload, then a real overwrite on the server
+        sent = real_put(*args, **kwargs)  # the real upload, then a real overwrite on the server
         _tamper(cfg, rgw, path.name, with_checksum=with_checksum)
-        return digests
+        return sent
 
     monkeypatch.setattr(remote, "_put_file", put_then_tamper)
     with pytest.raises(BackupCorrupt) as info:
@@ -173,7 +173,7 @@ def test_file_changing_during_upload_leaves_nothing(
     cfg: Config, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
     path = _archive(tmp_path, "etcd-2026-03-01-13-00-00.tar", 11 * MiB)
-    real_sha256 = remote.file_sha256
+    real_sha256 = digests.file_sha256
 
     def hash_then_change(p: str) -> str:
         sha = real_sha256(p)

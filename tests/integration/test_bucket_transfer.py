@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 import pytest
 
-from etcd_agent.bucket import fetch, layout, remote, transfer
+from etcd_agent.bucket import digests, fetch, layout, remote, transfer
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError
@@ -76,7 +76,7 @@ def test_a_file_changing_after_its_hashing_pass_is_never_copied(
     cfg = remote_config(rgw)
     path = tmp_path / NAME
     _file(path, 23 * MiB)
-    real = remote.file_sha256
+    real = digests.file_sha256
 
     def hash_then_change(p: str) -> str:
         sha = real(p)
@@ -93,10 +93,12 @@ def test_a_file_changing_after_its_hashing_pass_is_never_copied(
 
 
 def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
-        rgw: RgwBed, tmp_path: Path) -> None:
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = remote_config(rgw)
     cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=str(tmp_path / "backups")))
-    size = 5 * transfer.RANGE_BYTES + 12345  # six ranges, the last one short
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)  # many ranges of a small object
+    # three times the ranges in flight, the last one short: most are asked after the outage
+    size = 3 * transfer.RANGE_WORKERS * transfer.RANGE_BYTES + 12345
     body = os.urandom(size)
     name = layout.full_name(KEY, NAME)
     b = Bucket(cfg)
