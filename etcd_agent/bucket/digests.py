@@ -1,9 +1,9 @@
 """What a correct off-host copy shows: the local file's digests, and S3's checksum and ETag of it.
 
-One streamed pass over the archive (``local_digests``) gives its size and SHA-256 and each
-part's MD5 and SHA-256: what every upload request carries, so the server refuses a part whose
+The upload's one pass over the archive (``transfer.UploadParts``) gives its size and SHA-256 and
+each part's MD5 and SHA-256: what every upload request carries, so the server refuses a part whose
 bytes changed, and what the finished object must report - ``x-amz-checksum-sha256`` (plain, or
-composite for a multipart upload) or the MD5 ETag. Pure but for reading the local file.
+composite for a multipart upload) or the MD5 ETag. Pure but for ``file_sha256``.
 """
 from __future__ import annotations
 
@@ -54,29 +54,13 @@ def part_size_for(r: RemoteSection, size: int) -> int:
     return max(part, -(-size // MAX_PARTS))
 
 
-def local_digests(path: str, part_size: int) -> Digests:
-    """One streamed pass: whole-file SHA-256 plus MD5/SHA-256 of each part (to send and expect)."""
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a local file, in one streamed pass."""
     whole = hashlib.sha256()
-    parts: List[Tuple[bytes, bytes]] = []
-    size = 0
     with open_regular(path) as fh:
-        while True:
-            md5, sha, n = hashlib.md5(), hashlib.sha256(), 0
-            while n < part_size:
-                chunk = fh.read(min(READ_CHUNK, part_size - n))
-                if not chunk:
-                    break
-                md5.update(chunk)
-                sha.update(chunk)
-                whole.update(chunk)
-                n += len(chunk)
-            if n == 0 and parts:
-                break
-            parts.append((md5.digest(), sha.digest()))
-            size += n
-            if n < part_size:
-                break
-    return Digests(size=size, sha256=whole.hexdigest(), part_size=part_size, parts=tuple(parts))
+        for chunk in iter(lambda: fh.read(READ_CHUNK), b""):
+            whole.update(chunk)
+    return whole.hexdigest()
 
 
 def same_checksum(server: str, d: Digests) -> bool:

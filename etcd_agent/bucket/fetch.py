@@ -288,9 +288,11 @@ def staging_locked(directory: str) -> Iterator[str]:
         os.close(fd)
 
 
-def fetch_one(b: "Bucket", w: Wanted, directory: str) -> Fetched:
-    """One object into ``directory``: staged, checked, renamed; resumed from a kept part."""
-    staged = stage_one(b, w, directory)
+def fetch_one(b: "Bucket", w: Wanted, directory: str, *,
+              progress: Optional[Callable[[int, int], None]] = None) -> Fetched:
+    """One object into ``directory``: staged, checked, renamed; resumed from a kept part.
+    ``progress(done bytes, total bytes)`` as it streams (``remote.stream_object``)."""
+    staged = stage_one(b, w, directory, progress=progress)
     return publish(b, staged, directory)
 
 
@@ -335,8 +337,7 @@ def stage_one(b: "Bucket", w: Wanted, directory: str, *,
         with os.fdopen(fd, "r+b") as fh:
             fh.truncate(offset)  # a part longer than what was hashed would not be continued
             fh.seek(offset)
-            size, digest = remote.stream_object(b, obj, _Counted(fh, offset, obj.size, progress),
-                                                offset=offset, sha=sha)
+            size, digest = remote.stream_object(b, obj, fh, offset=offset, sha=sha, progress=progress)
             fh.flush()
             os.fsync(fh.fileno())
     except BackupCorrupt:  # more bytes than claimed: nothing of it is worth continuing
@@ -373,20 +374,6 @@ def publish(b: "Bucket", staged: Staged, directory: str) -> Fetched:
     log.info("%s %s to %s (%d bytes, sha256 ok%s)", f.how, b.where(f.wanted.name), target, staged.obj.size,
              f", continued at byte {f.resumed_at}" if f.resumed_at else "")
     return f
-
-
-class _Counted:
-    """The part file's writer, telling ``progress`` (bytes so far, object size) as bytes land."""
-
-    def __init__(self, fh: Any, done: int, total: int, progress: Optional[Callable[[int, int], None]]) -> None:
-        self.fh, self.done, self.total, self.progress = fh, done, total, progress
-
-    def write(self, chunk: bytes) -> int:
-        n: int = self.fh.write(chunk)
-        self.done += len(chunk)
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-        return n
 
 
 def _resume_from(part: str, etag_file: str, obj: "RemoteObject") -> Tuple[int, "hashlib._Hash"]:

@@ -15,7 +15,6 @@ by the caller, so a daemon hashes each unchanged file once).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from etcd_agent.backup.archive import parse_name as parse_backup_name
 from etcd_agent.backup.retention import BackupRef
 from etcd_agent.backup.retention import plan as retention_plan
 from etcd_agent.bucket import layout
+from etcd_agent.bucket.digests import file_sha256 as file_sha256  # fetch and the copier take it from here
 from etcd_agent.chain.segments import parse_name as parse_segment_name
 from etcd_agent.config import Config
 
@@ -185,16 +185,6 @@ def list_bucket(cfg: Config) -> Dict[str, Listed]:
     from etcd_agent.bucket.remote import list_objects
 
     return {name: Listed(size, etag) for name, size, etag in list_objects(cfg, "")}
-
-
-def file_sha256(path: str) -> str:
-    from etcd_agent.fs import open_regular
-
-    h = hashlib.sha256()
-    with open_regular(path) as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

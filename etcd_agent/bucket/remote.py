@@ -32,17 +32,19 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
+from etcd_agent.bucket import transfer
 from etcd_agent.bucket.client import CHECKS, Bucket, choose_check
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     READ_CHUNK,
     Digests,
     b64,
-    local_digests,
+    file_sha256,
     mismatches,
     part_size_for,
     same_checksum,
 )
+from etcd_agent.bucket.transfer import Progress, UploadParts, get_ranges
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import fsync_dir, open_regular
@@ -106,18 +108,25 @@ def upload_and_verify(cfg: Config, path: str, manifest: Mapping[str, Any]) -> Re
 
 
 def upload_file(cfg: Config, path: str, name: str,
-                metadata: Callable[[str], Dict[str, str]] = lambda sha: {"sha256": sha}) -> RemoteObject:
+                metadata: Callable[[str], Dict[str, str]] = lambda sha: {"sha256": sha}, *,
+                sha256: Optional[str] = None, progress: Optional[Progress] = None) -> RemoteObject:
     """Upload ``path`` as ``name`` under the prefix (``name`` may hold one "/": delta segments go
     under ``delta-<revision>/``), verified as every copy is; ``metadata(sha256)`` names the object's
-    metadata (it must keep ``sha256``)."""
+    metadata (it must keep ``sha256``). ``sha256``: the file's, when the caller hashed it already
+    (the upload checks the bytes it sends against it); else one hashing pass comes first, as S3
+    takes an object's metadata only when its upload begins. ``progress(done, total)`` after each part."""
     b = Bucket(cfg)
     started = time.monotonic()
     check = choose_check(b)
     try:
         size = os.path.getsize(path)
+        part_size = part_size_for(b.section, size)
         with b.within(size):
-            digests = local_digests(path, part_size_for(b.section, size))
-            _put_file(b, name, path, digests, metadata(digests.sha256), check)
+            if size <= part_size:
+                digests = _put_single(b, name, path, part_size, metadata, check, sha256)
+            else:
+                want = sha256 or file_sha256(path)
+                digests = _put_file(b, name, path, size, part_size, want, metadata(want), check, progress)
     except OSError as exc:
         raise BackupError(f"cannot read {path}: {exc.strerror or exc}") from exc
     with b.within(size if check == "read-back" else 0):
@@ -351,44 +360,42 @@ def _ascii(value: Any) -> str:
     return str(value).encode("ascii", "replace").decode()[:200]  # S3 user metadata is ASCII, small
 
 
-def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str], check: str) -> None:
-    """Upload ``path``: one PUT, or a multipart upload that is aborted on any failure.
+def _put_single(b: Bucket, name: str, path: str, part_size: int, metadata: Callable[[str], Dict[str, str]],
+                check: str, sha256: Optional[str]) -> Digests:
+    """A file of one part: read into memory once, hashed, sent in one PUT with its digests."""
+    with open_regular(path) as fh:
+        data = fh.read(part_size + 1)
+    if len(data) > part_size:
+        raise BackupCorrupt(f"{path} grew while it was copied: nothing was uploaded")
+    whole = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and whole != sha256:
+        raise BackupCorrupt(f"{path} changed while it was copied: its bytes hash to {whole}, not to the {sha256} "
+                            "it was named by; nothing was uploaded")
+    d = Digests(size=len(data), sha256=whole, part_size=part_size,
+                parts=((hashlib.md5(data).digest(), hashlib.sha256(data).digest()),))
+    checksum = check == "checksum"
+    extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": b64(d.parts[0][1])} if checksum else {}
+    with b.errors(f"cannot upload {b.where(name)}"):
+        # Content-MD5 always: cheap, and the one most stores enforce; the SHA-256 checksum when
+        # the store was found to check it: the server refuses bytes changed in transit
+        b.client.put_object(Bucket=b.bucket, Key=b.key(name), Body=data, ContentLength=d.size,
+                            Metadata=metadata(whole), ContentMD5=b64(d.parts[0][0]), **extra)
+    return d
 
-    Each request carries the digests from the first pass (Content-MD5 always: cheap, and the one
-    most stores enforce; the SHA-256 checksum when the store was found to check it), so the
-    server refuses a part whose bytes changed in transit or on disk since.
-    """
+
+def _put_file(b: Bucket, name: str, path: str, size: int, part_size: int, sha256: str, meta: Dict[str, str],
+              check: str, progress: Optional[Progress]) -> Digests:
+    """A multipart upload, parts in parallel (``transfer.UploadParts``), aborted on any failure:
+    each part carries its Content-MD5 (and its SHA-256 checksum when the store checks it), and
+    the bytes sent must hash to ``sha256`` (the metadata), or it never completes."""
     key = b.key(name)
     checksum = check == "checksum"
-
-    def integrity(md5: bytes, sha: bytes) -> Dict[str, str]:
-        return {"ContentMD5": b64(md5), **({"ChecksumSHA256": b64(sha)} if checksum else {})}
-
     extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
-    if not d.multipart:
-        with open_regular(path) as fh, b.errors(f"cannot upload {b.where(name)}"):
-            b.client.put_object(
-                Bucket=b.bucket, Key=key, Body=fh, ContentLength=d.size, Metadata=meta,
-                **integrity(*d.parts[0]), **extra,
-            )
-        return
     with b.errors(f"cannot start the upload of {b.where(name)}"):
         upload_id = b.client.create_multipart_upload(Bucket=b.bucket, Key=key, Metadata=meta, **extra)["UploadId"]
     try:
-        done: List[Dict[str, Any]] = []
-        with open_regular(path) as fh:
-            for number, (md5, sha) in enumerate(d.parts, start=1):
-                data = fh.read(d.part_size)  # one part in memory at a time
-                with b.errors(f"cannot upload part {number}/{len(d.parts)} of {b.where(name)}"):
-                    resp = b.client.upload_part(
-                        Bucket=b.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data,
-                        **integrity(md5, sha),
-                    )
-                part = {"PartNumber": number, "ETag": resp["ETag"]}
-                if checksum:
-                    part["ChecksumSHA256"] = b64(sha)
-                done.append(part)
-                del data
+        sender = UploadParts(b, name, upload_id, checksum=checksum, progress=progress)
+        d, done = sender.send(path, size, part_size, sha256)
         with b.errors(f"cannot complete the upload of {b.where(name)}"):
             b.client.complete_multipart_upload(
                 Bucket=b.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
@@ -396,6 +403,7 @@ def _put_file(b: Bucket, name: str, path: str, d: Digests, meta: Dict[str, str],
     except BaseException:
         _abort(b, name, upload_id)
         raise
+    return d
 
 
 def _abort(b: Bucket, name: str, upload_id: str) -> None:
@@ -468,32 +476,38 @@ def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObjec
 
 
 def stream_object(b: Bucket, obj: RemoteObject, out: Any, *, offset: int = 0,
-                  sha: "Optional[hashlib._Hash]" = None) -> Tuple[int, str]:
-    """GET the object HEAD found (If-Match its ETag) in chunks, hashing (and writing to ``out`` if
-    given), within its deadline; returns (size, sha256). Never more than the size HEAD gave is
+                  sha: "Optional[hashlib._Hash]" = None, progress: Optional[Progress] = None) -> Tuple[int, str]:
+    """GET the object HEAD found (If-Match its ETag), hashing (and writing to ``out`` if given) in
+    order, within its deadline; returns (size, sha256). Never more than the size HEAD gave is
     taken: a body that runs on is refused at the first byte too many. ``offset`` > 0 continues
-    a partial copy (a Range GET from there), ``sha`` holding the digest of its first bytes."""
+    a partial copy (Range GETs from there), ``sha`` holding the digest of its first bytes. A large
+    object comes as ranges fetched at once (``transfer.get_ranges``); ``progress(done, total)``."""
     sha = sha if sha is not None else hashlib.sha256()
     size = offset
     if offset >= obj.size:
         return size, sha.hexdigest()
     what = f"cannot read {b.where(obj.name)}"
-    with b.within(obj.size - offset), b.errors(what):
-        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
-        if offset:
-            extra["Range"] = f"bytes={offset}-"
-        body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
-        try:
-            for chunk in body.iter_chunks(READ_CHUNK):
-                size += len(chunk)
-                if size > obj.size:
-                    raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {obj.size} bytes it claims")
-                b.check_deadline(what)
-                sha.update(chunk)
-                if out is not None:
-                    out.write(chunk)
-        finally:
-            body.close()
+    with b.within(obj.size - offset):
+        if obj.size - offset >= 2 * transfer.RANGE_BYTES:
+            return get_ranges(b, obj, out, offset, sha, progress), sha.hexdigest()
+        with b.errors(what):
+            extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+            if offset:
+                extra["Range"] = f"bytes={offset}-"
+            body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
+            try:
+                for chunk in body.iter_chunks(READ_CHUNK):
+                    size += len(chunk)
+                    if size > obj.size:
+                        raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {obj.size} bytes it claims")
+                    b.check_deadline(what)
+                    sha.update(chunk)
+                    if out is not None:
+                        out.write(chunk)
+                    if progress is not None:
+                        progress(size, obj.size)
+            finally:
+                body.close()
     return size, sha.hexdigest()
 
 

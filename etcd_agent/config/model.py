@@ -129,7 +129,7 @@ class RemoteSection:
     # fails (a store that accepts a wrong one, e.g. Ceph RGW 16, is refused: never a silent
     # downgrade); etag = Content-MD5 and the ETag; download = stream the object back and hash it
     verify: str = "auto"
-    part_size_mb: int = 16
+    part_size_mb: int = 8  # boto3's own: parts sent 4 at once hold 40 MiB
     # seconds, not minutes: a hung gateway (accepts, never answers) fails a request within
     # max_attempts x (connect_timeout + read_timeout + 1 s) plus botocore's backoff, < 60 s by default
     connect_timeout: float = 5.0

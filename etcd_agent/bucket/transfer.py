@@ -1,0 +1,212 @@
+"""The bytes of one object to and from the bucket, several requests at once, memory bounded.
+
+An upload reads the archive once, in order: each part is hashed into the whole file's SHA-256
+as it is read, then a worker computes the part's MD5 (and SHA-256 when the store checks it) and
+sends it with those digests, while the next parts are read. The object's ``sha256`` metadata must
+be named when the upload begins (S3 takes metadata only then), so the caller passes the SHA-256 it
+expects; the bytes actually sent must hash to it, or the upload is aborted before it completes:
+no object is ever made whose metadata was not computed from the very bytes it holds, and each
+part's Content-MD5 (signed, checked by the store) ties what arrived to what was hashed.
+
+A download of a large object is split into ranges fetched at once (each If-Match the ETag the
+HEAD gave, each exactly as long as asked); they are written and hashed strictly in order, so the
+output is always a prefix of the object (a run killed halfway leaves a part that ``fetch`` can
+continue) and the hash is of the bytes as written.
+
+An upload sends ``WORKERS`` parts at once and holds at most ``WORKERS`` + 1 in memory
+(``buffer_parts``: 40 MiB with the default 8 MiB parts), a download ``RANGE_WORKERS`` ranges
+(24 MiB), whatever the object's size.
+``bench/bucket_bench.py`` measures both against boto3 and curl on the same server.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from etcd_agent.bucket.client import Bucket
+from etcd_agent.bucket.digests import READ_CHUNK, Digests, b64
+from etcd_agent.errors import BackupCorrupt, BackupError
+from etcd_agent.fs import open_regular, start_writeback
+
+WORKERS = 4  # requests at once: enough to hide one request's latency on a 2-core master
+BUFFER_BYTES = 64 * 1024 * 1024  # parts in flight at once fit in this (two at least, a large part_size_mb)
+RANGE_BYTES = 4 * 1024 * 1024  # a ranged GET's length
+# ranged GETs at once, 24 MiB in flight: 8 measured fastest against 4 x 4, 4 x 8 and 2 x 8 MiB on
+# the bench's RGW (1 GiB, a loaded 2-core machine), but peaked at 129 MB in `backup fetch`, over
+# the 128 MB asked (docs/bucket-speed.md)
+RANGE_WORKERS = 6
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+def buffer_parts(part_size: int) -> int:
+    """How many parts are sent at once: as many as fit the buffer, two at least, WORKERS at most."""
+    return max(2, min(WORKERS, BUFFER_BYTES // max(part_size, 1)))
+
+
+class _Stop(Exception):
+    """Another request failed: this one gives up without a request of its own."""
+
+
+class UploadParts:
+    """One multipart upload's parts: read in order, sent ``buffer_parts`` at once."""
+
+    def __init__(self, b: Bucket, name: str, upload_id: str, *, checksum: bool,
+                 progress: Optional[Progress]) -> None:
+        self.b, self.name, self.upload_id, self.checksum = b, name, upload_id, checksum
+        self.progress = progress
+        self.stop = threading.Event()
+        self._mu = threading.Lock()
+        self._sent = 0
+        self._total = 0
+
+    def send(self, path: str, size: int, part_size: int, sha256: str) -> Tuple[Digests, List[Dict[str, Any]]]:
+        """Every part of ``path`` sent; its Digests and the parts list CompleteMultipartUpload takes.
+        BackupCorrupt when the bytes read are not ``size`` bytes hashing to ``sha256``.
+
+        The parts are read into ``width`` + 1 buffers made once and reused (a part's buffer is
+        free again once its request ended): fresh 16 MiB objects per part would leave glibc's
+        heap holding freed ones, ~40 MB more at the peak than the buffers themselves."""
+        count = max(1, -(-size // part_size))
+        self._total = size
+        whole = hashlib.sha256()
+        sent: List[Tuple[bytes, bytes, str]] = []  # (md5, sha256, ETag) of parts 1, 2, ...
+        width = buffer_parts(part_size)
+        free: Deque[bytearray] = collections.deque(bytearray(min(part_size, size)) for _ in range(width + 1))
+        inflight: Deque[Tuple["concurrent.futures.Future[Tuple[bytes, bytes, str]]", bytearray]] = \
+            collections.deque()
+
+        def settle() -> None:  # the oldest request's end: its buffer free, its failure raised here
+            future, buf = inflight.popleft()
+            sent.append(future.result())
+            free.append(buf)
+
+        with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="upload") as pool, \
+                open_regular(path) as fh:
+            try:
+                for number in range(1, count + 1):
+                    want = min(part_size, size - (number - 1) * part_size)
+                    while not free:
+                        settle()
+                    buf = free.popleft()
+                    body = buf if want == len(buf) else bytearray(want)  # the last part: shorter
+                    got = fh.readinto(body)  # type: ignore[attr-defined]  # a BufferedReader
+                    if got != want:
+                        raise BackupCorrupt(f"{path} shrank while it was copied (part {number} of {count} is "
+                                            f"{got} bytes, not {want}): the upload is aborted")
+                    whole.update(body)
+                    inflight.append((pool.submit(self._part, number, count, body), buf))
+                if fh.read(1):
+                    raise BackupCorrupt(f"{path} grew while it was copied: the upload is aborted")
+                while inflight:
+                    settle()
+            except BaseException:
+                self.stop.set()
+                raise
+        got_sha = whole.hexdigest()
+        if got_sha != sha256:
+            raise BackupCorrupt(f"{path} changed while it was copied: its bytes hash to {got_sha}, not to the "
+                                f"{sha256} it was named by; the upload is aborted")
+        done: List[Dict[str, Any]] = []
+        for number, (_md5, sha, etag) in enumerate(sent, start=1):
+            part: Dict[str, Any] = {"PartNumber": number, "ETag": etag}
+            if self.checksum:
+                part["ChecksumSHA256"] = b64(sha)
+            done.append(part)
+        parts = tuple((md5, sha) for md5, sha, _etag in sent)
+        return Digests(size=size, sha256=got_sha, part_size=part_size, parts=parts), done
+
+    def _part(self, number: int, count: int, data: bytearray) -> Tuple[bytes, bytes, str]:
+        if self.stop.is_set():
+            raise _Stop()
+        md5 = hashlib.md5(data).digest()
+        sha = hashlib.sha256(data).digest() if self.checksum else b""
+        b = self.b
+        extra = {"ChecksumSHA256": b64(sha)} if self.checksum else {}
+        with b.errors(f"cannot upload part {number}/{count} of {b.where(self.name)}"):
+            resp = b.client.upload_part(Bucket=b.bucket, Key=b.key(self.name), UploadId=self.upload_id,
+                                        PartNumber=number, Body=data, ContentMD5=b64(md5), **extra)
+        with self._mu:  # parts end in any order: the count and its report only grow
+            self._sent += len(data)
+            if self.progress is not None:
+                self.progress(self._sent, self._total)
+        return md5, sha, str(resp["ETag"])
+
+
+def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
+               progress: Optional[Progress]) -> int:
+    """Bytes ``offset``..end of ``obj`` (a RemoteObject) by ranged GETs at once, written to ``out``
+    (if given) and hashed into ``sha`` in order; returns the size reached (``obj.size``)."""
+    stop = threading.Event()
+    what = f"cannot read {b.where(obj.name)}"
+
+    def fetch(start: int, end: int) -> List[bytes]:
+        if stop.is_set():
+            raise _Stop()
+        want = end - start
+        extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+        with b.errors(what):
+            body = b.client.get_object(Bucket=b.bucket, Key=obj.key, Range=f"bytes={start}-{end - 1}",
+                                       **extra)["Body"]
+            chunks: List[bytes] = []
+            got = 0
+            try:
+                for chunk in body.iter_chunks(READ_CHUNK):
+                    got += len(chunk)
+                    if got > want:
+                        raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {want} bytes asked from "
+                                            f"byte {start}")
+                    if stop.is_set():
+                        raise _Stop()
+                    b.check_deadline(what)
+                    chunks.append(chunk)
+            finally:
+                body.close()
+        if got != want:
+            raise BackupError(f"{what}: {got} bytes came for the {want} asked from byte {start} (the object "
+                              f"claims {obj.size})")
+        return chunks
+
+    size = offset
+    starts = list(range(offset, obj.size, RANGE_BYTES))
+    inflight: Deque["concurrent.futures.Future[List[bytes]]"] = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(RANGE_WORKERS, thread_name_prefix="download") as pool:
+        try:
+            for start in starts:
+                while len(inflight) >= RANGE_WORKERS:
+                    size = _consume(inflight.popleft().result(), out, sha, size, obj.size, progress)
+                inflight.append(pool.submit(fetch, start, min(start + RANGE_BYTES, obj.size)))
+            while inflight:
+                size = _consume(inflight.popleft().result(), out, sha, size, obj.size, progress)
+        except BaseException:
+            stop.set()
+            raise
+    return size
+
+
+def _consume(chunks: List[bytes], out: Any, sha: "hashlib._Hash", size: int, total: int,
+             progress: Optional[Progress]) -> int:
+    at = out.tell() if out is not None else 0
+    for chunk in chunks:
+        sha.update(chunk)
+        if out is not None:
+            out.write(chunk)
+        size += len(chunk)
+    fd = _fileno(out)
+    if fd is not None:
+        # the disk works while the rest streams in: the caller's fsync has little left to wait for
+        out.flush()
+        start_writeback(fd, at, out.tell() - at)
+    if progress is not None:
+        progress(size, total)
+    return size
+
+
+def _fileno(out: Any) -> Optional[int]:
+    """The descriptor of a file ``out`` writes to (None: no output, or one in memory)."""
+    try:
+        return int(out.fileno()) if out is not None else None
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return None

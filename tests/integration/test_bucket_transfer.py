@@ -1,0 +1,125 @@
+"""The bytes of a copy to and from a real S3 server (Ceph RGW), several requests at once
+(bucket/transfer.py): an upload checks the bytes it sends against the sha256 it was named by, a
+large download comes as ranges written in order, so a run stopped halfway leaves a part the next
+one continues."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from etcd_agent.bucket import digests, fetch, layout, remote, transfer
+from etcd_agent.bucket.client import Bucket
+from etcd_agent.config import Config
+from etcd_agent.errors import BackupCorrupt, BackupError
+from tests.harness.rgw import RgwBed
+from tests.integration.test_backup_remote import remote_config
+
+pytestmark = pytest.mark.integration
+
+MiB = 1024 * 1024
+NAME = "etcd-2026-03-01-10-00-00.tar"
+KEY = "cd" * 32
+
+
+def _file(path: Path, size: int) -> str:
+    body = os.urandom(size)
+    path.write_bytes(body)
+    return hashlib.sha256(body).hexdigest()
+
+
+def _objects(cfg: Config, rgw: RgwBed) -> Tuple[List[str], List[str]]:
+    """The keys in the test's bucket, and the multipart uploads left in it."""
+    s3 = rgw.client()
+    bucket = cfg.backup.remote.bucket
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+    return keys, uploads
+
+
+@pytest.mark.parametrize("size", [300 * 1024, 23 * MiB], ids=["single-put", "multipart"])
+def test_an_upload_named_by_a_sha256_its_bytes_do_not_hash_to_is_refused_and_leaves_nothing(
+        rgw: RgwBed, tmp_path: Path, size: int) -> None:
+    cfg = remote_config(rgw)  # 5 MiB parts: 23 MiB go as 5 parts, 4 at once
+    path = tmp_path / NAME
+    right = _file(path, size)
+    wrong = hashlib.sha256(b"another archive").hexdigest()
+    with pytest.raises(BackupCorrupt) as info:
+        remote.upload_file(cfg, str(path), NAME, sha256=wrong)
+    assert f"changed while it was copied: its bytes hash to {right}, not to the {wrong}" in info.value.message
+    assert _objects(cfg, rgw) == ([], [])  # no object, no orphaned parts
+
+
+def test_an_upload_named_by_its_sha256_lands_whole_with_its_metadata_and_progress(
+        rgw: RgwBed, tmp_path: Path) -> None:
+    cfg = remote_config(rgw)
+    path = tmp_path / NAME
+    size = 23 * MiB + 17
+    sha = _file(path, size)
+    seen: List[Tuple[int, int]] = []
+    obj = remote.upload_file(cfg, str(path), NAME, sha256=sha, progress=lambda done, total: seen.append((done, total)))
+    assert obj.sha256 == sha and obj.size == size and obj.etag.endswith("-5")
+    assert obj.verified_by == "etag"  # RGW: Content-MD5 of every part and the multipart ETag
+    assert sorted(seen) == seen and seen[-1] == (size, size) and len(seen) == 5
+    got = rgw.client().get_object(Bucket=cfg.backup.remote.bucket, Key=obj.key)["Body"].read()
+    assert hashlib.sha256(got).hexdigest() == sha
+
+
+def test_a_file_changing_after_its_hashing_pass_is_never_copied(
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No sha256 given: one pass hashes the file first (the metadata needs it); bytes changed
+    after it are caught by the upload's own hash, and the upload is aborted."""
+    cfg = remote_config(rgw)
+    path = tmp_path / NAME
+    _file(path, 23 * MiB)
+    real = digests.file_sha256
+
+    def hash_then_change(p: str) -> str:
+        sha = real(p)
+        with open(p, "r+b") as fh:
+            fh.seek(17 * MiB)
+            fh.write(b"\x00" * 16)
+        return sha
+
+    monkeypatch.setattr(remote, "file_sha256", hash_then_change)
+    with pytest.raises(BackupCorrupt) as info:
+        remote.upload_file(cfg, str(path), NAME)
+    assert "changed while it was copied" in info.value.message
+    assert _objects(cfg, rgw) == ([], [])
+
+
+def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = remote_config(rgw)
+    cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=str(tmp_path / "backups")))
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)  # many ranges of a small object
+    # three times the ranges in flight, the last one short: most are asked after the outage
+    size = 3 * transfer.RANGE_WORKERS * transfer.RANGE_BYTES + 12345
+    body = os.urandom(size)
+    name = layout.full_name(KEY, NAME)
+    b = Bucket(cfg)
+    rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
+                            Metadata={"sha256": hashlib.sha256(body).hexdigest()})
+    want = fetch.Wanted(name, NAME, layout.FULL, size)
+    seen: List[Tuple[int, int]] = []
+
+    def stop_the_gateway_halfway(done: int, total: int) -> None:
+        seen.append((done, total))
+        if done >= 2 * transfer.RANGE_BYTES and len(seen) == 2:
+            rgw.stop_gateway()  # an outage halfway: the ranges still in flight fail
+
+    with fetch.staging_locked(cfg.backup.dir) as staging:
+        with pytest.raises(BackupError):
+            fetch.fetch_one(b, want, cfg.backup.dir, progress=stop_the_gateway_halfway)
+        part = Path(staging, NAME + ".part").read_bytes()
+        # written in order: the part is the object's first bytes, up to a range boundary at least
+        assert 2 * transfer.RANGE_BYTES <= len(part) < size and body.startswith(part), len(part)
+        rgw.start_gateway()
+        done = fetch.fetch_one(Bucket(cfg), want, cfg.backup.dir)
+    assert (done.how, done.resumed_at) == ("resumed", len(part))
+    assert hashlib.sha256(Path(cfg.backup.dir, NAME).read_bytes()).digest() == hashlib.sha256(body).digest()
+    assert os.listdir(cfg.backup.dir) == [NAME]  # the staging dir went with its last part
