@@ -9,9 +9,10 @@
 2. fold every revision up to the stop into the key space it leaves behind (``keyspace``: the
    last write per key, bounded in memory, spilled to a file in the replay's private dir),
    reading each segment verified again and checked to be the very bytes the chain check saw;
-3. restore the snapshot into a throwaway loopback etcd (``scratch``) with its revision bumped
-   past the chain's end (and a restore's margin beyond), grant the leases the chain's puts
-   attached keys to, and write the key space's changes in large transactions - not one
+3. restore the snapshot into a throwaway loopback etcd (``scratch``) while 2 runs (the fold in
+   a thread; the member started from the main thread, so that it dies with a killed run), its
+   revision bumped past the chain's end (and a restore's margin beyond); once folded, grant the
+   leases the chain's puts attached keys to, and write the key space's changes in large transactions - not one
    transaction per original revision: the store is at the target's state, with new revisions;
 4. apply the lease rule (``leases``) at the stop point's time; if keys must go because their
    lease had expired by then, or must move to a lease with their remaining TTL (leases that
@@ -32,12 +33,14 @@ so nothing expires on the scratch member's own clock.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
@@ -55,7 +58,7 @@ from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.machine import etcd_flags
-from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, scratch_etcd
+from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, start_scratch
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -223,28 +226,63 @@ def replay(
         if restored < plan.base_revision:
             raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
         lap("plan")
+        # the loaded keys get revisions above anything the original cluster may have reached (the
+        # chain's end, and as far again as a restore's own bump allows for). Decided from the plan,
+        # before the fold: a revision after the snapshot's holds events (the writer records none
+        # without; a crafted one would only leave the result's revision higher, nothing loaded)
+        bump = check.end_revision - restored + LOAD_MARGIN if plan.stop_revision > restored else 0
         with keyspace.KeySpace(work, memory_bytes=memory_bytes) as ks:
-            t_fold = time.monotonic()
-            segs = _fold(plan, restored, ks)
-            fold_seconds = time.monotonic() - t_fold
-            lap("fold")
-            bump = 0
-            if ks.events:
-                bump_ok.result()
-                # the loaded keys get revisions above anything the original cluster may have
-                # reached (the chain's end, and as far again as a restore's own bump allows for)
-                bump = check.end_revision - restored + LOAD_MARGIN
-            lap("etcdutl version (its wait)")
-            with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
+            # the chain is folded in a thread while this one restores and starts the throwaway
+            # member (etcdutl's and etcd's processes): the fold's time is hidden behind theirs.
+            # The member is started from this, the main thread: it then dies with a killed run
+            folding = _Folding(plan, restored, ks)
+            s: Optional[ScratchEtcd] = None
+            try:
+                if bump:
+                    bump_ok.result()  # a ReplayError before etcdutl is asked for what it cannot do
+                lap("etcdutl version (its wait)")
+                s = start_scratch(snap, options, name="replay", bump_revision=bump)
+                lap("scratch restore and start")
+                segs, fold_seconds = folding.result()
+                lap("fold (its wait)")
+                lap.detail({"fold": fold_seconds}, "")  # its own time, mostly hidden
                 lap.detail(s.timings, "scratch: ")
                 res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl,
                            lap)
+            finally:
+                folding.abandon()  # done already, unless something failed before it was
+                if s is not None:
+                    s.stop()
             lap("scratch stop")
         return dataclasses.replace(res, started_revision=restored, phases=lap.phases(),
                                    started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
         probes.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _Folding:
+    """``_fold`` of the plan into ``ks`` in a thread of its own; ``result()`` waits for it:
+    (segments used, seconds); ``abandon()`` stops it at its next revision and waits for that."""
+
+    def __init__(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> None:
+        self._cancel = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-fold")
+        self._fut = self._pool.submit(self._run, plan, restored, ks)
+        self._pool.shutdown(wait=False)
+
+    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> Tuple[int, float]:
+        t = time.monotonic()
+        used = _fold(plan, restored, ks, self._cancel)
+        return used, time.monotonic() - t
+
+    def result(self) -> Tuple[int, float]:
+        return self._fut.result()
+
+    def abandon(self) -> None:
+        self._cancel.set()
+        with contextlib.suppress(BaseException):
+            self._fut.result()
 
 
 class _Laps:
@@ -272,7 +310,7 @@ class _Laps:
         return tuple((k, round(v, 3)) for k, v in out.items())  # as the result's JSON keeps them
 
 
-def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
+def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace, cancel: Optional[threading.Event] = None) -> int:
     """Every revision after the snapshot up to the stop, read from verified segments, folded into
     ``ks``. Returns the segments used.
 
@@ -283,6 +321,8 @@ def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
     stop = plan.stop_revision
 
     def sink(rev: int, _time_ms: int, _flags: int, evs: Optional[List[RawEvent]]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise ReplayError("the replay was abandoned while it folded the chain")
         if restored < rev <= stop:
             assert evs is not None
             ks.apply_raw(rev, evs)
