@@ -111,7 +111,9 @@ class KeySpace:
                 raise ReplayError(f"{path} exists: the replay's private dir is not fresh")
             # created 0600 before SQLite opens it: the values are the cluster's data
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-            db = sqlite3.connect(path, isolation_level=None)
+            # the replay folds in a thread of its own and loads from the main one once the fold has
+            # ended (handed over through its future): one user at a time, never two at once
+            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             # a throwaway file rebuilt by running the replay again: no journal, no fsync; and
             # temporary b-trees in memory, never in a shared temp dir outside the private one
             db.execute("PRAGMA journal_mode=OFF")

@@ -9,9 +9,10 @@
 2. fold every revision up to the stop into the key space it leaves behind (``keyspace``: the
    last write per key, bounded in memory, spilled to a file in the replay's private dir),
    reading each segment verified again and checked to be the very bytes the chain check saw;
-3. restore the snapshot into a throwaway loopback etcd (``scratch``) with its revision bumped
-   past the chain's end (and a restore's margin beyond), grant the leases the chain's puts
-   attached keys to, and write the key space's changes in large transactions - not one
+3. restore the snapshot into a throwaway loopback etcd (``scratch``) while 2 runs (the fold in
+   a thread; the member started from the main thread, so that it dies with a killed run), its
+   revision bumped past the chain's end (and a restore's margin beyond); once folded, grant the
+   leases the chain's puts attached keys to, and write the key space's changes in large transactions - not one
    transaction per original revision: the store is at the target's state, with new revisions;
 4. apply the lease rule (``leases``) at the stop point's time; if keys must go because their
    lease had expired by then, or must move to a lease with their remaining TTL (leases that
@@ -32,15 +33,17 @@ so nothing expires on the scratch member's own clock.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
@@ -55,7 +58,7 @@ from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.machine import etcd_flags
-from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, scratch_etcd
+from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, start_scratch
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -66,6 +69,9 @@ log = logging.getLogger(__name__)
 # transaction, 70,000 puts/s), well inside the scratch member's --max-txn-ops/--max-request-bytes
 LOAD_OPS = 10000
 LOAD_BYTES = 16 * 1024 * 1024
+# the load's transactions built ahead while the throwaway member starts (their ops hold copies of
+# the values: bounded beyond the key space's own memory)
+PREBUILD_BYTES = 2 * LOAD_BYTES
 # how far past the chain's end the loaded revisions start: the margin a restore bumps by
 # (restore.plan.BUMP_REVISION), since the original may have gone on after the chain's end
 LOAD_MARGIN = 1_000_000_000
@@ -223,28 +229,69 @@ def replay(
         if restored < plan.base_revision:
             raise ReplayError(f"the snapshot is at revision {restored}, before its chain's base {plan.base_revision}")
         lap("plan")
+        # the loaded keys get revisions above anything the original cluster may have reached (the
+        # chain's end, and as far again as a restore's own bump allows for). Decided from the plan,
+        # before the fold: a revision after the snapshot's holds events (the writer records none
+        # without; a crafted one would only leave the result's revision higher, nothing loaded)
+        bump = check.end_revision - restored + LOAD_MARGIN if plan.stop_revision > restored else 0
         with keyspace.KeySpace(work, memory_bytes=memory_bytes) as ks:
-            t_fold = time.monotonic()
-            segs = _fold(plan, restored, ks)
-            fold_seconds = time.monotonic() - t_fold
-            lap("fold")
-            bump = 0
-            if ks.events:
-                bump_ok.result()
-                # the loaded keys get revisions above anything the original cluster may have
-                # reached (the chain's end, and as far again as a restore's own bump allows for)
-                bump = check.end_revision - restored + LOAD_MARGIN
-            lap("etcdutl version (its wait)")
-            with scratch_etcd(snap, options, name="replay", bump_revision=bump) as s:
+            # the chain is folded in a thread while this one restores and starts the throwaway
+            # member (etcdutl's and etcd's processes): the fold's time is hidden behind theirs.
+            # The member is started from this, the main thread: it then dies with a killed run
+            folding = _Folding(plan, restored, ks)
+            s: Optional[ScratchEtcd] = None
+            try:
+                if bump:
+                    bump_ok.result()  # a ReplayError before etcdutl is asked for what it cannot do
+                lap("etcdutl version (its wait)")
+                s = start_scratch(snap, options, name="replay", bump_revision=bump)
+                lap("scratch restore and start")
+                segs, fold_seconds, batches = folding.result()
+                lap("fold (its wait)")
+                lap.detail({"fold": fold_seconds}, "")  # its own time (and the load's first transactions built), hidden
                 lap.detail(s.timings, "scratch: ")
-                res = _run(s, plan, ks, restored, bump, segs, output, t0, fold_seconds, min_ttl, unknown_lease_ttl,
-                           lap)
+                res = _run(s, plan, ks, batches, restored, bump, segs, output, t0, fold_seconds, min_ttl,
+                           unknown_lease_ttl, lap)
+            finally:
+                folding.abandon()  # done already, unless something failed before it was
+                if s is not None:
+                    s.stop()
             lap("scratch stop")
         return dataclasses.replace(res, started_revision=restored, phases=lap.phases(),
                                    started_from=os.path.basename(full_snapshot) if checkpoint is not None else "")
     finally:
         probes.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _Folding:
+    """``_fold`` of the plan into ``ks`` in a thread of its own, then the load's first transactions
+    built (``_Batches.prebuild``: up to ``PREBUILD_BYTES``, and only while the key space is all in
+    memory - its spill file is not read from two threads); ``result()`` waits for it: (segments
+    used, seconds, the load's transactions); ``abandon()`` stops the fold at its next revision
+    and waits for that."""
+
+    def __init__(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> None:
+        self._cancel = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-fold")
+        self._fut = self._pool.submit(self._run, plan, restored, ks)
+        self._pool.shutdown(wait=False)
+
+    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> Tuple[int, float, "_Batches"]:
+        t = time.monotonic()
+        used = _fold(plan, restored, ks, self._cancel)
+        batches = _Batches(ks, restored)
+        if not ks.spilled:
+            batches.prebuild(PREBUILD_BYTES)
+        return used, time.monotonic() - t, batches
+
+    def result(self) -> Tuple[int, float, "_Batches"]:
+        return self._fut.result()
+
+    def abandon(self) -> None:
+        self._cancel.set()
+        with contextlib.suppress(BaseException):
+            self._fut.result()
 
 
 class _Laps:
@@ -272,7 +319,7 @@ class _Laps:
         return tuple((k, round(v, 3)) for k, v in out.items())  # as the result's JSON keeps them
 
 
-def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
+def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace, cancel: Optional[threading.Event] = None) -> int:
     """Every revision after the snapshot up to the stop, read from verified segments, folded into
     ``ks``. Returns the segments used.
 
@@ -283,6 +330,8 @@ def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace) -> int:
     stop = plan.stop_revision
 
     def sink(rev: int, _time_ms: int, _flags: int, evs: Optional[List[RawEvent]]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise ReplayError("the replay was abandoned while it folded the chain")
         if restored < rev <= stop:
             assert evs is not None
             ks.apply_raw(rev, evs)
@@ -310,6 +359,7 @@ def _run(
     s: ScratchEtcd,
     plan: Plan,
     ks: keyspace.KeySpace,
+    batches: _Batches,
     restored: int,
     bump: int,
     segments_applied: int,
@@ -350,7 +400,7 @@ def _run(
             present[lid] = ttl
             keeper.hold(lid, ttl)
         lap("leases")
-        keys, loads = _load(rpc, ks, restored, start_rev)
+        keys, loads = _load(rpc, batches, start_rev)
         load_seconds = time.monotonic() - t_load
         lap("load")
         outcome, fixups = apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
@@ -397,48 +447,70 @@ def _run(
     )
 
 
-def _load(rpc: EtcdRpc, ks: keyspace.KeySpace, restored: int, start_rev: int) -> Tuple[int, List[int]]:
-    """The key space's changes written in large transactions; returns (keys, their revisions).
+class _Batches:
+    """The load's transactions, built from the key space: deletes first, in transactions of their
+    own - a key deleted by the chain, and a key the chain deleted and created again (its create
+    revision is after the snapshot's), whose snapshot incarnation must go so that the put below
+    creates it anew (create revision, version 1) instead of continuing the old one; deleting a
+    key the snapshot never held is a no-op. Then the puts, in original create order, from a new
+    transaction (one may not touch a key twice). ``prebuild`` builds the first ones ahead (in the
+    fold's thread, while the throwaway member starts); iterating yields them all, in order.
+    ``keys``: the keys the chain left changed, counted once iterated to the end."""
 
-    Deletes go first, in transactions of their own: a key deleted by the chain, and a key the
-    chain deleted and created again (its create revision is after the snapshot's), whose
-    snapshot incarnation must go so that the put below creates it anew (create revision,
-    version 1) instead of continuing the old one. Deleting a key the snapshot never held is a
-    no-op; a transaction of nothing else writes no revision."""
-    ops: List[RequestOp] = []
-    size = 0
-    keys = 0
+    def __init__(self, ks: keyspace.KeySpace, restored: int) -> None:
+        self.keys = 0
+        self._ahead: List[List[RequestOp]] = []
+        self._rest = self._build(ks, restored)
+
+    def _build(self, ks: keyspace.KeySpace, restored: int) -> Iterator[List[RequestOp]]:
+        for deletes in (True, False):
+            ops: List[RequestOp] = []
+            size = 0
+            for ch in ks.changes():
+                if deletes:
+                    # a key the chain created and never deleted cannot be in the snapshot
+                    if not (ch.value is None or (ch.create_revision > restored and ch.deleted_before)):
+                        continue
+                    op = proto.op_delete(ch.key)
+                else:
+                    self.keys += 1
+                    if ch.value is None:
+                        continue
+                    op = proto.op_put(ch.key, ch.value, ch.lease)
+                n = op.ByteSize()
+                if ops and (len(ops) >= LOAD_OPS or size + n > LOAD_BYTES):
+                    yield ops
+                    ops, size = [], 0
+                ops.append(op)
+                size += n
+            if ops:
+                yield ops
+
+    def prebuild(self, max_bytes: int) -> None:
+        """Build transactions ahead, up to about ``max_bytes`` of them."""
+        held = 0
+        while held < max_bytes:
+            ops = next(self._rest, None)
+            if ops is None:
+                return
+            self._ahead.append(ops)
+            held += sum(op.ByteSize() for op in ops)
+
+    def __iter__(self) -> Iterator[List[RequestOp]]:
+        while self._ahead:
+            yield self._ahead.pop(0)
+        yield from self._rest
+
+
+def _load(rpc: EtcdRpc, batches: _Batches, start_rev: int) -> Tuple[int, List[int]]:
+    """The key space's changes (``_Batches``) written in large transactions; returns (keys,
+    their revisions). A transaction of deletes of absent keys only writes no revision."""
     revs: List[int] = []
-
-    def flush() -> None:
-        nonlocal size
-        if not ops:
-            return
+    for ops in batches:
         try:
             rev = rpc.txn(ops, timeout=300.0).revision
         except EtcdError as exc:
             raise ReplayError(f"loading the replayed key space failed: {exc.message}") from None
         if rev > (revs[-1] if revs else start_rev):  # else it wrote nothing (deletes of absent keys)
             revs.append(rev)
-        ops.clear()
-        size = 0
-
-    def add(op: RequestOp) -> None:
-        nonlocal size
-        n = op.ByteSize()
-        if ops and (len(ops) >= LOAD_OPS or size + n > LOAD_BYTES):
-            flush()
-        ops.append(op)
-        size += n
-
-    for ch in ks.changes():
-        # a key the chain created and never deleted cannot be in the snapshot: no delete for it
-        if ch.value is None or (ch.create_revision > restored and ch.deleted_before):
-            add(proto.op_delete(ch.key))
-    flush()  # a transaction may not touch a key twice: the puts start in a new one
-    for ch in ks.changes():
-        if ch.value is not None:
-            add(proto.op_put(ch.key, ch.value, ch.lease))
-        keys += 1
-    flush()
-    return keys, revs
+    return batches.keys, revs

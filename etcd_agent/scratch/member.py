@@ -359,11 +359,18 @@ class ScratchEtcd:
             try:
                 # linearizable: answered only once the member has elected itself leader
                 probe.header(serializable=False)
-                return True
             except EtcdError:
-                return False
-            finally:
                 probe.close()
+                return False
+            if self._rpc is not None:  # a restart: the caller's client reconnects on its own
+                probe.close()
+                return True
+            # the channel that answered becomes ``rpc``: a new one would connect again, and its
+            # first call fails outright when that connect takes longer than the channel's 100 ms
+            # connect deadline (``channel.options``: seen on a machine at load average 20)
+            probe.timeout = 30.0
+            self._rpc = probe
+            return True
 
         try:
             poll(ready, timeout=self.options.start_timeout, what="the scratch etcd", interval=0.01)

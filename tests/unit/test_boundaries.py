@@ -166,3 +166,36 @@ def test_a_point_in_time_restore_records_its_full_backup_and_target_not_the_repl
     assert b.describe().endswith(f"(from {full} + its delta chain to revision 42)")
     held = B.by_name(B.holds([b], [at(full, T - 600), at("other", T - 300)], exists=lambda p: False))
     assert list(held) == [full]
+
+
+def test_the_members_of_one_host_look_up_the_chain_of_a_point_in_time_restore_once(tmp_path: Any,
+                                                                                  monkeypatch: Any) -> None:
+    """Each member's finish records the restore's boundary with the chain of its full backup: the
+    chain is looked up (the full backup's entry read, every segment's header and footer scanned)
+    once per restore on a host, not once per member."""
+    from etcd_agent.backup import catalog
+    from etcd_agent.config import parse_text
+    from etcd_agent.restore.host import journal as J
+    from etcd_agent.restore.host.node import NodeRestore
+
+    cfg, errors = parse_text(
+        f'[cluster]\nname = "k"\n[etcd]\ndata_dir = "{tmp_path}/{{name}}.etcd"\n'
+        f'conf_file = "{tmp_path}/{{name}}.conf"\n[backup]\ndir = "{tmp_path}/backups"\n' + "".join(
+            f'[[member]]\nname = "m{i}"\nhost = "127.0.0.1"\nclient_url = "http://127.0.0.1:{2379 + 10 * i}"\n'
+            f'peer_url = "http://127.0.0.1:{2380 + 10 * i}"\n' for i in (1, 2, 3)))
+    assert cfg is not None and not errors, errors
+    os.makedirs(cfg.backup.dir, mode=0o700)
+    full = "etcd-2026-12-01-10-00-00.tar"
+    with open(os.path.join(cfg.backup.dir, full), "wb") as fh:
+        fh.write(b"not a backup: its entry has no revision")
+    read = []
+    real = catalog.entry_for
+    monkeypatch.setattr(catalog, "entry_for", lambda path, **kw: read.append(path) or real(path, **kw))
+    for op in ("op1", "op2"):
+        for m in ("m1", "m2", "m3"):
+            j = J.Journal(op=op, member=m, backup=f"{tmp_path}/backups/.pitr/{full}.to-42.db", token="t",
+                          initial_cluster="", sha256="cd" * 32, size=1, bump=None, fence_owner=False,
+                          new_cluster=False, was_running=True, created=T)
+            NodeRestore(cfg, m, op)._record_boundary(j, None)
+    assert len(read) == 2, read  # once for op1's three members, once for op2's
+    assert [b.op for b in B.read(cfg.backup.dir)] == ["op1", "op2"]

@@ -72,3 +72,32 @@ def test_out_of_order_revision_is_refused(tmp_path):
         ks.apply(Txn(5, 1, (Event(PUT, b"a", b"1", 5, 5, 1, 0),)))
         with pytest.raises(ReplayError):
             ks.apply(Txn(5, 1, (Event(PUT, b"a", b"2", 5, 5, 2, 0),)))
+
+
+def test_the_loads_transactions_are_the_same_built_ahead_or_not(tmp_path, monkeypatch):
+    """The replay builds the load's first transactions while its throwaway member starts
+    (``replayrun._Batches.prebuild``): the same transactions in the same order either way, the
+    deletes in transactions of their own before the first put, never two ops on one key in one."""
+    from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
+    from etcd_agent.pitr import replayrun
+
+    monkeypatch.setattr(replayrun, "LOAD_OPS", 7)  # many transactions out of a small chain
+    txns, last = chain(300)
+    restored = 150  # keys created after it and never deleted need no delete
+    with KeySpace(str(tmp_path)) as ks:
+        for t in txns:
+            ks.apply(t)
+        plain = replayrun._Batches(ks, restored)
+        want = [[op.SerializeToString() for op in ops] for ops in plain]
+        for ahead in (0, 1, 5_000, 1 << 30):
+            b = replayrun._Batches(ks, restored)
+            b.prebuild(ahead)
+            got = [[op.SerializeToString() for op in ops] for ops in b]
+            assert got == want, ahead
+            assert b.keys == plain.keys == len(last)
+    kinds = [[RequestOp.FromString(op).WhichOneof("request") for op in ops] for ops in want]
+    assert len(kinds) > 10 and all(len(set(k)) == 1 for k in kinds)  # no transaction mixes the two
+    first_put = next(i for i, k in enumerate(kinds) if k[0] == "request_put")
+    assert all(k[0] == "request_delete_range" for k in kinds[:first_put])
+    assert all(k[0] == "request_put" for k in kinds[first_put:])
+    assert sum(len(k) for k in kinds[first_put:]) == sum(1 for v in last.values() if v[0] is not None)

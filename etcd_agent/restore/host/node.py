@@ -440,7 +440,7 @@ class NodeRestore:
 
         aside = j.record(R.AsideReply)
         name, sha256, to_revision = boundaries.source_of(j.backup, j.sha256)
-        chain = boundaries.chain_of(self.cfg.backup.dir, name) if name and to_revision is not None else None
+        chain = boundaries.chain_of(self.cfg.backup.dir, name, j.op) if name and to_revision is not None else None
         b = boundaries.Boundary(op=j.op, time=j.created, from_backup=name, from_sha256=sha256,
                                 set_aside=tuple(p for p in [aside.moved if aside else None] if p),
                                 cluster_id=cluster_id, chain_id=chain, to_revision=to_revision)

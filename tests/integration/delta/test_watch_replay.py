@@ -289,6 +289,30 @@ def test_broken_middle_segment_stops_at_the_last_good_point(live, tmp_path, dama
         assert values(dump(s.rpc)) == values(dump(live.rpc, revision=good_end))  # history of the live member
 
 
+def test_a_segment_changed_while_the_chain_folds_stops_the_replay_and_leaves_nothing_behind(live, tmp_path):
+    """The throwaway member starts while the chain is folded: when the fold fails (a segment
+    changed since the chain was checked), that member is stopped and its dir removed all the same."""
+    import psutil
+
+    from etcd_agent.chain.errors import ReplayError
+
+    full, base, paths, infos = _three_segment_chain(live, tmp_path)
+    check = check_chain(paths, base)
+    last = infos[-1].path
+    with open(last, "r+b") as fh:  # after the check: as if changed during the replay
+        fh.seek(os.path.getsize(last) // 2)
+        fh.write(b"\xff\x00\xff")
+    parent = tmp_path / "work"
+    parent.mkdir()
+    with pytest.raises(ReplayError, match="changed during the replay"):
+        replay(full, paths, Target.newest(), output=str(tmp_path / "out.db"), check=check,
+               options=ScratchOptions(parent_dir=str(parent)))
+    assert not os.path.exists(tmp_path / "out.db")
+    assert os.listdir(parent) == []  # the replay's work dir and the member's, both removed
+    mine = [p for p in psutil.Process().children(recursive=True) if str(parent) in " ".join(p.cmdline())]
+    assert not mine, [p.cmdline() for p in mine]
+
+
 @MODES
 def test_resume_and_outage(live, tmp_path, batch):
     r = live.rpc
