@@ -4,7 +4,7 @@ bucket), resumable, all-or-nothing per object.
 
 Each object streams into a private staging dir ``<backup dir>/.fetch/`` (0700; hidden, so the
 catalog never lists a half-fetched file) as ``<file>.part``, its size and sha256 checked as it
-streams against the object's sha256 metadata (``remote.stream_object``, the code every download
+streams against the object's sha256 metadata (``transfer.stream_object``, the code every download
 uses). The ETag the copy began against is kept beside it (``<file>.etag``): a run killed halfway
 leaves both, and the next run re-hashes the part and continues it with a Range GET (If-Match the
 ETag); an object changed since starts over. Only a whole, checked file is renamed into the backup
@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent.backup.catalog import DATE_SPEC_RE, STAMP_RE
-from etcd_agent.bucket import layout
+from etcd_agent.bucket import layout, transfer
 from etcd_agent.bucket.digests import READ_CHUNK, mismatches
 from etcd_agent.chain.segments import parse_name as parse_segment_name
 from etcd_agent.errors import BackupCorrupt, BackupError, BusyError, RefusedError, UsageError
@@ -291,7 +291,7 @@ def staging_locked(directory: str) -> Iterator[str]:
 def fetch_one(b: "Bucket", w: Wanted, directory: str, *,
               progress: Optional[Callable[[int, int], None]] = None) -> Fetched:
     """One object into ``directory``: staged, checked, renamed; resumed from a kept part.
-    ``progress(done bytes, total bytes)`` as it streams (``remote.stream_object``)."""
+    ``progress(done bytes, total bytes)`` as it streams (``transfer.stream_object``)."""
     staged = stage_one(b, w, directory, progress=progress)
     return publish(b, staged, directory)
 
@@ -337,7 +337,7 @@ def stage_one(b: "Bucket", w: Wanted, directory: str, *,
         with os.fdopen(fd, "r+b") as fh:
             fh.truncate(offset)  # a part longer than what was hashed would not be continued
             fh.seek(offset)
-            size, digest = remote.stream_object(b, obj, fh, offset=offset, sha=sha, progress=progress)
+            size, digest = transfer.stream_object(b, obj, fh, offset=offset, sha=sha, progress=progress)
             fh.flush()
             os.fsync(fh.fileno())
     except BackupCorrupt:  # more bytes than claimed: nothing of it is worth continuing

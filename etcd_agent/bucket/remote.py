@@ -32,11 +32,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
-from etcd_agent.bucket import transfer
 from etcd_agent.bucket.client import CHECKS, Bucket, choose_check
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
-    READ_CHUNK,
     Digests,
     b64,
     file_sha256,
@@ -44,7 +42,7 @@ from etcd_agent.bucket.digests import (
     part_size_for,
     same_checksum,
 )
-from etcd_agent.bucket.transfer import Progress, UploadParts, get_ranges
+from etcd_agent.bucket.transfer import Progress, UploadParts, stream_object
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import fsync_dir, open_regular
@@ -473,42 +471,6 @@ def _head_raw(b: Bucket, name: str, *, checksum_mode: bool) -> Tuple[RemoteObjec
         metadata=meta,
     )
     return obj, h.get("ChecksumSHA256")
-
-
-def stream_object(b: Bucket, obj: RemoteObject, out: Any, *, offset: int = 0,
-                  sha: "Optional[hashlib._Hash]" = None, progress: Optional[Progress] = None) -> Tuple[int, str]:
-    """GET the object HEAD found (If-Match its ETag), hashing (and writing to ``out`` if given) in
-    order, within its deadline; returns (size, sha256). Never more than the size HEAD gave is
-    taken: a body that runs on is refused at the first byte too many. ``offset`` > 0 continues
-    a partial copy (Range GETs from there), ``sha`` holding the digest of its first bytes. A large
-    object comes as ranges fetched at once (``transfer.get_ranges``); ``progress(done, total)``."""
-    sha = sha if sha is not None else hashlib.sha256()
-    size = offset
-    if offset >= obj.size:
-        return size, sha.hexdigest()
-    what = f"cannot read {b.where(obj.name)}"
-    with b.within(obj.size - offset):
-        if obj.size - offset >= 2 * transfer.RANGE_BYTES:
-            return get_ranges(b, obj, out, offset, sha, progress), sha.hexdigest()
-        with b.errors(what):
-            extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
-            if offset:
-                extra["Range"] = f"bytes={offset}-"
-            body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
-            try:
-                for chunk in body.iter_chunks(READ_CHUNK):
-                    size += len(chunk)
-                    if size > obj.size:
-                        raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {obj.size} bytes it claims")
-                    b.check_deadline(what)
-                    sha.update(chunk)
-                    if out is not None:
-                        out.write(chunk)
-                    if progress is not None:
-                        progress(size, obj.size)
-            finally:
-                body.close()
-    return size, sha.hexdigest()
 
 
 def _name_time(name: str, fallback: Optional[datetime]) -> datetime:

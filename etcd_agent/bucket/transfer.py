@@ -24,12 +24,15 @@ import collections
 import concurrent.futures
 import hashlib
 import threading
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.bucket.digests import READ_CHUNK, Digests, b64
 from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import open_regular, start_writeback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.bucket.remote import RemoteObject
 
 WORKERS = 4  # requests at once: enough to hide one request's latency on a 2-core master
 BUFFER_BYTES = 64 * 1024 * 1024  # parts in flight at once fit in this (two at least, a large part_size_mb)
@@ -210,3 +213,39 @@ def _fileno(out: Any) -> Optional[int]:
         return int(out.fileno()) if out is not None else None
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
         return None
+
+
+def stream_object(b: Bucket, obj: "RemoteObject", out: Any, *, offset: int = 0,
+                  sha: "Optional[hashlib._Hash]" = None, progress: Optional[Progress] = None) -> Tuple[int, str]:
+    """GET the object HEAD found (If-Match its ETag), hashing (and writing to ``out`` if given) in
+    order, within its deadline; returns (size, sha256). Never more than the size HEAD gave is
+    taken: a body that runs on is refused at the first byte too many. ``offset`` > 0 continues
+    a partial copy (Range GETs from there), ``sha`` holding the digest of its first bytes. A large
+    object comes as ranges fetched at once (``transfer.get_ranges``); ``progress(done, total)``."""
+    sha = sha if sha is not None else hashlib.sha256()
+    size = offset
+    if offset >= obj.size:
+        return size, sha.hexdigest()
+    what = f"cannot read {b.where(obj.name)}"
+    with b.within(obj.size - offset):
+        if obj.size - offset >= 2 * RANGE_BYTES:
+            return get_ranges(b, obj, out, offset, sha, progress), sha.hexdigest()
+        with b.errors(what):
+            extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+            if offset:
+                extra["Range"] = f"bytes={offset}-"
+            body = b.client.get_object(Bucket=b.bucket, Key=obj.key, **extra)["Body"]
+            try:
+                for chunk in body.iter_chunks(READ_CHUNK):
+                    size += len(chunk)
+                    if size > obj.size:
+                        raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {obj.size} bytes it claims")
+                    b.check_deadline(what)
+                    sha.update(chunk)
+                    if out is not None:
+                        out.write(chunk)
+                    if progress is not None:
+                        progress(size, obj.size)
+            finally:
+                body.close()
+    return size, sha.hexdigest()

@@ -43,19 +43,16 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import RawEvent, scan_segment
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
-from etcd_agent.errors import EtcdError
-from etcd_agent.etcd import proto
-from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
-from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
+from etcd_agent.pitr.loadtail import LOAD_BYTES, Batches, load
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.machine import etcd_flags
 from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, start_scratch
@@ -65,10 +62,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-# a load transaction: large enough that round trips do not count (measured: 5000 puts of 1 KiB a
-# transaction, 70,000 puts/s), well inside the scratch member's --max-txn-ops/--max-request-bytes
-LOAD_OPS = 10000
-LOAD_BYTES = 16 * 1024 * 1024
 # the load's transactions built ahead while the throwaway member starts (their ops hold copies of
 # the values: bounded beyond the key space's own memory)
 PREBUILD_BYTES = 2 * LOAD_BYTES
@@ -266,7 +259,7 @@ def replay(
 
 class _Folding:
     """``_fold`` of the plan into ``ks`` in a thread of its own, then the load's first transactions
-    built (``_Batches.prebuild``: up to ``PREBUILD_BYTES``, and only while the key space is all in
+    built (``Batches.prebuild``: up to ``PREBUILD_BYTES``, and only while the key space is all in
     memory - its spill file is not read from two threads); ``result()`` waits for it: (segments
     used, seconds, the load's transactions); ``abandon()`` stops the fold at its next revision
     and waits for that."""
@@ -277,15 +270,15 @@ class _Folding:
         self._fut = self._pool.submit(self._run, plan, restored, ks)
         self._pool.shutdown(wait=False)
 
-    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> Tuple[int, float, "_Batches"]:
+    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> Tuple[int, float, "Batches"]:
         t = time.monotonic()
         used = _fold(plan, restored, ks, self._cancel)
-        batches = _Batches(ks, restored)
+        batches = Batches(ks, restored)
         if not ks.spilled:
             batches.prebuild(PREBUILD_BYTES)
         return used, time.monotonic() - t, batches
 
-    def result(self) -> Tuple[int, float, "_Batches"]:
+    def result(self) -> Tuple[int, float, "Batches"]:
         return self._fut.result()
 
     def abandon(self) -> None:
@@ -359,7 +352,7 @@ def _run(
     s: ScratchEtcd,
     plan: Plan,
     ks: keyspace.KeySpace,
-    batches: _Batches,
+    batches: Batches,
     restored: int,
     bump: int,
     segments_applied: int,
@@ -400,7 +393,7 @@ def _run(
             present[lid] = ttl
             keeper.hold(lid, ttl)
         lap("leases")
-        keys, loads = _load(rpc, batches, start_rev)
+        keys, loads = load(rpc, batches, start_rev)
         load_seconds = time.monotonic() - t_load
         lap("load")
         outcome, fixups = apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
@@ -447,70 +440,3 @@ def _run(
     )
 
 
-class _Batches:
-    """The load's transactions, built from the key space: deletes first, in transactions of their
-    own - a key deleted by the chain, and a key the chain deleted and created again (its create
-    revision is after the snapshot's), whose snapshot incarnation must go so that the put below
-    creates it anew (create revision, version 1) instead of continuing the old one; deleting a
-    key the snapshot never held is a no-op. Then the puts, in original create order, from a new
-    transaction (one may not touch a key twice). ``prebuild`` builds the first ones ahead (in the
-    fold's thread, while the throwaway member starts); iterating yields them all, in order.
-    ``keys``: the keys the chain left changed, counted once iterated to the end."""
-
-    def __init__(self, ks: keyspace.KeySpace, restored: int) -> None:
-        self.keys = 0
-        self._ahead: List[List[RequestOp]] = []
-        self._rest = self._build(ks, restored)
-
-    def _build(self, ks: keyspace.KeySpace, restored: int) -> Iterator[List[RequestOp]]:
-        for deletes in (True, False):
-            ops: List[RequestOp] = []
-            size = 0
-            for ch in ks.changes():
-                if deletes:
-                    # a key the chain created and never deleted cannot be in the snapshot
-                    if not (ch.value is None or (ch.create_revision > restored and ch.deleted_before)):
-                        continue
-                    op = proto.op_delete(ch.key)
-                else:
-                    self.keys += 1
-                    if ch.value is None:
-                        continue
-                    op = proto.op_put(ch.key, ch.value, ch.lease)
-                n = op.ByteSize()
-                if ops and (len(ops) >= LOAD_OPS or size + n > LOAD_BYTES):
-                    yield ops
-                    ops, size = [], 0
-                ops.append(op)
-                size += n
-            if ops:
-                yield ops
-
-    def prebuild(self, max_bytes: int) -> None:
-        """Build transactions ahead, up to about ``max_bytes`` of them."""
-        held = 0
-        while held < max_bytes:
-            ops = next(self._rest, None)
-            if ops is None:
-                return
-            self._ahead.append(ops)
-            held += sum(op.ByteSize() for op in ops)
-
-    def __iter__(self) -> Iterator[List[RequestOp]]:
-        while self._ahead:
-            yield self._ahead.pop(0)
-        yield from self._rest
-
-
-def _load(rpc: EtcdRpc, batches: _Batches, start_rev: int) -> Tuple[int, List[int]]:
-    """The key space's changes (``_Batches``) written in large transactions; returns (keys,
-    their revisions). A transaction of deletes of absent keys only writes no revision."""
-    revs: List[int] = []
-    for ops in batches:
-        try:
-            rev = rpc.txn(ops, timeout=300.0).revision
-        except EtcdError as exc:
-            raise ReplayError(f"loading the replayed key space failed: {exc.message}") from None
-        if rev > (revs[-1] if revs else start_rev):  # else it wrote nothing (deletes of absent keys)
-            revs.append(rev)
-    return batches.keys, revs

@@ -76,21 +76,21 @@ def test_out_of_order_revision_is_refused(tmp_path):
 
 def test_the_loads_transactions_are_the_same_built_ahead_or_not(tmp_path, monkeypatch):
     """The replay builds the load's first transactions while its throwaway member starts
-    (``replayrun._Batches.prebuild``): the same transactions in the same order either way, the
+    (``loadtail.Batches.prebuild``): the same transactions in the same order either way, the
     deletes in transactions of their own before the first put, never two ops on one key in one."""
     from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
-    from etcd_agent.pitr import replayrun
+    from etcd_agent.pitr import loadtail
 
-    monkeypatch.setattr(replayrun, "LOAD_OPS", 7)  # many transactions out of a small chain
+    monkeypatch.setattr(loadtail, "LOAD_OPS", 7)  # many transactions out of a small chain
     txns, last = chain(300)
     restored = 150  # keys created after it and never deleted need no delete
     with KeySpace(str(tmp_path)) as ks:
         for t in txns:
             ks.apply(t)
-        plain = replayrun._Batches(ks, restored)
+        plain = loadtail.Batches(ks, restored)
         want = [[op.SerializeToString() for op in ops] for ops in plain]
         for ahead in (0, 1, 5_000, 1 << 30):
-            b = replayrun._Batches(ks, restored)
+            b = loadtail.Batches(ks, restored)
             b.prebuild(ahead)
             got = [[op.SerializeToString() for op in ops] for ops in b]
             assert got == want, ahead
