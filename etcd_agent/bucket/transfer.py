@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.bucket.digests import READ_CHUNK, Digests, b64
-from etcd_agent.errors import BackupCorrupt, BackupError
+from etcd_agent.errors import BackupCorrupt
 from etcd_agent.fs import open_regular, start_writeback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,9 +167,9 @@ def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
                     chunks.append(chunk)
             finally:
                 body.close()
-        if got != want:
-            raise BackupError(f"{what}: {got} bytes came for the {want} asked from byte {start} (the object "
-                              f"claims {obj.size})")
+        if got != want:  # a body that ended cleanly, short: the object is not the size HEAD claimed
+            raise BackupCorrupt(f"{b.where(obj.name)} sent {got} bytes for the {want} asked from byte {start}: it is "
+                                f"shorter than the {obj.size} bytes it claims; nothing of it kept")
         return chunks
 
     size = offset

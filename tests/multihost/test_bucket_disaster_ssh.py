@@ -44,9 +44,8 @@ from etcd_agent.state import bootstrap
 from etcd_agent.waiting import poll
 from tests.harness.netns import NetnsBed, NsHost
 from tests.harness.restorebed import retry_busy
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, remote_table
 from tests.integration.continuous import dump
-from tests.integration.test_bucket_queue import remote_table
 from tests.integration.test_pitr_disaster import Writer, account, compare, live_at
 from tests.multihost.test_pitr_ssh import AGENT, AGENT_TOML, Bed, agent_toml, daemon_bed, healthy
 
@@ -89,7 +88,8 @@ def toml_for(rgw: RgwBed, bucket: str, v: Variant):  # type: ignore[no-untyped-d
         if v.recipient:
             text = text.replace("[backup.delta]", f'encrypt_to = ["{v.recipient}"]\n[backup.delta]', 1)
         # the product's default layout: one folder per master (the sample's etcd-backup/{cluster}/{host}/)
-        return text + remote_table(rgw, bucket).replace('prefix = "p/"', f'prefix = "{BUCKET_PREFIX}"')
+        return text + remote_table(rgw, bucket, prefix=BUCKET_PREFIX, keep_last=10, connect_timeout=2,
+                                   read_timeout=20)
     return toml
 
 
