@@ -140,14 +140,19 @@ def _not_after(objs: Sequence["RemoteObject"], when: Optional[datetime],
 REACH_CANDIDATES = 10  # the newest full backups whose chains are listed to choose ``latest``
 
 
-def _reaching(cfg: "Config", objs: Sequence["RemoteObject"], reach_to: int) -> List["RemoteObject"]:
+def catalog_time(cfg: "Config", when: datetime) -> datetime:
+    """An aware ``when`` as the catalog names backups: naive, in UTC or local time ([backup] utc)."""
+    return (when.astimezone(timezone.utc) if cfg.backup.utc else when.astimezone()).replace(tzinfo=None)
+
+
+def _reaching(cfg: "Config", objs: Sequence["RemoteObject"], reach_to: int,
+              now: datetime) -> List["RemoteObject"]:
     """``objs`` with the one ``latest`` should be put first: of the newest ``REACH_CANDIDATES``
     (not dated ahead), the newest whose chain's segments in the bucket reach ``reach_to`` by
     their names, or (-1) the one reaching furthest; unchanged when none does. Names only narrow
     the choice; the restore checks the chain from its content."""
     from etcd_agent.bucket import remote
 
-    now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
     best: Optional[Tuple[int, datetime]] = None
     pick: Optional["RemoteObject"] = None
     for o in [o for o in objs if not _ahead(o, now) and o.chain][:REACH_CANDIDATES]:
@@ -194,11 +199,11 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
 
     objs = sorted((replace(o, folder=folder) for folder, bound_cfg in host_folders(cfg)
                    for o in remote.list_remote(bound_cfg)), key=lambda o: (o.time, o.name), reverse=True)
+    now = catalog_time(cfg, datetime.now(timezone.utc))  # once: what is dated ahead is judged alike
     if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
         objs = _not_after(objs, not_after, max_revision)
     if spec.strip() == "latest" and reach_to is not None:
-        objs = _reaching(cfg, objs, reach_to)
-    now = datetime.now(timezone.utc).replace(tzinfo=None) if cfg.backup.utc else datetime.now()
+        objs = _reaching(cfg, objs, reach_to, now)
     full = select(objs, spec, now=now)
     cfg = bound(cfg, full.folder)  # its chain is in the same master's folder
     name = layout.full_name(full.chain, full.name) if full.chain else full.name

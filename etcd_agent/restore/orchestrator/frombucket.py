@@ -155,8 +155,7 @@ def _choice(cfg: Config, target: Optional["Target"]) -> Dict[str, Any]:
     if target.kind == "time" and target.time_ms is not None:
         when = datetime.fromtimestamp(target.time_ms / 1000, tz=timezone.utc)
         # the catalog's names are in UTC or in local time ([backup] utc); compare like with like
-        naive = when.replace(tzinfo=None) if cfg.backup.utc else when.astimezone().replace(tzinfo=None)
-        return {"not_after": naive}
+        return {"not_after": fetch.catalog_time(cfg, when)}
     if target.kind == "revision" and target.revision is not None:
         return {"max_revision": target.revision, "reach_to": target.revision}
     return {"reach_to": -1}  # newest: the chain that reaches furthest
