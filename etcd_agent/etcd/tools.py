@@ -79,9 +79,11 @@ def snapshot_restore_argv(
     return argv
 
 
-def version_of(host: "Host", binary: str, timeout: float = 30.0) -> str:
-    """The version a binary reports (``etcd --version`` / ``etcdctl version``)."""
-    flag = ["version"] if binary.endswith(("etcdctl", "etcdutl")) else ["--version"]
+def version_of(host: "Host", binary: str, timeout: float = 30.0, *, tool: Optional[bool] = None) -> str:
+    """The version a binary reports (``etcd --version`` / ``etcdctl version``); ``tool``: it is
+    etcdctl or etcdutl (they take ``version``), by default guessed from its name."""
+    tool = binary.endswith(("etcdctl", "etcdutl")) if tool is None else tool
+    flag = ["version"] if tool else ["--version"]
     res = host.run([binary] + flag, timeout=timeout, env=ETCDCTL_ENV)
     for line in res.stdout.splitlines():
         low = line.lower()

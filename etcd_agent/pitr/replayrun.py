@@ -38,7 +38,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -150,15 +149,17 @@ def _snapshot_revision(path: str) -> int:
 
 def _check_bump(options: ScratchOptions) -> None:
     """The load needs etcdutl's --bump-revision (3.5.10+); say so before anything starts."""
+    from etcd_agent.errors import CommandError
+    from etcd_agent.etcd.tools import version_of
     from etcd_agent.etcd.versions import BUMP_MIN_ETCDUTL, can_bump
+    from etcd_agent.hosts.local import LocalHost
 
     try:
-        out = subprocess.run([options.binaries.etcdutl, "version"], capture_output=True, timeout=30,
-                             stdin=subprocess.DEVNULL, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ReplayError(f"cannot run {options.binaries.etcdutl} version: {exc}") from None
-    text = out.stdout.decode(errors="replace")
-    version = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.lower().startswith("etcdutl")), "")
+        version = version_of(LocalHost(), options.binaries.etcdutl, tool=True)
+    except CommandError as exc:
+        if exc.result is None or not exc.result.ok:
+            raise ReplayError(f"cannot run {options.binaries.etcdutl} version: {exc}") from None
+        version = ""  # it ran, and named no version: said below as an unknown one
     if not can_bump(version):
         need = ".".join(str(x) for x in BUMP_MIN_ETCDUTL)
         raise ReplayError(

@@ -9,10 +9,11 @@ import pwd
 import random
 import re
 import socket
-import subprocess
 from typing import FrozenSet, Optional, Tuple
 
 from etcd_agent.chain.errors import ScratchError
+from etcd_agent.errors import CommandError
+from etcd_agent.hosts.local import LocalHost
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,12 @@ def etcd_flags(binary: str) -> FrozenSet[str]:
 @functools.lru_cache(maxsize=8)
 def _flags_of(binary: str, _mtime_ns: int, _size: int) -> FrozenSet[str]:
     try:
-        out = subprocess.run([binary, "--help"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
-                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        out = LocalHost().run([binary, "--help"], timeout=30, check=False,
+                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    except CommandError as exc:  # it could not start, or did not end
         log.info("cannot list the flags of %s: %s", binary, exc)
         return frozenset()
-    text = (out.stdout + out.stderr).decode(errors="replace")
-    return frozenset(re.findall(r"(?m)^\s*(--[a-z0-9][a-z0-9-]*)", text))
+    return frozenset(re.findall(r"(?m)^\s*(--[a-z0-9][a-z0-9-]*)", out.stdout + out.stderr))
 
 
 def _free(port: int) -> bool:
