@@ -39,6 +39,7 @@ from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.state import bootstrap, lineage, markers
 from etcd_agent.state.pins import pinned_config
 from etcd_agent.topology import EXISTING, Bootstrap, parse_conf, render_conf
+from etcd_agent.waiting import poll
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +194,12 @@ class NodeRestore:
                 self.backend.stop(30.0)
                 return R.HaltReply(how=f"exited (its db lock {'not held' if seen is False else 'unreadable'} "
                                        "before the signal)", waited=time.monotonic() - t)
-            while time.monotonic() - t < HALT_TIMEOUT:
-                if db_locked(self.data_dir) is not True:
-                    return R.HaltReply(how="db closed", waited=time.monotonic() - t)
-                time.sleep(HALT_POLL)
-            # `stop` waits for the exit (and kills a process that ignores its signal)
-            return R.HaltReply(how=f"db still open after {HALT_TIMEOUT:.0f}s", waited=time.monotonic() - t)
+            try:
+                poll(lambda: db_locked(self.data_dir) is not True, timeout=HALT_TIMEOUT, interval=HALT_POLL,
+                     what="the member's db closed")
+            except OperationFailed:  # `stop` waits for the exit (and kills a process that ignores its signal)
+                return R.HaltReply(how=f"db still open after {HALT_TIMEOUT:.0f}s", waited=time.monotonic() - t)
+            return R.HaltReply(how="db closed", waited=time.monotonic() - t)
         return self._step("halt", do)
 
     def stop(self) -> R.StepReply:
