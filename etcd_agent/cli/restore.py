@@ -7,6 +7,7 @@ Progress goes to stderr as it happens; the plan (dry run) or the outcome goes to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -112,6 +113,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         spec=spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
         confirm=None if args.yes else confirm, progress=_progress, identities=identities,
         target=target, checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain,
+        command=as_typed(args),
     )
     out = restore(cfg, opts)
     data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}
@@ -122,6 +124,28 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
                                     else "dry run: pre-checks FAILED\n"),
                       exit_code=0 if out.plan.ok else EXIT_REFUSED)
     return Output(data, f"restored from {out.plan.backup} in {out.duration:.1f}s (op {out.plan.op})")
+
+
+MAX_TYPED = 64  # of the backup and the time as typed, in the command other operators are shown
+
+
+def as_typed(args: argparse.Namespace) -> str:
+    """The restore as the operator typed it, its backup and its point in time only (never a key or
+    identity path): what a second operator's busy refusal names (the file a point-in-time restore
+    opens, ``<backup>.to-<rev>.db``, is one nobody typed)."""
+    spec = args.bucket_spec or os.path.basename(args.spec)
+    words = ["restore", "--from-bucket" if args.bucket_spec else "--from", _shown(spec)]
+    if args.to_newest:
+        words += ["--to", "newest"]
+    elif args.to_revision is not None:
+        words += ["--to-revision", str(args.to_revision)]
+    elif args.to_time is not None:
+        words += ["--to-time", _shown(args.to_time.strip())]
+    return " ".join(words)
+
+
+def _shown(word: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in word[:MAX_TYPED])
 
 
 def with_key_file(cfg: "Config", path: str) -> "Config":

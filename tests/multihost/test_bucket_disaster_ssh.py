@@ -27,8 +27,9 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
@@ -302,3 +303,52 @@ def test_every_master_wiped_restored_from_the_bucket(variant: Variant, rgw_bridg
         assert cmp["wrong"] == 0 and cmp["short_bad"] == 0, cmp
         for text in (dry.stdout, dry.stderr, res.stdout, res.stderr):
             assert rgw.secret_key not in text
+        if variant.name == "plain":  # the collision: once is enough, it is the same path encrypted
+            two_masters_at_once(bed, held, key, steady(got), set(w.short_expiry))
+
+
+def two_masters_at_once(bed: Bed, held: int, key: str, want: Dict[str, Tuple[bytes, int]],
+                        short: Set[int]) -> None:
+    """Two operators type the same restore from the bucket on two masters at the same moment. Each
+    fetches into its own backup dir, then both race for the hosts' locks, taken in config order on
+    whichever master a run started: one restores, the other is refused naming it (exit 4, nothing
+    touched), or, if the first ended before the second reached the locks, the second restores again
+    after it. Never both at once, never a mixed cluster: whatever the order, every master serves one
+    cluster holding what the bucket held at revision ``held``."""
+    assert isinstance(bed, HostBed)
+    cfg = bed.cfg(bed.net.hosts[0].name)
+    masters = bed.net.hosts[:2]
+    argv = ("restore", "--from-bucket", "latest", "--to-revision", str(held), "--key-file", key, "--yes")
+    t0 = time.monotonic()
+    procs = {h.name: subprocess.Popen(bed.as_host(h, *argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for h in masters}
+    for p in procs.values():
+        bed.net._procs.append(p)
+
+    def end(p: "subprocess.Popen[str]") -> Tuple[Tuple[str, str], int, float]:
+        io = p.communicate(timeout=600)
+        return io, p.returncode, time.monotonic() - t0
+
+    with ThreadPoolExecutor(len(procs)) as ex:  # each one's own time to its end
+        ended = dict(zip(procs, ex.map(end, procs.values())))
+    summary = {name: (code, round(took, 1)) for name, ((_o, _e), code, took) in ended.items()}
+    assert all(code in (0, 4) for _io, code, _t in ended.values()), {n: (c, e) for n, ((_o, e), c, _t) in ended.items()}
+    winners = [name for name, (_io, code, _t) in ended.items() if code == 0]
+    assert winners, summary
+    for name, ((_out, err), code, _t) in ended.items():
+        if code == 4:  # refused at the locks, before anything on any host
+            assert "busy:" in err and "nothing touched" in err, err
+            other = next(h.name for h in masters if h.name != name)
+            assert f"from {other} (pid {procs[other].pid})" in err or "etcd-agent run" in err, err
+            if "etcd-agent run" not in err:  # the other restore named as its operator typed it
+                assert f"`etcd-agent restore --from-bucket latest --to-revision {held}` from {other}" in err, err
+            print(f"FIGURE two masters at once: {name} refused: "
+                  + " | ".join(ln.strip() for ln in err.splitlines() if "busy:" in ln))
+    poll(lambda: healthy(cfg), timeout=60, what="healthy after the two restores", interval=0.5)
+    after = serving(cfg)
+    assert len({cid for cid, _m in after.values()}) == 1, after
+    for i in range(len(cfg.members)):  # keys of 3 s leases left out, as the restore above judged them
+        got = {k: v for k, v in user_dump(cfg, i).items() if v[1] not in short}
+        assert got == want, (cfg.members[i].name, sorted(set(got) ^ set(want))[:5])
+    print(f"FIGURE two masters at once (exit, seconds): {summary}; restored by {winners}, one cluster "
+          f"{next(iter(after.values()))[0]:x}, {len(want)} keys as the bucket held them at revision {held}")

@@ -40,6 +40,9 @@ class Options:
     target: Optional["Target"] = None
     checkpoints: bool = True  # False: --no-checkpoint (the whole chain from the full backup)
     accept_unsigned: bool = False  # --accept-unsigned-chain
+    # the restore as the operator typed it (e.g. "restore --from-bucket latest --to-revision 545"):
+    # what a second run's busy refusal and `status` name; "": "restore --from <the file opened>"
+    command: str = ""
 
 
 @dataclass

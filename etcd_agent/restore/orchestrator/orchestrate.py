@@ -134,7 +134,7 @@ class Restore:
         try:
             t = time.monotonic()
             self.nodes = self._make_nodes(cfg)
-            self.owner = new_owner(f"restore --from {os.path.basename(source.path)}")
+            self.owner = new_owner(self.opts.command or f"restore --from {os.path.basename(source.path)}")
             self.standby = self._standby()
             try:
                 self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False,
