@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -117,8 +118,10 @@ def test_bytes_that_do_not_match_their_sha256_are_refused_and_nothing_kept(rgw: 
     body = os.urandom(300 * 1024)
     _put(cfg, rgw, layout.full_name(KEY, NAME), body, {"sha256": hashlib.sha256(b"other").hexdigest()})
     _full, items = fetch.plan(cfg, "latest")
-    with pytest.raises(BackupCorrupt, match="failed its checksum on fetch: nothing of it kept"):
+    with pytest.raises(BackupCorrupt) as refused:
         fetch_into(cfg, items)
+    assert re.fullmatch(r"backup fetch: 0 of 1 object\(s\) fetched, then: \S+ failed its checksum on fetch: nothing "
+                        r"of it kept; nothing moved into \S+", refused.value.message), refused.value.message  # no "continues"
     assert _landed(cfg) == [], _landed(cfg)
 
 
@@ -252,6 +255,9 @@ def test_two_segments_swapped_in_the_bucket_are_refused_naming_the_segment(rgw: 
     assert "renamed, or swapped with another segment" in res.stderr, res.stderr
     assert [n for n in _landed(cfg) if not n.startswith(".")] == [], _landed(cfg)
     assert not os.path.exists(os.path.join(cfg.backup.dir, fetch.STAGING)), "refused bytes kept to be continued"
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("etcd-agent: error: ")]
+    assert len(errors) == 1 and res.stderr.rstrip("\n").endswith(errors[0]), res.stderr  # after the progress lines
+    print(f"\nrefused (exit 3): {errors[0]}")
 
 
 def test_objects_are_fetched_at_once(rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
