@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from etcd_agent.config import Config, parse_text  # noqa: E402
+from etcd_agent.fs import fsync_path  # noqa: E402
 
 MB = 1e6
 MiB = 1024 * 1024
@@ -153,11 +154,7 @@ def run_way(way: str, server: Server, src: str, work: str) -> Dict[str, float]:
         _pid, status, usage = os.wait4(proc.pid, 0)
         if status != 0:
             raise SystemExit(f"curl failed: {status}")
-        fd = os.open(out, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(out)
         seconds = time.perf_counter() - t0
         return {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "rss": 0.0}  # not the agent's
     argv = [sys.executable, os.path.abspath(__file__), "--child", way, "--src", src, "--dir", work]

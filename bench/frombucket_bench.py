@@ -45,6 +45,7 @@ from bench.restore_bench import Run, interleave  # noqa: E402
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
 from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
+from etcd_agent.fs import fsync_path  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.harness.rgw import RgwBed  # noqa: E402
 from tests.integration.test_restore import AGENT, EXTRA  # noqa: E402
@@ -120,11 +121,7 @@ def main() -> None:
             s3 = rgw.client()
             t0 = time.monotonic()
             s3.download_file(bucket, key, dest)
-            fd = os.open(dest, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(dest)
             wall = time.monotonic() - t0
             os.unlink(dest)
             return Run(wall)

@@ -350,6 +350,18 @@ def read_regular(path: str, limit: int, *, follow_symlinks: bool = True) -> byte
     return data
 
 
+def fsync_path(path: str) -> None:
+    """The bytes of regular file ``path`` on disk: for a file another writer made and closed (a
+    copy, etcdctl, a download), before it is linked or renamed into place. Opened read-only with
+    ``regular_fd`` (a FIFO, device or symlink put under the name is refused, never blocked on);
+    on Linux fsync through any descriptor flushes the file's dirty pages and its inode."""
+    fd = regular_fd(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _kind(mode: int) -> str:
     """'' for a regular file, else what it is, as a noun phrase."""
     if stat.S_ISREG(mode):

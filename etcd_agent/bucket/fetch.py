@@ -10,6 +10,9 @@ leaves both, and the next run re-hashes the part and continues it with a Range G
 ETag); an object changed since starts over. Only a whole, checked file is renamed into the backup
 dir, and never over a different file of the same name.
 
+This module plans a fetch and moves one object; ``bucket.staging`` runs a plan's objects several
+at once, checks the segments' names and links them in (``backup fetch``, ``restore --from-bucket``).
+
 Names from the bucket are hostile: only what ``layout.place`` reads as a backup, a checkpoint or a
 segment of ours (a plain file name: no "/", no "..") is fetched; anything else under the chain's
 prefix refuses the whole fetch before a byte is written.
@@ -253,22 +256,6 @@ def bound(cfg: "Config", folder: str) -> "Config":
         return cfg
     r = cfg.backup.remote
     return replace(cfg, backup=replace(cfg.backup, remote=replace(r, prefix=r.prefix.replace("{host}", folder))))
-
-
-def fetch_all(cfg: "Config", items: Sequence[Wanted], *,
-              progress: Any = None) -> List[Fetched]:
-    """Fetch ``items`` in order into the backup dir; stops at the first failure (BackupError)."""
-    from etcd_agent.bucket.client import Bucket
-
-    b = Bucket(cfg)
-    out: List[Fetched] = []
-    with staging_locked(cfg.backup.dir):
-        for w in items:
-            done = fetch_one(b, w, cfg.backup.dir)
-            if progress is not None:
-                progress(done)
-            out.append(done)
-    return out
 
 
 @contextlib.contextmanager

@@ -5,10 +5,12 @@ import argparse
 import logging
 import os
 import re
+import sys
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.cli.main import Context, Output
-from etcd_agent.errors import EXIT_FAILED, EXIT_OK, AgentError, BackupError, UsageError
+from etcd_agent.errors import EXIT_FAILED, EXIT_OK, BackupError, UsageError
 from etcd_agent.fs import size_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,36 +268,35 @@ def cmd_push(args: argparse.Namespace, ctx: Context) -> Output:
 
 
 def cmd_fetch(args: argparse.Namespace, ctx: Context) -> Output:
-    from etcd_agent.bucket import fetch
+    from etcd_agent.bucket import fetch, staging
 
     cfg = ctx.config()
     require_remote(cfg)
-    full, items = fetch.plan(cfg, args.backup)
+    full, listed = fetch.plan(cfg, args.backup)
+    items, skipped = staging.checkpoints_kept(cfg, listed)
     total = sum(w.size for w in items)
     data: Dict[str, Any] = {"backup": full.name, "chain": full.chain or None, "folder": full.folder or None,
-                            "dry_run": args.dry_run,
-                            "objects": [w.to_json() for w in items], "bytes": total}
+                            "dry_run": args.dry_run, "objects": [w.to_json() for w in items], "bytes": total,
+                            "not_fetched": skipped}
     if args.dry_run:
         plan = [f"would fetch {w.name} ({size_text(w.size)})" for w in items]
+        plan += [f"not fetched: {s}" for s in skipped]
         plan.append(f"{len(items)} object(s), {size_text(total)}, into {cfg.backup.dir}; nothing fetched")
         return Output(data, "\n".join(plan))
-    rows: List[str] = []
-
-    def said(done: "fetch.Fetched") -> None:
-        w = done.wanted
-        at = f", continued at byte {done.resumed_at}" if done.resumed_at else ""
-        rows.append(f"{done.how} {w.file} ({size_text(w.size)}{at})")
-        if not ctx.json:
-            print(rows[-1], flush=True)
-
-    try:
-        got = fetch.fetch_all(fetch.bound(cfg, full.folder), items, progress=said)
-    except AgentError as exc:
-        exc.message = f"backup fetch: {len(rows)} of {len(items)} object(s) in place, then: {exc.message}"
-        raise
+    got = staging.fetch_into(fetch.bound(cfg, full.folder), items,
+                             progress=(lambda s: None) if ctx.json else _fetch_progress)
     data["objects"] = [f.to_json() for f in got]
-    summary = f"{full.name}: {len(got)} object(s), {size_text(total)}, in {cfg.backup.dir}"
-    return Output(data, summary)
+    rows = [f"{f.how} {f.wanted.file} ({size_text(f.wanted.size)}"
+            + (f", continued at byte {f.resumed_at})" if f.resumed_at else ")") for f in got]
+    rows += [f"not fetched: {s}" for s in skipped]
+    rows.append(f"{full.name}: {len(got)} object(s), {size_text(total)}, in {cfg.backup.dir}")
+    return Output(data, "\n".join(rows))
+
+
+def _fetch_progress(line: str) -> None:
+    """A line per object as it begins and ends, and every few seconds of a long one (stderr)."""
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} backup fetch: {line}\n")
+    sys.stderr.flush()
 
 
 def _client(cfg: "Config") -> Any:

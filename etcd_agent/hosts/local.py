@@ -13,7 +13,7 @@ import time
 from typing import IO, Deque, Mapping, Optional, Sequence, Union
 
 from etcd_agent.errors import CommandError, CommandTimedOut, HostUnreachable
-from etcd_agent.fs import enlarge_pipe, fsync_dir, write_atomic
+from etcd_agent.fs import enlarge_pipe, fsync_dir, fsync_path, write_atomic
 from etcd_agent.hosts.base import LineBuffer, Result
 
 
@@ -75,8 +75,7 @@ class LocalHost:
         try:
             shutil.copyfile(local_path, tmp)
             os.chmod(tmp, mode)
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(tmp)
             os.replace(tmp, remote_path)
         except BaseException:
             if os.path.exists(tmp):

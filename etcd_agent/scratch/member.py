@@ -34,7 +34,7 @@ from etcd_agent import safejson
 from etcd_agent.chain.errors import ScratchError
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
 from etcd_agent.etcd.rpc import EtcdRpc
-from etcd_agent.fs import fsync_dir
+from etcd_agent.fs import fsync_dir, fsync_path
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent
 from etcd_agent.scratch.machine import chown_tree, etcd_flags, pick_ports, run_as, unreachable_by
@@ -419,8 +419,7 @@ class ScratchEtcd:
                 shown = self._run([b.etcdutl, "snapshot", "status", tmp, "-w", "json"], 300.0, as_user=False)
                 self._took("status", t)
             os.chmod(tmp, 0o600)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(tmp)
             os.link(tmp, dest)
             fsync_dir(directory)
         except CommandError as exc:

@@ -8,14 +8,18 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
+import threading
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 
 from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket import fetch, layout
+from etcd_agent.bucket.staging import fetch_into
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt
 from tests.harness.rgw import RgwBed
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 NAME = "etcd-2026-03-01-10-00-00.tar"
 KEY = "ab" * 32
+GUARD = 60.0  # seconds the first GETs are held for the others to begin: a guard, not a timing assertion
 
 
 BED_MEMBERS = 1  # the conftest's `bed` fixture: one-member daemon beds
@@ -113,8 +118,10 @@ def test_bytes_that_do_not_match_their_sha256_are_refused_and_nothing_kept(rgw: 
     body = os.urandom(300 * 1024)
     _put(cfg, rgw, layout.full_name(KEY, NAME), body, {"sha256": hashlib.sha256(b"other").hexdigest()})
     _full, items = fetch.plan(cfg, "latest")
-    with pytest.raises(BackupCorrupt, match="failed its checksum on fetch: nothing of it kept"):
-        fetch.fetch_all(cfg, items)
+    with pytest.raises(BackupCorrupt) as refused:
+        fetch_into(cfg, items)
+    assert re.fullmatch(r"backup fetch: 0 of 1 object\(s\) fetched, then: \S+ failed its checksum on fetch: nothing "
+                        r"of it kept; nothing moved into \S+", refused.value.message), refused.value.message  # no "continues"
     assert _landed(cfg) == [], _landed(cfg)
 
 
@@ -123,7 +130,7 @@ def test_an_object_without_sha256_metadata_is_refused(rgw: RgwBed, tmp_path: Pat
     _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000), {})
     _full, items = fetch.plan(cfg, NAME)
     with pytest.raises(BackupCorrupt, match="carries no sha256 metadata: it cannot be checked"):
-        fetch.fetch_all(cfg, items)
+        fetch_into(cfg, items)
     assert _landed(cfg) == []
 
 
@@ -158,7 +165,7 @@ def test_a_fetch_killed_halfway_is_continued(rgw: RgwBed, tmp_path: Path, caplog
     _full, items = fetch.plan(cfg, "2026-03-01")
     assert [w.file for w in items] == [NAME, segment]
     with caplog.at_level("INFO"):
-        done = fetch.fetch_all(cfg, items)
+        done = fetch_into(cfg, items)
     assert [(f.how, f.resumed_at) for f in done] == [("resumed", 3 * 1024 * 1024), ("fetched", 0)]
     assert _sha(os.path.join(cfg.backup.dir, NAME)) == hashlib.sha256(body).hexdigest()
     assert _landed(cfg) == sorted([NAME, segment]), _landed(cfg)  # the staging dir is gone once empty
@@ -169,14 +176,14 @@ def test_a_fetch_killed_halfway_is_continued(rgw: RgwBed, tmp_path: Path, caplog
         fh.write(b"old bytes")
     with open(os.path.join(staging, NAME + ".etag"), "w") as fh:
         fh.write("0123456789abcdef0123456789abcdef")
-    done = fetch.fetch_all(cfg, items)
+    done = fetch_into(cfg, items)
     assert [f.how for f in done] == ["fetched", "already here"]
     assert _sha(os.path.join(cfg.backup.dir, NAME)) == hashlib.sha256(body).hexdigest()
     # a run killed between the rename and its clean-up: the file is here, its part too
     os.makedirs(staging, mode=0o700)
     for suffix in (".part", ".etag"):
         Path(staging, NAME + suffix).write_bytes(b"left")
-    done = fetch.fetch_all(cfg, items)
+    done = fetch_into(cfg, items)
     assert [f.how for f in done] == ["already here", "already here"]
     assert _landed(cfg) == sorted([NAME, segment]), _landed(cfg)
 
@@ -190,6 +197,120 @@ def test_a_different_local_file_of_the_same_name_is_never_overwritten(rgw: RgwBe
     Path(cfg.backup.dir, NAME).write_bytes(b"mine")
     _full, items = fetch.plan(cfg, "latest")
     with pytest.raises(RefusedError, match="exists and differs from .*: it is not overwritten"):
-        fetch.fetch_all(cfg, items)
+        fetch_into(cfg, items)
     assert Path(cfg.backup.dir, NAME).read_bytes() == b"mine"
     shutil.rmtree(cfg.backup.dir)
+
+
+# ---------------------------------------------------------------- the restore's staging and checks
+
+
+def _chain(tmp: Path, n: int) -> List[Tuple[str, bytes]]:
+    """``n`` segments of one chain from revision 10, two puts each, written by the product's own
+    writer: (file name, bytes), in revision order."""
+    from etcd_agent.chain.segments import PUT, Event, SegmentHeader, Txn
+    from etcd_agent.chain.writer import SegmentWriter
+
+    out = tmp / "made"
+    out.mkdir()
+    made: List[Tuple[str, bytes]] = []
+    prev, rev, t = "", 10, 1_772_359_200_000  # 2026-03-01T10:00:00Z
+    for seq in range(n):
+        w = SegmentWriter(str(out), SegmentHeader(chain_id="c" * 32, seq=seq, base_revision=10, start_revision=rev + 1,
+                                                  prev_sha256=prev, start_time_ms=t, cluster_id=1, member_id=2,
+                                                  endpoint="http://127.0.0.1:2379"))
+        for r in (rev + 1, rev + 2):
+            w.add_txn(Txn(r, t, (Event(PUT, f"/k/{r}".encode(), b"v", r, r, 1, 0),)))
+        info = w.close(t + 1000, confirmed=True)
+        made.append((os.path.basename(info.path), Path(info.path).read_bytes()))
+        prev, rev, t = info.sha256, rev + 2, t + 2000
+    return made
+
+
+def _config_file(rgw: RgwBed, tmp_path: Path) -> Tuple[Config, str]:
+    """A fresh bucket of the bed, the backup dir under tmp_path: the config and its file."""
+    from tests.harness.rgw import rgw_config, rgw_config_text
+
+    bucket, directory = rgw.new_bucket(), str(tmp_path / "backups")
+    path = tmp_path / "agent.toml"
+    path.write_text(rgw_config_text(rgw, bucket, backup_dir=directory, part_size_mb=5))
+    path.chmod(0o600)
+    return rgw_config(rgw, bucket, backup_dir=directory, part_size_mb=5), str(path)
+
+
+def test_two_segments_swapped_in_the_bucket_are_refused_naming_the_segment(rgw: RgwBed, tmp_path: Path) -> None:
+    """Each segment under the other's name with its own (right) sha256: the sha256 passes, the
+    name lies about the revisions inside; nothing enters the backup dir under a lying name."""
+    from tests.integration.test_restore import AGENT
+
+    cfg, conf = _config_file(rgw, tmp_path)
+    (a, a_bytes), (b, b_bytes), (c, c_bytes) = _chain(tmp_path, 3)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    _put(cfg, rgw, layout.segment_name(KEY, a), a_bytes)
+    _put(cfg, rgw, layout.segment_name(KEY, b), c_bytes)
+    _put(cfg, rgw, layout.segment_name(KEY, c), b_bytes)
+    res = subprocess.run([AGENT, "-c", conf, "backup", "fetch", "latest"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"{layout.segment_name(KEY, b)} in the bucket holds revisions" in res.stderr, res.stderr
+    assert "renamed, or swapped with another segment" in res.stderr, res.stderr
+    assert [n for n in _landed(cfg) if not n.startswith(".")] == [], _landed(cfg)
+    assert not os.path.exists(os.path.join(cfg.backup.dir, fetch.STAGING)), "refused bytes kept to be continued"
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("etcd-agent: error: ")]
+    assert len(errors) == 1 and res.stderr.rstrip("\n").endswith(errors[0]), res.stderr  # after the progress lines
+    print(f"\nrefused (exit 3): {errors[0]}")
+
+
+def test_objects_are_fetched_at_once(rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first GETs of a fetch are held until as many as the fetch runs at once have begun (a
+    guard of GUARD s, not a timing assertion: one at a time, the first waits it out alone)."""
+    from etcd_agent.bucket.staging import FETCH_WORKERS
+    from etcd_agent.cli.main import main
+
+    cfg, conf = _config_file(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    for file, body in _chain(tmp_path, 2 * FETCH_WORKERS):
+        _put(cfg, rgw, layout.segment_name(KEY, file), body)
+    gate = threading.Condition()
+    waiting, most = [0], [0]
+    opened = threading.Event()
+
+    def held(**_kwargs: Any) -> None:
+        with gate:
+            if opened.is_set():
+                return
+            waiting[0] += 1
+            most[0] = max(most[0], waiting[0])
+            gate.notify_all()
+            gate.wait_for(lambda: waiting[0] >= FETCH_WORKERS, timeout=GUARD)
+            opened.set()
+
+    made = remotebucket._client
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        client = made(*args, **kwargs)
+        client.meta.events.register("before-call.s3.GetObject", held)
+        return client
+
+    monkeypatch.setattr(remotebucket, "_client", hooked)
+    assert main(["-c", conf, "backup", "fetch", "latest"]) == 0
+    assert most[0] == FETCH_WORKERS, f"{most[0]} GET(s) at once"
+    assert len(_landed(cfg)) == 1 + 2 * FETCH_WORKERS, _landed(cfg)
+
+
+def test_the_newest_checkpoints_the_retention_keeps_are_fetched(rgw: RgwBed, tmp_path: Path) -> None:
+    """The bucket keeps every checkpoint of a chain until the chain goes; the backup dir keeps the
+    newest ``checkpoint_keep`` (2): the older ones are listed as left in the bucket, not fetched."""
+    from tests.integration.test_restore import AGENT
+
+    cfg, conf = _config_file(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    cps = [f"etcd-2026-03-01-1{i}-00-00.tar" for i in range(1, 4)]
+    for cp in cps:
+        _put(cfg, rgw, layout.checkpoint_name(KEY, cp), os.urandom(500))
+    dry = subprocess.run([AGENT, "-c", conf, "backup", "fetch", "--dry-run", "latest"], capture_output=True,
+                         text=True, timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "not fetched: 1 object(s)" in dry.stdout and "newest 2 checkpoint(s)" in dry.stdout, dry.stdout
+    res = subprocess.run([AGENT, "-c", conf, "backup", "fetch", "latest"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _landed(cfg) == sorted([NAME] + cps[1:]), _landed(cfg)

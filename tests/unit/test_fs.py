@@ -285,3 +285,40 @@ def test_the_boot_id_is_this_kernels_and_nothing_else(tmp_path: object, monkeypa
         assert fs.boot_id() == want
     monkeypatch.setattr(fs, "BOOT_ID", os.path.join(str(tmp_path), "absent"))
     assert fs.boot_id() is None
+
+
+def test_fsync_path_syncs_a_regular_file_through_a_read_only_descriptor_it_closes(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file another writer made (a copy, etcdctl, a download): synced through a read-only
+    descriptor, closed after; a FIFO, a dir or a symlink under the name is refused without
+    blocking, and nothing is synced."""
+    import fcntl
+
+    from etcd_agent import fs
+
+    synced: List[tuple] = []  # type: ignore[type-arg]
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    d = str(tmp_path)
+    path = os.path.join(d, "download.tar")
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 4096)
+    before = sorted(os.listdir("/proc/self/fd"))
+    fs.fsync_path(path)
+    assert synced == [(path, os.O_RDONLY)]
+    assert sorted(os.listdir("/proc/self/fd")) == before, "the descriptor is closed"
+    os.mkfifo(os.path.join(d, "fifo"))
+    os.symlink(path, os.path.join(d, "link"))
+    synced.clear()
+    with deadline(5):
+        for name in ("fifo", "link", "."):
+            with pytest.raises(NotARegularFile):
+                fs.fsync_path(os.path.join(d, name))
+    assert synced == []
+    with pytest.raises(FileNotFoundError):
+        fs.fsync_path(os.path.join(d, "gone"))

@@ -11,7 +11,8 @@ What runs, in order, before any master is touched:
    ``--dry-run`` stops here: it lists every object and its size and fetches nothing.
 2. **Fetch into the staging dir** (``<backup dir>/.fetch/``, 0700, hidden from the catalog): each
    object streamed into its part file, its size and sha256 checked against the object's metadata
-   as it streams (``bucket.fetch.stage_one``); a run killed halfway is continued by the next.
+   as it streams, 4 at once (``bucket.staging.stage_all``, as ``backup fetch``); a run killed
+   halfway is continued by the next.
 3. **Check from the content, still in the staging dir** (``stagedchecks.check_staged``): the full backup is
    read with the one bounded reader - its manifest's signature with the manifest key (the copy the
    operator kept off-host: ``--key-file``), the snapshot's members from its own db against the
@@ -37,13 +38,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.bucket import fetch, layout
+from etcd_agent.bucket.staging import Stopped, stage_all
 from etcd_agent.config import Config
 from etcd_agent.errors import AgentError, BackupCorrupt, RefusedError
 from etcd_agent.fs import size_text
@@ -51,16 +51,11 @@ from etcd_agent.restore.orchestrator import stagedchecks
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
-    from etcd_agent.bucket.client import Bucket
     from etcd_agent.bucket.remote import RemoteObject
     from etcd_agent.pitr.replay import Target
     from etcd_agent.restore.orchestrator.options import Options
 
 log = logging.getLogger(__name__)
-
-FETCH_WORKERS = 4  # objects fetched at once
-PROGRESS_EVERY = 2.0  # seconds between two progress lines of one object
-
 
 @dataclass(frozen=True)
 class BucketPlan:
@@ -201,14 +196,9 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                  "master's folder found)")
     with fetch.staging_locked(directory) as staging:
         try:
-            staged = _stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress)
-        except _Stopped as stop:
-            exc = stop.error
-            exc.message = (f"restore --from-bucket: {stop.done} of {len(bp.items)} object(s) fetched, then: "
-                           f"{exc.message.rstrip('.')}; nothing restored" + (  # botocore's texts end in "."
-                               "" if isinstance(exc, (RefusedError, BackupCorrupt)) else
-                               " - the same command continues the fetch where it stopped"))
-            raise exc from None
+            staged = stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress)
+        except Stopped as stop:
+            raise stop.sentence("restore --from-bucket", "nothing restored") from None
         try:
             checked, facts = stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
@@ -235,58 +225,6 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     return Fetched(bp, objects, checked, took, read)
 
 
-class _Stopped(Exception):
-    def __init__(self, error: AgentError, done: int) -> None:
-        super().__init__(error.message)
-        self.error, self.done = error, done
-
-
-def _stage_all(cfg: Config, items: Sequence[fetch.Wanted], directory: str,
-               progress: Callable[[str], None]) -> List[fetch.Staged]:
-    """Every object staged, ``FETCH_WORKERS`` at a time (a chain is hundreds of small segments:
-    one at a time, the round trips, not the bytes, set the pace), in the plan's order; the first
-    failure stops what has not begun and is raised once the others in flight have ended."""
-    from etcd_agent.bucket.client import Bucket
-
-    local = threading.local()
-    stop = threading.Event()
-
-    def one(i: int, w: fetch.Wanted) -> Optional[fetch.Staged]:
-        if stop.is_set():
-            return None
-        if not hasattr(local, "bucket"):  # a Bucket's per-object deadline is its own: one per thread
-            local.bucket = Bucket(cfg)
-        try:
-            return _stage(local.bucket, w, directory, f"[{i}/{len(items)}]", progress)
-        except Exception:
-            stop.set()
-            raise
-
-    ex = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
-    futures = [ex.submit(one, i, w) for i, w in enumerate(items, 1)]
-    out: List[fetch.Staged] = []
-    first: Optional[BaseException] = None
-    try:
-        for f in futures:
-            try:
-                got = f.result()
-            except Exception as exc:  # re-raised below, once the others in flight have ended
-                first = first or exc
-                continue
-            if got is not None:
-                out.append(got)
-    except BaseException:  # Ctrl-C: nothing more begins; a part in flight is continued by the next run
-        stop.set()
-        ex.shutdown(wait=False, cancel_futures=True)
-        raise
-    ex.shutdown(wait=True)
-    if first is not None:
-        if isinstance(first, AgentError):
-            raise _Stopped(first, len(out))
-        raise first
-    return out
-
-
 def _failed_content(exc: AgentError) -> bool:
     """A refusal of the fetched bytes themselves (not ours, forged, corrupt), not of what the
     operator brought (the wrong --identity: the bytes are kept and the next run re-hashes them)."""
@@ -302,38 +240,6 @@ def _with_identity(exc: AgentError) -> str:
     from etcd_agent.errors import IdentityRefused
 
     return " with the right --identity" if isinstance(exc, IdentityRefused) else ""
-
-
-def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
-           progress: Callable[[str], None]) -> fetch.Staged:
-    """One object staged, with a line when it begins, every ``PROGRESS_EVERY`` seconds of a long
-    one (bytes, MB/s, ETA) and when it is whole."""
-    began = time.monotonic()
-    last = [began]
-    start_at = [-1]
-
-    def tick(done: int, total: int) -> None:
-        now = time.monotonic()
-        if start_at[0] < 0:
-            start_at[0] = done  # a continued part: its first bytes were not read now
-        if now - last[0] < PROGRESS_EVERY:
-            return
-        last[0] = now
-        rate = (done - start_at[0]) / max(now - began, 1e-6)
-        eta = (total - done) / rate if rate > 0 else float("inf")
-        progress(f"{counter} {w.file}: {size_text(done)} of {size_text(total)}, {rate / 1e6:.1f} MB/s, ETA "
-                 f"{'?' if eta == float('inf') else f'{eta:.0f}s'}")
-
-    progress(f"{counter} fetching {w.name} ({size_text(w.size)})")
-    s = fetch.stage_one(b, w, directory, progress=tick)
-    took = time.monotonic() - began
-    if s.fetched.how == "already here":
-        progress(f"{counter} {w.file}: already in {directory} with the same bytes")
-    else:
-        at = f", continued at byte {s.fetched.resumed_at}" if s.fetched.resumed_at else ""
-        progress(f"{counter} {w.file}: {size_text(s.bytes_read)} in {took:.1f}s "
-                 f"({s.bytes_read / max(took, 1e-6) / 1e6:.1f} MB/s{at}), sha256 matches its metadata")
-    return s
 
 
 def host_checks(cfg: Config, opts: "Options", snapshot_size: int) -> List[Tuple[str, str, List[str]]]:

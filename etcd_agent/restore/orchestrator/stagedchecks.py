@@ -1,6 +1,7 @@
 """What a restore from the bucket checks in the staging dir before a fetched file is let into the
 backup dir (``frombucket`` step 3): the files under their own names in ``<staging>/checked/``,
-read as a restore reads them - each segment's name against what it holds, the full backup's
+read as a restore reads them - each segment's name against what it holds (``bucket.staging``, as
+``backup fetch`` checks it), the full backup's
 manifest signature and members, the chain through ``pitr.prepare`` on a config pointed there -
 and, once let in, the full backup's check recorded as its writer would have (``remember``)."""
 from __future__ import annotations
@@ -10,9 +11,10 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from etcd_agent.bucket import fetch, layout
+from etcd_agent.bucket import fetch
+from etcd_agent.bucket.staging import named_as_they_hold
 from etcd_agent.config import Config
-from etcd_agent.errors import BackupError, RefusedError
+from etcd_agent.errors import RefusedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
@@ -50,7 +52,7 @@ def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: 
         for s in staged:
             os.link(s.part if s.part is not None else os.path.join(cfg.backup.dir, s.file),
                     os.path.join(checked, s.file))
-        _named_as_they_hold(checked, staged)
+        named_as_they_hold(staged, lambda s: os.path.join(checked, s.file), "nothing restored")
         here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
         lines, facts = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster,
                                    key_file=key_file)
@@ -60,38 +62,6 @@ def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: 
         return lines, facts
     finally:
         shutil.rmtree(checked, ignore_errors=True)
-
-
-def _named_as_they_hold(checked: str, staged: Sequence[fetch.Staged]) -> None:
-    """Each segment's name says the revisions (and end time) its header and footer hold. The chain
-    is followed by content, so two segments swapped under each other's names would replay right,
-    but they would enter the backup dir under names that lie to everything that reads names
-    (listings, retention, the choice of what a later restore fetches): refused. A segment whose
-    header or footer cannot be read is left to the chain check, which says where it stops."""
-    from etcd_agent.chain.reader import read_summary
-    from etcd_agent.chain.segments import name_time_ms, parse_name
-
-    for s in staged:
-        if s.fetched.wanted.kind != layout.SEGMENT:
-            continue
-        named = parse_name(s.file)
-        try:
-            header, footer = read_summary(os.path.join(checked, s.file))
-        except BackupError:
-            continue
-        holds = (header.start_revision, footer.end_revision)
-        when = name_time_ms(s.file)  # to the ms, or to the second in a name without them
-        if named is not None and (holds != named or when not in (footer.end_time_ms, footer.end_time_ms // 1000 * 1000)):
-            raise RefusedError(
-                f"{s.fetched.wanted.name} in the bucket holds revisions {holds[0]}-{holds[1]} ending "
-                f"{_ms_text(footer.end_time_ms)} under a name that says {named[0]}-{named[1]} ending "
-                f"{_ms_text(when)}: renamed, or swapped with another segment; nothing restored")
-
-
-def _ms_text(ms: Optional[int]) -> str:
-    from etcd_agent.chain.segments import ms_to_datetime
-
-    return "?" if ms is None else ms_to_datetime(ms).isoformat(timespec="milliseconds")
 
 
 def _check_full(here: Config, file: str, *, identities: Optional["Identities"], new_cluster: bool,
