@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional
+from typing import Any, Mapping, Optional, Type, TypeVar
 
 from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, error_from_json
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.typedjson import Document, JsonObject
+
+D = TypeVar("D", bound=Document)
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
@@ -153,6 +155,11 @@ class Args:
         v = self._get(key, lambda v: _is_int(v) or isinstance(v, float), "a number", True)
         return default if v is None else float(v)
 
+    def read(self, kind: Type[D]) -> D:
+        """The arguments as the step's typed document: a wrong or missing one is ``kind``'s refusal
+        (RefusedError, exit 3, for the restore's steps) naming the step and the field."""
+        return kind.from_json(self.raw, f"node {self.step}")
+
     def flag(self, key: str, default: bool = False) -> bool:
         v = self._get(key, lambda v: isinstance(v, bool), "true or false", True)
         return default if v is None else bool(v)
@@ -160,13 +167,3 @@ class Args:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def str_list(args: Args, key: str) -> List[str]:
-    """A list-of-strings argument ([] when absent)."""
-    from etcd_agent.errors import RefusedError
-
-    v = args.raw.get(key, [])
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise RefusedError(f"node {args.step}: argument {key!r} must be a list of strings")
-    return [str(x) for x in v]
