@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Type, TypeVar
 
-from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, error_from_json
+from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, RefusedError, error_from_json
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.typedjson import Document, JsonObject
 
@@ -119,51 +119,20 @@ def decode(line: bytes, where: str) -> JsonObject:
     return doc
 
 
+class StepArgs(Document):
+    """Base of a step's arguments, one typed document per step (``Args.read``)."""
+
+    ERROR = RefusedError  # the request is wrong: refused (exit 3), never a KeyError deep inside a step
+
+
 class Args:
-    """A request's arguments, read with their types checked: a wrong or missing one is refused
-    (exit 3), never a KeyError deep inside a step."""
+    """A request's arguments as they came (``raw``), read as the step's typed document."""
 
     def __init__(self, raw: Mapping[str, Any], step: str) -> None:
         self.raw = raw
         self.step = step
 
-    def _get(self, key: str, ok: Any, what: str, optional: bool) -> Any:
-        from etcd_agent.errors import RefusedError
-
-        v = self.raw.get(key)
-        if v is None and optional:
-            return None
-        if key not in self.raw or not ok(v):
-            raise RefusedError(f"node {self.step}: argument {key!r} must be {what}")
-        return v
-
-    def text(self, key: str) -> str:
-        return str(self._get(key, lambda v: isinstance(v, str), "a string", False))
-
-    def opt_text(self, key: str) -> Optional[str]:
-        v = self._get(key, lambda v: isinstance(v, str), "a string or null", True)
-        return None if v is None else str(v)
-
-    def integer(self, key: str) -> int:
-        return int(self._get(key, _is_int, "an integer", False))
-
-    def opt_integer(self, key: str) -> Optional[int]:
-        v = self._get(key, _is_int, "an integer or null", True)
-        return None if v is None else int(v)
-
-    def number(self, key: str, default: float) -> float:
-        v = self._get(key, lambda v: _is_int(v) or isinstance(v, float), "a number", True)
-        return default if v is None else float(v)
-
     def read(self, kind: Type[D]) -> D:
-        """The arguments as the step's typed document: a wrong or missing one is ``kind``'s refusal
-        (RefusedError, exit 3, for the restore's steps) naming the step and the field."""
+        """The arguments as ``kind``: a wrong or missing one is its refusal (a ``StepArgs``'s is
+        RefusedError, exit 3) naming the step and the field."""
         return kind.from_json(self.raw, f"node {self.step}")
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        v = self._get(key, lambda v: isinstance(v, bool), "true or false", True)
-        return default if v is None else bool(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -68,3 +68,17 @@ def test_a_batch_of_steps_still_names_only_simple_steps_each_member_once(members
     with pytest.raises(RefusedError, match=problem):
         S.member_steps(Args(wire(op="x", members=members), "steps"))
 
+
+
+def test_the_other_node_steps_arguments_are_typed_too() -> None:
+    from etcd_agent.cli import nodesteps as N
+
+    # as cluster.upgrade sends them (its timeout= is the call's, NodeClient.call keeps it)
+    assert Args(wire(member="m1", to="3.5.16"), "upgrade-member").read(N.UpgradeArgs) == N.UpgradeArgs("m1", "3.5.16", 120.0)
+    assert Args(wire(version="3.5.16"), "release-version").read(N.ReleaseArgs).version == "3.5.16"
+    assert Args(wire(member="m1"), "backup").read(N.BackupArgs).member == "m1"
+    assert Args({}, "backup").read(N.BackupArgs).member is None
+    with pytest.raises(RefusedError, match=r"^node upgrade-member: UpgradeArgs.timeout must be a number, not a string"):
+        Args(wire(member="m1", to="3.5.16", timeout="60"), "upgrade-member").read(N.UpgradeArgs)
+    with pytest.raises(RefusedError, match=r"^node release-version: ReleaseArgs lacks its field 'version'"):
+        Args({}, "release-version").read(N.ReleaseArgs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Callable, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import AgentError, OperationFailed, RefusedError
-from etcd_agent.node.protocol import Args
+from etcd_agent.node.protocol import Args, StepArgs
 from etcd_agent.node.replies import MemberSteps, StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext
 from etcd_agent.typedjson import Document, Items
@@ -29,10 +29,6 @@ MAX_MEMBERS = 64  # the members of one host a batch of steps names
 # What the orchestrator sends (``NodeClient.call(step, member=..., op=..., **args)``), read as one
 # typed document per step: a wrong or missing argument is refused (exit 3) naming it, before the
 # step touches anything.
-
-
-class StepArgs(Document):
-    ERROR = RefusedError  # the orchestrator's request is wrong: exit 3, as the node's refusals are
 
 
 @dataclass(frozen=True)
