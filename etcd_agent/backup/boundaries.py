@@ -35,7 +35,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.errors import AgentError, BackupError, ProtocolError
 from etcd_agent.fs import dir_locked, open_regular, write_atomic
@@ -84,6 +84,16 @@ class Boundary(Document):
 
 
 @dataclass(frozen=True)
+class RestoreRecord(Document):
+    """The file as written: ``{"restores": [...]}``. Its entries are read one by one as
+    ``Boundary`` (``load``): one that does not read is named, the others still count."""
+
+    restores: Tuple[Any, ...]
+
+    ERROR = RecordUnreadable
+
+
+@dataclass(frozen=True)
 class Record:
     """The record as read: the boundaries that could be read, and what could not (None: all)."""
 
@@ -98,15 +108,15 @@ def load(directory: str) -> Record:
     try:
         with open_regular(path) as fh:
             doc = loads(fh.read(MAX_BYTES + 1), max_bytes=MAX_BYTES)
+        raw = RestoreRecord.from_json(doc, f"{path} is not a restore record").restores
     except FileNotFoundError:
         return Record([])
     except OSError as exc:
         return Record([], f"{path} cannot be read: {exc.strerror or exc}")
     except UnsafeJson as exc:
         return Record([], f"{path} is not a restore record: {exc}")
-    raw = doc.get("restores") if isinstance(doc, dict) else None
-    if not isinstance(raw, list):
-        return Record([], f"{path} is not a restore record: no list of restores")
+    except RecordUnreadable as exc:
+        return Record([], exc.message)
     out: List[Boundary] = []
     bad: List[str] = []
     for i, x in enumerate(raw):
@@ -152,7 +162,7 @@ def record(directory: str, b: Boundary) -> bool:
         else:
             have.append(b)
         keep = sorted(have, key=lambda x: x.time)[-MAX_BOUNDARIES:]
-        doc = {"restores": [x.to_json() for x in keep]}
+        doc = RestoreRecord(tuple(x.to_json() for x in keep)).to_json()
         write_atomic(os.path.join(directory, FILE), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
     return True
 

@@ -59,7 +59,7 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
     from etcd_agent.errors import ConfigError
     from etcd_agent.etcd.snapdb import read_identity
     from etcd_agent.locality import local_members
-    from etcd_agent.state.bootstrap import record_path
+    from etcd_agent.state.bootstrap import BootstrapRecord, record_path
 
     hosts: List[HostIds] = []
     notes: List[str] = []
@@ -79,12 +79,13 @@ def local_hosts(cfg: "Config") -> Tuple[List[HostIds], List[str]]:
         rec = record_path(cfg, m.name)
         try:
             with open_regular(rec) as fh:
-                data = load_json(fh, max_bytes=65536)
-            mid = int(str(data.get("member_id")), 16)
-            hosts.append(HostIds(f"{m.name}'s bootstrap record ({rec})", frozenset({mid})))
+                mid = BootstrapRecord.from_json(load_json(fh, max_bytes=65536), f"bootstrap record {rec}").member_id
+            if not mid:
+                raise ValueError("it names no member id")
+            hosts.append(HostIds(f"{m.name}'s bootstrap record ({rec})", frozenset({int(mid, 16)})))
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
+        except (OSError, ValueError, AgentError) as exc:  # AgentError: the record's ProtocolError
             notes.append(f"bootstrap record {rec} unreadable ({exc})")
     return hosts, notes
 

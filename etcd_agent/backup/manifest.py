@@ -21,11 +21,12 @@ import hmac
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Annotated, Dict, Optional, Tuple
 
 from etcd_agent.chain.sign import key_id
-from etcd_agent.errors import BackupCorrupt, SnapshotFormatError
+from etcd_agent.errors import AgentError, BackupCorrupt, SnapshotFormatError
 from etcd_agent.etcd.snapdb import bounded_json
+from etcd_agent.typedjson import Document, Items, JsonObject, Text
 
 FORMAT = "etcd-agent-backup"
 FORMAT_VERSION = 2  # what a plain backup's manifest is written as
@@ -45,80 +46,110 @@ MAX_MANIFEST = 256 * 1024
 MAX_DEPTH = 8
 ALGORITHM = "hmac-sha256"
 SIGNATURE_STATES = ("valid", "invalid", "unsigned", "unknown-key")
-_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _CHAIN_ID = re.compile(r"[0-9a-f]{32}\Z")
-_AGE_RECIPIENT = re.compile(r"age1[02-9ac-hj-np-z]{58}\Z")  # bech32 of 32 bytes; the checksum is age's
+_AGE_RECIPIENT = "age1[02-9ac-hj-np-z]{58}"  # bech32 of 32 bytes; the checksum is age's
 MAX_RECIPIENTS = 64
 
+U63 = (0.0, float((1 << 63) - 1))  # sizes, revisions, times: non-negative 63-bit integers
+Short = Annotated[str, Text(4096)]  # every string field: at most 4 KiB
+Sha256 = Annotated[str, Text(64, "[0-9a-f]{64}")]
+Urls = Annotated[Tuple[Annotated[str, Text(4095)], ...], Items(0, 64)]
+FileNotes = Dict[str, Short]  # per file of FILE_NAMES: why it is missing, how it was rendered
+
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(Document):
     size: int
-    sha256: str
+    sha256: Sha256
+
+    RANGES = {"size": U63}
 
 
 @dataclass(frozen=True)
-class ManifestMember:
+class ManifestMember(Document):
     """A member as etcd's member list named it when the backup was taken (a claim)."""
 
-    id: str
-    name: str
-    peer_urls: Tuple[str, ...]
-    client_urls: Tuple[str, ...] = ()
+    id: Short = ""
+    name: Short = ""
+    peer_urls: Urls = ()
+    client_urls: Urls = ()
     is_learner: bool = False
 
 
 @dataclass(frozen=True)
-class Encryption:
+class ClusterClaim(Document):
+    """The cluster's name and id (hex) as the backup's writer saw them: a claim, never proof."""
+
+    name: Optional[Short] = None
+    id: Optional[Short] = None
+
+
+@dataclass(frozen=True)
+class Encryption(Document):
     """How the snapshot member is encrypted, and what decrypting it must give."""
 
-    recipients: Tuple[str, ...]  # age1... public keys, as written to the header (in order)
+    recipients: Annotated[Tuple[Annotated[str, Text(62, _AGE_RECIPIENT)], ...], Items(1, MAX_RECIPIENTS)]  # age1...
     plaintext_size: int
-    plaintext_sha256: str
-    format: str = "age"
+    plaintext_sha256: Sha256
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"format": self.format, "recipients": list(self.recipients), "plaintext_size": self.plaintext_size,
-                "plaintext_sha256": self.plaintext_sha256}
-
-
-@dataclass(frozen=True)
-class Signature:
-    alg: str
-    key_id: str
-    mac: str
+    TAGS = {"format": ("age",)}  # the only format this agent reads (and writes)
+    CLOSED = True
+    RANGES = {"plaintext_size": U63}
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """One backup's manifest. ``cluster_id``/``members`` are None when absent (they prove nothing
-    either way)."""
+class Signature(Document):
+    alg: Short = ""
+    key_id: Short = ""
+    mac: Short = ""
 
-    files: Mapping[str, FileEntry]
-    name: str = ""
-    created: str = ""
+
+@dataclass(frozen=True)
+class Manifest(Document):
+    """One backup's manifest. ``cluster``/``members`` are None when absent (they prove nothing
+    either way). Strict: unknown fields are refused, every field is checked against its type and
+    bounds, a refusal is one BackupCorrupt naming the field. ``snapshot`` and ``imported`` are
+    free-form facts (their keys grew over versions) kept exactly as read: the signature covers them."""
+
+    files: Dict[str, FileEntry]
+    name: Short = ""
+    created: Short = ""
     created_unix: Optional[int] = None
-    host: str = ""
-    member: str = ""
-    endpoint: str = ""
-    member_id: str = ""
-    cluster_name: Optional[str] = None
-    cluster_id: Optional[str] = None
-    members: Optional[Tuple[ManifestMember, ...]] = None
+    host: Short = ""
+    member: Short = ""
+    endpoint: Short = ""
+    member_id: Short = ""
+    cluster: Optional[ClusterClaim] = None
+    members: Annotated[Optional[Tuple[ManifestMember, ...]], Items(0, 1024)] = None
     revision: int = 0
     store_revision: Optional[int] = None
-    etcd_version: Optional[str] = None
-    agent_version: str = ""
+    etcd_version: Optional[Short] = None
+    agent_version: Short = ""
     db_size: Optional[int] = None
-    compression: str = "none"
-    missing: Mapping[str, str] = field(default_factory=dict)
-    rendered: Mapping[str, str] = field(default_factory=dict)
-    snapshot: Mapping[str, Any] = field(default_factory=dict)
-    imported: Optional[Mapping[str, Any]] = None
+    compression: Short = "none"
+    missing: FileNotes = field(default_factory=dict)
+    rendered: FileNotes = field(default_factory=dict)
+    snapshot: JsonObject = field(default_factory=dict)
+    imported: Optional[JsonObject] = None
     encryption: Optional[Encryption] = None
     verified: bool = False
     signature: Optional[Signature] = None
     format_version: int = FORMAT_VERSION
+
+    ERROR = BackupCorrupt
+    TAGS = {"format": (FORMAT,)}
+    CLOSED = True
+    REQUIRED = ("format_version",)
+    OMIT_DEFAULT = ("rendered",)  # written only when a file was rendered (format 2)
+    RANGES = {"created_unix": U63, "revision": U63, "store_revision": U63, "db_size": U63}
+
+    @property
+    def cluster_name(self) -> Optional[str]:
+        return self.cluster.name if self.cluster is not None else None
+
+    @property
+    def cluster_id(self) -> Optional[str]:
+        return self.cluster.id if self.cluster is not None else None
 
     @property
     def origin(self) -> str:
@@ -144,66 +175,42 @@ class Manifest:
 
     # ------------------------------------------------------------ JSON
 
-    def to_json(self) -> Dict[str, Any]:
-        """The manifest as written (also the dict shape restore's older code reads)."""
-        out: Dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": self.format_version,
-            "name": self.name,
-            "created": self.created,
-            "host": self.host,
-            "member": self.member,
-            "endpoint": self.endpoint,
-            "member_id": self.member_id,
-            "revision": self.revision,
-            "agent_version": self.agent_version,
-            "compression": self.compression,
-            "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in sorted(self.files.items())},
-            "missing": dict(self.missing),
-            "snapshot": dict(self.snapshot),
-            "verified": self.verified,
-        }
-        if self.created_unix is not None:
-            out["created_unix"] = self.created_unix
-        if self.cluster_name is not None or self.cluster_id is not None:
-            cl: Dict[str, Any] = {}
-            if self.cluster_name is not None:
-                cl["name"] = self.cluster_name
-            if self.cluster_id is not None:
-                cl["id"] = self.cluster_id
-            out["cluster"] = cl
-        if self.members is not None:
-            out["members"] = [
-                {"id": m.id, "name": m.name, "peer_urls": list(m.peer_urls), "client_urls": list(m.client_urls),
-                 "is_learner": m.is_learner}
-                for m in self.members
-            ]
-        for key, value in (("store_revision", self.store_revision), ("etcd_version", self.etcd_version),
-                           ("db_size", self.db_size)):
-            if value is not None:
-                out[key] = value
-        if self.rendered:
-            out["rendered"] = dict(self.rendered)
-        if self.imported is not None:
-            out["imported"] = dict(self.imported)
-        if self.encryption is not None:
-            out["encryption"] = self.encryption.to_json()
-        if self.signature is not None:
-            out["signature"] = {"alg": self.signature.alg, "key_id": self.signature.key_id, "mac": self.signature.mac}
-        return out
-
     def to_bytes(self) -> bytes:
         return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str = MANIFEST, max_bytes: int = MAX_MANIFEST,
+    def refused(cls, where: str, problem: str) -> AgentError:
+        return BackupCorrupt(f"{where}: {problem}: not a manifest the agent writes")
+
+    @classmethod
+    def from_json(cls, d: object, where: str = MANIFEST, *, max_bytes: int = MAX_MANIFEST,
                   max_depth: int = MAX_DEPTH) -> "Manifest":
-        """Parse ``data`` (bounded: size, nesting, strict schema); BackupCorrupt with one sentence."""
-        try:
-            obj = bounded_json(data, where, max_bytes=max_bytes, max_depth=max_depth)
-        except SnapshotFormatError as exc:
-            raise BackupCorrupt(f"{exc.message}: not a manifest the agent writes") from None
-        return _parse(obj, where)
+        """``d``, the manifest's bytes (parsed bounded: size, nesting, no key twice) or its decoded
+        JSON, checked field by field; BackupCorrupt with one sentence."""
+        if isinstance(d, bytes):
+            try:
+                d = bounded_json(d, where, max_bytes=max_bytes, max_depth=max_depth)
+            except SnapshotFormatError as exc:
+                raise BackupCorrupt(f"{exc.message}: not a manifest the agent writes") from None
+        return super().from_json(d, where)
+
+    def violation(self) -> Optional[str]:
+        """A format version this agent reads, only the files it writes, exactly one snapshot
+        listed (the encrypted one when the manifest says so, format 3)."""
+        if not 1 <= self.format_version <= ENCRYPTED_FORMAT_VERSION:
+            return f"manifest format version {self.format_version} is not supported (1..{ENCRYPTED_FORMAT_VERSION})"
+        unexpected = sorted(set(self.files) - set(FILE_NAMES))
+        if unexpected:
+            return f"lists an unexpected file {unexpected[0][:40]!r}"
+        for key, notes in (("missing", self.missing), ("rendered", self.rendered)):
+            if set(notes) - set(FILE_NAMES):
+                return f"Manifest.{key} must map {', '.join(FILE_NAMES)} to short strings"
+        if self.encryption is not None and self.format_version < ENCRYPTED_FORMAT_VERSION:
+            return f"an encrypted snapshot in a format {self.format_version} manifest"
+        want = self.snapshot_member
+        if want not in self.files or len([n for n in SNAPSHOTS if n in self.files]) != 1:
+            return f"lists no {want}" + (f" (encryption says the snapshot is {want})" if self.encryption else "")
+        return None
 
     # ------------------------------------------------------------ signature
 
@@ -227,197 +234,3 @@ class Manifest:
             return "unknown-key"
         want = hmac.new(key, self.canonical(), hashlib.sha256).hexdigest()
         return "valid" if hmac.compare_digest(want, sig.mac) else "invalid"
-
-
-# ---------------------------------------------------------------- strict parsing
-
-_TOP = {
-    "format", "format_version", "name", "created", "created_unix", "host", "member", "endpoint", "member_id",
-    "cluster", "members", "revision", "store_revision", "etcd_version", "agent_version", "db_size", "compression",
-    "files", "missing", "snapshot", "verified", "rendered", "imported", "signature", "encryption",
-}
-
-
-class _Fields:
-    """Typed access to one JSON object, every wrong type a BackupCorrupt naming the field."""
-
-    def __init__(self, obj: Mapping[str, Any], where: str, path: str = "") -> None:
-        self.obj, self.where, self.path = obj, where, path
-
-    def bad(self, key: str, want: str) -> BackupCorrupt:
-        return BackupCorrupt(
-            f"{self.where}: field {self.path}{key} is not {want}: not a manifest the agent writes"
-        )
-
-    def text(self, key: str, default: Optional[str] = "", limit: int = 4096) -> Optional[str]:
-        v = self.obj.get(key, default)
-        if v is None and default is None:
-            return None
-        if not isinstance(v, str) or len(v) > limit:
-            raise self.bad(key, "a short string")
-        return v
-
-    def num(self, key: str, default: Optional[int] = None) -> Optional[int]:
-        v = self.obj.get(key, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
-            raise self.bad(key, "a non-negative integer")
-        return v
-
-    def sub(self, key: str) -> Optional[Mapping[str, Any]]:
-        v = self.obj.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise self.bad(key, "an object")
-        return v
-
-    def str_map(self, key: str) -> Dict[str, str]:
-        v = self.sub(key) or {}
-        out: Dict[str, str] = {}
-        for k, x in v.items():
-            if k not in FILE_NAMES or not isinstance(x, str) or len(x) > 4096:
-                raise self.bad(key, f"a map of {', '.join(FILE_NAMES)} to short strings")
-            out[k] = x
-        return out
-
-
-def _parse(obj: Mapping[str, Any], where: str) -> Manifest:
-    f = _Fields(obj, where)
-    version = _format_version(obj, f, where)
-    files = _files(f, where)
-    encryption = _encryption(f.sub("encryption"), where)
-    _check_snapshot_listed(files, encryption, version, where)
-    cluster = f.sub("cluster")
-    cf = _Fields(cluster or {}, where, "cluster.")
-    members = _members(obj, f, where)
-    snapshot = f.sub("snapshot") or {}
-    imported = f.sub("imported")
-    signature = _signature(f.sub("signature"), where)
-    return Manifest(
-        files=files,
-        name=f.text("name") or "",
-        created=f.text("created") or "",
-        created_unix=f.num("created_unix"),
-        host=f.text("host") or "",
-        member=f.text("member") or "",
-        endpoint=f.text("endpoint") or "",
-        member_id=f.text("member_id") or "",
-        cluster_name=cf.text("name", None),
-        cluster_id=cf.text("id", None),
-        members=members,
-        revision=f.num("revision", 0) or 0,
-        store_revision=f.num("store_revision"),
-        etcd_version=f.text("etcd_version", None),
-        agent_version=f.text("agent_version") or "",
-        db_size=f.num("db_size"),
-        compression=f.text("compression", "none") or "none",
-        missing=f.str_map("missing"),
-        rendered=f.str_map("rendered"),
-        snapshot=dict(snapshot),
-        imported=dict(imported) if imported is not None else None,
-        encryption=encryption,
-        verified=_bool(obj, "verified", f),
-        signature=signature,
-        format_version=version,
-    )
-
-
-def _format_version(obj: Mapping[str, Any], f: _Fields, where: str) -> int:
-    """One of ours (format, no unknown field) and a format version this agent reads."""
-    if obj.get("format") != FORMAT:
-        raise BackupCorrupt(f"{where}: not an {FORMAT} manifest (format {str(obj.get('format'))[:40]!r})")
-    unknown = sorted(set(obj) - _TOP)
-    if unknown:
-        raise BackupCorrupt(f"{where}: unknown field {unknown[0][:40]!r}: not a manifest this agent writes")
-    version = f.num("format_version")
-    if version is None or not 1 <= version <= ENCRYPTED_FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: manifest format version {version!r} is not supported "
-                            f"(1..{ENCRYPTED_FORMAT_VERSION})")
-    return version
-
-
-def _files(f: _Fields, where: str) -> Dict[str, FileEntry]:
-    files_obj = f.sub("files") or {}
-    files: Dict[str, FileEntry] = {}
-    for n, entry in files_obj.items():
-        if n not in FILE_NAMES or not isinstance(entry, dict):
-            raise BackupCorrupt(f"{where}: lists an unexpected file {n[:40]!r}")
-        ef = _Fields(entry, where, f"files.{n}.")
-        size, sha = ef.num("size"), ef.text("sha256", None)
-        if size is None or sha is None or not _HEX64.match(sha):
-            raise BackupCorrupt(f"{where}: entry for {n} lacks a size and sha256")
-        files[n] = FileEntry(size, sha)
-    return files
-
-
-def _check_snapshot_listed(files: Mapping[str, FileEntry], encryption: Optional[Encryption], version: int,
-                           where: str) -> None:
-    """Exactly one snapshot is listed: the encrypted one when the manifest says so (format 2+)."""
-    if encryption is not None and version < ENCRYPTED_FORMAT_VERSION:
-        raise BackupCorrupt(f"{where}: an encrypted snapshot in a format {version} manifest: not one the agent writes")
-    want = SNAPSHOT_AGE if encryption is not None else SNAPSHOT
-    if want not in files or len([n for n in SNAPSHOTS if n in files]) != 1:
-        raise BackupCorrupt(f"{where}: lists no {want}" + (f" (encryption says the snapshot is {want})"
-                                                             if encryption is not None else ""))
-
-
-def _members(obj: Mapping[str, Any], f: _Fields, where: str) -> Optional[Tuple[ManifestMember, ...]]:
-    raw_members = obj.get("members")
-    if raw_members is None:
-        return None
-    if not isinstance(raw_members, list) or len(raw_members) > 1024:
-        raise f.bad("members", "a list")
-    out: List[ManifestMember] = []
-    for i, m in enumerate(raw_members):
-        if not isinstance(m, dict):
-            raise f.bad(f"members[{i}]", "an object")
-        mf = _Fields(m, where, f"members[{i}].")
-        out.append(ManifestMember(
-            id=mf.text("id") or "", name=mf.text("name") or "",
-            peer_urls=_strs(m, "peer_urls", mf), client_urls=_strs(m, "client_urls", mf),
-            is_learner=_bool(m, "is_learner", mf),
-        ))
-    return tuple(out)
-
-
-def _signature(sig_obj: Optional[Mapping[str, Any]], where: str) -> Optional[Signature]:
-    if sig_obj is None:
-        return None
-    sf = _Fields(sig_obj, where, "signature.")
-    return Signature(sf.text("alg") or "", sf.text("key_id") or "", sf.text("mac") or "")
-
-
-def _encryption(obj: Optional[Mapping[str, Any]], where: str) -> Optional[Encryption]:
-    if obj is None:
-        return None
-    ef = _Fields(obj, where, "encryption.")
-    unknown = sorted(set(obj) - {"format", "recipients", "plaintext_size", "plaintext_sha256"})
-    if unknown:
-        raise BackupCorrupt(f"{where}: unknown field encryption.{unknown[0][:40]!r}: not a manifest this agent writes")
-    if obj.get("format") != "age":
-        raise BackupCorrupt(f"{where}: encryption format {str(obj.get('format'))[:40]!r} is not one this agent reads "
-                            "(age)")
-    raw = obj.get("recipients")
-    if (not isinstance(raw, list) or not 1 <= len(raw) <= MAX_RECIPIENTS
-            or not all(isinstance(r, str) and _AGE_RECIPIENT.match(r) for r in raw)):
-        raise ef.bad("recipients", f"a list of 1 to {MAX_RECIPIENTS} age recipients (age1...)")
-    size, sha = ef.num("plaintext_size"), ef.text("plaintext_sha256", None)
-    if size is None or sha is None or not _HEX64.match(sha):
-        raise BackupCorrupt(f"{where}: encryption lacks the plaintext's size and sha256")
-    return Encryption(tuple(raw), size, sha)
-
-
-def _strs(obj: Mapping[str, Any], key: str, f: _Fields) -> Tuple[str, ...]:
-    v = obj.get(key) or []
-    if not isinstance(v, list) or len(v) > 64 or not all(isinstance(s, str) and len(s) < 4096 for s in v):
-        raise f.bad(key, "a list of strings")
-    return tuple(v)
-
-
-def _bool(obj: Mapping[str, Any], key: str, f: _Fields) -> bool:
-    v = obj.get(key, False)
-    if not isinstance(v, bool):
-        raise f.bad(key, "true or false")
-    return v

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 from etcd_agent import __version__
 from etcd_agent.backup import archive, boundaries, catalog, checks, keys, retention
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
-from etcd_agent.backup.manifest import FileEntry, Manifest, ManifestMember
+from etcd_agent.backup.manifest import ClusterClaim, FileEntry, Manifest, ManifestMember
 from etcd_agent.backup.snapcheck import SnapshotFacts
 from etcd_agent.backup.verify import verify
 from etcd_agent.config import Config, Member
@@ -255,8 +255,7 @@ def _take(
                     member=m.name,
                     endpoint=m.client_url,
                     member_id=f"{st.member_id:x}",
-                    cluster_name=cfg.cluster.name,
-                    cluster_id=f"{st.cluster_id:x}",
+                    cluster=ClusterClaim(cfg.cluster.name, f"{st.cluster_id:x}"),
                     members=tuple(ManifestMember(f"{x.id:x}", x.name, tuple(x.peer_urls), tuple(x.client_urls),
                                                  x.is_learner) for x in members),
                     # as `snapshot status` counts it, read from the snapshot's db: the newest

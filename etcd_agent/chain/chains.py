@@ -34,8 +34,10 @@ from etcd_agent.chain.segments import (
     ms_to_datetime,
     parse_name,
 )
+from etcd_agent.errors import ProtocolError
 from etcd_agent.fs import regular_fd, size_text
 from etcd_agent.safejson import loads
+from etcd_agent.typedjson import Document
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,15 @@ log = logging.getLogger(__name__)
 # estimate, not a promise
 REPLAY_EVENTS_PER_SECOND = 80000.0  # measured ~100,000/s of 1 KiB (bench/pitr_bench.py), with margin
 WATCHER_LOCK = ".delta-watcher.lock"
+MAX_HOLDER = 4096  # the watch's holder record: a few short fields
+
+
+@dataclass(frozen=True)
+class WatcherHolder(Document):
+    """The one field of the watcher lock's holder record (``state.locks.Holder``, which this
+    room is below) that a listing takes: the base revision of the chain being written."""
+
+    base_revision: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -209,13 +220,12 @@ def active_base(directory: str) -> Optional[int]:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            raw = os.pread(fd, 4096, 0)
+            raw = os.pread(fd, MAX_HOLDER, 0)
             try:
-                rec = loads(raw.decode("utf-8", "replace") or "{}", max_bytes=4096)
-            except ValueError:
+                rec = loads(raw.decode("utf-8", "replace") or "{}", max_bytes=MAX_HOLDER)
+                return WatcherHolder.from_json(rec, f"watcher lock {path}").base_revision
+            except (ValueError, ProtocolError):  # an older agent's plain-text record, or damage
                 return None
-            base = rec.get("base_revision") if isinstance(rec, dict) else None
-            return base if isinstance(base, int) and not isinstance(base, bool) else None
         return None  # nobody holds it
     finally:
         os.close(fd)

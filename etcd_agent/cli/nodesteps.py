@@ -5,25 +5,44 @@ imports none of them, so the node protocol stays below every room that uses it.
 """
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, Optional
 
-from etcd_agent.node.protocol import Args
+from etcd_agent.node.protocol import Args, StepArgs
 from etcd_agent.node.replies import BackupReply, ReleaseReply
 from etcd_agent.node.server import Handler, NodeContext
 from etcd_agent.typedjson import Document
+
+
+@dataclass(frozen=True)
+class UpgradeArgs(StepArgs):
+    member: str
+    to: str  # the version to run
+    timeout: float = 120.0  # for the member to serve again
+
+
+@dataclass(frozen=True)
+class ReleaseArgs(StepArgs):
+    version: str
+
+
+@dataclass(frozen=True)
+class BackupArgs(StepArgs):
+    member: Optional[str] = None  # the member to back up (None: the one the config picks)
 
 
 def upgrade_member(ctx: NodeContext, args: Args) -> Document:
     from etcd_agent.member.upgrade import upgrade_member as step
 
     ctx.require_lock("upgrade-member")
-    return step(ctx.cfg, args.text("member"), args.text("to"), args.number("timeout", 120.0))
+    a = args.read(UpgradeArgs)
+    return step(ctx.cfg, a.member, a.to, a.timeout)
 
 
 def release_version(ctx: NodeContext, args: Args) -> Document:
     from etcd_agent.member.upgrade import release_versions
 
-    got = release_versions(ctx.cfg, args.text("version"))
+    got = release_versions(ctx.cfg, args.read(ReleaseArgs).version)
     return ReleaseReply(got.get("binary"), got.get("etcdctl"), got.get("etcdutl"))
 
 
@@ -33,7 +52,7 @@ def backup(ctx: NodeContext, args: Args) -> Document:
     from etcd_agent.bucket.copier import off_host
 
     ctx.require_lock("backup")
-    b = take_backup(ctx.cfg, member=args.opt_text("member"), full_verify=True, prune=False, hold_lock=False,
+    b = take_backup(ctx.cfg, member=args.read(BackupArgs).member, full_verify=True, prune=False, hold_lock=False,
                     off_host=off_host(ctx.cfg))
     return BackupReply.from_json(b.to_json(), "node backup")  # BackupResult.to_json is the one shape
 

@@ -5,10 +5,12 @@ Only argv lists leave this module; every value that comes from config has been v
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Optional
 
 from etcd_agent.errors import BackupCorrupt, CommandError
 from etcd_agent.safejson import loads
+from etcd_agent.typedjson import Document, Key
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -17,6 +19,21 @@ if TYPE_CHECKING:  # pragma: no cover
 # etcdctl v3 API; 3.4 defaults to it already, being explicit keeps 3.3-era environments honest.
 ETCDCTL_ENV = {"ETCDCTL_API": "3"}
 MAX_STATUS_OUTPUT = 1 << 20  # `snapshot status -w json` prints one short object
+U63 = (0.0, float((1 << 63) - 1))
+
+
+@dataclass(frozen=True)
+class SnapshotStatus(Document):
+    """The four fields etcdctl 3.4 and etcdutl 3.5 print for ``snapshot status -w json``: what
+    the agent compares (revision, entry count, hash) is checked here, once."""
+
+    hash: int
+    revision: int
+    total_keys: Annotated[int, Key("totalKey")]
+    total_size: Annotated[int, Key("totalSize")]
+
+    ERROR = BackupCorrupt
+    RANGES = {"hash": U63, "revision": U63, "total_keys": U63, "total_size": U63}
 
 
 def snapshot_tool(cfg: "Config") -> List[str]:
@@ -38,13 +55,19 @@ def snapshot_status(host: "Host", cfg: "Config", path: str, timeout: float = 300
             tail = (exc.result.stderr or exc.result.stdout).strip().splitlines()[-1:]
             detail = tail[0] if tail else ""
         raise BackupCorrupt(f"snapshot {path} failed `snapshot status`: {detail or exc.message}") from None
+    return read_status(path, res.stdout)
+
+
+def read_status(path: str, stdout: str) -> Dict[str, Any]:
+    """``snapshot status -w json``'s output about ``path``, checked as a ``SnapshotStatus`` and
+    returned as the tool printed it (a manifest records it verbatim, signed: its keys are etcd's,
+    a later etcd's extra key included). BackupCorrupt naming the field when it is not one."""
     try:
-        data = loads(res.stdout, max_bytes=MAX_STATUS_OUTPUT)
+        data = loads(stdout, max_bytes=MAX_STATUS_OUTPUT)
     except ValueError:
-        raise BackupCorrupt(f"snapshot status of {path} printed no JSON: {res.stdout[:200]!r}") from None
-    if not isinstance(data, dict) or "revision" not in data:
-        raise BackupCorrupt(f"snapshot status of {path} is incomplete: {data!r}")
-    return data
+        raise BackupCorrupt(f"snapshot status of {path} printed no JSON: {stdout[:200]!r}") from None
+    SnapshotStatus.from_json(data, f"snapshot status of {path}")
+    return dict(data)
 
 
 def snapshot_restore_argv(

@@ -14,14 +14,16 @@ import select
 import signal
 import subprocess
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from etcd_agent.config import Config
-from etcd_agent.errors import OperationFailed
+from etcd_agent.errors import OperationFailed, ProtocolError
 from etcd_agent.fs import makedirs, open_append, write_atomic
 from etcd_agent.proctime import start_ticks
 from etcd_agent.safejson import load as load_json
 from etcd_agent.topology import parse_conf
+from etcd_agent.typedjson import Document
 from etcd_agent.waiting import poll
 
 if TYPE_CHECKING:  # pragma: no cover - psutil is imported where a process is looked at
@@ -32,6 +34,19 @@ log = logging.getLogger(__name__)
 # Variables of the agent's own environment that etcd may inherit; ETCD_* come from the conf only.
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "GOMAXPROCS")
 MAX_PIDFILE = 64 << 10  # a pid record names the binary: a path, at most 4 KiB
+
+
+@dataclass(frozen=True)
+class PidRecord(Document):
+    """``<run_dir>/<member>.pid``: which process is this member's etcd. A record that does not
+    read (ProtocolError naming the field) means "not ours": no signal goes to that pid."""
+
+    pid: int
+    create_time: float  # psutil's, wall-clock seconds: the check of a record without start_ticks
+    start_ticks: Optional[int] = None  # proctime.start_ticks; absent in an older agent's record
+    binary: str = ""  # the etcd started (absent: the configured one)
+
+    RANGES = {"pid": (1.0, float(1 << 31))}
 
 
 class ProcessBackend:
@@ -106,13 +121,9 @@ class ProcessBackend:
             logfh.close()
         import psutil
 
-        created = psutil.Process(self._child.pid).create_time()
-        write_atomic(
-            self.pid_file,
-            json.dumps({"pid": self._child.pid, "create_time": created, "start_ticks": start_ticks(self._child.pid),
-                        "binary": self.cfg.etcd.binary}).encode(),
-            mode=0o600,
-        )
+        rec = PidRecord(self._child.pid, psutil.Process(self._child.pid).create_time(), start_ticks(self._child.pid),
+                        self.cfg.etcd.binary)
+        write_atomic(self.pid_file, json.dumps(rec.to_json()).encode(), mode=0o600)
         log.info("%s: started etcd pid %d (log %s)", self.member, self._child.pid, self.log_file)
 
     def pid(self) -> Optional[int]:
@@ -125,21 +136,20 @@ class ProcessBackend:
 
         try:
             with open(self.pid_file, encoding="utf-8") as fh:
-                rec = load_json(fh, max_bytes=MAX_PIDFILE)
-            pid, created = int(rec["pid"]), float(rec["create_time"])
-            ticks = rec.get("start_ticks")
-        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+                rec = PidRecord.from_json(load_json(fh, max_bytes=MAX_PIDFILE), f"pid file {self.pid_file}")
+        except (FileNotFoundError, ValueError, ProtocolError):
             return None
+        pid, created, ticks = rec.pid, rec.create_time, rec.start_ticks
         self._reap()
         try:
             proc = psutil.Process(pid)
             # the same process, not a recycled pid: by its start in ticks since boot, which no
             # clock moves (proctime); a pid file of an older agent has only the wall-clock time
-            same = start_ticks(pid) == ticks if isinstance(ticks, int) else abs(proc.create_time() - created) <= 0.01
+            same = start_ticks(pid) == ticks if ticks is not None else abs(proc.create_time() - created) <= 0.01
             if not same or proc.status() == psutil.STATUS_ZOMBIE:
                 return None
             cmd = proc.cmdline()
-            if not cmd or os.path.basename(cmd[0]) != os.path.basename(rec.get("binary", self.cfg.etcd.binary)):
+            if not cmd or os.path.basename(cmd[0]) != os.path.basename(rec.binary or self.cfg.etcd.binary):
                 return None
             env_name = proc.environ().get("ETCD_NAME")
             if env_name is not None and env_name != self.member:

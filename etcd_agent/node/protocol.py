@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional
+from typing import Any, Mapping, Optional, Type, TypeVar
 
-from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, error_from_json
+from etcd_agent.errors import AgentError, OperationFailed, ProtocolError, RefusedError, error_from_json
 from etcd_agent.safejson import UnsafeJson, loads
 from etcd_agent.typedjson import Document, JsonObject
+
+D = TypeVar("D", bound=Document)
 
 # Bumped when the documents change incompatibly; both ends must speak the same one, so an agent
 # of another version is refused at the hello (the pre-check names it), never half-way through.
@@ -117,56 +119,20 @@ def decode(line: bytes, where: str) -> JsonObject:
     return doc
 
 
+class StepArgs(Document):
+    """Base of a step's arguments, one typed document per step (``Args.read``)."""
+
+    ERROR = RefusedError  # the request is wrong: refused (exit 3), never a KeyError deep inside a step
+
+
 class Args:
-    """A request's arguments, read with their types checked: a wrong or missing one is refused
-    (exit 3), never a KeyError deep inside a step."""
+    """A request's arguments as they came (``raw``), read as the step's typed document."""
 
     def __init__(self, raw: Mapping[str, Any], step: str) -> None:
         self.raw = raw
         self.step = step
 
-    def _get(self, key: str, ok: Any, what: str, optional: bool) -> Any:
-        from etcd_agent.errors import RefusedError
-
-        v = self.raw.get(key)
-        if v is None and optional:
-            return None
-        if key not in self.raw or not ok(v):
-            raise RefusedError(f"node {self.step}: argument {key!r} must be {what}")
-        return v
-
-    def text(self, key: str) -> str:
-        return str(self._get(key, lambda v: isinstance(v, str), "a string", False))
-
-    def opt_text(self, key: str) -> Optional[str]:
-        v = self._get(key, lambda v: isinstance(v, str), "a string or null", True)
-        return None if v is None else str(v)
-
-    def integer(self, key: str) -> int:
-        return int(self._get(key, _is_int, "an integer", False))
-
-    def opt_integer(self, key: str) -> Optional[int]:
-        v = self._get(key, _is_int, "an integer or null", True)
-        return None if v is None else int(v)
-
-    def number(self, key: str, default: float) -> float:
-        v = self._get(key, lambda v: _is_int(v) or isinstance(v, float), "a number", True)
-        return default if v is None else float(v)
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        v = self._get(key, lambda v: isinstance(v, bool), "true or false", True)
-        return default if v is None else bool(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def str_list(args: Args, key: str) -> List[str]:
-    """A list-of-strings argument ([] when absent)."""
-    from etcd_agent.errors import RefusedError
-
-    v = args.raw.get(key, [])
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise RefusedError(f"node {args.step}: argument {key!r} must be a list of strings")
-    return [str(x) for x in v]
+    def read(self, kind: Type[D]) -> D:
+        """The arguments as ``kind``: a wrong or missing one is its refusal (a ``StepArgs``'s is
+        RefusedError, exit 3) naming the step and the field."""
+        return kind.from_json(self.raw, f"node {self.step}")

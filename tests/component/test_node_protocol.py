@@ -4,14 +4,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import pytest
 
 from etcd_agent.config import parse_text
 from etcd_agent.errors import EXIT_BUSY, EXIT_REFUSED, AgentError, BusyError, CommandTimedOut, HostUnreachable
 from etcd_agent.node.client import NodeClient, new_owner
-from etcd_agent.node.protocol import MAX_LINE, Args
+from etcd_agent.node.protocol import MAX_LINE, Args, StepArgs
 from etcd_agent.node.server import NodeContext, serve
 from tests.harness.scripted import Script, ScriptedHost, ServeSession
 
@@ -108,13 +109,21 @@ def test_an_oversized_line_ends_the_session_cleanly(tmp_path: object) -> None:
             nc.call("lock")
 
 
+@dataclass(frozen=True)
+class _Args(StepArgs):
+    n: int
+    s: str
+    b: bool = False
+    missing: Optional[str] = None
+
+
 def test_args_are_typed(tmp_path: object) -> None:
-    a = Args({"n": 3, "s": "x", "b": True, "bad": "3"}, "step")
-    assert a.integer("n") == 3 and a.text("s") == "x" and a.flag("b") and a.opt_text("missing") is None
-    for fn, key in ((a.integer, "bad"), (a.text, "n"), (a.integer, "missing")):
+    a = Args({"n": 3, "s": "x", "b": True, "other": "3"}, "step").read(_Args)
+    assert (a.n, a.s, a.b, a.missing) == (3, "x", True, None)
+    for raw, field in (({"n": "3", "s": "x"}, "_Args.n"), ({"n": 3, "s": 3}, "_Args.s"), ({"s": "x"}, "'n'")):
         with pytest.raises(AgentError) as ei:
-            fn(key)
-        assert ei.value.exit_code == EXIT_REFUSED
+            Args(raw, "step").read(_Args)
+        assert ei.value.exit_code == EXIT_REFUSED and ei.value.message.startswith("node step: ") and field in ei.value.message
 
 
 def test_scripted_serve_session_is_the_real_server() -> None:

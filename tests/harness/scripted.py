@@ -77,10 +77,14 @@ class Script:
     def _receive(self, member: str, args: Args) -> Dict[str, Any]:
         """``receive``: after a ship, the receipt; with ``copy_from`` (a member on the restoring
         master), the copy: the bytes at that offset of that file hashed like a receiver would."""
-        path = args.opt_text("copy_from")
+        from etcd_agent.restore.host.steps import ReceiveArgs
+
+        a = args.read(ReceiveArgs)
+        path = a.copy_from
         if path is None:
             return {"step": "receive", "member": member}
-        offset, size = args.opt_integer("offset") or 0, os.path.getsize(path) - (args.opt_integer("offset") or 0)
+        offset = a.offset or 0
+        size = os.path.getsize(path) - offset
         h = hashlib.sha256()
         with open(path, "rb") as fh:
             fh.seek(offset)

@@ -254,7 +254,7 @@ def test_retention_with_hostile_files_and_a_fake_clock(cluster_factory: Callable
     assert "dated in the future by its name" in q["etcd-2087-06-01-00-00-00.tar"]
     assert "modified in the future" in q["etcd-2020-01-01-00-00-00.tar"]
     assert "nested deeper than 8" in q["etcd-2019-08-07-01-00-00.tar"]
-    assert "field cluster is not an object" in q["etcd-2019-08-07-02-00-00.tar"]
+    assert "Manifest.cluster: ClusterClaim must be a JSON object" in q["etcd-2019-08-07-02-00-00.tar"]
     assert "not a tar archive" in q["etcd-2019-08-07-03-00-00.tar"] and "not a tar archive" in q["notes.txt"]
     assert "truncated" in q["etcd-2019-08-07-04-00-00.tar"]
     text = cli(c.config_path, "backup", "list").stdout

@@ -199,3 +199,45 @@ def test_the_members_of_one_host_look_up_the_chain_of_a_point_in_time_restore_on
             NodeRestore(cfg, m, op)._record_boundary(j, None)
     assert len(read) == 2, read  # once for op1's three members, once for op2's
     assert [b.op for b in B.read(cfg.backup.dir)] == ["op1", "op2"]
+
+
+WRITTEN = (  # the record as this version writes it (an optional field that is None left out)
+    '{\n "restores": [\n  {\n   "op": "detected-1799999000000",\n   "time": 1799999000.0,\n   "kind": "detected",\n'
+    '   "set_aside": [],\n   "cluster_id": "cafe",\n   "reason": "another cluster id"\n  },\n  {\n   "op": "r1",\n'
+    '   "time": 1800000000.0,\n   "kind": "restore",\n   "from_backup": "src",\n   "from_sha256": "' + "ab" * 32 + '",\n'
+    '   "set_aside": [\n    "/a"\n   ],\n   "reason": ""\n  }\n ]\n}\n')
+# as an older version wrote it: every field, null ones too, before point-in-time restores
+OLDER = json.dumps({"restores": [
+    {"op": "detected-1799999000000", "time": 1799999000.0, "kind": "detected", "from_backup": None, "from_sha256": None,
+     "set_aside": [], "cluster_id": "cafe", "reason": "another cluster id"},
+    {"op": "r1", "time": 1800000000, "kind": "restore", "from_backup": "src", "from_sha256": "ab" * 32,
+     "set_aside": ["/a"], "cluster_id": None, "reason": ""}]}, indent=1) + "\n"
+
+
+def test_the_record_is_written_byte_for_byte_as_before_and_an_old_one_reads(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    with open(os.path.join(d, B.FILE), "w") as fh:
+        fh.write(OLDER)
+    rec = B.load(d)
+    assert rec.problem is None and [(b.op, b.kind, b.set_aside) for b in rec.boundaries] == [
+        ("detected-1799999000000", "detected", ()), ("r1", "restore", ("/a",))]
+    os.unlink(os.path.join(d, B.FILE))
+    assert B.record(d, rec.boundaries[1]) and B.record(d, rec.boundaries[0])
+    with open(os.path.join(d, B.FILE)) as fh:
+        assert fh.read() == WRITTEN
+
+
+@pytest.mark.parametrize("doc,problem", [
+    ({}, "RestoreRecord lacks its field 'restores'"),
+    ({"restores": {"op": "r1"}}, "RestoreRecord.restores must be a list, not an object"),
+    ({"restores": None}, "RestoreRecord.restores must not be null"),
+    ([], "RestoreRecord must be a JSON object, not a list"),
+])
+def test_a_record_without_its_list_is_one_error_naming_the_field(tmp_path: Any, doc: Any, problem: str) -> None:
+    with pytest.raises(B.RecordUnreadable) as exc:
+        B.RestoreRecord.from_json(doc, "x.json")
+    assert exc.value.message == f"x.json: {problem}"
+    path = os.path.join(str(tmp_path), B.FILE)
+    with open(path, "w") as fh:
+        json.dump(doc, fh)
+    assert B.load(str(tmp_path)).problem == f"{path} is not a restore record: {problem}"

@@ -11,7 +11,7 @@ from typing import Any, Dict
 import pytest
 
 from etcd_agent.backup import archive, catalog, checks, keys
-from etcd_agent.backup.manifest import FileEntry, Manifest, ManifestMember
+from etcd_agent.backup.manifest import ClusterClaim, FileEntry, Manifest, ManifestMember
 from etcd_agent.errors import BackupCorrupt, RefusedError, UsageError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
@@ -94,7 +94,7 @@ def test_any_file_name_resolves(tmp_path: Any) -> None:
 
 
 def test_manifest_round_trip_and_canonical_signature() -> None:
-    m = Manifest(files={"etcd_snapshot.db": FileEntry(20512, "a" * 64)}, name="n", cluster_id="abc",
+    m = Manifest(files={"etcd_snapshot.db": FileEntry(20512, "a" * 64)}, name="n", cluster=ClusterClaim(id="abc"),
                  members=(ManifestMember("1f", "m1", ("http://x:2380",)),), revision=3,
                  rendered={"etcd.service": "no unit file"})
     key = os.urandom(32)
@@ -107,7 +107,7 @@ def test_manifest_round_trip_and_canonical_signature() -> None:
     old = {"format": "etcd-agent-backup", "format_version": 1, "files": {"etcd_snapshot.db": {"size": 1, "sha256": "b" * 64}}}
     assert Manifest.from_json(json.dumps(old).encode()).signature_state(key) == "unsigned"
     for bad, want in ((dict(old, format_version=9), "not supported"), (dict(old, files={}), "lists no"),
-                      (dict(old, verified="yes"), "true or false")):
+                      (dict(old, verified="yes"), "Manifest.verified must be a boolean")):
         with pytest.raises(BackupCorrupt, match=want):
             Manifest.from_json(json.dumps(bad).encode())
 

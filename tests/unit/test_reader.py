@@ -254,9 +254,9 @@ def test_manifest_limits_never_crash(tmp_path: Any) -> None:
     assert 230_000 < len(deep) < 240_000
     cases = [
         (deep, "nested deeper than 8"),
-        (json.dumps(_manifest(cluster="x")).encode(), "field cluster is not an object"),
-        (json.dumps(_manifest(members="nope")).encode(), "field members is not a list"),
-        (json.dumps(_manifest(evil=1)).encode(), "unknown field 'evil'"),
+        (json.dumps(_manifest(cluster="x")).encode(), "Manifest.cluster: ClusterClaim must be a JSON object, not a string"),
+        (json.dumps(_manifest(members="nope")).encode(), "Manifest.members must be a list, not a string"),
+        (json.dumps(_manifest(evil=1)).encode(), "Manifest has unknown field(s) evil"),
         (b"{nope", "bad JSON"),
         (b" " * (300 * 1024), "larger than any real one"),
     ]

@@ -9,38 +9,113 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Callable, Dict, List, Optional, Tuple
 
 from etcd_agent.errors import AgentError, OperationFailed, RefusedError
-from etcd_agent.node.protocol import Args, str_list
+from etcd_agent.node.protocol import Args, StepArgs
 from etcd_agent.node.replies import MemberSteps, StepReply, StepsReply
 from etcd_agent.node.server import Handler, NodeContext
-from etcd_agent.typedjson import Document
+from etcd_agent.typedjson import Document, Items
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.restore.host.node import NodeRestore
 
 log = logging.getLogger(__name__)
+MAX_MEMBERS = 64  # the members of one host a batch of steps names
 
 
-def _node(ctx: NodeContext, args: Args) -> "NodeRestore":
+# ---------------------------------------------------------------- the steps' arguments
+# What the orchestrator sends (``NodeClient.call(step, member=..., op=..., **args)``), read as one
+# typed document per step: a wrong or missing argument is refused (exit 3) naming it, before the
+# step touches anything.
+
+
+@dataclass(frozen=True)
+class MemberArgs(StepArgs):
+    """A step that takes nothing but the member and the restore (op) it belongs to."""
+
+    member: str
+    op: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BeginArgs(StepArgs):
+    member: str
+    token: str
+    initial_cluster: str
+    size: int
+    backup: str
+    op: Optional[str] = None
+    sha256: Optional[str] = None
+    bump: Optional[int] = None
+    fence_owner: bool = False
+    new_cluster: bool = False
+
+
+@dataclass(frozen=True)
+class ReceiveArgs(StepArgs):
+    member: str
+    op: Optional[str] = None
+    sha256: Optional[str] = None
+    copy_from: Optional[str] = None  # a file on this host to copy from (absolute) ...
+    offset: Optional[int] = None  # ... where the snapshot starts in it
+
+
+@dataclass(frozen=True)
+class FinishArgs(StepArgs):
+    member: str
+    op: Optional[str] = None
+    member_id: Optional[str] = None
+    cluster_id: Optional[str] = None
+    ancestors: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServingArgs(StepArgs):
+    member: str
+    op: Optional[str] = None
+    min_revision: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CleanupArgs(StepArgs):
+    member: str
+    keep: int
+    op: Optional[str] = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class MemberStepsArgs(Document):
+    member: str
+    steps: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepsArgs(StepArgs):
+    members: Annotated[Tuple[MemberStepsArgs, ...], Items(1, MAX_MEMBERS)]
+    op: Optional[str] = None
+
+
+def _node(ctx: NodeContext, member: str, op: Optional[str]) -> "NodeRestore":
     from etcd_agent.restore.host.node import NodeRestore
 
-    return NodeRestore(ctx.cfg, args.text("member"), args.opt_text("op"))
+    return NodeRestore(ctx.cfg, member, op)
 
 
 def precheck(ctx: NodeContext, args: Args) -> Document:
     from etcd_agent.restore.host.node import NodeRestore
 
-    return NodeRestore(ctx.cfg, args.text("member")).precheck()
+    return NodeRestore(ctx.cfg, args.read(MemberArgs).member).precheck()
 
 
 def begin(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("begin")
-    return _node(ctx, args).begin(
-        token=args.text("token"), initial_cluster=args.text("initial_cluster"), sha256=args.opt_text("sha256"),
-        size=args.integer("size"), backup=args.text("backup"), bump=args.opt_integer("bump"),
-        fence_owner=args.flag("fence_owner"), new_cluster=args.flag("new_cluster"),
+    a = args.read(BeginArgs)
+    return _node(ctx, a.member, a.op).begin(
+        token=a.token, initial_cluster=a.initial_cluster, sha256=a.sha256, size=a.size, backup=a.backup, bump=a.bump,
+        fence_owner=a.fence_owner, new_cluster=a.new_cluster,
     )
 
 
@@ -51,7 +126,8 @@ SIMPLE_STEPS = ("restore", "fence", "halt", "stop", "aside", "install", "chown",
 def simple(name: str) -> Handler:
     def handler(ctx: NodeContext, args: Args) -> Document:
         ctx.require_lock(name)
-        return run_step(_node(ctx, args), name)
+        a = args.read(MemberArgs)
+        return run_step(_node(ctx, a.member, a.op), name)
 
     return handler
 
@@ -68,7 +144,7 @@ def steps(ctx: NodeContext, args: Args) -> Document:
     """Simple steps of several of this host's members in one call (``run_members``)."""
     plan = member_steps(args)
     ctx.require_lock("steps")
-    op = args.opt_text("op")
+    op = args.read(StepsArgs).op
     from etcd_agent.restore.host.node import NodeRestore
 
     def runner(member: str) -> Callable[[str], StepReply]:
@@ -109,15 +185,9 @@ def run_members(plan: List[Tuple[str, List[str]]], runner: Runner) -> StepsReply
 def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
     """The ``members`` argument of ``steps``: [{"member": NAME, "steps": [SIMPLE_STEP, ...]}, ...],
     each member once."""
-    raw = args.raw.get("members")
-    if not isinstance(raw, list) or not raw:
-        raise RefusedError("node steps: argument 'members' must be a non-empty list")
     out: List[Tuple[str, List[str]]] = []
-    for item in raw:
-        if not isinstance(item, dict):
-            raise RefusedError("node steps: every entry of 'members' must be an object")
-        entry = Args(item, "steps")
-        member, names = entry.text("member"), str_list(entry, "steps")
+    for entry in args.read(StepsArgs).members:
+        member, names = entry.member, list(entry.steps)
         bad = [n for n in names if n not in SIMPLE_STEPS]
         if bad:
             raise RefusedError(f"node steps: not a simple step: {', '.join(bad)}")
@@ -129,30 +199,30 @@ def member_steps(args: Args) -> List[Tuple[str, List[str]]]:
 
 def receive(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("receive")
-    path = args.opt_text("copy_from")
-    if path is not None and not os.path.isabs(path):
-        raise RefusedError(f"node receive: copy_from must be an absolute path, got {path!r}")
-    copy_from = (path, args.opt_integer("offset") or 0) if path is not None else None
-    return _node(ctx, args).receive(args.opt_text("sha256"), copy_from)
+    a = args.read(ReceiveArgs)
+    if a.copy_from is not None and not os.path.isabs(a.copy_from):
+        raise RefusedError(f"node receive: copy_from must be an absolute path, got {a.copy_from!r}")
+    copy_from = (a.copy_from, a.offset or 0) if a.copy_from is not None else None
+    return _node(ctx, a.member, a.op).receive(a.sha256, copy_from)
 
 
 def finish(ctx: NodeContext, args: Args) -> Document:
     ctx.require_lock("finish")
-    return _node(ctx, args).finish(
-        member_id=args.opt_text("member_id"), cluster_id=args.opt_text("cluster_id"), ancestors=str_list(args, "ancestors"),
-    )
+    a = args.read(FinishArgs)
+    return _node(ctx, a.member, a.op).finish(member_id=a.member_id, cluster_id=a.cluster_id, ancestors=list(a.ancestors))
 
 
 def serving(ctx: NodeContext, args: Args) -> Document:
     """Read-only: who serves the member now (``NodeRestore.serving``)."""
-    return _node(ctx, args).serving(args.opt_integer("min_revision"))
+    a = args.read(ServingArgs)
+    return _node(ctx, a.member, a.op).serving(a.min_revision)
 
 
 def cleanup(ctx: NodeContext, args: Args) -> Document:
-    keep, dry_run = args.integer("keep"), args.flag("dry_run")
-    if not dry_run:
+    a = args.read(CleanupArgs)
+    if not a.dry_run:
         ctx.require_lock("cleanup")
-    return _node(ctx, args).cleanup(keep, dry_run)
+    return _node(ctx, a.member, a.op).cleanup(a.keep, a.dry_run)
 
 
 def handlers() -> Dict[str, Handler]:
