@@ -18,7 +18,10 @@ from etcd_agent.typedjson import Document
 class UpgradeArgs(StepArgs):
     member: str
     to: str  # the version to run
-    timeout: float = 120.0  # for the member to serve again
+    timeout: float = 120.0  # for the member to serve again, unless serve_seconds says
+    # what the operator gave (`upgrade --timeout`): `timeout` above is taken by NodeClient.ask as
+    # its own wait for the reply, so it never reached the host, which waited its default 120 s
+    serve_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ def upgrade_member(ctx: NodeContext, args: Args) -> Document:
 
     ctx.require_lock("upgrade-member")
     a = args.read(UpgradeArgs)
-    return step(ctx.cfg, a.member, a.to, a.timeout)
+    return step(ctx.cfg, a.member, a.to, a.serve_seconds if a.serve_seconds is not None else a.timeout)
 
 
 def release_version(ctx: NodeContext, args: Args) -> Document:

@@ -191,6 +191,8 @@ def plan_cluster_hops(versions: Dict[str, str], target: str, via: Tuple[str, ...
 
 
 MAX_PROGRESS = 1 << 20
+# seconds an upgrade step's reply may take beyond the host's own waits (stopping etcd, installing)
+UPGRADE_REPLY_SLACK = 60.0
 
 
 @dataclass(frozen=True)
@@ -326,8 +328,11 @@ class Upgrade:
             _progress(self.cfg, self.plan, f"hop {index}: upgrading {step.name}")
             began = time.monotonic()
             try:
+                # the host waits up to step_timeout for the member to serve, and as long again for
+                # the old release after a rollback; the reply is awaited past both
                 out = node_of(self.nodes, step.name).ask(UpgradeReply, "upgrade-member", member=step.name,
-                                                         to=hop.to_version, timeout=self.step_timeout)
+                                                         to=hop.to_version, serve_seconds=self.step_timeout,
+                                                         timeout=2 * self.step_timeout + UPGRADE_REPLY_SLACK)
             except AgentError as exc:
                 step.seconds = time.monotonic() - began
                 step.outcome = "rolled back" if "rolled back" in exc.message else "failed"

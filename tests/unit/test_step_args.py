@@ -73,8 +73,11 @@ def test_a_batch_of_steps_still_names_only_simple_steps_each_member_once(members
 def test_the_other_node_steps_arguments_are_typed_too() -> None:
     from etcd_agent.cli import nodesteps as N
 
-    # as cluster.upgrade sends them (its timeout= is the call's, NodeClient.call keeps it)
+    # as cluster.upgrade sends them (its timeout= is the call's, NodeClient.call keeps it; the
+    # operator's --timeout reaches the host as serve_seconds)
     assert Args(wire(member="m1", to="3.5.16"), "upgrade-member").read(N.UpgradeArgs) == N.UpgradeArgs("m1", "3.5.16", 120.0)
+    sent = Args(wire(member="m1", to="3.5.16", serve_seconds=300.0), "upgrade-member").read(N.UpgradeArgs)
+    assert sent.serve_seconds == 300.0
     assert Args(wire(version="3.5.16"), "release-version").read(N.ReleaseArgs).version == "3.5.16"
     assert Args(wire(member="m1"), "backup").read(N.BackupArgs).member == "m1"
     assert Args({}, "backup").read(N.BackupArgs).member is None
