@@ -3,9 +3,17 @@
 
 A real S3 server (Ceph's radosgw, one node, ``tests/harness/rgw.py``) and a 3-member loopback
 cluster (etcd 3.5.16) with ``[backup.remote]`` on it; ``--full-keys`` keys of ``--size`` bytes,
-full backup B, a chain of ``--events`` events continuing it (``delta_bench.synthetic_chain``,
-signed with the cluster's manifest key; over the full backup's keys with ``--chain-keys
-updates``), everything copied to the bucket by ``etcd-agent backup push``. Then ``--rounds``
+full backup B, a chain of ``--events`` events continuing it, everything copied to the bucket by
+``etcd-agent backup push``. The chain (``--chain``):
+
+- ``live`` (default): written as the product writes it, the daemon's supervisor (in this
+  process) watching the cluster while a writer puts the events in (``bench/livechain.py``, as
+  ``pitr_bench.py --chain live``), with the checkpoints it takes on its own, all pushed with the
+  chain: what a restore from the bucket meets after a real disaster;
+- ``synthetic``: segment files written straight (``delta_bench.synthetic_chain``, signed with the
+  cluster's manifest key): no checkpoint, the replay of the whole chain.
+
+Over the full backup's keys with ``--chain-keys updates`` (default). Then ``--rounds``
 interleaved rounds (the order rotated each round) of:
 
 - ``download``: boto3 ``download_file`` of B's object from the same server into a file (fsynced);
@@ -19,7 +27,7 @@ Printed: each way's wall (min/median/max) and the issue's two figures (issue 33 
 for the local ways beside them, and the fetch leg of each bucket way (its JSON ``bucket.seconds``).
 
     .venv/bin/python bench/frombucket_bench.py [--rounds 3] [--full-keys 10000] [--size 1024]
-        [--events 600000] [--chain-keys updates|new] [--json out.json]
+        [--events 600000] [--chain-keys updates|new] [--chain live|synthetic] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,10 +48,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from bench.delta_bench import synthetic_chain  # noqa: E402
 from bench.installed import byte_compile  # noqa: E402
-from bench.pitr_bench import fill  # noqa: E402
+from bench.livechain import delta_config, live_chain, warm_up  # noqa: E402
+from bench.pitr_bench import chain_keys, fill  # noqa: E402
 from bench.restore_bench import Run, interleave  # noqa: E402
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.chain import chains as delta_chains  # noqa: E402
+from etcd_agent.continuous.supervisor import DeltaSupervisor  # noqa: E402
 from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from etcd_agent.fs import fsync_path  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
@@ -78,6 +89,10 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--events", type=int, default=600_000)
     ap.add_argument("--chain-keys", choices=("new", "updates"), default="updates")
+    ap.add_argument("--chain", choices=("live", "synthetic"), default="live")
+    ap.add_argument("--checkpoint-min-seconds", type=float, default=10.0)
+    ap.add_argument("--warmup-events", type=int, default=100_000)
+    ap.add_argument("--compact-seconds", type=float, default=10.0)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -85,25 +100,47 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="frombucket-bench-", dir=a.dir)
     rgw = RgwBed(os.path.join(work, "rgw")).up()
     report: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-                              "full_keys": a.full_keys, "size": a.size, "events": a.events, "rounds": a.rounds}
+                              "full_keys": a.full_keys, "size": a.size, "events": a.events, "rounds": a.rounds,
+                              "chain_mode": a.chain}
     c = None
     try:
         bucket = rgw.new_bucket()
-        c = LoopbackCluster(os.path.join(work, "c"), 3, extra=EXTRA + remote_table(rgw, bucket))
+        delta = delta_config(a.checkpoint_min_seconds) if a.chain == "live" else ""
+        c = LoopbackCluster(os.path.join(work, "c"), 3, extra=delta + EXTRA + remote_table(rgw, bucket))
         c.start_static()
         rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
         filled = fill(rpc, a.full_keys, a.size)
         rpc.close()
-        full = take_backup(c.cfg, member="m1")
+        if a.chain == "live" and a.warmup_events:  # B is then a backup of a cluster that has been running
+            warm_up(c.cfg, a.warmup_events, a.size, compact_seconds=a.compact_seconds, **chain_keys(a))
+        # as the daemon takes it: `backup push` below copies it with its chain and checkpoints
+        full = take_backup(c.cfg, member="m1", origin="daemon")
         assert full.revision is not None
         t = time.monotonic()
-        extra: Dict[str, Any] = ({"key_format": b"full/%06d", "key_count": a.full_keys, "existing": filled}
-                                 if a.chain_keys == "updates" else {})
-        last = synthetic_chain(c.cfg.backup.dir, full.revision, a.events, a.size,
-                               int(time.time() * 1000) - 3_600_000, base_sha256=full.sha256,
-                               sign_key=keys.local_key(c.cfg).key, **extra)
+        if a.chain == "live":
+            sup = DeltaSupervisor(lambda: (c.cfg, c.cfg.member("m1")))
+            sup.start()
+            try:
+                got = live_chain(c.cfg, sup, full.revision, a.events, a.size, compact_seconds=a.compact_seconds,
+                                 **chain_keys(a))
+            finally:
+                sup.stop()
+            last = got["last_revision"]
+            ch = next(x for x in delta_chains.scan(c.cfg.backup.dir).chains if x.base_revision == full.revision)
+            report["chain"] = {"segments": ch.usable, "bytes": ch.bytes, "checkpoints": len(ch.checkpoints),
+                               "events_after_newest_checkpoint": ch.replay_events}
+            made = (f" ({ch.usable} segments, {ch.bytes / 1e6:.0f} MB; {len(ch.checkpoints)} checkpoint(s), "
+                    f"{ch.replay_events} events after the newest)")
+        else:
+            extra: Dict[str, Any] = ({"key_format": b"full/%06d", "key_count": a.full_keys, "existing": filled}
+                                     if a.chain_keys == "updates" else {})
+            last = synthetic_chain(c.cfg.backup.dir, full.revision, a.events, a.size,
+                                   int(time.time() * 1000) - 3_600_000, base_sha256=full.sha256,
+                                   sign_key=keys.local_key(c.cfg).key, **extra)
+            made = " (synthetic, no checkpoint)"
         print(f"full backup {os.path.basename(full.path)}: {full.size / 1e6:.1f} MB at revision {full.revision}; "
-              f"a chain of {a.events} events to revision {last} in {time.monotonic() - t:.0f}s", flush=True)
+              f"a {a.chain} chain of {a.events} events to revision {last} in {time.monotonic() - t:.0f}s{made}",
+              flush=True)
         t = time.monotonic()
         push = subprocess.run([AGENT, "-c", c.config_path, "backup", "push"], capture_output=True, text=True,
                               timeout=1800)
