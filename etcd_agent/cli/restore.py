@@ -112,6 +112,7 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         spec=spec, dry_run=args.dry_run, new_token=args.new_token, new_cluster=args.new_cluster,
         confirm=None if args.yes else confirm, progress=_progress, identities=identities,
         target=target, checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain,
+        checked=fetched.chain if fetched else None,
     )
     out = restore(cfg, opts)
     data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}

@@ -11,6 +11,7 @@ from etcd_agent.restore.orchestrator.live import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
+    from etcd_agent.pitr.carried import CheckedChain
     from etcd_agent.pitr.replay import Target
 
 # what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
@@ -40,6 +41,9 @@ class Options:
     target: Optional["Target"] = None
     checkpoints: bool = True  # False: --no-checkpoint (the whole chain from the full backup)
     accept_unsigned: bool = False  # --accept-unsigned-chain
+    # the target's chain as --from-bucket checked it before the files were let in: not checked
+    # again while the files are the same (``pitr.carried.take``)
+    checked: Optional["CheckedChain"] = None
 
 
 @dataclass
