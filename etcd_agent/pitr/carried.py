@@ -13,14 +13,17 @@ inode are the replay's to catch: it reads every segment again and compares its s
 check's (``replayrun._fold``), and the full backup and checkpoint are read and checked again by
 the restore in any case.
 
-An encrypted chain is not carried: the check read its decrypted copies in a private dir removed
-when the check ended, and the restore decrypts (and so checks) them again.
+An encrypted chain's check read its segments decrypted into a private dir (``workdirs``): that
+dir and the one-replay lock held since are carried too, so the restore replays from the copies
+the check made instead of decrypting (and checking) again, and no other run's sweep removes them
+meanwhile. Whoever holds a ``CheckedChain`` releases it (``release``) unless ``take`` handed it on.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
@@ -31,6 +34,7 @@ from etcd_agent.pitr.replay import Plan, Target
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
+    from etcd_agent.state.locks import OperationLock
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,15 @@ class CheckedChain:
     inodes: Tuple[Tuple[str, Inode], ...]  # every file the check read -> its inode before it was read
     checkpoints: bool
     accept_unsigned: bool
+    private: Optional[str] = None  # the dir of the decrypted segments the check read (an encrypted chain)
+    lock: Optional["OperationLock"] = None  # the one-replay lock, held since the check (``workdirs.lock``)
+
+    def release(self) -> None:
+        """The decrypted copies removed and the lock let go (both again harmless)."""
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.release()
 
 
 def inode(path: str) -> Optional[Inode]:
@@ -59,18 +72,20 @@ def inode(path: str) -> Optional[Inode]:
 
 def read_by(prep: Prepared) -> List[str]:
     """The files a restore of ``prep`` reads: the full backup, the checkpoint it starts from and
-    the chain's segments (those after a stop too: the replay is handed them)."""
+    the chain's segments (those after a stop too: the replay is handed them) - an encrypted one's
+    file, not its decrypted copy."""
     out = [prep.entry.path] + ([prep.start.path] if prep.start is not None else [])
-    out += [s.path for s in prep.check.segments] + list(prep.check.lost)
+    out += [s.disk_path for s in prep.check.segments] + list(prep.check.lost)
     return out
 
 
-def carry(prep: Prepared, before: Dict[str, Optional[Inode]], *, checkpoints: bool,
-          accept_unsigned: bool) -> Optional[CheckedChain]:
+def carry(prep: Prepared, before: Dict[str, Optional[Inode]], *, checkpoints: bool, accept_unsigned: bool,
+          private: Optional[str] = None, lock: Optional["OperationLock"] = None) -> Optional[CheckedChain]:
     """``prep`` carried, its files' inodes as ``before`` (taken before the check read them) and
-    still now; None - the restore checks again - when a file is not in ``before``, was replaced
-    during the check, or is an encrypted segment's decrypted copy."""
-    if any(s.sealed is not None for s in prep.check.segments):
+    still now, with the ``private`` dir of its decrypted segments and the ``lock`` that keeps it
+    (the result owns both); None - the restore checks again, the caller keeps both - when a file
+    is not in ``before`` or was replaced during the check, or decrypted copies have no dir."""
+    if private is None and any(s.sealed is not None for s in prep.check.segments):
         return None
     inodes = []
     for path in read_by(prep):
@@ -79,7 +94,7 @@ def carry(prep: Prepared, before: Dict[str, Optional[Inode]], *, checkpoints: bo
             log.warning("%s changed while the chain was checked: the restore checks it again", path)
             return None
         inodes.append((path, was))
-    return CheckedChain(prep, tuple(inodes), checkpoints, accept_unsigned)
+    return CheckedChain(prep, tuple(inodes), checkpoints, accept_unsigned, private, lock)
 
 
 def rerooted(c: CheckedChain, old: str, new: str) -> CheckedChain:
@@ -89,8 +104,9 @@ def rerooted(c: CheckedChain, old: str, new: str) -> CheckedChain:
         rel = os.path.relpath(path, old)
         return path if rel.startswith(os.pardir) else os.path.join(new, rel)
 
-    def seg(s: SegmentInfo) -> SegmentInfo:
-        return dataclasses.replace(s, path=moved(s.path))
+    def seg(s: SegmentInfo) -> SegmentInfo:  # an opened encrypted one's path is its copy: not under ``old``
+        sealed = dataclasses.replace(s.sealed, path=moved(s.sealed.path)) if s.sealed is not None else None
+        return dataclasses.replace(s, path=moved(s.path), sealed=sealed)
 
     p = c.prepared
     check: ChainCheck = dataclasses.replace(
@@ -104,9 +120,10 @@ def rerooted(c: CheckedChain, old: str, new: str) -> CheckedChain:
 
 
 def take(c: Optional[CheckedChain], cfg: "Config", spec: str, target: Target, *, checkpoints: bool,
-         accept_unsigned: bool, progress: Callable[[str], None]) -> Optional[Prepared]:
+         accept_unsigned: bool, progress: Callable[[str], None]) -> Optional[CheckedChain]:
     """The carried check for a restore of ``spec`` to ``target`` from ``cfg``'s backup dir, when
-    it answers that very question about these very files; None (check again) otherwise."""
+    it answers that very question about these very files: the caller then owns its dir and lock.
+    None (check again) otherwise, ``c`` released."""
     if c is None:
         return None
     p = c.prepared
@@ -114,6 +131,7 @@ def take(c: Optional[CheckedChain], cfg: "Config", spec: str, target: Target, *,
             or c.accept_unsigned != accept_unsigned
             or os.path.dirname(os.path.abspath(p.entry.path)) != os.path.abspath(cfg.backup.dir)):
         log.info("the chain check made before the files were let in is not this restore's: checking again")
+        c.release()
         return None
     swapped = [os.path.basename(path) for path, was in c.inodes if inode(path) != was]
     if swapped:
@@ -122,7 +140,8 @@ def take(c: Optional[CheckedChain], cfg: "Config", spec: str, target: Target, *,
                "under its name now): the chain is checked again")
         log.warning("%s", why)
         progress(why)
+        c.release()
         return None
     progress(f"delta chain: checked once, before it was let in ({len(p.check.segments)} segment(s), the same files "
-             "in the backup dir now): not read twice")
-    return p
+             f"in the backup dir now{', decrypted once' if c.private is not None else ''}): not read twice")
+    return c

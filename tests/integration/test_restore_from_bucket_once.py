@@ -45,9 +45,9 @@ def _count_verified_checks(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     return calls
 
 
-def _gone(bed: Any, rgw: RgwBed, tmp_path: Any) -> Tuple[Any, str, int, dict]:  # type: ignore[type-arg]
+def _gone(bed: Any, rgw: RgwBed, tmp_path: Any, **kw: Any) -> Tuple[Any, str, int, dict]:  # type: ignore[type-arg]
     """Every file copied to the bucket, then the master's data dir, backup dir and key gone."""
-    _d, c, bucket = started(bed, rgw)
+    _d, c, bucket = started(bed, rgw, **kw)
     mid = _written(c, 30, "/first/")
     last = _written(c, 30, "/second/")
     wait_durable(c, last)
@@ -120,3 +120,25 @@ def test_a_file_swapped_after_the_check_is_checked_again_and_refused(bed, rgw: R
     assert len(calls) == 2, f"{len(calls)} verified chain check(s): the swapped file was not checked again"
     assert "nothing touched" in err, err
     assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
+
+
+def test_an_encrypted_chain_is_checked_once_too(bed, rgw: RgwBed, tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Its segments decrypted once, by the staged check, into the private dir the restore then
+    replays from (not decrypted, nor checked, again); that dir gone when the restore ends."""
+    from etcd_agent.pitr.workdirs import private_dir
+    from tests.integration.test_backup_age import keypair
+
+    identity, recipient = keypair(tmp_path, "id.txt")
+    c, key, mid, live_mid = _gone(bed, rgw, tmp_path, backup=f'encrypt_to = ["{recipient}"]\n')
+    calls = _count_verified_checks(monkeypatch)
+    rc = main(["-c", c.config_path, "restore", "--from-bucket", "latest", "--to-revision", str(mid),
+               "--key-file", key, "--identity", identity, "--yes"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert ".seg.age" in err, "the chain was not encrypted"
+    assert len(calls) == 1, f"the encrypted chain was verified {len(calls)} times in one restore from the bucket"
+    assert "checked once, before it was let in" in err, err
+    wait_healthy(c.cfg, 1, 60)
+    assert user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))) == live_mid
+    left = os.listdir(private_dir(c.cfg)) if os.path.isdir(private_dir(c.cfg)) else []
+    assert not [n for n in left if n.startswith("etcd-open-")], f"decrypted segments left: {left}"

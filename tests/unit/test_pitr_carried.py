@@ -47,8 +47,10 @@ def test_the_check_is_carried_to_the_same_files_linked_elsewhere(bed, tmp_path) 
     cfg2, there = _linked(cfg, d, tmp_path)
     moved = carried.rerooted(c, d, there)
     said: List[str] = []
-    p = _take(moved, cfg2, said)
-    assert p is not None and p.entry.path == os.path.join(there, FULL)
+    taken = _take(moved, cfg2, said)
+    assert taken is not None and taken.private is None and taken.lock is None
+    p = taken.prepared
+    assert p.entry.path == os.path.join(there, FULL)
     assert [s.path for s in p.plan.segments] == [os.path.join(there, os.path.basename(s)) for s in segs]
     assert all(os.path.dirname(x) == there for x in carried.read_by(p))
     assert p.plan.stop_revision == END and "checked once" in said[0], said
@@ -81,3 +83,20 @@ def test_a_file_the_check_did_not_see_first_is_not_carried(bed) -> None:  # type
                          accept_unsigned=True) is None
     before[segs[0]] = (0, 0)  # another file under its name when the check began
     assert carried.carry(prep, before, checkpoints=True, accept_unsigned=True) is None
+
+
+def test_a_check_not_taken_lets_its_decrypted_copies_and_lock_go(bed, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    from etcd_agent.pitr import workdirs
+
+    cfg, d, _segs = bed
+    before = {os.path.join(d, n): carried.inode(os.path.join(d, n)) for n in os.listdir(d)}
+    prep = pitr.prepare(cfg, FULL, TO, accept_unsigned=True)
+    held = workdirs.lock(cfg)
+    private = workdirs.open_staging(cfg)  # where an encrypted chain's check leaves its copies
+    c = carried.carry(prep, before, checkpoints=True, accept_unsigned=True, private=private, lock=held)
+    assert c is not None and not workdirs.lock_free(cfg)
+    said: List[str] = []
+    taken = _take(c, cfg, said)
+    assert taken is c and os.path.isdir(private) and not workdirs.lock_free(cfg)  # handed on, still kept
+    assert _take(c, cfg, said, target=Target.newest()) is None  # another question: let go
+    assert not os.path.exists(private) and workdirs.lock_free(cfg)

@@ -228,12 +228,22 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                 exc.message = (f"{exc.message.rstrip('.')}; the {len(staged)} fetched object(s) are kept in {staging}: "
                                f"the same command{_with_identity(exc)} does not fetch them again")
             raise
-        objects = [fetch.publish(b, s, directory) for s in staged]
+        try:
+            objects = [fetch.publish(b, s, directory) for s in staged]
+        except BaseException:
+            if chain is not None:  # its decrypted copies and lock (an encrypted chain) go with it
+                chain.release()
+            raise
         if chain is not None:  # the same inodes under the backup dir now (``carried.take`` checks)
             from etcd_agent.pitr.carried import rerooted
 
             chain = rerooted(chain, os.path.join(staging, stagedchecks.CHECKED_DIR), directory)
-    stagedchecks.remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
+    try:
+        stagedchecks.remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
+    except BaseException:
+        if chain is not None:
+            chain.release()
+        raise
     took = time.monotonic() - t0
     read = sum(s.bytes_read for s in staged)
     for line in checked:

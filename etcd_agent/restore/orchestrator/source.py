@@ -198,18 +198,24 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
     parsed = target
     t0 = time.monotonic()
     timings: Dict[str, float] = {}
-    held = workdirs.lock(cfg)  # first: the staging of the segments below is this run's own
-    staging = workdirs.open_staging(cfg) if identities is not None else None
+    # the check a restore from the bucket made, with the lock and the decrypted copies it kept
+    # (released when not taken, before this run takes the lock itself)
+    taken = carried.take(checked, cfg, spec, parsed, checkpoints=checkpoints, accept_unsigned=accept_unsigned,
+                         progress=progress)
+    # first: the staging of the segments below is this run's own
+    held = taken.lock if taken is not None and taken.lock is not None else workdirs.lock(cfg)
+    staging = (taken.private if taken is not None and taken.private is not None
+               else workdirs.open_staging(cfg) if identities is not None else None)
     skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
             while True:
-                prep = carried.take(checked, cfg, spec, parsed, checkpoints=checkpoints,
-                                    accept_unsigned=accept_unsigned, progress=progress)
-                if prep is None:
+                if taken is not None:
+                    prep = taken.prepared
+                    taken = None  # once: a second attempt (a checkpoint found unusable) checks again
+                else:
                     prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
                                         checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
-                checked = None  # once: a second attempt (a checkpoint found unusable) checks again
                 timings["prepare"] = time.monotonic() - t0
                 base = open_source(cfg, prep.entry, staging_parent, hash_now=False, identities=identities)
                 timings["full backup"] = time.monotonic() - t0 - timings["prepare"]

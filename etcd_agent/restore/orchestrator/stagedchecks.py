@@ -159,31 +159,35 @@ def _check_chain(cfg: Config, here: Config, file: str, target: "Target", before:
                  accept_unsigned: bool) -> Tuple[List[str], Optional["CheckedChain"]]:
     """The chain checked as ``pitr.prepare`` checks it for a restore, and that check to carry
     (``before``: the files' inodes before it); encrypted segments are decrypted into a private
-    dir outside the backup dir (removed here)."""
+    dir outside the backup dir, carried with the check (with the one-replay lock that keeps it)
+    or removed here."""
     from etcd_agent.pitr import carried, workdirs
     from etcd_agent.pitr import prepare as pitr
 
     held = workdirs.lock(cfg) if identities is not None else None
+    private: Optional[str] = None
+    chain: Optional["CheckedChain"] = None
     try:
         private = workdirs.open_staging(cfg) if identities is not None else None
-        try:
-            prep = pitr.prepare(here, file, target, identities=identities, staging=private,
-                                checkpoints=checkpoints, accept_unsigned=accept_unsigned)
-        finally:
+        prep = pitr.prepare(here, file, target, identities=identities, staging=private,
+                            checkpoints=checkpoints, accept_unsigned=accept_unsigned)
+        stop = prep.check.stop
+        if stop is not None and target.kind == "newest":
+            # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
+            # cut off by `newest` - the operator names the last good point to restore up to it
+            raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its "
+                               f"last good point, say so: --to-revision {stop.last_good_revision}")
+        chain = carried.carry(prep, before, checkpoints=checkpoints, accept_unsigned=accept_unsigned,
+                              private=private, lock=held)
+    finally:
+        if chain is None:  # not carried: the decrypted copies and the lock go now, as after any check
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
-    finally:
-        if held is not None:
-            held.release()
+            if held is not None:
+                held.release()
     lines = [f"delta chain: {len(prep.plan.segments)} segment(s) link from {file}'s revision to revision "
              f"{prep.plan.stop_revision} ({target.describe()}), each by its sha256"]
-    stop = prep.check.stop
-    if stop is not None and target.kind == "newest":
-        # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
-        # cut off by `newest` - the operator names the last good point to restore up to it
-        raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its last "
-                           f"good point, say so: --to-revision {stop.last_good_revision}")
     lines += list(prep.choice)
     if prep.signatures:
         lines.append(prep.signatures)
-    return lines, carried.carry(prep, before, checkpoints=checkpoints, accept_unsigned=accept_unsigned)
+    return lines, chain
