@@ -44,6 +44,7 @@ from bench.pitr_bench import fill  # noqa: E402
 from bench.restore_bench import Run, interleave  # noqa: E402
 from etcd_agent.backup import keys  # noqa: E402
 from etcd_agent.backup.service import take_backup  # noqa: E402
+from etcd_agent.bucket.copier import off_host  # noqa: E402
 from etcd_agent.etcd.rpc import EtcdRpc  # noqa: E402
 from tests.harness.loopback import LoopbackCluster  # noqa: E402
 from tests.harness.rgw import RgwBed  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> None:
         rpc = EtcdRpc(c.cfg.members[0].client_url, timeout=30.0)
         filled = fill(rpc, a.full_keys, a.size)
         rpc.close()
-        full = take_backup(c.cfg, member="m1")
+        full = take_backup(c.cfg, member="m1", off_host=off_host(c.cfg))  # copied at once, as a CLI backup is
         assert full.revision is not None
         t = time.monotonic()
         extra: Dict[str, Any] = ({"key_format": b"full/%06d", "key_count": a.full_keys, "existing": filled}
