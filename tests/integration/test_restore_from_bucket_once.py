@@ -142,3 +142,30 @@ def test_an_encrypted_chain_is_checked_once_too(bed, rgw: RgwBed, tmp_path, monk
     assert user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))) == live_mid
     left = os.listdir(private_dir(c.cfg)) if os.path.isdir(private_dir(c.cfg)) else []
     assert not [n for n in left if n.startswith("etcd-open-")], f"decrypted segments left: {left}"
+
+
+def test_bytes_changed_in_place_after_the_check_are_refused_by_the_replay(bed, rgw: RgwBed, tmp_path,  # type: ignore[no-untyped-def]
+                                                                          monkeypatch, capsys) -> None:
+    """The same inode, one byte changed: the carried check is taken (the file is the one checked),
+    and the replay, which reads every segment again against the check's sha256, refuses it
+    before any member is touched."""
+    c, key, mid, _live = _gone(bed, rgw, tmp_path)
+    calls = _count_verified_checks(monkeypatch)
+
+    def flipped(path: str) -> None:
+        ino = os.stat(path).st_ino
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) // 2)
+            b = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        assert os.stat(path).st_ino == ino
+
+    _swapping(monkeypatch, flipped)
+    rc = main(["-c", c.config_path, "restore", "--from-bucket", "latest", "--to-revision", str(mid),
+               "--key-file", key, "--yes"])
+    err = capsys.readouterr().err
+    assert rc != 0, err
+    assert "checked once, before it was let in" in err and len(calls) == 1, err
+    assert "changed during the replay" in err or "changed since the chain was checked" in err, err
+    assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
