@@ -114,8 +114,13 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
         confirm=None if args.yes else confirm, progress=_progress, identities=identities,
         target=target, checkpoints=not args.no_checkpoint, accept_unsigned=args.accept_unsigned_chain,
         command=as_typed(args),
+        checked=fetched.chain if fetched else None,
     )
-    out = restore(cfg, opts)
+    try:
+        out = restore(cfg, opts)
+    finally:  # a chain check the restore did not take: its decrypted copies and lock go (again harmless)
+        if fetched is not None and fetched.chain is not None:
+            fetched.chain.release()
     data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}
     text = render_plan(out.plan)
     if args.dry_run:

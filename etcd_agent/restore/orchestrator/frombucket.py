@@ -24,7 +24,9 @@ What runs, in order, before any master is touched:
    that passed its sha256 still has to pass these.
 4. **Move into the backup dir** (``bucket.fetch.publish``): each file linked under its own name,
    never over a different file. Only then does the restore run, exactly as ``restore --from`` of
-   that file (the orchestrator's plan, the pre-checks on every host, the confirmation).
+   that file (the orchestrator's plan, the pre-checks on every host, the confirmation), except
+   that the chain's check of step 3 is carried into it, not made again (``pitr.carried``: taken
+   only while every file in the backup dir is still the very inode that was checked).
 
 A refusal at 1-3 writes nothing outside the staging dir (and removes what it fetched: bytes that
 failed a check are not kept to be continued); a fault (the store unreachable, credentials
@@ -52,6 +54,7 @@ from etcd_agent.restore.orchestrator import stagedchecks
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
     from etcd_agent.bucket.remote import RemoteObject
+    from etcd_agent.pitr.carried import CheckedChain
     from etcd_agent.pitr.replay import Target
     from etcd_agent.restore.orchestrator.options import Options
 
@@ -172,6 +175,7 @@ class Fetched:
     checked: List[str]
     seconds: float
     bytes_read: int
+    chain: Optional["CheckedChain"] = None  # the chain's check, for the restore to carry (``Options.checked``)
 
     def to_json(self) -> Dict[str, Any]:
         return {**self.plan.to_json(), "objects": [f.to_json() for f in self.objects], "checked": self.checked,
@@ -200,7 +204,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
         except Stopped as stop:
             raise stop.sentence("restore --from-bucket", "nothing restored") from None
         try:
-            checked, facts = stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
+            checked, facts, chain = stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
                                     new_cluster=new_cluster, checkpoints=checkpoints,
                                     accept_unsigned=accept_unsigned, key_file=key_file)
         except AgentError as exc:
@@ -214,15 +218,29 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                 exc.message = (f"{exc.message.rstrip('.')}; the {len(staged)} fetched object(s) are kept in {staging}: "
                                f"the same command{_with_identity(exc)} does not fetch them again")
             raise
-        objects = [fetch.publish(b, s, directory) for s in staged]
-    stagedchecks.remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
+        try:
+            objects = [fetch.publish(b, s, directory) for s in staged]
+        except BaseException:
+            if chain is not None:  # its decrypted copies and lock (an encrypted chain) go with it
+                chain.release()
+            raise
+        if chain is not None:  # the same inodes under the backup dir now (``carried.take`` checks)
+            from etcd_agent.pitr.carried import rerooted
+
+            chain = rerooted(chain, os.path.join(staging, stagedchecks.CHECKED_DIR), directory)
+    try:
+        stagedchecks.remember(directory, bp.file, facts)  # the staging dir gone: the file's stamp is final
+    except BaseException:
+        if chain is not None:
+            chain.release()
+        raise
     took = time.monotonic() - t0
     read = sum(s.bytes_read for s in staged)
     for line in checked:
         progress(f"checked before it was let in: {line}")
     progress(f"{len(objects)} object(s) of {bp.file} checked and in {directory} ({size_text(read)} fetched in "
              f"{took:.1f}s)")
-    return Fetched(bp, objects, checked, took, read)
+    return Fetched(bp, objects, checked, took, read, chain)
 
 
 def _failed_content(exc: AgentError) -> bool:

@@ -11,6 +11,7 @@ from etcd_agent.restore.orchestrator.live import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
+    from etcd_agent.pitr.carried import CheckedChain
     from etcd_agent.pitr.replay import Target
 
 # what an operator who stopped waiting (a second Ctrl-C) is told: nothing more was asked of the hosts
@@ -43,6 +44,9 @@ class Options:
     # the restore as the operator typed it (e.g. "restore --from-bucket latest --to-revision 545"):
     # what a second run's busy refusal and `status` name; "": "restore --from <the file opened>"
     command: str = ""
+    # the target's chain as --from-bucket checked it before the files were let in: not checked
+    # again while the files are the same (``pitr.carried.take``)
+    checked: Optional["CheckedChain"] = None
 
 
 @dataclass

@@ -39,6 +39,7 @@ from etcd_agent.state.locks import OperationLock
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
     from etcd_agent.backup.catalog import Entry
+    from etcd_agent.pitr.carried import CheckedChain
     from etcd_agent.pitr.prepare import Prepared
     from etcd_agent.pitr.replay import ReplayResult, Target
     from etcd_agent.restore.orchestrator.options import Options
@@ -120,7 +121,8 @@ def source_for(opts: "Options") -> Callable[[Config, str, str, bool], "Source"]:
         if opts.target is None:
             return open_source(cfg, spec, staging, hash_now=hash_now, identities=opts.identities)
         return open_pitr_source(cfg, spec, opts.target, staging, progress=opts.progress, identities=opts.identities,
-                                checkpoints=opts.checkpoints, accept_unsigned=opts.accept_unsigned)
+                                checkpoints=opts.checkpoints, accept_unsigned=opts.accept_unsigned,
+                                checked=opts.checked)
     return opened
 
 
@@ -177,31 +179,43 @@ def open_source(cfg: Config, spec: Union[str, "Entry"], staging_parent: str, *, 
 def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
                      identities: Optional["Identities"] = None, checkpoints: bool = True,
-                     accept_unsigned: bool = False) -> Source:
+                     accept_unsigned: bool = False, checked: Optional["CheckedChain"] = None) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
     ``identities`` decrypt an encrypted full backup and its encrypted segments (into a private
     dir outside the backup dir, ``pitr.workdirs.private_dir``, removed once replayed). ``checkpoints`` False: the replay
     starts from the full backup whatever checkpoints its chain vouches for. ``accept_unsigned``:
-    a chain not signed with the manifest key is restored (``--accept-unsigned-chain``)."""
+    a chain not signed with the manifest key is restored (``--accept-unsigned-chain``). ``checked``:
+    the chain as a restore from the bucket checked it, taken instead of checking it again while
+    its files are the very ones checked (``pitr.carried.take``)."""
     import shutil
 
     from etcd_agent.chain.errors import CheckpointUnusable
+    from etcd_agent.pitr import carried, report, workdirs
     from etcd_agent.pitr import prepare as pitr
-    from etcd_agent.pitr import report, workdirs
 
     parsed = target
     t0 = time.monotonic()
     timings: Dict[str, float] = {}
-    held = workdirs.lock(cfg)  # first: the staging of the segments below is this run's own
-    staging = workdirs.open_staging(cfg) if identities is not None else None
+    # the check a restore from the bucket made, with the lock and the decrypted copies it kept
+    # (released when not taken, before this run takes the lock itself)
+    taken = carried.take(checked, cfg, spec, parsed, checkpoints=checkpoints, accept_unsigned=accept_unsigned,
+                         progress=progress)
+    # first: the staging of the segments below is this run's own
+    held = taken.lock if taken is not None and taken.lock is not None else workdirs.lock(cfg)
+    staging = (taken.private if taken is not None and taken.private is not None
+               else workdirs.open_staging(cfg) if identities is not None else None)
     skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
             while True:
-                prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
-                                    checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
+                if taken is not None:
+                    prep = taken.prepared
+                    taken = None  # once: a second attempt (a checkpoint found unusable) checks again
+                else:
+                    prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
+                                        checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
                 timings["prepare"] = time.monotonic() - t0
                 base = open_source(cfg, prep.entry, staging_parent, hash_now=False, identities=identities)
                 timings["full backup"] = time.monotonic() - t0 - timings["prepare"]

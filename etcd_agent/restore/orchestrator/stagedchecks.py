@@ -3,7 +3,8 @@ backup dir (``frombucket`` step 3): the files under their own names in ``<stagin
 read as a restore reads them - each segment's name against what it holds (``bucket.staging``, as
 ``backup fetch`` checks it), the full backup's
 manifest signature and members, the chain through ``pitr.prepare`` on a config pointed there -
-and, once let in, the full backup's check recorded as its writer would have (``remember``)."""
+and, once let in, the full backup's check recorded as its writer would have (``remember``). The
+chain's check is carried to the restore (``pitr.carried``): it is not made twice."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ from etcd_agent.errors import RefusedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
+    from etcd_agent.pitr.carried import CheckedChain, Inode
     from etcd_agent.pitr.replay import Target
     from etcd_agent.restore.orchestrator.frombucket import BucketPlan
 
@@ -40,11 +42,15 @@ def remember(directory: str, file: str, facts: Dict[str, Any]) -> None:
 
 def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: "BucketPlan",
                   target: Optional["Target"], *, identities: Optional["Identities"], new_cluster: bool,
-                  checkpoints: bool, accept_unsigned: bool, key_file: Optional[str]) -> Tuple[List[str], Dict[str, Any]]:
+                  checkpoints: bool, accept_unsigned: bool, key_file: Optional[str]
+                  ) -> Tuple[List[str], Dict[str, Any], Optional["CheckedChain"]]:
     """The fetched files, under their own names in a dir of the staging dir, read as a restore
     reads them: the full backup (signature, identity from its db) and, for a point in time, its
     chain. The lines say what was checked and what could not be; the facts, what the full
-    backup's content showed (``remember``)."""
+    backup's content showed (``remember``); the chain's check, to be carried into the restore once
+    ``pitr.carried.rerooted`` to the backup dir (None: the restore checks it)."""
+    from etcd_agent.pitr.carried import inode
+
     checked = os.path.join(staging, CHECKED_DIR)
     shutil.rmtree(checked, ignore_errors=True)  # a killed run's
     os.mkdir(checked, 0o700)
@@ -52,14 +58,18 @@ def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: 
         for s in staged:
             os.link(s.part if s.part is not None else os.path.join(cfg.backup.dir, s.file),
                     os.path.join(checked, s.file))
+        # which file each name is before anything reads it: what the carried check vouches for
+        before = {os.path.join(checked, s.file): inode(os.path.join(checked, s.file)) for s in staged}
         named_as_they_hold(staged, lambda s: os.path.join(checked, s.file), "nothing restored")
         here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
         lines, facts = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster,
                                    key_file=key_file)
+        chain = None
         if target is not None:
-            lines += _check_chain(cfg, here, bp.file, target, identities=identities, checkpoints=checkpoints,
-                                  accept_unsigned=accept_unsigned)
-        return lines, facts
+            more, chain = _check_chain(cfg, here, bp.file, target, before, identities=identities,
+                                       checkpoints=checkpoints, accept_unsigned=accept_unsigned)
+            lines += more
+        return lines, facts, chain
     finally:
         shutil.rmtree(checked, ignore_errors=True)
 
@@ -114,34 +124,40 @@ def _unsigned(signature: str) -> str:
             "unsigned": "not signed with"}.get(signature, f"{signature}, not signed with")
 
 
-def _check_chain(cfg: Config, here: Config, file: str, target: "Target", *,
-                 identities: Optional["Identities"], checkpoints: bool, accept_unsigned: bool) -> List[str]:
-    """The chain checked as ``pitr.prepare`` checks it for a restore; encrypted segments are
-    decrypted into a private dir outside the backup dir (removed here)."""
+def _check_chain(cfg: Config, here: Config, file: str, target: "Target", before: Dict[str, Optional["Inode"]], *,
+                 identities: Optional["Identities"], checkpoints: bool,
+                 accept_unsigned: bool) -> Tuple[List[str], Optional["CheckedChain"]]:
+    """The chain checked as ``pitr.prepare`` checks it for a restore, and that check to carry
+    (``before``: the files' inodes before it); encrypted segments are decrypted into a private
+    dir outside the backup dir, carried with the check (with the one-replay lock that keeps it)
+    or removed here."""
+    from etcd_agent.pitr import carried, workdirs
     from etcd_agent.pitr import prepare as pitr
-    from etcd_agent.pitr import workdirs
 
     held = workdirs.lock(cfg) if identities is not None else None
+    private: Optional[str] = None
+    chain: Optional["CheckedChain"] = None
     try:
         private = workdirs.open_staging(cfg) if identities is not None else None
-        try:
-            prep = pitr.prepare(here, file, target, identities=identities, staging=private,
-                                checkpoints=checkpoints, accept_unsigned=accept_unsigned)
-        finally:
+        prep = pitr.prepare(here, file, target, identities=identities, staging=private,
+                            checkpoints=checkpoints, accept_unsigned=accept_unsigned)
+        stop = prep.check.stop
+        if stop is not None and target.kind == "newest":
+            # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
+            # cut off by `newest` - the operator names the last good point to restore up to it
+            raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its "
+                               f"last good point, say so: --to-revision {stop.last_good_revision}")
+        chain = carried.carry(prep, before, checkpoints=checkpoints, accept_unsigned=accept_unsigned,
+                              private=private, lock=held)
+    finally:
+        if chain is None:  # not carried: the decrypted copies and the lock go now, as after any check
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
-    finally:
-        if held is not None:
-            held.release()
+            if held is not None:
+                held.release()
     lines = [f"delta chain: {len(prep.plan.segments)} segment(s) link from {file}'s revision to revision "
              f"{prep.plan.stop_revision} ({target.describe()}), each by its sha256"]
-    stop = prep.check.stop
-    if stop is not None and target.kind == "newest":
-        # from the bucket the chain is all there is: a gap, a damaged or foreign segment is not
-        # cut off by `newest` - the operator names the last good point to restore up to it
-        raise RefusedError(f"--to newest: {pitr.stop_sentence(prep)}; nothing restored. To restore up to its last "
-                           f"good point, say so: --to-revision {stop.last_good_revision}")
     lines += list(prep.choice)
     if prep.signatures:
         lines.append(prep.signatures)
-    return lines
+    return lines, chain
