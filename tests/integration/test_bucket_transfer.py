@@ -159,3 +159,35 @@ def test_ranges_read_into_reused_buffers_land_in_order_behind_the_callers_writes
     assert (tmp_path / "out").read_bytes() == b"before" + body
     assert len(through) == (0 if way == "socket" else -(-size // MiB)), len(through)
     assert len(connections) <= transfer.RANGE_WORKERS, len(connections)  # not one a range
+
+
+@pytest.mark.parametrize("way", ["socket", "wrapped"])
+def test_a_range_that_stalls_mid_body_fails_as_a_gateway_that_did_not_answer(
+        way: str, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body held halfway (the store hung mid-object): the read times out within read_timeout
+    and says so in one sentence, a BackupError (the part is kept to be continued), whichever way
+    the range is read."""
+    from tests.harness.cutproxy import CutProxy
+    from tests.integration.test_backup_remote import _with
+
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
+    if way == "wrapped":
+        monkeypatch.setattr(transfer, "_direct", lambda _body: None)
+    proxy = CutProxy(("127.0.0.1", rgw.port))
+    try:
+        cfg = _with(remote_config(rgw), endpoint=proxy.endpoint, read_timeout=1.0, max_attempts=1)
+        size = 3 * transfer.RANGE_WORKERS * MiB
+        body = os.urandom(size)
+        name = layout.full_name(KEY, NAME)
+        b = Bucket(cfg)
+        rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
+                                Metadata={"sha256": hashlib.sha256(body).hexdigest()})
+        obj = remote.checkable(b, name)
+        proxy.hold_after(MiB // 2)  # the first range's body stops halfway
+        with open(tmp_path / "out", "wb") as fh, pytest.raises(BackupError) as info:
+            transfer.stream_object(b, obj, fh)
+        assert proxy.fired.is_set()
+    finally:
+        proxy.close()
+    assert not isinstance(info.value, BackupCorrupt)
+    assert "did not answer within 1 s" in info.value.message, info.value.message
