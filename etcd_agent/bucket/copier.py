@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, 
 
 from etcd_agent.bucket import layout, queue
 from etcd_agent.config import Config, Member
-from etcd_agent.errors import AgentError, ProtocolError
+from etcd_agent.errors import AgentError, BackupCorrupt, ProtocolError
 from etcd_agent.typedjson import Document
 from etcd_agent.waiting import Backoff
 
@@ -167,9 +167,10 @@ def pending(cfg: Config, caches: queue.Caches) -> queue.Plan:
     return queue.plan(files, listing, queue.same_bytes(cfg, files, listing, caches), keep)
 
 
-def copy_one(cfg: Config, f: queue.LocalFile) -> str:
+def copy_one(cfg: Config, f: queue.LocalFile, sha256: Optional[str] = None) -> str:
     """Copy one file to its place (verified as every copy is: ``bucket.remote.upload_file``);
-    returns the check that verified the copy (``bucket.client.CHECKS``)."""
+    returns the check that verified the copy (``bucket.client.CHECKS``). ``sha256``: the file's,
+    when it was hashed already: the upload then reads it once (and refuses bytes not hashing to it)."""
     from etcd_agent.bucket.remote import manifest_metadata, upload_file
 
     if f.kind == layout.SEGMENT:
@@ -177,9 +178,9 @@ def copy_one(cfg: Config, f: queue.LocalFile) -> str:
 
         h = read_header(f.path)
         extra = {"base-revision": str(h.base_revision), "chain-id": h.chain_id, "seq": str(h.seq), "chain": f.key}
-        return upload_file(cfg, f.path, f.name, lambda sha: {"sha256": sha, **extra}).verified_by
-    return upload_file(cfg, f.path, f.name,
-                       lambda sha: {**manifest_metadata(sha, f.manifest), "chain": f.key}).verified_by
+        return upload_file(cfg, f.path, f.name, lambda sha: {"sha256": sha, **extra}, sha256=sha256).verified_by
+    return upload_file(cfg, f.path, f.name, lambda sha: {**manifest_metadata(sha, f.manifest), "chain": f.key},
+                       sha256=sha256).verified_by
 
 
 class OffHostCopy:
@@ -205,9 +206,10 @@ def off_host(cfg: Config) -> Optional[OffHostCopy]:
 
 def copy_full(cfg: Config, path: str, manifest: Dict[str, object], snapshot_sha256: str) -> str:
     """A CLI backup's own copy, at once, under its chain (the same place the queue would use)."""
-    key = snapshot_sha256 if layout.KEY_RE.match(snapshot_sha256 or "") else queue.file_sha256(path)
+    own = None if layout.KEY_RE.match(snapshot_sha256 or "") else queue.file_sha256(path)
+    key = own or snapshot_sha256
     f = queue.LocalFile(layout.FULL, path, os.path.getsize(path), time.time(), key, 0, manifest)
-    copy_one(cfg, f)
+    copy_one(cfg, f, own)  # the file's own digest, when it names the chain: hashed once
     return f.name
 
 
@@ -227,9 +229,12 @@ def push(cfg: Config, caches: queue.Caches, *, stop: Callable[[], bool] = lambda
     for f in plan.pending:
         if stop():
             break
+        known = caches.known_sha(f.path)  # hashed by this pass's check or an earlier one
         try:
-            check = copy_one(cfg, f)
+            check = copy_one(cfg, f, known)
         except (AgentError, OSError) as exc:
+            if isinstance(exc, BackupCorrupt) and known is not None:
+                caches.forget(f.path)  # the bytes no longer hash to it: the next pass hashes them again
             if not os.path.exists(f.path):
                 continue  # pruned meanwhile: it needs no copy
             out.error = getattr(exc, "message", None) or f"cannot read {f.path}: {exc}"

@@ -208,6 +208,19 @@ class Caches:
             self.local[k] = file_sha256(path)
         return self.local[k]
 
+    def known_sha(self, path: str) -> Optional[str]:
+        """The digest hashed already while the file keeps its size and mtime, else None (no read)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return self.local.get((path, st.st_size, st.st_mtime_ns))
+
+    def forget(self, path: str) -> None:
+        """Every digest of ``path``: the file changed without its size or mtime telling."""
+        for k in [k for k in self.local if k[0] == path]:
+            del self.local[k]
+
 
 def same_bytes(cfg: Config, files: Sequence[LocalFile], listing: Mapping[str, Listed], caches: Caches) -> Set[str]:
     """The object names among ``needs_check(files)`` whose sha256 metadata is the local file's."""

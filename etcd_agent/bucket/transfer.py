@@ -15,7 +15,7 @@ continue) and the hash is of the bytes as written.
 
 An upload sends ``WORKERS`` parts at once and holds at most ``WORKERS`` + 1 in memory
 (``buffer_parts``: 40 MiB with the default 8 MiB parts), a download ``RANGE_WORKERS`` ranges
-(24 MiB), whatever the object's size.
+(32 MiB), whatever the object's size.
 ``bench/bucket_bench.py`` measures both against boto3 and curl on the same server.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
@@ -32,15 +33,20 @@ from etcd_agent.errors import BackupCorrupt
 from etcd_agent.fs import open_regular, start_writeback
 
 if TYPE_CHECKING:  # pragma: no cover
+    import http.client
+
     from etcd_agent.bucket.remote import RemoteObject
 
 WORKERS = 4  # requests at once: enough to hide one request's latency on a 2-core master
 BUFFER_BYTES = 64 * 1024 * 1024  # parts in flight at once fit in this (two at least, a large part_size_mb)
-RANGE_BYTES = 4 * 1024 * 1024  # a ranged GET's length
-# ranged GETs at once, 24 MiB in flight: 8 measured fastest against 4 x 4, 4 x 8 and 2 x 8 MiB on
-# the bench's RGW (1 GiB, a loaded 2-core machine), but peaked at 129 MB in `backup fetch`, over
-# the 128 MB asked (docs/bucket-speed.md)
-RANGE_WORKERS = 6
+RANGE_BYTES = 8 * 1024 * 1024  # a ranged GET's length: boto3's own
+# ranged GETs at once, 32 MiB in flight: a GET costs botocore ~2 ms of CPU whatever its length
+# (0.56 CPU s a GiB in 4 MiB ranges), and on a 2-core machine shared with the store CPU is time;
+# 4 x 8 MiB measured 0.3 CPU s a GiB less than 6 x 4 MiB at ~100 MB peak RSS (docs/bucket-speed.md)
+RANGE_WORKERS = 4
+# a download's writes: 16 KiB (curl's size) cost the kernel 0.4-1.2 CPU s a GiB of fresh page cache on
+# the bench's VM, 1-4 MiB writes 1.5-2.3 s (its larger folios come from memory the host takes back)
+WRITE_PIECE = 16 * 1024
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
@@ -141,70 +147,156 @@ class UploadParts:
 def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
                progress: Optional[Progress]) -> int:
     """Bytes ``offset``..end of ``obj`` (a RemoteObject) by ranged GETs at once, written to ``out``
-    (if given) and hashed into ``sha`` in order; returns the size reached (``obj.size``)."""
+    (if given) and hashed into ``sha`` in order; returns the size reached (``obj.size``).
+
+    Each range is read straight into one of ``RANGE_WORKERS`` buffers made once and reused (a
+    buffer is free again once its range is hashed and written), then hashed and written from it
+    by this thread, to a file by ``os.pwrite`` behind ``out``'s buffer: no bytes object per chunk,
+    no copy into a BufferedWriter. On a 2-core machine shared with the store the client's CPU is
+    its time, and every copy of a GiB is ~0.1-0.3 CPU s (docs/bucket-speed.md)."""
     stop = threading.Event()
     what = f"cannot read {b.where(obj.name)}"
 
-    def fetch(start: int, end: int) -> List[bytes]:
+    def fetch(start: int, end: int, buf: bytearray) -> memoryview:
         if stop.is_set():
             raise _Stop()
         want = end - start
+        view = memoryview(buf)[:want]
         extra = {"IfMatch": f'"{obj.etag}"'} if obj.etag else {}
+
+        def tick() -> None:  # between two reads: another range failed, or the deadline passed
+            if stop.is_set():
+                raise _Stop()
+            b.check_deadline(what)
+
         with b.errors(what):
             body = b.client.get_object(Bucket=b.bucket, Key=obj.key, Range=f"bytes={start}-{end - 1}",
                                        **extra)["Body"]
-            chunks: List[bytes] = []
-            got = 0
             try:
-                for chunk in body.iter_chunks(READ_CHUNK):
-                    got += len(chunk)
-                    if got > want:
-                        raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {want} bytes asked from "
-                                            f"byte {start}")
-                    if stop.is_set():
-                        raise _Stop()
-                    b.check_deadline(what)
-                    chunks.append(chunk)
+                got = _read_into(body, view, tick)
             finally:
                 body.close()
+        if got > want:
+            raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {want} bytes asked from byte {start}")
         if got != want:  # a body that ended cleanly, short: the object is not the size HEAD claimed
             raise BackupCorrupt(f"{b.where(obj.name)} sent {got} bytes for the {want} asked from byte {start}: it is "
                                 f"shorter than the {obj.size} bytes it claims; nothing of it kept")
-        return chunks
+        return view
 
+    fd = _fileno(out)
+    at = 0
+    if fd is not None:
+        out.flush()  # what the caller wrote through ``out`` lands before the ranges written behind it
+        at = out.tell()
     size = offset
-    starts = list(range(offset, obj.size, RANGE_BYTES))
-    inflight: Deque["concurrent.futures.Future[List[bytes]]"] = collections.deque()
+    free: Deque[bytearray] = collections.deque(
+        bytearray(RANGE_BYTES) for _ in range(min(RANGE_WORKERS, -(-(obj.size - offset) // RANGE_BYTES))))
+    inflight: Deque[Tuple["concurrent.futures.Future[memoryview]", bytearray]] = collections.deque()
+
+    def settle() -> None:  # the oldest range hashed and written, its buffer free again
+        nonlocal size, at
+        future, buf = inflight.popleft()
+        view = future.result()
+        sha.update(view)
+        if fd is not None:
+            _pwrite_all(fd, view, at)
+            start_writeback(fd, at, len(view))  # the caller's fsync has little left to wait for
+            at += len(view)
+        elif out is not None:
+            out.write(view)
+        size += len(view)
+        view.release()
+        free.append(buf)
+        if progress is not None:
+            progress(size, obj.size)
+
     with concurrent.futures.ThreadPoolExecutor(RANGE_WORKERS, thread_name_prefix="download") as pool:
         try:
-            for start in starts:
-                while len(inflight) >= RANGE_WORKERS:
-                    size = _consume(inflight.popleft().result(), out, sha, size, obj.size, progress)
-                inflight.append(pool.submit(fetch, start, min(start + RANGE_BYTES, obj.size)))
+            for start in range(offset, obj.size, RANGE_BYTES):
+                while not free:
+                    settle()
+                buf = free.popleft()
+                inflight.append((pool.submit(fetch, start, min(start + RANGE_BYTES, obj.size), buf), buf))
             while inflight:
-                size = _consume(inflight.popleft().result(), out, sha, size, obj.size, progress)
+                settle()
         except BaseException:
             stop.set()
             raise
+        finally:
+            if fd is not None:
+                out.seek(at)  # ``out`` stands where the bytes written behind it end
     return size
 
 
-def _consume(chunks: List[bytes], out: Any, sha: "hashlib._Hash", size: int, total: int,
-             progress: Optional[Progress]) -> int:
-    at = out.tell() if out is not None else 0
-    for chunk in chunks:
-        sha.update(chunk)
-        if out is not None:
-            out.write(chunk)
-        size += len(chunk)
-    fd = _fileno(out)
-    if fd is not None:
-        # the disk works while the rest streams in: the caller's fsync has little left to wait for
-        out.flush()
-        start_writeback(fd, at, out.tell() - at)
-    if progress is not None:
-        progress(size, total)
-    return size
+def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
+    """``view`` written at ``at`` in pieces of ``WRITE_PIECE`` bytes."""
+    done, end = 0, len(view)
+    while done < end:
+        done += os.pwrite(fd, view[done:done + WRITE_PIECE], at + done)
+
+
+def _read_into(body: Any, view: memoryview, tick: Callable[[], None]) -> int:
+    """Bytes of a GET's ``body`` (a botocore StreamingBody) read into ``view``; how many came,
+    ``len(view)`` + 1 when the body runs on past it. ``tick`` runs before every read.
+
+    The bytes come straight from the socket into ``view`` (``http.client``'s ``readinto``, under
+    botocore's and urllib3's wrappers, which would hand out a fresh bytes object per read); the
+    wrappers' failures are raised as they would have raised them (a read timeout as botocore's
+    ReadTimeoutError, a cut connection as its ResponseStreamingError), and the connection goes
+    back to urllib3's pool only after a body read to its clean end. A body the wrappers would
+    change (a checksum checked on the way) or a wrapper of another shape is read through them."""
+    import http.client
+
+    from botocore.exceptions import ReadTimeoutError, ResponseStreamingError
+
+    direct = _direct(body)
+    if direct is None:
+        return _read_through(body, view, tick)
+    raw, fp = direct
+    got, want = 0, len(view)
+    try:
+        while got < want:
+            tick()
+            n = fp.readinto(view[got:got + READ_CHUNK])
+            if not n:
+                return got  # short: the caller says so
+            got += n
+        if fp.readinto(bytearray(1)):
+            return want + 1
+    except TimeoutError as exc:
+        raise ReadTimeoutError(endpoint_url=str(getattr(raw, "geturl", lambda: "")() or ""), error=exc) from exc
+    except (http.client.HTTPException, OSError) as exc:
+        raise ResponseStreamingError(error=exc) from exc
+    raw.release_conn()  # read to its end: the connection serves the next range
+    return got
+
+
+def _direct(body: Any) -> Optional[Tuple[Any, "http.client.HTTPResponse"]]:
+    """The urllib3 response under a botocore ``body`` and the ``http.client`` response under it,
+    when nothing of it was read yet and nothing checks it on the way; None otherwise."""
+    import http.client
+
+    from botocore.response import StreamingBody
+
+    if type(body) is not StreamingBody:  # a subclass checks a checksum as it reads
+        return None
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or not hasattr(raw, "release_conn") or \
+            getattr(raw, "_fp_bytes_read", None) != 0:
+        return None
+    return raw, fp
+
+
+def _read_through(body: Any, view: memoryview, tick: Callable[[], None]) -> int:
+    got, want = 0, len(view)
+    for chunk in body.iter_chunks(READ_CHUNK):
+        tick()
+        if got + len(chunk) > want:
+            return want + 1
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    return got
 
 
 def _fileno(out: Any) -> Optional[int]:

@@ -74,3 +74,53 @@ def test_a_backup_is_copied_off_host_by_every_path_that_takes_one(cluster_factor
     assert not pushed.error and [f.path for f in pushed.copied] == [daemon.path], pushed
     taken.append(os.path.basename(daemon.path))
     assert copied(rgw, bucket) == sorted(taken), "the daemon's backup, by its copy queue"
+
+
+def test_a_copy_whose_digest_the_queue_holds_reads_the_file_once(
+        cluster_factory: Any, rgw: RgwBed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue hashed the file to compare it with an object of its size (a copy gone bad): the
+    upload takes that digest and reads the file once, hashing as it sends (issue 39 item 5)."""
+    from etcd_agent.bucket import digests, remote, transfer
+
+    bucket = rgw.new_bucket()
+    c = cluster_factory(1, extra=remote_table(rgw, bucket, prefix="p/", part_size_mb=5))
+    c.start_static()
+    for i in range(7):  # a backup of several parts: the one-pass multipart upload
+        c.client().put(f"k{i}", os.urandom(1 << 20))
+    daemon = take_backup(c.cfg, member="m1", origin="daemon")
+    caches = queue.Caches()
+    (f,) = copier.pending(c.cfg, caches).pending
+    assert f.size > 5 << 20, f.size
+    rgw.client().put_object(Bucket=bucket, Key="p/" + f.name, Body=os.urandom(f.size), Metadata={"sha256": "0" * 64})
+    reads: List[str] = []
+    for module in (digests, remote, transfer):
+        real = module.open_regular
+
+        def counted(path: str, *a: Any, real: Any = real, **kw: Any) -> Any:
+            if path == daemon.path:
+                reads.append(path)
+            return real(path, *a, **kw)
+        monkeypatch.setattr(module, "open_regular", counted)
+    pushed = copier.push(c.cfg, caches)
+    assert not pushed.error and [g.path for g in pushed.copied] == [daemon.path], pushed
+    assert len(reads) == 2, reads  # the queue's check of the object there, then the upload
+    head = rgw.client().head_object(Bucket=bucket, Key="p/" + f.name)
+    assert head["Metadata"]["sha256"] == caches.local_sha(daemon.path)
+
+
+def test_a_digest_the_file_no_longer_hashes_to_fails_one_pass_and_is_forgotten(cluster_factory: Any, rgw: RgwBed) -> None:
+    """A digest held for a file changed without its size or mtime telling: the upload refuses the
+    bytes (nothing lands under the wrong sha256), the queue forgets it, the next pass hashes again."""
+    bucket = rgw.new_bucket()
+    c = cluster_factory(1, extra=remote_table(rgw, bucket, prefix="p/"))
+    c.start_static()
+    daemon = take_backup(c.cfg, member="m1", origin="daemon")
+    caches = queue.Caches()
+    st = os.stat(daemon.path)
+    caches.local[(daemon.path, st.st_size, st.st_mtime_ns)] = "f" * 64
+    first = copier.push(c.cfg, caches)
+    assert "changed while it was copied" in first.error and not first.copied, first
+    assert caches.known_sha(daemon.path) is None
+    assert copied(rgw, bucket) == []
+    second = copier.push(c.cfg, caches)
+    assert not second.error and [g.path for g in second.copied] == [daemon.path], second

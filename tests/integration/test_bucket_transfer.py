@@ -123,3 +123,71 @@ def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
     assert (done.how, done.resumed_at) == ("resumed", len(part))
     assert hashlib.sha256(Path(cfg.backup.dir, NAME).read_bytes()).digest() == hashlib.sha256(body).digest()
     assert os.listdir(cfg.backup.dir) == [NAME]  # the staging dir went with its last part
+
+
+@pytest.mark.parametrize("way", ["socket", "wrapped"])
+def test_ranges_read_into_reused_buffers_land_in_order_behind_the_callers_writes_on_kept_connections(
+        way: str, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each range is read from the socket straight into a buffer (``socket``: the locked botocore
+    and urllib3 have the shape transfer._direct expects; a change of theirs fails here rather than
+    silently slowing every download), or through botocore's reads (``wrapped``, the fallback);
+    both keep each connection for the next range and write behind what the caller wrote."""
+    from botocore.awsrequest import AWSHTTPConnectionPool
+
+    cfg = remote_config(rgw)
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
+    size = 5 * transfer.RANGE_WORKERS * MiB + 777
+    body = os.urandom(size)
+    name = layout.full_name(KEY, NAME)
+    b = Bucket(cfg)
+    rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
+                            Metadata={"sha256": hashlib.sha256(body).hexdigest()})
+    obj = remote.checkable(b, name)
+    through: List[int] = []
+    real_through, real_new_conn = transfer._read_through, AWSHTTPConnectionPool._new_conn
+    monkeypatch.setattr(transfer, "_read_through", lambda *a: through.append(1) or real_through(*a))
+    if way == "wrapped":
+        monkeypatch.setattr(transfer, "_direct", lambda _body: None)
+    connections: List[int] = []
+    monkeypatch.setattr(AWSHTTPConnectionPool, "_new_conn",
+                        lambda self: connections.append(1) or real_new_conn(self))
+    with open(tmp_path / "out", "w+b") as fh:
+        fh.write(b"before")  # still in the file object's buffer
+        got, digest = transfer.stream_object(b, obj, fh)
+        assert fh.tell() == len(b"before") + size
+    assert (got, digest) == (size, hashlib.sha256(body).hexdigest())
+    assert (tmp_path / "out").read_bytes() == b"before" + body
+    assert len(through) == (0 if way == "socket" else -(-size // MiB)), len(through)
+    assert len(connections) <= transfer.RANGE_WORKERS, len(connections)  # not one a range
+
+
+@pytest.mark.parametrize("way", ["socket", "wrapped"])
+def test_a_range_that_stalls_mid_body_fails_as_a_gateway_that_did_not_answer(
+        way: str, rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body held halfway (the store hung mid-object): the read times out within read_timeout
+    and says so in one sentence, a BackupError (the part is kept to be continued), whichever way
+    the range is read."""
+    from tests.harness.cutproxy import CutProxy
+    from tests.integration.test_backup_remote import _with
+
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
+    if way == "wrapped":
+        monkeypatch.setattr(transfer, "_direct", lambda _body: None)
+    proxy = CutProxy(("127.0.0.1", rgw.port))
+    try:
+        cfg = _with(remote_config(rgw), endpoint=proxy.endpoint, read_timeout=1.0, max_attempts=1)
+        size = 3 * transfer.RANGE_WORKERS * MiB
+        body = os.urandom(size)
+        name = layout.full_name(KEY, NAME)
+        b = Bucket(cfg)
+        rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
+                                Metadata={"sha256": hashlib.sha256(body).hexdigest()})
+        obj = remote.checkable(b, name)
+        proxy.hold_after(MiB // 2)  # the first range's body stops halfway
+        with open(tmp_path / "out", "wb") as fh, pytest.raises(BackupError) as info:
+            transfer.stream_object(b, obj, fh)
+        assert proxy.fired.is_set()
+    finally:
+        proxy.close()
+    assert not isinstance(info.value, BackupCorrupt)
+    assert "did not answer within 1 s" in info.value.message, info.value.message
