@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,7 @@ def stage_all(cfg: "Config", items: Sequence[fetch.Wanted], directory: str,
     ended. The caller holds ``fetch.staging_locked(directory)``."""
     from etcd_agent.bucket.client import Bucket
 
+    room(cfg, items, directory)
     local = threading.local()
     stop = threading.Event()
 
@@ -122,6 +124,36 @@ def stage_all(cfg: "Config", items: Sequence[fetch.Wanted], directory: str,
             raise Stopped(first, len(out), len(items))
         raise first
     return out
+
+
+def still_to_fetch(items: Sequence[fetch.Wanted], directory: str) -> int:
+    """The listed bytes not yet here: nothing for a file already in the backup dir (it is compared,
+    not fetched), the rest of a part a killed run left in the staging dir."""
+    staging = os.path.join(directory, fetch.STAGING)
+    need = 0
+    for w in items:
+        if os.path.lexists(os.path.join(directory, w.file)):
+            continue
+        try:
+            have = os.lstat(os.path.join(staging, w.file + ".part")).st_size
+        except OSError:
+            have = 0
+        need += max(0, w.size - have)
+    return need
+
+
+def room(cfg: "Config", items: Sequence[fetch.Wanted], directory: str) -> None:
+    """The whole plan fits in the staging dir's filesystem with ``[backup] space_margin`` to spare,
+    or RefusedError before anything is fetched. Objects are staged 4 at once: each one's own check
+    (``fetch.stage_one``) sees the space before the others fill it, and the backup dir often shares
+    its filesystem with etcd's data dir, which must never be the one to find it full."""
+    need = still_to_fetch(items, directory)
+    want = int(need * (1 + cfg.backup.space_margin))
+    free = shutil.disk_usage(directory).free
+    if need and free < want:
+        raise RefusedError(
+            f"not enough space in {directory}: {size_text(free)} free, the {len(items)} object(s) still to fetch "
+            f"need {size_text(want)} ({size_text(need)} + {cfg.backup.space_margin:.0%} margin); nothing fetched")
 
 
 def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,

@@ -314,3 +314,41 @@ def test_the_newest_checkpoints_the_retention_keeps_are_fetched(rgw: RgwBed, tmp
     res = subprocess.run([AGENT, "-c", conf, "backup", "fetch", "latest"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert _landed(cfg) == sorted([NAME] + cps[1:]), _landed(cfg)
+
+
+@pytest.fixture
+def small_backup_dir(tmp_path: Path) -> Any:
+    """The backup dir on a 4 MiB tmpfs of its own: a filesystem a fetch can really fill."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "backups"
+    mnt.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)], check=True, timeout=30)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=30)
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_anything_is_fetched(rgw: RgwBed, tmp_path: Path,
+                                                                        small_backup_dir: Path) -> None:
+    """Three objects of 1.5 MiB for a 4 MiB filesystem: each fits alone, so each one's own check
+    passes while the others are still empty; staged at once they would fill the filesystem (the
+    backup dir often shares it with etcd's data dir). The whole plan is weighed first: refused
+    (exit 3), nothing staged, the filesystem as empty as before."""
+    from tests.integration.test_restore import AGENT
+
+    cfg, conf = _config_file(rgw, tmp_path)
+    assert cfg.backup.dir == str(small_backup_dir)
+    free = shutil.disk_usage(cfg.backup.dir).free
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1536 * 1024))
+    for cp in ("etcd-2026-03-01-11-00-00.tar", "etcd-2026-03-01-12-00-00.tar"):
+        _put(cfg, rgw, layout.checkpoint_name(KEY, cp), os.urandom(1536 * 1024))
+    res = subprocess.run([AGENT, "-c", conf, "backup", "fetch", "latest"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "not enough space in" in res.stderr and "nothing fetched" in res.stderr, res.stderr
+    assert [n for n in _landed(cfg) if not n.startswith(".")] == [], _landed(cfg)
+    staging = os.path.join(cfg.backup.dir, fetch.STAGING)
+    assert not os.path.isdir(staging) or not os.listdir(staging), os.listdir(staging)
+    assert shutil.disk_usage(cfg.backup.dir).free >= free - 64 * 1024  # the lock files at most
+    print(f"\nrefused (exit 3): {res.stderr.strip().splitlines()[-1]}")
