@@ -149,7 +149,10 @@ def room(cfg: "Config", items: Sequence[fetch.Wanted], directory: str) -> None:
     its filesystem with etcd's data dir, which must never be the one to find it full."""
     need = still_to_fetch(items, directory)
     want = int(need * (1 + cfg.backup.space_margin))
-    free = shutil.disk_usage(directory).free
+    where = directory
+    while not os.path.isdir(where) and os.path.dirname(where) != where:  # a dry run on a new master: made later
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
     if need and free < want:
         raise RefusedError(
             f"not enough space in {directory}: {size_text(free)} free, the {len(items)} object(s) still to fetch "

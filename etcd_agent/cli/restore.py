@@ -180,14 +180,21 @@ def _bucket_dry_run(cfg: "Config", bp: "BucketPlan", identities: Any) -> Output:
     """What a restore from the bucket would fetch, object by object, and every host's pre-check
     (sessions, locks, tools, room for a snapshot of the full backup's size); nothing large is
     fetched, so what needs the snapshot's bytes (its members, the chain) is named, not run."""
+    from etcd_agent.bucket.staging import room
     from etcd_agent.restore.orchestrator.frombucket import host_checks
     from etcd_agent.restore.orchestrator.options import Options
 
     hosts = host_checks(cfg, Options(spec="", dry_run=True, progress=_progress, identities=identities), bp.full.size)
-    ok = all(not problems for _m, _h, problems in hosts)
+    try:  # the staging here: the whole plan must fit (bucket.staging.room), as the fetch checks first
+        room(cfg, bp.items, cfg.backup.dir)
+        here: List[str] = []
+    except RefusedError as exc:
+        here = [exc.message]
+    ok = not here and all(not problems for _m, _h, problems in hosts)
     lines = [f"restore from the bucket: {bp.full.name}" + (f" (chain {bp.full.chain[:16]}...)" if bp.full.chain else
                                                           " (a legacy copy at the top of the prefix)")]
     lines += [f"  {x}" for x in bp.lines(cfg.backup.dir)]
+    lines += [f"room for the fetch in {cfg.backup.dir}: " + ("ok" if not here else "FAILED: " + here[0])]
     lines += [f"{m} ({h}): pre-check {'ok' if not p else 'FAILED: ' + '; '.join(p)}" for m, h, p in hosts]
     lines += [
         "after the fetch, before any master is touched (not run by a dry run: they read the fetched bytes):",
@@ -199,7 +206,7 @@ def _bucket_dry_run(cfg: "Config", bp: "BucketPlan", identities: Any) -> Output:
         "dry run: nothing fetched (`etcd-agent backup fetch` brings it here, then `restore --from NAME --dry-run` "
         "shows the whole plan)" if ok else "dry run: pre-checks FAILED; nothing fetched",
     ]
-    data = {"dry_run": True, "bucket": bp.to_json(),
+    data = {"dry_run": True, "bucket": bp.to_json(), "room": here,
             "hosts": [{"member": m, "host": h, "problems": p} for m, h, p in hosts]}
     return Output(data, "\n".join(lines) + "\n", exit_code=0 if ok else EXIT_REFUSED)
 

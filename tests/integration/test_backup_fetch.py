@@ -352,3 +352,20 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_fetched(rgw: Rgw
     assert not os.path.isdir(staging) or not os.listdir(staging), os.listdir(staging)
     assert shutil.disk_usage(cfg.backup.dir).free >= free - 64 * 1024  # the lock files at most
     print(f"\nrefused (exit 3): {res.stderr.strip().splitlines()[-1]}")
+
+
+def test_the_restore_s_dry_run_says_the_plan_does_not_fit(rgw: RgwBed, tmp_path: Path, small_backup_dir: Path) -> None:
+    """`restore --from-bucket --dry-run` weighs the same plan against the same filesystem and says
+    so (exit 3), before anyone runs the restore that would be refused."""
+    from tests.integration.test_restore import AGENT
+
+    cfg, conf = _config_file(rgw, tmp_path)
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(5 * 1024 * 1024))
+    res = subprocess.run([AGENT, "-c", conf, "restore", "--from-bucket", "latest", "--dry-run"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 3, res.stdout + res.stderr
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("room for the fetch in ")), "")
+    assert f"{cfg.backup.dir}: FAILED: not enough space in {cfg.backup.dir}" in line, res.stdout
+    assert "nothing fetched" in res.stdout, res.stdout
+    assert [n for n in _landed(cfg) if not n.startswith(".")] == [], _landed(cfg)
+    print(f"\n{line}")
