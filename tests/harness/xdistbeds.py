@@ -52,8 +52,9 @@ class Tier:
         """Whatever ``--dist`` says, this tier's tests go out a unit at a time."""
         return BedScheduling(config, log, self.unit_of)
 
-    def pytest_collection_modifyitems(self, items: List[pytest.Item]) -> None:
-        deal(items, self.conftest, self.unit_of, self.long)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: List[pytest.Item]) -> None:
+        if hasattr(config, "workerinput"):  # what a worker collects is the order units are dealt in
+            deal(items, self.conftest, self.unit_of, self.long)
 
 
 def register(config: pytest.Config, conftest: str, unit_of: Callable[[str], str], long: Sequence[str]) -> None:
