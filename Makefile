@@ -37,14 +37,22 @@ demo: deps-demo venv
 # process): its tests mostly wait on etcd, and each picks ports from its worker's own range. A
 # file stays on one worker (--dist loadfile: module-scoped clusters and ordered tests); the demo's
 # fixed ports are a flock (tests/integration/conftest.py), whose collection order deals the long
-# files first (--no-loadscope-reorder keeps it). The namespace and nspawn tiers share
-# one machine-wide bed and stay serial. Each tier prints its 15 slowest tests (--durations): where
+# files first (--no-loadscope-reorder keeps it). The namespace tier runs on two workers as well
+# (MULTIHOST_WORKERS=0: one process): its tests wait on timeouts, elections and shaped links;
+# files that share a bed's prefix go to one worker together (tests/harness/xdistbeds.py), and the
+# controller holds the machine-wide bed lock. The nspawn tier can (SYSTEMD_WORKERS=2); it stays
+# serial until its run on two workers has been seen green on a quiet machine. Each tier
+# prints its 15 slowest tests (--durations): where
 # the suite's half hour goes. The package is byte-compiled first, as the RPM ships it:
 # with PYTHONDONTWRITEBYTECODE (set on these machines) every agent process a test starts would
 # otherwise compile each module it imports.
 TIERS ?= unit component integration multihost systemd
 INTEGRATION_WORKERS ?= 2
 XDIST_integration = $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile --no-loadscope-reorder)
+MULTIHOST_WORKERS ?= 2
+XDIST_multihost = $(if $(filter-out 0,$(MULTIHOST_WORKERS)),-n $(MULTIHOST_WORKERS) --dist loadfile --no-loadscope-reorder)
+SYSTEMD_WORKERS ?= 0
+XDIST_systemd = $(if $(filter-out 0,$(SYSTEMD_WORKERS)),-n $(SYSTEMD_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: deps-test venv
 	@failed=""; \
 	echo "== mypy --strict"; $(VENV)/bin/mypy || failed="$$failed mypy"; \
@@ -52,7 +60,7 @@ test: deps-test venv
 	echo "== lint-imports"; $(VENV)/bin/lint-imports --no-cache || failed="$$failed lint-imports"; \
 	$(VENV)/bin/python -m compileall -q -j 0 etcd_agent >/dev/null || failed="$$failed compileall"; \
 	for t in $(TIERS); do \
-	  case $$t in integration) x="$(XDIST_integration)";; *) x="";; esac; \
+	  case $$t in integration) x="$(XDIST_integration)";; multihost) x="$(XDIST_multihost)";; systemd) x="$(XDIST_systemd)";; *) x="";; esac; \
 	  echo "== tests/$$t"; $(VENV)/bin/python -m pytest tests/$$t $$x --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: tests/$$t collected no tests - the tier is broken, not passing" >&2; fi; \
 	  [ $$rc -eq 0 ] || failed="$$failed $$t"; \

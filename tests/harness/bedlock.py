@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import IO, Callable, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,39 @@ def release() -> None:
             f.close()  # closing the file releases the flock
 
 
-def hold_for_session(config: object) -> Iterator[None]:
+# A tier run on pytest-xdist workers (Makefile: multihost): the controller holds the lock for the
+# whole run and says so in each worker's workerinput. Each worker is a session of its own: taking
+# the lock there, the second worker would wait for the first one's whole session.
+HELD_BY_CONTROLLER = "etcd_agent_testbed_lock_held"
+
+
+def is_xdist_controller(config: Any) -> bool:
+    """True in the process that deals tests to xdist workers (``-n N``, N > 0), not in a worker."""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def hold_for_workers(config: Any) -> None:
+    """From a tier's ``pytest_configure`` on the xdist controller: take the lock now, before any
+    worker starts, and release it when the run ends. `tell_worker` passes the word on."""
+    holding = hold_for_session(config)
+    next(holding)
+    config.add_cleanup(lambda: next(holding, None))
+
+
+def tell_worker(node: Any) -> None:
+    """From ``pytest_configure_node``: the worker's sessions need not take the lock this process
+    holds (told only when it does)."""
+    if _held is not None:
+        node.workerinput[HELD_BY_CONTROLLER] = True
+
+
+def hold_for_session(config: Any, path: str = LOCK_PATH) -> Iterator[None]:
     """Body of the tiers' session fixtures: hold the lock from first use to the session's end;
-    the waiting lines go to the terminal even under output capture."""
+    the waiting lines go to the terminal even under output capture. In an xdist worker whose
+    controller holds the lock for the run, nothing to take."""
+    if getattr(config, "workerinput", {}).get(HELD_BY_CONTROLLER):
+        yield
+        return
     capman = config.pluginmanager.getplugin("capturemanager")
 
     def say(line: str) -> None:
@@ -129,7 +159,7 @@ def hold_for_session(config: object) -> Iterator[None]:
                 sys.stderr.write(f"\n[etcd-agent testbed] {line}\n")
                 sys.stderr.flush()
 
-    acquire(say=say)
+    acquire(path, say=say)
     try:
         yield
     finally:

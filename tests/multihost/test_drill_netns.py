@@ -46,20 +46,16 @@ BED_LOCK = "/run/etcd-agent-testbed.lock"
 
 
 @pytest.fixture(scope="module")
-def bed_lock() -> Iterator[None]:
+def bed_lock(pytestconfig: pytest.Config) -> Iterator[None]:
     """One heavy bed per machine: the lock the other heavy tiers take (tests/harness/bedlock.py
-    where present, re-entrant in one session; else an flock of the same file), waited for with a
-    deadline."""
+    where present, re-entrant in one session and held by the controller for xdist workers; else
+    an flock of the same file), waited for with a deadline."""
     try:
         from tests.harness import bedlock  # type: ignore[attr-defined]
     except ImportError:
         bedlock = None
     if bedlock is not None:
-        bedlock.acquire(say=lambda s: sys.stderr.write(s + "\n"))
-        try:
-            yield
-        finally:
-            bedlock.release()
+        yield from bedlock.hold_for_session(pytestconfig)
         return
     fh = open(BED_LOCK, "a+")
 

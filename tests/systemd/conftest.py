@@ -1,23 +1,58 @@
 """Fixtures of the systemd tier: nspawn containers booting real systemd (root only).
 
 The base tree is built once and cached (tests/harness/rootfs.py); each test module gets a fresh
-3-container bed that is torn down afterwards, also when a test fails.
+3-container bed that is torn down afterwards, also when a test fails. With SYSTEMD_WORKERS=2 the
+tier runs on two xdist workers (Makefile; tests/harness/xdistbeds.py): every file's bed has its
+own prefix and subnet.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import time
-from typing import Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
-from tests.harness import bedlock, rootfs
+from tests.harness import bedlock, rootfs, xdistbeds
 from tests.harness.nspawn import NspawnBed
 from tests.harness.rpmbuild import BuiltRpm, build_rpm
 
-# Timings and sizes the tests measure, printed at the end of the run (also under -q).
+# Timings and sizes the tests measure, printed at the end of the run (also under -q). Under xdist
+# a worker's new ones ride on its test reports to the controller, which prints them.
 METRICS: Dict[str, str] = {}
+METRICS_PROPERTY = "systemd-tier-metrics"
+_reported: Dict[str, str] = {}
+# The two RPM files are one unit of work: one build of each release (rpm_build is per session).
+RPM_UNIT = "rpm"
+RPM_FILES = ("test_rpm.py", "test_rpm_e2e.py")
+# the longest units (--durations), dealt first
+LONG = (RPM_UNIT, "test_restore_systemd.py", "test_daemon_systemd.py", "test_restore_faults_systemd.py",
+        "test_upgrade_systemd.py")
+
+
+def unit_of(file: str) -> str:
+    return RPM_UNIT if file in RPM_FILES else file
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    xdistbeds.register(config, __file__, unit_of, LONG)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    outcome = yield
+    if hasattr(item.config, "workerinput"):
+        new = {k: v for k, v in METRICS.items() if _reported.get(k) != v}
+        if new:
+            outcome.get_result().user_properties.append((METRICS_PROPERTY, new))  # type: ignore[attr-defined]
+            _reported.update(new)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == METRICS_PROPERTY and isinstance(value, dict):
+            METRICS.update(value)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

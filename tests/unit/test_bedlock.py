@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,3 +53,28 @@ def test_waits_with_a_deadline_and_names_the_holder(tmp_path) -> None:  # type: 
     assert bedlock.holder(path).startswith("unknown"), "a note of a process that is gone names nobody"
     bedlock.acquire(path, timeout=1)  # the holder is gone: taken at once
     bedlock.release()
+
+
+class _TookTheLock:
+    """A pytest plugin manager that fails closed: hold_for_session asks it first when it takes
+    the lock (for its waiting lines)."""
+
+    def getplugin(self, name: str) -> None:
+        raise AssertionError("the worker took the lock its controller holds")
+
+
+def test_a_worker_whose_controller_holds_the_lock_takes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "bed.lock")
+    node = SimpleNamespace(workerinput={})
+    bedlock.tell_worker(node)
+    assert node.workerinput == {}, "told the worker while this process held nothing"
+    bedlock.acquire(path, timeout=1)  # the controller, for the whole run
+    try:
+        bedlock.tell_worker(node)
+        worker = SimpleNamespace(workerinput=node.workerinput, pluginmanager=_TookTheLock())
+        session = bedlock.hold_for_session(worker, path)
+        next(session)  # a worker's session: on at once, as the second worker's is
+        assert next(session, "ended") == "ended"
+        assert "pid" in bedlock.holder(path), "the worker's session end dropped the controller's lock"
+    finally:
+        bedlock.release()
