@@ -19,6 +19,7 @@ prefix refuses the whole fetch before a byte is written.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -35,7 +36,7 @@ from etcd_agent.backup.catalog import DATE_SPEC_RE, STAMP_RE
 from etcd_agent.bucket import layout, transfer
 from etcd_agent.bucket.digests import READ_CHUNK, mismatches
 from etcd_agent.chain.segments import parse_name as parse_segment_name
-from etcd_agent.errors import BackupCorrupt, BackupError, BusyError, RefusedError, UsageError
+from etcd_agent.errors import AgentError, BackupCorrupt, BackupError, BusyError, RefusedError, UsageError
 from etcd_agent.fs import ensure_private_dir, fsync_dir, open_regular, write_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -176,6 +177,32 @@ def _reaching(cfg: "Config", objs: Sequence["RemoteObject"], reach_to: int,
     return [pick] + [o for o in objs if o is not pick]
 
 
+def here_first(cfg: "Config", objs: Sequence["RemoteObject"]) -> List["RemoteObject"]:
+    """``objs`` in their order, except that of backups sharing one name (masters' folders hold
+    backups of the same second under the same name), one whose name a different backup holds in
+    the backup dir goes last: the fetch never overwrites a different file (it would refuse),
+    while another master's copy of that second, at the same place in the order, serves the same
+    restore. A name only one copy has is never moved (the fetch refuses it, said)."""
+    from etcd_agent.backup.catalog import entry_for
+
+    names = collections.Counter(o.name for o in objs)
+
+    def taken(o: "RemoteObject") -> bool:
+        path = os.path.join(cfg.backup.dir, o.name)
+        if names[o.name] < 2 or not os.path.lexists(path):
+            return False
+        try:
+            e = entry_for(path, utc=cfg.backup.utc)
+        except (OSError, AgentError):
+            return True
+        # its checked sha256, else its manifest's word: an order only, the fetch compares the bytes
+        claimed = ((e.manifest or {}).get("files") or {}).get("etcd_snapshot.db") or {}
+        here = e.snapshot_sha256 or (claimed.get("sha256") if isinstance(claimed, dict) else None)
+        return not o.chain or here != o.chain
+
+    return sorted(objs, key=taken)
+
+
 def _stamp(name: str) -> str:
     m = STAMP_RE.match(name)
     return "-".join(x for x in m.groups() if x) if m else name
@@ -202,6 +229,7 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
 
     objs = sorted((replace(o, folder=folder) for folder, bound_cfg in host_folders(cfg)
                    for o in remote.list_remote(bound_cfg)), key=lambda o: (o.time, o.name), reverse=True)
+    objs = here_first(cfg, objs)  # of one name in two masters' folders, not the one a different file here holds
     now = catalog_time(cfg, datetime.now(timezone.utc))  # once: what is dated ahead is judged alike
     if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
         objs = _not_after(objs, not_after, max_revision)
