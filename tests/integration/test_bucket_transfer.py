@@ -137,12 +137,8 @@ def test_ranges_read_into_reused_buffers_land_in_order_behind_the_callers_writes
     cfg = remote_config(rgw)
     monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
     size = 5 * transfer.RANGE_WORKERS * MiB + 777
-    body = os.urandom(size)
-    name = layout.full_name(KEY, NAME)
     b = Bucket(cfg)
-    rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
-                            Metadata={"sha256": hashlib.sha256(body).hexdigest()})
-    obj = remote.checkable(b, name)
+    body, obj = _stored(rgw, b, size)
     through: List[int] = []
     real_through, real_new_conn = transfer._read_through, AWSHTTPConnectionPool._new_conn
     monkeypatch.setattr(transfer, "_read_through", lambda *a: through.append(1) or real_through(*a))
@@ -177,12 +173,8 @@ def test_a_range_that_stalls_mid_body_fails_as_a_gateway_that_did_not_answer(
     try:
         cfg = _with(remote_config(rgw), endpoint=proxy.endpoint, read_timeout=1.0, max_attempts=1)
         size = 3 * transfer.RANGE_WORKERS * MiB
-        body = os.urandom(size)
-        name = layout.full_name(KEY, NAME)
         b = Bucket(cfg)
-        rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
-                                Metadata={"sha256": hashlib.sha256(body).hexdigest()})
-        obj = remote.checkable(b, name)
+        body, obj = _stored(rgw, b, size)
         proxy.hold_after(MiB // 2)  # the first range's body stops halfway
         with open(tmp_path / "out", "wb") as fh, pytest.raises(BackupError) as info:
             transfer.stream_object(b, obj, fh)
@@ -191,3 +183,12 @@ def test_a_range_that_stalls_mid_body_fails_as_a_gateway_that_did_not_answer(
         proxy.close()
     assert not isinstance(info.value, BackupCorrupt)
     assert "did not answer within 1 s" in info.value.message, info.value.message
+
+
+def _stored(rgw: RgwBed, b: Bucket, size: int) -> Tuple[bytes, "remote.RemoteObject"]:
+    """``size`` random bytes stored as the full backup NAME with their sha256, and as HEAD finds them."""
+    body = os.urandom(size)
+    name = layout.full_name(KEY, NAME)
+    rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
+                            Metadata={"sha256": hashlib.sha256(body).hexdigest()})
+    return body, remote.checkable(b, name)
