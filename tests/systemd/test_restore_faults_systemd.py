@@ -106,9 +106,21 @@ def markers(c: Container) -> List[str]:
 
 
 def agent_log(c: Container, since: float) -> str:
-    """The daemon's journal since ``since`` (epoch seconds; one clock: one kernel)."""
-    return c.exec(["journalctl", "--no-pager", "-o", "cat", "-u", "etcd-agent",
-                   "--since", f"@{int(since) - 1}"]).stdout
+    """The daemon's messages logged at or after ``since`` (epoch seconds; one clock: one kernel),
+    judged by each entry's own microsecond stamp: ``--since`` takes whole seconds, and a bed that
+    came up fast logged its own bootstrap in the second a test began."""
+    out = c.exec(["journalctl", "--no-pager", "-o", "short-unix", "-u", "etcd-agent",
+                  "--since", f"@{int(since) - 1}"]).stdout
+    lines = []
+    for line in out.splitlines():  # "<epoch.micros> <host> <unit>[<pid>]: <message>"
+        stamp, _, rest = line.partition(" ")
+        try:
+            at = float(stamp)
+        except ValueError:  # "-- No entries --", "-- Boot … --"
+            continue
+        if at >= since:
+            lines.append(rest.split(": ", 1)[1] if ": " in rest else rest)
+    return "\n".join(lines)
 
 
 def is_active(c: Container, unit: str) -> str:
