@@ -1,12 +1,13 @@
 """What the delta supervisor does at each tick, decided from what it sees (pure): ``Facts`` in,
-(action, why) out (``decide``); and how long it backs off when chains keep breaking soon after
-the full backups that started them."""
+(action, why) out (``decide``); and how long it backs off when chains keep breaking (or the
+membership keeps changing) soon after the full backups that started them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from etcd_agent.chain.check import BaseBackup
+from etcd_agent.continuous.membership import HALF_DONE_WAIT
 
 # a chain that breaks again soon after the full backup that started it: the next full backup
 # waits BREAK_BACKOFF[0] s after the previous one, doubling with every repeat up to
@@ -31,6 +32,7 @@ class Full:
     time: float
     sha256: str = ""  # its snapshot db's ("" unknown)
     size: int = 0  # the backup file's bytes (what a checkpoint's interval is measured against)
+    member_ids: Tuple[str, ...] = ()  # hex, as found in its snapshot's db (the catalog's)
 
     @property
     def base(self) -> BaseBackup:
@@ -53,6 +55,9 @@ class Facts:
     breaks_in_row: int = 0  # chains that broke soon after they started, in a row
     backoff_left: float = 0.0  # seconds until the full backup for the break may be taken
     checkpoint_due: str = ""  # why the running chain wants a checkpoint now ("" it does not)
+    membership: str = ""  # how the cluster's members differ from the newest full backup's ("" the same)
+    membership_half_done: str = ""  # a member added but not started yet ("" none)
+    half_done_for: float = 0.0  # seconds it has been so
 
 
 def decide(f: Facts) -> Tuple[str, str]:
@@ -73,6 +78,10 @@ def decide(f: Facts) -> Tuple[str, str]:
         return "backup", "no full backup on this host to continue: taking one"
     if f.newest_unusable:
         return "backup", f"the newest full backup cannot start a chain ({f.newest_unusable}): taking one"
+    held = _membership_held(f)
+    if f.membership and not held:
+        return "backup", f"{f.membership}: a full backup of the new membership, then a new chain from it"
+    # a held membership backup does not stop the watch: the running chain goes on meanwhile
     if f.watching_base is None:
         return "start", f"watching from {f.newest.name} (revision {f.newest.revision})"
     if f.watching_base != f.newest.revision:
@@ -81,4 +90,17 @@ def decide(f: Facts) -> Tuple[str, str]:
         return "backup", f"the chain passed {f.over_bounds}: a full backup bounds what a restore replays"
     if f.checkpoint_due:
         return "checkpoint", f"{f.checkpoint_due}: a checkpoint, so that a restore replays only what follows it"
-    return "none", "watching"
+    return "none", f"watching; {held}" if held else "watching"
+
+
+def _membership_held(f: Facts) -> str:
+    """Why the full backup for a membership change is not taken yet ("" it may be)."""
+    if not f.membership:
+        return ""
+    if f.membership_half_done and f.half_done_for < HALF_DONE_WAIT:
+        return (f"{f.membership}, half-done ({f.membership_half_done}): its full backup waits until it has started "
+                f"(at most {HALF_DONE_WAIT:.0f}s)")
+    if f.backoff_left > 0:
+        return (f"{f.membership}: {f.breaks_in_row} chains in a row ended soon after their full backups: the next "
+                f"full backup in {f.backoff_left:.0f}s (backing off, not looping)")
+    return ""
