@@ -1,5 +1,5 @@
 """A broken chain written down: the break beside the segments, for restores to name
-(``status.record_break``), and a member's data replaced without a restore of the agent's as a
+(``status.record_break``; a chain ended on purpose too, uncounted: ``record_end``), and a member's data replaced without a restore of the agent's as a
 restore by hand (``backup.boundaries``). A failure to write either is said, never raised: the
 supervisor goes on to the full backup that starts the next chain."""
 from __future__ import annotations
@@ -26,6 +26,18 @@ def record_break(cfg: Config, w: DeltaWatcher, exc: ChainBroken, counted: int) -
     except OSError as err:
         log.warning("could not record the chain break in %s: %s", cfg.backup.dir, err)
         return counted + 1
+
+
+def record_end(cfg: Config, w: DeltaWatcher, reason: str, counted: int) -> int:
+    """``w``'s chain ended on purpose (stopped, its next chain continuing a new full backup, e.g.
+    for a membership change): recorded beside the breaks, for a restore to say why the chain ends
+    there, but not counted as one (nothing was lost). Returns the host's count of breaks."""
+    rec = status.BreakRecord(w.base_revision, w.pos.chain_id, w.pos.next_revision, reason, time.time())
+    try:
+        return status.record_break(cfg.backup.dir, rec, count=False)
+    except OSError as err:
+        log.warning("could not record the end of the chain in %s: %s", cfg.backup.dir, err)
+        return counted
 
 
 def record_by_hand(cfg: Config, began: float, exc: ChainBroken) -> None:

@@ -121,7 +121,8 @@ GAUGES = {
 }
 COUNTERS = {
     "chain_breaks": "Chains that could not continue (compaction, outage, restored member), over the backup dir's life.",
-    "full_backups": "Full backups the daemon took, by reason: to start a new chain, or as a checkpoint inside one.",
+    "full_backups": "Full backups the daemon took, by reason: to start a new chain (after a break, past a bound, for "
+                    "a membership change), or as a checkpoint inside one.",
     "upload_failures": "Off-host copy passes that failed (retried; see etcd_agent_bucket_*).",
     "uploads": "Objects copied off-host, by the check that verified the copy: checksum (SHA-256 checked by the "
                "store), etag (Content-MD5 checked by the store, and the MD5 ETag) or read-back.",
@@ -169,7 +170,7 @@ class DeltaCollector:
         yield CounterMetricFamily(PREFIX + "chain_breaks", COUNTERS["chain_breaks"], value=s.breaks_total)
         fb = CounterMetricFamily(PREFIX + "full_backups", COUNTERS["full_backups"], labels=["reason"])
         for reason in sorted(set(s.full_backups) | {"chain_broken", "chain_bounds", "no_full_backup", "stale_full_backup",
-                                                    "checkpoint"}):
+                                                    "membership_changed", "checkpoint"}):
             fb.add_metric([reason], s.full_backups.get(reason, 0))
         yield fb
         yield CounterMetricFamily(PREFIX + "upload_failures", COUNTERS["upload_failures"], value=s.upload_failures)
@@ -246,13 +247,15 @@ def read_breaks(directory: str) -> Tuple[int, List[BreakRecord]]:
         return 0, []
 
 
-def record_break(directory: str, rec: BreakRecord) -> int:
-    """Append ``rec``; returns the total count."""
+def record_break(directory: str, rec: BreakRecord, *, count: bool = True) -> int:
+    """Append ``rec``; returns the total count (``count=False``: a chain ended on purpose, kept
+    for restores to name but not a break: the total stays)."""
     total, breaks = read_breaks(directory)
     breaks = (breaks + [rec])[-MAX_BREAKS:]
-    doc = {"total": total + 1, "breaks": [b.to_json() for b in breaks]}
+    total += 1 if count else 0
+    doc = {"total": total, "breaks": [b.to_json() for b in breaks]}
     write_atomic(os.path.join(directory, BREAKS_FILE), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
-    return total + 1
+    return total
 
 
 def now() -> float:

@@ -12,6 +12,10 @@ the watch. Every ``TICK`` seconds it looks and decides (``decision.decide``, pur
   restored or replaced), or the chain passed a bound of ``[backup.delta]``: a full backup now
   (``backup.service.take_backup``), then a new chain from its revision - said in the log, counted
   in the metrics, the break recorded beside the segments for restores to name;
+- the cluster's membership (the member list the daemon's cycle asks) is no longer the one the
+  newest full backup's snapshot holds (``membership.compare``): a full backup of the new one, and
+  the running chain ends there (recorded like a break, for restores to name), backing off as
+  breaks do when it keeps changing;
 - a newer full backup appeared (cron): the watch moves to a new chain continuing it;
 - the chain grew by ``checkpoint_ratio`` times its full backup's size since the last checkpoint: a
   checkpoint - a full backup taken inside the chain, which goes on - that the chain then vouches
@@ -24,13 +28,13 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
-from etcd_agent.continuous import breaks, checkpoints, reporting, status
+from etcd_agent.continuous import breaks, checkpoints, membership, reporting, status
 from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
@@ -39,6 +43,7 @@ from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.bucket.copier import Copier, CopyStatus
+    from etcd_agent.etcd.client import MemberInfo
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,9 @@ TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
 RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
+MEMBERS_FRESH = 120.0  # a member list the daemon asked longer ago than this is not compared
+
+
 class DeltaSupervisor:
     """``start()`` / ``stop()``; ``status()`` for metrics. ``source()`` returns the daemon's current
     config and member (a reload takes effect at the next tick)."""
@@ -83,6 +91,16 @@ class DeltaSupervisor:
         # and when the last one was taken or tried (monotonic)
         self._cp_bytes = 0
         self._cp_at = 0.0
+        # the membership: the member list the daemon's cycle asked (and when), the newest full
+        # backup's snapshot members (read once per backup), how they differ until a full backup
+        # holds the new one, and the member list the last such backup was taken for
+        self._members_seen: "Tuple[Optional[Tuple[MemberInfo, ...]], float]" = (None, 0.0)
+        self._seats: Tuple[object, Tuple[membership.Seat, ...]] = (None, ())
+        self._membership = ""
+        self._membership_fp: object = None
+        self._membership_done: object = None
+        self._half_done_since: Optional[float] = None
+        self._said_membership = ""
 
     # ------------------------------------------------------------ thread
 
@@ -133,14 +151,18 @@ class DeltaSupervisor:
         """What this tick sees (``decide``'s input); the newest full backup looked up when a watch
         may run."""
         enabled = cfg.backup.delta.enabled
+        change = membership.Change()
         if enabled and not restoring:
             self._find_newest(cfg)
+            change = self._follow_membership()
         return Facts(
             enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
             breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
-            checkpoint_due=self._checkpoint_due(cfg),
+            checkpoint_due=self._checkpoint_due(cfg), membership=self._membership,
+            membership_half_done=change.half_done,
+            half_done_for=time.monotonic() - self._half_done_since if self._half_done_since is not None else 0.0,
         )
 
     def _hold(self, action: str, why: str, facts: Facts) -> None:
@@ -238,7 +260,7 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + RETRY_AFTER
 
     def _backoff_left(self) -> float:
-        if not self._broken:
+        if not self._broken and not self._membership:
             return 0.0
         return max(0.0, self._last_chain_backup + break_backoff(self._breaks_in_row) - time.monotonic())
 
@@ -307,8 +329,72 @@ class DeltaSupervisor:
             self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
         else:
             self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "",
-                                best.size)
+                                best.size, best.member_ids)
             self._unusable = ""
+
+    def saw_members(self, members: "Optional[Sequence[MemberInfo]]") -> None:
+        """(The daemon's thread) the member list its cycle asked (None: no member answered)."""
+        with self._mu:
+            self._members_seen = (tuple(members) if members is not None else None, time.monotonic())
+
+    def _follow_membership(self) -> membership.Change:
+        """The cluster's members against the newest full backup's (``membership.compare``); a new
+        difference counted like a break, so that a membership that keeps changing backs off."""
+        with self._mu:
+            live, seen = self._members_seen
+        if live is not None and time.monotonic() - seen > MEMBERS_FRESH:
+            live = None  # the daemon's cycle is stuck: nothing current to compare with
+        newest = self._newest
+        seats = self._seats_of(newest) if newest is not None and live else ()
+        change = membership.compare(live or (), seats)
+        fp = membership.fingerprint(live or ())
+        if change.what and fp == self._membership_done:
+            # a full backup was taken for exactly this member list and its snapshot still differs:
+            # another one would too
+            if self._said_membership != change.what:
+                log.warning("delta: %s, yet the full backup taken for this membership holds the same members; "
+                            "not taking another until the membership changes", change.what)
+                self._said_membership = change.what
+            change = membership.Change(half_done=change.half_done)
+        if change.what and not self._membership and not self._broken and newest is not None:
+            self._count_break()  # a break's full backup holds the new membership as well
+            log.warning("delta: %s since %s; a full backup of the new membership follows, and a new chain from it",
+                        change.what, newest.name)
+        elif not change.what and self._membership and live:
+            log.info("delta: the cluster's membership is the newest full backup's again: no full backup for it")
+        self._membership, self._membership_fp = change.what, fp
+        now = time.monotonic()
+        self._half_done_since = (now if self._half_done_since is None else self._half_done_since) if (
+            change.what and change.half_done) else None
+        return change
+
+    def _seats_of(self, full: Full) -> Tuple[membership.Seat, ...]:
+        """The members of ``full``'s snapshot, read from its own db once per backup file: a plain
+        one's pages in place (no key: the manifest's say-so is not what is read), else the ids its
+        writer (or a verify) found there; () unknown."""
+        try:
+            st = os.stat(full.path)
+            key: object = (full.path, st.st_size, st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return ()
+        if self._seats[0] == key:
+            return self._seats[1]
+        from etcd_agent.backup.reader import peek_archive
+
+        seats: Tuple[membership.Seat, ...] = ()
+        try:
+            ident = peek_archive(full.path).identity
+            if ident is not None:
+                seats = tuple(membership.Seat(m.id, m.name, tuple(m.peer_urls)) for m in ident.members)
+        except (AgentError, OSError) as exc:
+            log.debug("delta: the members of %s not read: %s", full.name, exc)
+        if not seats:
+            try:
+                seats = tuple(membership.Seat(int(x, 16)) for x in full.member_ids)
+            except ValueError:
+                seats = ()
+        self._seats = (key, seats)
+        return seats
 
     def _over_bounds(self, cfg: Config) -> str:
         if self.watcher is None:
@@ -350,7 +436,8 @@ class DeltaSupervisor:
         from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
 
-        reason = self._broken_reason if self._broken else (
+        ending = "" if self._broken else self._membership  # what a membership backup ends the chain for
+        reason = self._broken_reason if self._broken else "membership_changed" if ending else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
         try:
@@ -371,13 +458,24 @@ class DeltaSupervisor:
         finally:
             release_freed_memory()
         self._backup_failures = 0
-        if self._broken:
+        if self._broken or ending:
             self._last_chain_backup = time.monotonic()
+        if ending:
+            self._membership_done = self._membership_fp
+        self._membership = ""  # compared again with the new backup at the next tick
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
         self._nudge()
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
+        w = self.watcher
+        if w is not None:
+            # the running chain ends here even when the new backup is at its base's revision (an
+            # idle cluster): a chain continuing the old backup would keep ``--from latest`` on it
+            self._stop_watcher(f"the next chain continues {os.path.basename(res.path)}")
+            if ending:
+                self._breaks_total = breaks.record_end(cfg, w, ending, self._breaks_total or 0)
+            self._prune(cfg)
 
     def _start_watcher(self, cfg: Config, me: Member) -> None:
         full = self._newest

@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from etcd_agent.config import Config, Member, load, security_warnings, with_local
 from etcd_agent.daemon import health
@@ -36,6 +36,9 @@ from etcd_agent.member.local import MEMBERSHIP_LOCK, LocalMember, find_member
 from etcd_agent.member.quorum import can_add, can_remove
 from etcd_agent.state import bootstrap, markers
 from etcd_agent.topology import EXISTING, Bootstrap, join_bootstrap, parse_conf, static_bootstrap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.continuous.supervisor import DeltaSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class Daemon:
         from etcd_agent.drill.schedule import DrillScheduler
 
         self.drills = DrillScheduler()  # [drill] every: restore drills, one master at a time
+        self.delta: "Optional[DeltaSupervisor]" = None  # continuous backup, while run() runs
         self._apply(cfg or load(config_path))
 
     # ------------------------------------------------------------ config
@@ -157,6 +161,8 @@ class Daemon:
         restore = markers.read_restore(cfg, me.name) or markers.RestoreMarker()
         upgrade = markers.upgrading(cfg, me.name) or markers.UpgradeMarker()
         members = self._member_list(local_healthy)
+        if self.delta is not None:  # its full backup follows the membership: this list, asked once
+            self.delta.saw_members(members)
         voters = healthy_voters = 0
         self_info: Optional[MemberInfo] = None
         if members is not None:

@@ -3,6 +3,7 @@ member list with a backup's snapshot members (``continuous.membership``, pure) a
 supervisor decides from it (``decision.decide``)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Dict
 
 from etcd_agent.continuous.decision import Facts, Full, decide
@@ -113,3 +114,31 @@ def test_the_first_backup_is_taken_at_once() -> None:
     # no full backup yet: taken at once, whatever the membership (a degraded cluster is backed up)
     got, why = decide(facts(newest=None, watching_base=None, membership_half_done="x", half_done_for=0.0))
     assert got == "backup" and "no full backup" in why
+
+
+def test_the_supervisor_counts_a_change_once_and_never_loops_on_a_backup_that_still_differs(tmp_path: Any) -> None:
+    """The supervisor's bookkeeping (``_follow_membership``): a change counted once (for the
+    backoff) however many ticks see it; once a full backup was taken for a member list, a snapshot
+    that still differs from it asks for no other until the list changes."""
+    from etcd_agent.continuous.supervisor import DeltaSupervisor
+
+    path = tmp_path / "etcd-2026-12-01-10-00-00.tar"
+    path.write_bytes(b"not a tar: its members are the ids the check cache holds")
+    s = DeltaSupervisor(lambda: (None, None))  # type: ignore[arg-type,return-value]  # never ticked
+    s._newest = Full(path.name, str(path), 100, 0.0, member_ids=("1",))
+    grown = [live(1, "ew1", P1), live(2, "ew2", P2)]
+    s.saw_members(grown)
+    for _ in range(3):
+        assert s._follow_membership().what == "membership changed: member ew2 added"
+    assert s._breaks_in_row == 1 and s._membership
+    # the full backup taken for it (as _full_backup leaves things), its snapshot still without ew2
+    s._membership_done, s._membership = s._membership_fp, ""
+    s._last_chain_backup = s._chain_started = time.monotonic()  # and the new chain started from it
+    assert s._follow_membership().what == "" and s._breaks_in_row == 1 and not s._membership
+    # the list changes again: a change again, counted
+    s.saw_members(grown + [live(3, "ew3", P3)])
+    assert s._follow_membership().what.startswith("membership changed: member ew2 added; member ew3 added")
+    assert s._breaks_in_row == 2 and s._backoff_left() > 0, "soon after the last one: backing off"
+    # no member list (the cluster did not answer): nothing compared, nothing decided
+    s.saw_members(None)
+    assert s._follow_membership().what == ""
