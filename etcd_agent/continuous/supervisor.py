@@ -170,6 +170,8 @@ class DeltaSupervisor:
         if action == "stop":
             self._stop_watcher(why)
             self._state, self._detail = ("disabled" if not facts.enabled else "paused"), why
+        elif action == "none" and facts.membership:  # a membership backup held back: the status says why
+            self._detail = why
         elif action == "none" and self.watcher is None:
             self._state, self._detail = ("disabled" if not facts.enabled else
                                          "paused" if facts.restore_in_progress else self._state), why
@@ -358,8 +360,9 @@ class DeltaSupervisor:
             change = membership.Change(half_done=change.half_done)
         if change.what and not self._membership and not self._broken and newest is not None:
             self._count_break()  # a break's full backup holds the new membership as well
-            log.warning("delta: %s since %s; a full backup of the new membership follows, and a new chain from it",
-                        change.what, newest.name)
+            log.warning("delta: %s since %s; %s", change.what, newest.name,
+                        f"half-done ({change.half_done}): the full backup waits until it has started" if
+                        change.half_done else "a full backup of the new membership follows, and a new chain from it")
         elif not change.what and self._membership and live:
             log.info("delta: the cluster's membership is the newest full backup's again: no full backup for it")
         self._membership, self._membership_fp = change.what, fp

@@ -82,3 +82,45 @@ def test_a_member_that_joins_after_the_first_full_backup_gets_a_full_backup_with
         d.stop()
         c.stop()
 
+
+
+def test_a_learner_added_but_not_started_is_waited_for_then_backed_up_as_a_member(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`member add --learner` without a start is a half-done change (etcd lists it without a
+    name): no full backup of it while it stays so (the chain goes on); once it has started, a
+    full backup lists it (a learner is a member of the layout)."""
+    from etcd_agent.member.local import add_member_idempotent
+
+    directory = str(tmp_path / "c")
+    os.makedirs(os.path.join(directory, "textfile"), exist_ok=True)
+    c = LoopbackCluster(directory, 2, bootstrap="incremental", extra=delta_extra(directory))
+    d = Daemons(c)
+    seed = [c.cfg.members[0].client_url]
+    try:
+        d.start("m1")
+        wait_watching(c)
+        [first] = full_backups(c)
+        with EtcdClient.from_config(c.cfg, endpoints=seed) as cl:
+            added = add_member_idempotent(cl, c.cfg.members[1], learner=True)
+        wait_for(lambda: "half-done" in d.log("m1"), 30, "the supervisor seeing the half-done change")
+        time.sleep(5)  # cycles of 1 s: none of them takes a backup of the half-done layout
+        assert full_backups(c) == [first], full_backups(c)
+
+        with EtcdClient.from_config(c.cfg, endpoints=seed) as cl:
+            c.members[1].join(cl, learner=True)  # already listed: rendered state=existing and started
+
+        def named() -> bool:  # a learner serves no reads: started is when it has published its name
+            with EtcdClient.from_config(c.cfg, endpoints=seed) as cl:
+                return any(m.id == added.id and m.name for m in cl.members())
+
+        wait_for(named, 30, "the learner started")
+        ids = frozenset({added.id} | snapshot_ids(os.path.join(c.cfg.backup.dir, first)))
+        try:
+            wait_for(lambda: [n for n in full_backups(c) if n != first
+                              and snapshot_ids(os.path.join(c.cfg.backup.dir, n)) == ids], 60,
+                     "a full backup whose snapshot lists the learner")
+        except OperationFailed as exc:
+            raise AssertionError(f"{exc.message}; backups {full_backups(c)}; daemon:\n{d.log('m1')[-6000:]}") from None
+        print("\n" + "\n".join(ln for ln in d.log("m1").splitlines() if "membership" in ln))
+    finally:
+        d.stop()
+        c.stop()

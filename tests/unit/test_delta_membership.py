@@ -4,6 +4,7 @@ supervisor decides from it (``decision.decide``)."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Dict
 
 from etcd_agent.continuous.decision import Facts, Full, decide
@@ -142,3 +143,15 @@ def test_the_supervisor_counts_a_change_once_and_never_loops_on_a_backup_that_st
     # no member list (the cluster did not answer): nothing compared, nothing decided
     s.saw_members(None)
     assert s._follow_membership().what == ""
+
+
+def test_a_held_membership_backup_says_why_in_the_status_detail() -> None:
+    from etcd_agent.continuous.supervisor import DeltaSupervisor
+
+    s = DeltaSupervisor(lambda: (None, None))  # type: ignore[arg-type,return-value]  # never ticked
+    f = facts(membership="membership changed: member 3 added", membership_half_done="member 3 is added but not "
+              "started yet", half_done_for=5.0)
+    action, why = decide(f)
+    s.watcher = SimpleNamespace()  # type: ignore[assignment]  # the chain runs on meanwhile
+    s._hold(action, why, f)
+    assert action == "none" and s._detail == why and "waits until it has started" in s._detail
