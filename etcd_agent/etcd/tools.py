@@ -6,9 +6,9 @@ Only argv lists leave this module; every value that comes from config has been v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Optional, Type
 
-from etcd_agent.errors import BackupCorrupt, CommandError
+from etcd_agent.errors import AgentError, BackupCorrupt, CommandError
 from etcd_agent.safejson import loads
 from etcd_agent.typedjson import Document, Key
 
@@ -32,7 +32,7 @@ class SnapshotStatus(Document):
     total_keys: Annotated[int, Key("totalKey")]
     total_size: Annotated[int, Key("totalSize")]
 
-    ERROR = BackupCorrupt
+    ERROR: ClassVar[Type[AgentError]] = BackupCorrupt  # the scratch member's reading says ScratchError
     RANGES = {"hash": U63, "revision": U63, "total_keys": U63, "total_size": U63}
 
 

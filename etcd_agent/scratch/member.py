@@ -28,17 +28,17 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Annotated, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import IO, TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from etcd_agent import safejson
 from etcd_agent.chain.errors import ScratchError
 from etcd_agent.errors import CommandError, CommandTimedOut, EtcdError, OperationFailed
+from etcd_agent.etcd import tools
 from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.fs import fsync_dir, fsync_path
 from etcd_agent.hosts.base import Result
 from etcd_agent.pdeath import die_with_parent
 from etcd_agent.scratch.machine import chown_tree, etcd_flags, pick_ports, run_as, unreachable_by
-from etcd_agent.typedjson import Document, Key
 from etcd_agent.waiting import poll
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -103,15 +103,11 @@ class SnapshotStatus:
 
 
 @dataclass(frozen=True)
-class EtcdutlStatus(Document):
-    """What etcdutl prints (its other keys, such as the version, ignored)."""
+class EtcdutlStatus(tools.SnapshotStatus):
+    """What etcdutl prints (its other keys, such as the version, ignored): the record the backup
+    reads, refused here as the scratch member's own fault."""
 
     ERROR = ScratchError
-
-    revision: int
-    total_keys: Annotated[int, Key("totalKey")]
-    total_size: Annotated[int, Key("totalSize")]
-    hash: int
 
 
 def snapshot_status(path: str, out: Union[str, bytes]) -> SnapshotStatus:
