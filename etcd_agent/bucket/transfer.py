@@ -9,9 +9,9 @@ no object is ever made whose metadata was not computed from the very bytes it ho
 part's Content-MD5 (signed, checked by the store) ties what arrived to what was hashed.
 
 A download of a large object is split into ranges fetched at once (each If-Match the ETag the
-HEAD gave, each exactly as long as asked); they are written and hashed strictly in order, so the
-output is always a prefix of the object (a run killed halfway leaves a part that ``fetch`` can
-continue) and the hash is of the bytes as written.
+HEAD gave, each exactly as long as asked); they are written and hashed strictly in order (a range
+hashed by one thread while another writes it), so the output is always a prefix of the object (a
+run killed halfway leaves a part that ``fetch`` can continue) and the hash is of the bytes as written.
 
 An upload sends ``WORKERS`` parts at once and holds at most ``WORKERS`` + 1 in memory
 (``buffer_parts``: 40 MiB with the default 8 MiB parts), a download ``RANGE_WORKERS`` ranges
@@ -150,10 +150,14 @@ def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
     (if given) and hashed into ``sha`` in order; returns the size reached (``obj.size``).
 
     Each range is read straight into one of ``RANGE_WORKERS`` buffers made once and reused (a
-    buffer is free again once its range is hashed and written), then hashed and written from it
-    by this thread, to a file by ``os.pwrite`` behind ``out``'s buffer: no bytes object per chunk,
-    no copy into a BufferedWriter. On a 2-core machine shared with the store the client's CPU is
-    its time, and every copy of a GiB is ~0.1-0.3 CPU s (docs/bucket-speed.md)."""
+    buffer is free again once its range is both hashed and written), then written from it by
+    this thread, to a file by ``os.pwrite`` behind ``out``'s buffer (no bytes object per chunk, no
+    copy into a BufferedWriter), while one more thread hashes it: both let go of the GIL, so on
+    two cores a range costs the longer of the two, not their sum. The next range is neither
+    hashed nor written before both ended, so the order holds, and a failure of either fails the
+    download after both ended (no thread left, no buffer still read). On a 2-core machine shared
+    with the store the client's CPU is its time, and every copy of a GiB is ~0.1-0.3 CPU s
+    (docs/bucket-speed.md)."""
     stop = threading.Event()
     what = f"cannot read {b.where(obj.name)}"
 
@@ -193,32 +197,40 @@ def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
         bytearray(RANGE_BYTES) for _ in range(min(RANGE_WORKERS, -(-(obj.size - offset) // RANGE_BYTES))))
     inflight: Deque[Tuple["concurrent.futures.Future[memoryview]", bytearray]] = collections.deque()
 
-    def settle() -> None:  # the oldest range hashed and written, its buffer free again
+    def settle(hasher: concurrent.futures.Executor) -> None:  # the oldest range hashed and written, its buffer free
         nonlocal size, at
         future, buf = inflight.popleft()
         view = future.result()
-        sha.update(view)
-        if fd is not None:
-            _pwrite_all(fd, view, at)
-            start_writeback(fd, at, len(view))  # the caller's fsync has little left to wait for
-            at += len(view)
-        elif out is not None:
-            out.write(view)
+        if out is None:
+            sha.update(view)  # nothing to write beside it
+        else:
+            hashed = hasher.submit(sha.update, view)
+            try:
+                if fd is not None:
+                    _pwrite_all(fd, view, at)
+                    start_writeback(fd, at, len(view))  # the caller's fsync has little left to wait for
+                    at += len(view)
+                else:
+                    out.write(view)
+            finally:  # a failed write leaves too: neither the buffer nor ``sha`` is touched while it hashes
+                concurrent.futures.wait((hashed,))
+            hashed.result()
         size += len(view)
         view.release()
         free.append(buf)
         if progress is not None:
             progress(size, obj.size)
 
-    with concurrent.futures.ThreadPoolExecutor(RANGE_WORKERS, thread_name_prefix="download") as pool:
+    with concurrent.futures.ThreadPoolExecutor(RANGE_WORKERS, thread_name_prefix="download") as pool, \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="download-hash") as hasher:
         try:
             for start in range(offset, obj.size, RANGE_BYTES):
                 while not free:
-                    settle()
+                    settle(hasher)
                 buf = free.popleft()
                 inflight.append((pool.submit(fetch, start, min(start + RANGE_BYTES, obj.size), buf), buf))
             while inflight:
-                settle()
+                settle(hasher)
         except BaseException:
             stop.set()
             raise

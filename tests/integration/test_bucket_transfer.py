@@ -7,16 +7,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
+import threading
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 
 from etcd_agent.bucket import digests, fetch, layout, remote, transfer
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.config import Config
-from etcd_agent.errors import BackupCorrupt, BackupError
+from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
+from etcd_agent.waiting import NotYet, poll
 from tests.harness.rgw import RgwBed
+from tests.integration.test_backup_fetch import small_backup_dir  # noqa: F401  # a fixture
 from tests.integration.test_backup_remote import remote_config
 
 pytestmark = pytest.mark.integration
@@ -24,6 +28,7 @@ pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
 NAME = "etcd-2026-03-01-10-00-00.tar"
 KEY = "cd" * 32
+GUARD = 10.0  # seconds a range's hash waits to see its write begin: a guard, not a timing assertion
 
 
 def _file(path: Path, size: int) -> str:
@@ -192,3 +197,105 @@ def _stored(rgw: RgwBed, b: Bucket, size: int) -> Tuple[bytes, "remote.RemoteObj
     rgw.client().put_object(Bucket=b.bucket, Key=b.key(name), Body=body,
                             Metadata={"sha256": hashlib.sha256(body).hexdigest()})
     return body, remote.checkable(b, name)
+
+
+def _download_threads() -> List[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("download")]
+
+
+class _HashBesideTheWrite:
+    """A sha256 that, given a range, first waits (up to GUARD s) for the file to grow past the
+    bytes hashed before it: the range's write has begun while it is being hashed. ``fail_at``:
+    the range (counted from 1) whose hash raises instead."""
+
+    def __init__(self, fd: int, fail_at: Optional[int] = None) -> None:
+        self.real, self.fd, self.fail_at = hashlib.sha256(), fd, fail_at
+        self.hashed = 0
+        self.overlapped: List[bool] = []
+
+    def update(self, data: Any) -> None:
+        if len(self.overlapped) + 1 == self.fail_at:
+            self.overlapped.append(True)
+            raise RuntimeError("the hash broke")
+        seen = all(self.overlapped)  # once serial, serial: the run that fails ends without a guard per range
+
+        def grown() -> bool:
+            if os.fstat(self.fd).st_size <= self.hashed:
+                raise NotYet(f"the file holds {self.hashed} bytes, none of the range being hashed")
+            return True
+
+        if seen:
+            try:
+                poll(grown, timeout=GUARD, what="the range's write", interval=0.001)
+            except OperationFailed:
+                seen = False
+        self.overlapped.append(seen)
+        self.real.update(data)
+        self.hashed += len(data)
+
+    def hexdigest(self) -> str:
+        return self.real.hexdigest()
+
+
+def test_each_range_is_hashed_while_it_is_written(
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hash and write both let go of the GIL: on two cores a range costs the longer of the two,
+    not their sum. The digest is still of the bytes in order, and no thread outlives the call."""
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
+    size = 3 * transfer.RANGE_WORKERS * MiB + 4321
+    b = Bucket(remote_config(rgw))
+    body, obj = _stored(rgw, b, size)
+    with open(tmp_path / "out", "w+b") as fh:
+        sha = _HashBesideTheWrite(fh.fileno())
+        got, digest = transfer.stream_object(b, obj, fh, sha=sha)  # type: ignore[arg-type]
+    assert (got, digest) == (size, hashlib.sha256(body).hexdigest())
+    assert (tmp_path / "out").read_bytes() == body
+    assert sha.overlapped == [True] * -(-size // MiB), sha.overlapped
+    assert _download_threads() == []
+
+
+def test_a_hash_that_fails_mid_download_is_raised_and_nothing_after_it_is_written(
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
+    size = 3 * transfer.RANGE_WORKERS * MiB
+    b = Bucket(remote_config(rgw))
+    body, obj = _stored(rgw, b, size)
+    with open(tmp_path / "out", "w+b") as fh, pytest.raises(RuntimeError, match="the hash broke"):
+        transfer.stream_object(b, obj, fh, sha=_HashBesideTheWrite(fh.fileno(), fail_at=3))  # type: ignore[arg-type]
+    written = (tmp_path / "out").read_bytes()
+    assert len(written) <= 3 * MiB and body.startswith(written), len(written)  # a prefix, none of range 4 on
+    assert _download_threads() == []
+
+
+def test_a_disk_that_fills_mid_range_fails_the_fetch_in_one_sentence_and_keeps_a_prefix_to_continue(
+        rgw: RgwBed, tmp_path: Path, small_backup_dir: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backup dir's filesystem (a 4 MiB tmpfs) fills while the second range is written: the
+    fetch fails saying so (a BackupError, not a corrupt copy), nothing is named as the backup, the
+    part holds the object's first bytes, no thread is left; with room again, the next run continues."""
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 512 * 1024)
+    cfg = remote_config(rgw)
+    cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=str(small_backup_dir)))
+    size = 3 * MiB
+    b = Bucket(cfg)
+    body, obj = _stored(rgw, b, size)
+    filler = small_backup_dir / "filler"
+
+    def fill_after_the_first_range(done: int, _total: int) -> None:
+        if done == transfer.RANGE_BYTES:  # room left for a third of the next range
+            filler.write_bytes(b"\0" * (shutil.disk_usage(small_backup_dir).free - transfer.RANGE_BYTES // 3))
+
+    want = fetch.Wanted(obj.name, NAME, layout.FULL, size)
+    with fetch.staging_locked(cfg.backup.dir) as staging:
+        with pytest.raises(BackupError) as info:
+            fetch.fetch_one(b, want, cfg.backup.dir, progress=fill_after_the_first_range)
+        part = Path(staging, NAME + ".part").read_bytes()
+        assert _download_threads() == []
+        assert not isinstance(info.value, BackupCorrupt)
+        assert info.value.message == f"cannot write {staging}/{NAME}.part: No space left on device", info.value.message
+        assert not (small_backup_dir / NAME).exists()
+        assert transfer.RANGE_BYTES < len(part) < 2 * transfer.RANGE_BYTES and body.startswith(part), len(part)
+        filler.unlink()
+        done = fetch.fetch_one(Bucket(cfg), want, cfg.backup.dir)
+    assert (done.how, done.resumed_at) == ("resumed", len(part))
+    assert (small_backup_dir / NAME).read_bytes() == body
