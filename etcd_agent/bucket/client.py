@@ -84,6 +84,12 @@ class Bucket:
         self.hung = False  # a request timed out: best-effort clean-ups are skipped, not waited on
         self.client = _client(r, access, secret, self._check_deadline)
 
+    @property
+    def store(self) -> Tuple[str, str, str]:
+        """Endpoint, region and bucket: what is found out once per store (``probe``)."""
+        r = self.section
+        return r.endpoint or f"aws:{r.region}", r.region, self.bucket
+
     def key(self, name: str) -> str:
         return self.prefix + name
 
@@ -250,8 +256,7 @@ def probe(b: "Bucket") -> Integrity:
     proves the store checks that header (Ceph RGW 16 accepts the wrong SHA-256 and never returns
     it, but refuses a wrong MD5). The probe objects are deleted; they sit under the prefix with a
     name no backup or segment has, so listings pass over a leftover."""
-    r = b.section
-    key = (r.endpoint or f"aws:{r.region}", r.region, b.bucket)
+    key = b.store
     with _PROBE_MU:
         found = _PROBED.get(key)
     if found is not None:
