@@ -113,9 +113,9 @@ class UploadParts:
                     inflight.append((pool.submit(self._part, number, count, body), buf))
                 if fh.read(1):
                     raise BackupCorrupt(f"{path} grew while it was copied: the upload is aborted")
-                if _stamp(fh.fileno()) != before:  # written meanwhile: what was read is a mix
-                    raise BackupCorrupt(f"{path} changed while it was copied (written to while it was read): "
-                                        "the upload is aborted")
+                if _stamp(fh.fileno()) != before:  # written meanwhile: what was read may be a mix
+                    raise BackupCorrupt(f"{path} changed while it was copied (its size, mtime or ctime moved while "
+                                        "it was read): the upload is aborted")
                 while inflight:
                     settle()
             except BaseException:
