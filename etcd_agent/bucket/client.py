@@ -32,6 +32,11 @@ MiB = 1024 * 1024
 DEADLINE_SECONDS_PER_MIB = 1.0
 
 
+class Refused(Exception):
+    """The store answered with one of the statuses a caller named (``Bucket.refused_as``): a
+    request it does not take, said by its HTTP status and code."""
+
+
 class DeadlinePassed(Exception):
     """Raised from botocore's before-send hook: the object's deadline passed (no more attempts)."""
 
@@ -147,6 +152,19 @@ class Bucket:
             raise BackupError(self.scrub(f"{what}: {exc}{self.addressing_hint()}")) from None
         except BotoCoreError as exc:
             raise BackupError(self.scrub(f"{what}: {exc}")) from None
+
+    @contextlib.contextmanager
+    def refused_as(self, statuses: "frozenset[int]") -> Iterator[None]:
+        """An S3 error of one of ``statuses`` raised as ``Refused`` (inside ``errors``: every
+        other one stays a failure)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in statuses:
+                raise Refused(client_error_text(exc.response)) from None
+            raise
 
     def endpoint_name(self) -> str:
         return self.section.endpoint or f"the AWS endpoint of {self.section.region}"

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
-from etcd_agent.bucket.client import CHECKS, Bucket, choose_check, client_error_text
+from etcd_agent.bucket.client import CHECKS, Bucket, Refused, choose_check
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     Digests,
@@ -152,7 +152,7 @@ def upload_file(cfg: Config, path: str, name: str,
         try:
             with b.within(size):  # a copy of the data on AWS; of the attributes only on Ceph RGW
                 obj = _set_sha256(b, name, digests, obj, metadata(digests.sha256))
-        except _CopyRefused as exc:
+        except Refused as exc:
             _NO_SELF_COPY.add(b.store)
             log.warning("%s refused to set the sha256 metadata of %s by a copy onto itself (%s): sending it again "
                         "with it; later uploads there take two passes (the sha256 first, then the parts)",
@@ -499,28 +499,18 @@ def _refuse(b: Bucket, name: str, problems: List[str]) -> None:
     raise BackupCorrupt(f"the copy at {b.where(name)} did not verify and was {gone}", details=problems)
 
 
-class _CopyRefused(Exception):
-    """The store does not copy an object onto itself (``COPY_REFUSED``): its status and code."""
-
-
 def _set_sha256(b: Bucket, name: str, d: Digests, obj: RemoteObject, meta: Dict[str, str]) -> RemoteObject:
     """The verified object ``obj`` given its full metadata ``meta`` (the sha256 of the bytes sent,
     and the fields it carries already) by a copy of it onto itself, If-Match the ETag verified:
     only those bytes get the sha256. Then HEAD: its size, the sha256 and the ETag the copy gave
     (on Ceph RGW the same ETag: only the attributes are rewritten) or it is deleted. A failure
-    leaves the object without a sha256: not a copy to anything that reads the bucket."""
-    from botocore.exceptions import ClientError
-
+    leaves the object without a sha256: not a copy to anything that reads the bucket; a refusal
+    (``COPY_REFUSED``) raises ``Refused``."""
     key = b.key(name)
     with b.errors(f"cannot set the sha256 metadata of {b.where(name)} (a copy onto itself; without it the object "
-                  "is not taken as a copy)"):
-        try:
-            res = b.client.copy_object(Bucket=b.bucket, Key=key, CopySource={"Bucket": b.bucket, "Key": key},
-                                       CopySourceIfMatch=f'"{obj.etag}"', MetadataDirective="REPLACE", Metadata=meta)
-        except ClientError as exc:
-            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in COPY_REFUSED:
-                raise _CopyRefused(client_error_text(exc.response)) from None
-            raise
+                  "is not taken as a copy)"), b.refused_as(COPY_REFUSED):
+        res = b.client.copy_object(Bucket=b.bucket, Key=key, CopySource={"Bucket": b.bucket, "Key": key},
+                                   CopySourceIfMatch=f'"{obj.etag}"', MetadataDirective="REPLACE", Metadata=meta)
     etag = str(res.get("CopyObjectResult", {}).get("ETag", "")).strip('"')
     after = _head(b, name)
     problems = mismatches(d.size, d.sha256, after.size, after.sha256 or "(none)", sha_what="sha256 metadata")
