@@ -8,9 +8,10 @@ object. Then --rounds interleaved rounds, the order rotated each round so a nois
 each way alike, of every way, each in a child process of its own (its peak RSS: the kernel's VmHWM of it):
 
 - upload, boto3: ``upload_file`` with boto3's defaults (8 MiB parts, 10 threads, CRC32);
-- upload, agent: ``bucket.remote.upload_file`` as the copier calls it: sha256 metadata, every part
-  with its Content-MD5, verified after (``verify = "auto"``: the ETag on RGW); ``agent+sha``: the
-  same with the file's sha256 already known (no hashing pass before the upload);
+- upload, agent: ``bucket.remote.upload_file`` as the copier calls it for a fresh backup: one read,
+  every part with its Content-MD5, verified after (``verify = "auto"``: the ETag on RGW), then the
+  sha256 metadata set by a copy of the object onto itself; ``agent+sha``: the same with the file's
+  sha256 already known (named when the upload begins: no copy);
 - download, curl: ``curl`` of a presigned URL, then an fsync of the file;
 - download, boto3: ``download_file`` (no fsync, no check);
 - download, agent: ``bucket.fetch.fetch_one`` (HEAD, stream into the staging part, sha256 checked

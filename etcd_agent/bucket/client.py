@@ -32,6 +32,11 @@ MiB = 1024 * 1024
 DEADLINE_SECONDS_PER_MIB = 1.0
 
 
+class Refused(Exception):
+    """The store answered with one of the statuses a caller named (``Bucket.refused_as``): a
+    request it does not take, said by its HTTP status and code."""
+
+
 class DeadlinePassed(Exception):
     """Raised from botocore's before-send hook: the object's deadline passed (no more attempts)."""
 
@@ -83,6 +88,12 @@ class Bucket:
         self._deadline: Optional[float] = None  # monotonic; set by within()
         self.hung = False  # a request timed out: best-effort clean-ups are skipped, not waited on
         self.client = _client(r, access, secret, self._check_deadline)
+
+    @property
+    def store(self) -> Tuple[str, str, str]:
+        """Endpoint, region and bucket: what is found out once per store (``probe``)."""
+        r = self.section
+        return r.endpoint or f"aws:{r.region}", r.region, self.bucket
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -141,6 +152,19 @@ class Bucket:
             raise BackupError(self.scrub(f"{what}: {exc}{self.addressing_hint()}")) from None
         except BotoCoreError as exc:
             raise BackupError(self.scrub(f"{what}: {exc}")) from None
+
+    @contextlib.contextmanager
+    def refused_as(self, statuses: "frozenset[int]") -> Iterator[None]:
+        """An S3 error of one of ``statuses`` raised as ``Refused`` (inside ``errors``: every
+        other one stays a failure)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in statuses:
+                raise Refused(client_error_text(exc.response)) from None
+            raise
 
     def endpoint_name(self) -> str:
         return self.section.endpoint or f"the AWS endpoint of {self.section.region}"
@@ -250,8 +274,7 @@ def probe(b: "Bucket") -> Integrity:
     proves the store checks that header (Ceph RGW 16 accepts the wrong SHA-256 and never returns
     it, but refuses a wrong MD5). The probe objects are deleted; they sit under the prefix with a
     name no backup or segment has, so listings pass over a leftover."""
-    r = b.section
-    key = (r.endpoint or f"aws:{r.region}", r.region, b.bucket)
+    key = b.store
     with _PROBE_MU:
         found = _PROBED.get(key)
     if found is not None:

@@ -240,6 +240,7 @@ def push(cfg: Config, caches: queue.Caches, *, stop: Callable[[], bool] = lambda
             out.error = getattr(exc, "message", None) or f"cannot read {f.path}: {exc}"
             out.failed = f.name
             return out
+        caches.landed(f.name)
         out.copied.append(f)
         on_copied(f, check)
     return out

@@ -230,6 +230,8 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
     objs = sorted((replace(o, folder=folder) for folder, bound_cfg in host_folders(cfg)
                    for o in remote.list_remote(bound_cfg)), key=lambda o: (o.time, o.name), reverse=True)
     objs = here_first(cfg, objs)  # of one name in two masters' folders, not the one a different file here holds
+    if not any(o.name == spec.strip() for o in objs):  # latest, a date: not what no check can vouch for
+        objs = _checkable(objs)
     now = catalog_time(cfg, datetime.now(timezone.utc))  # once: what is dated ahead is judged alike
     if spec.strip() == "latest" and (not_after is not None or max_revision is not None):
         objs = _not_after(objs, not_after, max_revision)
@@ -257,6 +259,18 @@ def plan(cfg: "Config", spec: str, *, not_after: Optional[datetime] = None,
             raise BackupCorrupt(f"{w.name} in the bucket claims {w.size} bytes, more than any backup "
                                 f"({remote.MAX_OBJECT_BYTES} bytes): nothing fetched")
     return full, order(items)
+
+
+def _checkable(objs: Sequence["RemoteObject"]) -> List["RemoteObject"]:
+    """``objs`` but those without sha256 metadata (said): an upload cut before its sha256 was set
+    (``remote._set_sha256``), which the fetch would refuse; all of them when none carries one
+    (the fetch then says why)."""
+    out = [o for o in objs if o.sha256 is not None]
+    for o in objs:
+        if o.sha256 is None and out:
+            log.warning("%s in the bucket carries no sha256 metadata (an upload cut before it was set, or not one "
+                        "of ours): passed over", o.key)
+    return out or list(objs)
 
 
 def host_folders(cfg: "Config") -> List[Tuple[str, "Config"]]:

@@ -221,6 +221,13 @@ class Caches:
         for k in [k for k in self.local if k[0] == path]:
             del self.local[k]
 
+    def landed(self, name: str) -> None:
+        """What was read of object ``name``: a copy just landed there. Its ETag may be the one a
+        copy cut before its sha256 was set had (the same parts; the metadata set by a copy onto
+        itself keeps the ETag on Ceph RGW), whose HEAD found no sha256."""
+        for k in [k for k in self.remote if k[0] == name]:
+            del self.remote[k]
+
 
 def same_bytes(cfg: Config, files: Sequence[LocalFile], listing: Mapping[str, Listed], caches: Caches) -> Set[str]:
     """The object names among ``needs_check(files)`` whose sha256 metadata is the local file's."""

@@ -14,6 +14,12 @@ beyond ``MAX_OBJECT_BYTES`` or the free space is refused before a byte is writte
 listing stops at ``MAX_LISTED`` objects.
 
 Uploads are streamed in parts of ``part_size_mb``: memory does not grow with the archive size.
+An upload whose caller has no digest reads the archive once: the parts are hashed as they are
+sent, and the ``sha256`` metadata (S3 takes metadata only when an upload begins) is set after
+the check by a copy of the object onto itself (``_set_sha256``; on Ceph RGW it rewrites the
+attributes only, docs/bucket-speed.md). Until then the object carries no sha256, so nothing takes
+it as a copy: the queue copies it again, a fetch refuses it. Above ``MAX_SELF_COPY``, or on a
+store that refused such a copy, the sha256 is computed first (two passes).
 What a correct copy shows is ``remotedigests``'; the client, its credentials and its errors are
 ``remotebucket``'s (the only importer of boto3).
 """
@@ -28,11 +34,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from etcd_agent.backup.archive import parse_name
 from etcd_agent.backup.retention import BackupRef, Decision, plan
-from etcd_agent.bucket.client import CHECKS, Bucket, choose_check
+from etcd_agent.bucket.client import CHECKS, Bucket, Refused, choose_check
 from etcd_agent.bucket.digests import (
     MD5_ETAG_RE,
     Digests,
@@ -58,6 +64,13 @@ MAX_OBJECT_BYTES = 64 * 1024 * 1024 * 1024
 # a listing stops here: ~3 years of hourly backups, or of segments of one chain (at most
 # max_chain_segments, 1000 by default); more under one prefix is not this agent's layout
 MAX_LISTED = 100_000
+# the largest object one CopyObject takes (AWS's limit): above it the sha256 is computed first
+MAX_SELF_COPY = 5 * 1024 * 1024 * 1024
+# what a store that does not copy an object onto itself answers (400 InvalidRequest, 403 a policy
+# without copies, 405, 501 NotImplemented); a 5xx, a timeout or a 412 is a failure, not a refusal
+COPY_REFUSED = frozenset({400, 403, 405, 501})
+# stores (Bucket.store) that refused such a copy: this process's uploads there take two passes
+_NO_SELF_COPY: Set[Tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -111,28 +124,44 @@ def upload_file(cfg: Config, path: str, name: str,
     """Upload ``path`` as ``name`` under the prefix (``name`` may hold one "/": delta segments go
     under ``delta-<revision>/``), verified as every copy is; ``metadata(sha256)`` names the object's
     metadata (it must keep ``sha256``). ``sha256``: the file's, when the caller hashed it already
-    (the upload checks the bytes it sends against it); else one hashing pass comes first, as S3
-    takes an object's metadata only when its upload begins. ``progress(done, total)`` after each part."""
+    (the upload checks the bytes it sends against it); else the upload reads the file once and
+    sets the sha256 afterwards (``_set_sha256``), or, where that cannot be, one hashing pass comes
+    first. ``progress(done, total)`` after each part."""
     b = Bucket(cfg)
     started = time.monotonic()
     check = choose_check(b)
+    one_pass = False
     try:
         size = os.path.getsize(path)
         part_size = part_size_for(b.section, size)
         with b.within(size):
             if size <= part_size:
                 digests = _put_single(b, name, path, part_size, metadata, check, sha256)
+            elif sha256 is None and not _two_passes(b, name, size):
+                one_pass = True  # every field but the sha256 now, the sha256 once the bytes are checked
+                fields = {k: v for k, v in metadata("").items() if k != "sha256"}
+                digests = _put_file(b, name, path, size, part_size, None, fields, check, progress)
             else:
                 want = sha256 or file_sha256(path)
                 digests = _put_file(b, name, path, size, part_size, want, metadata(want), check, progress)
     except OSError as exc:
         raise BackupError(f"cannot read {path}: {exc.strerror or exc}") from exc
     with b.within(size if check == "read-back" else 0):
-        obj = _verify_upload(b, name, digests, check)
+        obj = _verify_upload(b, name, digests, check, sha_set=not one_pass)
+    if one_pass:
+        try:
+            with b.within(size):  # a copy of the data on AWS; of the attributes only on Ceph RGW
+                obj = _set_sha256(b, name, digests, obj, metadata(digests.sha256))
+        except Refused as exc:
+            _NO_SELF_COPY.add(b.store)
+            log.warning("%s refused to set the sha256 metadata of %s by a copy onto itself (%s): sending it again "
+                        "with it; later uploads there take two passes (the sha256 first, then the parts)",
+                        b.endpoint_name(), b.where(name), exc)
+            return upload_file(cfg, path, name, metadata, sha256=digests.sha256, progress=progress)
     log.info(
-        "copied %s to %s (%d bytes in %d part%s, %.1fs, verified by %s)",
+        "copied %s to %s (%d bytes in %d part%s, %.1fs, verified by %s%s)",
         name, b.where(name), digests.size, len(digests.parts), "s" if digests.multipart else "",
-        time.monotonic() - started, CHECKS[obj.verified_by],
+        time.monotonic() - started, CHECKS[obj.verified_by], "; sha256 set by a copy onto itself" if one_pass else "",
     )
     return obj
 
@@ -381,11 +410,24 @@ def _put_single(b: Bucket, name: str, path: str, part_size: int, metadata: Calla
     return d
 
 
-def _put_file(b: Bucket, name: str, path: str, size: int, part_size: int, sha256: str, meta: Dict[str, str],
-              check: str, progress: Optional[Progress]) -> Digests:
+def _two_passes(b: Bucket, name: str, size: int) -> bool:
+    """True (and said) when the sha256 must be known before the upload: the object is larger than
+    one copy takes, or the store refused a copy onto itself."""
+    if size > MAX_SELF_COPY:
+        why = f"it is {size} bytes, larger than the {MAX_SELF_COPY} bytes one server-side copy takes"
+    elif b.store in _NO_SELF_COPY:
+        why = f"{b.endpoint_name()} refused to copy an object onto itself"
+    else:
+        return False
+    log.info("uploading %s in two passes (the sha256 first, then the parts): %s", b.where(name), why)
+    return True
+
+
+def _put_file(b: Bucket, name: str, path: str, size: int, part_size: int, sha256: Optional[str],
+              meta: Dict[str, str], check: str, progress: Optional[Progress]) -> Digests:
     """A multipart upload, parts in parallel (``transfer.UploadParts``), aborted on any failure:
     each part carries its Content-MD5 (and its SHA-256 checksum when the store checks it), and
-    the bytes sent must hash to ``sha256`` (the metadata), or it never completes."""
+    the bytes sent must hash to ``sha256`` (the metadata), if given, or it never completes."""
     key = b.key(name)
     checksum = check == "checksum"
     extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
@@ -418,12 +460,14 @@ def _abort(b: Bucket, name: str, upload_id: str) -> None:
         log.warning("could not abort the upload of %s: %s", b.where(name), b.scrub(str(exc)))
 
 
-def _verify_upload(b: Bucket, name: str, d: Digests, check: str) -> RemoteObject:
-    """Check the fresh copy (size, our sha256 metadata, then the ``check``); delete it if bad.
-    The returned object's ``verified_by`` names the check that ran: an ETag that is not an MD5
-    (SSE-KMS, SSE-C) falls back to a read-back, and is named so."""
+def _verify_upload(b: Bucket, name: str, d: Digests, check: str, *, sha_set: bool = True) -> RemoteObject:
+    """Check the fresh copy (size, our sha256 metadata unless ``sha_set`` is False: it is set
+    after this check, then the ``check``); delete it if bad. The returned object's
+    ``verified_by`` names the check that ran: an ETag that is not an MD5 (SSE-KMS, SSE-C) falls
+    back to a read-back, and is named so."""
     obj, checksum = _head_raw(b, name, checksum_mode=check == "checksum")
-    problems = mismatches(d.size, d.sha256, obj.size, obj.sha256 or "(none)", sha_what="sha256 metadata")
+    problems = mismatches(d.size, d.sha256 if sha_set else "", obj.size,
+                          (obj.sha256 or "(none)") if sha_set else "", sha_what="sha256 metadata")
     if not problems and check == "checksum":
         if checksum is None:
             problems.append("the store returned no x-amz-checksum-sha256, though it did when probed")
@@ -440,14 +484,41 @@ def _verify_upload(b: Bucket, name: str, d: Digests, check: str) -> RemoteObject
         size, sha = stream_object(b, obj, None)
         problems = mismatches(d.size, d.sha256, size, sha)
     if problems:
-        try:
-            with b.within(), b.errors(f"cannot delete the bad copy {b.where(name)}"):
-                b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
-            gone = "deleted"
-        except BackupError as exc:
-            gone = f"NOT deleted ({exc.message})"
-        raise BackupCorrupt(f"the copy at {b.where(name)} did not verify and was {gone}", details=problems)
+        _refuse(b, name, problems)
     return replace(obj, verified_by=check)
+
+
+def _refuse(b: Bucket, name: str, problems: List[str]) -> None:
+    """A copy that did not verify: deleted at once, BackupCorrupt raised."""
+    try:
+        with b.within(), b.errors(f"cannot delete the bad copy {b.where(name)}"):
+            b.client.delete_object(Bucket=b.bucket, Key=b.key(name))
+        gone = "deleted"
+    except BackupError as exc:
+        gone = f"NOT deleted ({exc.message})"
+    raise BackupCorrupt(f"the copy at {b.where(name)} did not verify and was {gone}", details=problems)
+
+
+def _set_sha256(b: Bucket, name: str, d: Digests, obj: RemoteObject, meta: Dict[str, str]) -> RemoteObject:
+    """The verified object ``obj`` given its full metadata ``meta`` (the sha256 of the bytes sent,
+    and the fields it carries already) by a copy of it onto itself, If-Match the ETag verified:
+    only those bytes get the sha256. Then HEAD: its size, the sha256 and the ETag the copy gave
+    (on Ceph RGW the same ETag: only the attributes are rewritten) or it is deleted. A failure
+    leaves the object without a sha256: not a copy to anything that reads the bucket; a refusal
+    (``COPY_REFUSED``) raises ``Refused``."""
+    key = b.key(name)
+    with b.errors(f"cannot set the sha256 metadata of {b.where(name)} (a copy onto itself; without it the object "
+                  "is not taken as a copy)"), b.refused_as(COPY_REFUSED):
+        res = b.client.copy_object(Bucket=b.bucket, Key=key, CopySource={"Bucket": b.bucket, "Key": key},
+                                   CopySourceIfMatch=f'"{obj.etag}"', MetadataDirective="REPLACE", Metadata=meta)
+    etag = str(res.get("CopyObjectResult", {}).get("ETag", "")).strip('"')
+    after = _head(b, name)
+    problems = mismatches(d.size, d.sha256, after.size, after.sha256 or "(none)", sha_what="sha256 metadata")
+    if after.etag != etag:
+        problems.append(f"ETag {after.etag} != {etag}, the copy's that set the sha256")
+    if problems:
+        _refuse(b, name, problems)
+    return replace(after, verified_by=obj.verified_by)
 
 
 def _head(b: Bucket, name: str) -> RemoteObject:

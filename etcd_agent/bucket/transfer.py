@@ -2,11 +2,12 @@
 
 An upload reads the archive once, in order: each part is hashed into the whole file's SHA-256
 as it is read, then a worker computes the part's MD5 (and SHA-256 when the store checks it) and
-sends it with those digests, while the next parts are read. The object's ``sha256`` metadata must
-be named when the upload begins (S3 takes metadata only then), so the caller passes the SHA-256 it
-expects; the bytes actually sent must hash to it, or the upload is aborted before it completes:
-no object is ever made whose metadata was not computed from the very bytes it holds, and each
-part's Content-MD5 (signed, checked by the store) ties what arrived to what was hashed.
+sends it with those digests, while the next parts are read. The SHA-256 is what the object's
+``sha256`` metadata names; a caller that passes the one it expects (named when the upload began)
+has the bytes sent checked against it, or the upload is aborted before it completes. Either way
+no object is made whose metadata was not computed from the very bytes it holds, and each part's
+Content-MD5 (signed, checked by the store) ties what arrived to what was hashed. A file written
+while it is read (its size, mtime or ctime moved) is refused too: its bytes would be a mix.
 
 A download of a large object is split into ranges fetched at once (each If-Match the ETag the
 HEAD gave, each exactly as long as asked); they are written and hashed strictly in order (a range
@@ -71,9 +72,11 @@ class UploadParts:
         self._sent = 0
         self._total = 0
 
-    def send(self, path: str, size: int, part_size: int, sha256: str) -> Tuple[Digests, List[Dict[str, Any]]]:
+    def send(self, path: str, size: int, part_size: int,
+             sha256: Optional[str]) -> Tuple[Digests, List[Dict[str, Any]]]:
         """Every part of ``path`` sent; its Digests and the parts list CompleteMultipartUpload takes.
-        BackupCorrupt when the bytes read are not ``size`` bytes hashing to ``sha256``.
+        BackupCorrupt when the bytes read are not ``size`` bytes (hashing to ``sha256``, if given),
+        or the file was written while it was read.
 
         The parts are read into ``width`` + 1 buffers made once and reused (a part's buffer is
         free again once its request ended): fresh 16 MiB objects per part would leave glibc's
@@ -95,6 +98,7 @@ class UploadParts:
         with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="upload") as pool, \
                 open_regular(path) as fh:
             try:
+                before = _stamp(fh.fileno())
                 for number in range(1, count + 1):
                     want = min(part_size, size - (number - 1) * part_size)
                     while not free:
@@ -109,13 +113,16 @@ class UploadParts:
                     inflight.append((pool.submit(self._part, number, count, body), buf))
                 if fh.read(1):
                     raise BackupCorrupt(f"{path} grew while it was copied: the upload is aborted")
+                if _stamp(fh.fileno()) != before:  # written meanwhile: what was read may be a mix
+                    raise BackupCorrupt(f"{path} changed while it was copied (its size, mtime or ctime moved while "
+                                        "it was read): the upload is aborted")
                 while inflight:
                     settle()
             except BaseException:
                 self.stop.set()
                 raise
         got_sha = whole.hexdigest()
-        if got_sha != sha256:
+        if sha256 is not None and got_sha != sha256:
             raise BackupCorrupt(f"{path} changed while it was copied: its bytes hash to {got_sha}, not to the "
                                 f"{sha256} it was named by; the upload is aborted")
         done: List[Dict[str, Any]] = []
@@ -142,6 +149,12 @@ class UploadParts:
             if self.progress is not None:
                 self.progress(self._sent, self._total)
         return md5, sha, str(resp["ETag"])
+
+
+def _stamp(fd: int) -> Tuple[int, int, int]:
+    """What a write to the file moves: its size, mtime and ctime (ctime cannot be set back)."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -132,6 +133,24 @@ def test_an_object_without_sha256_metadata_is_refused(rgw: RgwBed, tmp_path: Pat
     with pytest.raises(BackupCorrupt, match="carries no sha256 metadata: it cannot be checked"):
         fetch_into(cfg, items)
     assert _landed(cfg) == []
+
+
+def test_latest_passes_over_a_copy_whose_sha256_was_never_set(
+        rgw: RgwBed, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An upload that landed but whose sha256 was never set (cut before its copy onto itself,
+    bucket/remote.py) is no copy: ``latest`` and a date take the newest full backup that carries
+    one, and say which they passed over; named, it is refused as before."""
+    cfg = _config(rgw, tmp_path)
+    newer = "etcd-2026-03-01-11-00-00.tar"
+    _put(cfg, rgw, layout.full_name(KEY, NAME), os.urandom(1000))
+    _put(cfg, rgw, layout.full_name("cd" * 32, newer), os.urandom(1000), {"revision": "9"})
+    with caplog.at_level(logging.WARNING, logger="etcd_agent.bucket.fetch"):
+        assert fetch.plan(cfg, "latest")[0].name == NAME
+        assert fetch.plan(cfg, "2026-03-01")[0].name == NAME
+    assert f"{newer} in the bucket carries no sha256 metadata" in caplog.text, caplog.text
+    _full, items = fetch.plan(cfg, newer)
+    with pytest.raises(BackupCorrupt, match="carries no sha256 metadata: it cannot be checked"):
+        fetch_into(cfg, items)
 
 
 @pytest.mark.parametrize("hostile", [f"chains/{KEY}/../x", f"chains/{KEY}/notes.txt",

@@ -80,7 +80,7 @@ def test_a_copy_whose_digest_the_queue_holds_reads_the_file_once(
         cluster_factory: Any, rgw: RgwBed, monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue hashed the file to compare it with an object of its size (a copy gone bad): the
     upload takes that digest and reads the file once, hashing as it sends (issue 39 item 5)."""
-    from etcd_agent.bucket import digests, remote, transfer
+    from tests.integration.test_bucket_onepass_rgw import count_opens
 
     bucket = rgw.new_bucket()
     c = cluster_factory(1, extra=remote_table(rgw, bucket, prefix="p/", part_size_mb=5))
@@ -92,15 +92,7 @@ def test_a_copy_whose_digest_the_queue_holds_reads_the_file_once(
     (f,) = copier.pending(c.cfg, caches).pending
     assert f.size > 5 << 20, f.size
     rgw.client().put_object(Bucket=bucket, Key="p/" + f.name, Body=os.urandom(f.size), Metadata={"sha256": "0" * 64})
-    reads: List[str] = []
-    for module in (digests, remote, transfer):
-        real = module.open_regular
-
-        def counted(path: str, *a: Any, real: Any = real, **kw: Any) -> Any:
-            if path == daemon.path:
-                reads.append(path)
-            return real(path, *a, **kw)
-        monkeypatch.setattr(module, "open_regular", counted)
+    reads = count_opens(monkeypatch, daemon.path)
     pushed = copier.push(c.cfg, caches)
     assert not pushed.error and [g.path for g in pushed.copied] == [daemon.path], pushed
     assert len(reads) == 2, reads  # the queue's check of the object there, then the upload

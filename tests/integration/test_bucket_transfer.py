@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import pytest
 
-from etcd_agent.bucket import digests, fetch, layout, remote, transfer
+from etcd_agent.bucket import fetch, layout, remote, transfer
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
@@ -72,29 +72,6 @@ def test_an_upload_named_by_its_sha256_lands_whole_with_its_metadata_and_progres
     assert sorted(seen) == seen and seen[-1] == (size, size) and len(seen) == 5
     got = rgw.client().get_object(Bucket=cfg.backup.remote.bucket, Key=obj.key)["Body"].read()
     assert hashlib.sha256(got).hexdigest() == sha
-
-
-def test_a_file_changing_after_its_hashing_pass_is_never_copied(
-        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No sha256 given: one pass hashes the file first (the metadata needs it); bytes changed
-    after it are caught by the upload's own hash, and the upload is aborted."""
-    cfg = remote_config(rgw)
-    path = tmp_path / NAME
-    _file(path, 23 * MiB)
-    real = digests.file_sha256
-
-    def hash_then_change(p: str) -> str:
-        sha = real(p)
-        with open(p, "r+b") as fh:
-            fh.seek(17 * MiB)
-            fh.write(b"\x00" * 16)
-        return sha
-
-    monkeypatch.setattr(remote, "file_sha256", hash_then_change)
-    with pytest.raises(BackupCorrupt) as info:
-        remote.upload_file(cfg, str(path), NAME)
-    assert "changed while it was copied" in info.value.message
-    assert _objects(cfg, rgw) == ([], [])
 
 
 def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
