@@ -83,3 +83,20 @@ def test_a_replay_from_a_checkpoint_inside_a_partial_chain_finds_the_chain_s_bas
 
     paths = _partial(tmp_path)
     assert find_base(paths, 112) == 100
+
+
+def test_a_segment_s_footer_is_read_from_its_last_bytes_alone(tmp_path: Any) -> None:
+    """What a restore from the bucket reads of a segment it may not fetch: one ranged read of its
+    last ``TAIL_BYTES`` (all of a smaller file) holds its whole footer; bytes that are not a
+    segment's tail are refused, never taken for a footer."""
+    from etcd_agent.chain.errors import SegmentCorrupt
+    from etcd_agent.chain.reader import TAIL_BYTES, footer_from_tail, read_summary
+
+    for p in _partial(tmp_path):
+        raw = open(p, "rb").read()
+        tail = raw[-TAIL_BYTES:]
+        assert footer_from_tail(p, tail, len(raw)) == read_summary(p)[1]
+        with pytest.raises(SegmentCorrupt):
+            footer_from_tail(p, tail[:-1] + b"\0", len(raw) + 1)  # not where the trailer says
+    with pytest.raises(SegmentCorrupt):
+        footer_from_tail("x", b"\0" * 100, 100)
