@@ -79,6 +79,8 @@ def timed_restore(argv: List[str]) -> Run:
     phases = {k: float(v) for k, v in out["timings"].items()}
     if "bucket" in out:
         phases["fetch"] = float(out["bucket"]["seconds"])
+        phases.update((f"fetch: {k}", float(v)) for k, v in out["bucket"].get("phases", {}).items())
+        phases["fetch: segments"] = float(sum(1 for o in out["bucket"]["objects"] if o["kind"] == "segment"))
     return Run(wall, phases)
 
 

@@ -125,6 +125,12 @@ class IdentityRefused(RefusedError):
     that opens this backup: a refusal, nothing touched."""
 
 
+class PartialChainShort(RefusedError):
+    """A partial delta chain (its first segments not here: a restore from the bucket fetched only
+    those after a checkpoint) does not hold what the replay needs; ``restore --from-bucket``
+    fetches the rest and checks the whole chain."""
+
+
 class RecipientInvalid(ConfigError):
     """An ``encrypt_to`` entry is not a usable age recipient; the message never quotes a secret key."""
 

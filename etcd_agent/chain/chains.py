@@ -22,9 +22,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from etcd_agent.chain.check import BaseBackup, ChainStop, check_chain, continues
+from etcd_agent.chain.check import BaseBackup, ChainCheck, ChainStop, check_chain, continues
 from etcd_agent.chain.errors import NotASegment, SegmentCorrupt
-from etcd_agent.chain.reader import read_summary
+from etcd_agent.chain.reader import read_header, read_summary
 from etcd_agent.chain.segments import (
     Checkpoint,
     SegmentHeader,
@@ -75,14 +75,23 @@ class ChainSummary:
     first: Optional[SegmentHeader] = None  # the header of its first segment (None: not found)
     checkpoints: Tuple[Checkpoint, ...] = ()  # vouched for by its usable segments, in order
     events_after_checkpoint: Optional[int] = None  # events after the newest of them (None: none)
+    begins_at: int = 0  # a partial chain (its first segments not here: ``check_chain``): its first revision
+    named_base: str = ""  # a partial chain: the snapshot sha256 its earliest segment names
 
     @property
     def base_sha256(self) -> str:
-        return self.first.base_sha256 if self.first is not None else ""
+        return self.first.base_sha256 if self.first is not None else self.named_base
 
     def continues(self, base: Optional[BaseBackup]) -> bool:
-        """Does this chain continue the full backup ``base`` (at its base revision)?"""
+        """Does this chain continue the full backup ``base`` (at its base revision)? A partial
+        chain continues none here: no watcher resumes it, no restore follows it without the key."""
         return self.first is not None and continues(self.first, base)
+
+    def listed_under(self, base: Optional[BaseBackup]) -> bool:
+        """Is it shown with the full backup ``base`` in a listing: it continues it, or it is a
+        partial chain naming its snapshot sha256 (never an orphan beside it)."""
+        return self.continues(base) or bool(self.begins_at and base is not None and base.sha256
+                                            and self.named_base == base.sha256)
 
     @property
     def encrypted(self) -> int:
@@ -108,7 +117,11 @@ class ChainSummary:
             if self.checkpoints:
                 cps = (f" from checkpoint {self.checkpoints[-1].name} (the newest of {len(self.checkpoints)} it vouches "
                        f"for; {self.replay_events} events after it)")
-            what = (f"{self.usable} segment(s){enc}, revisions {self.base_revision + 1}..{self.end_revision} "
+            part = (f" (a partial chain: from revision {self.begins_at}, earlier segments not here - fetched from "
+                    "the bucket after a checkpoint; a restore uses it only with the manifest key)"
+                    if self.begins_at else "")
+            what = (f"{self.usable} segment(s){enc}, revisions {self.begins_at or self.base_revision + 1}.."
+                    f"{self.end_revision}{part} "
                     f"(until {end}), {self.events} events, {size_text(self.bytes)}; a restore to its end replays "
                     f"~{self.replay_seconds:.0f}s{cps} (at ~{REPLAY_EVENTS_PER_SECOND:.0f} events/s)")
         if self.stop is not None:
@@ -135,6 +148,7 @@ class ChainSummary:
             "bytes": self.bytes,
             "replay_estimate_seconds": round(self.replay_seconds, 1),
             "stop": self.stop.to_json() if self.stop else None,
+            "begins_at": self.begins_at or None,
         }
 
 
@@ -178,6 +192,8 @@ def scan(directory: str) -> Scan:
     for k in order:
         base, ps = k[0], by_chain[k]
         check = check_chain(ps, base, verify=False)
+        if k not in firsts and not check.segments:
+            check = _partial_outline(ps, base, check)
         segs = check.segments
         size = 0
         for p in ps:
@@ -193,8 +209,26 @@ def scan(directory: str) -> Scan:
             events=sum(s.footer.events for s in segs), revisions=sum(s.footer.txns for s in segs), bytes=size,
             stop=check.stop, chain_id=k[1], first=firsts.get(k), checkpoints=cps,
             events_after_checkpoint=None if newest is None else events_after(segs, newest, check.end_revision),
+            begins_at=check.begins_at, named_base=check.segments[0].header.base_sha256 if check.begins_at else "",
         ))
     return Scan(tuple(chains), tuple(unreadable), tuple(junk))
+
+
+def _partial_outline(paths: Sequence[str], base: int, check: ChainCheck) -> ChainCheck:
+    """A chain without its first segments (a restore from the bucket fetched those after a
+    checkpoint, ``bucket.partial``), outlined from its earliest file by the base its header names:
+    for a listing only (a restore follows it only with the manifest key, ``check_chain``)."""
+    starts = sorted((r[0], p) for p, r in ((p, parse_name(os.path.basename(p))) for p in paths) if r is not None)
+    if not starts:
+        return check
+    try:
+        h = read_header(starts[0][1])
+    except SegmentCorrupt:
+        return check
+    if not h.base_sha256 or h.start_revision <= base + 1:
+        return check
+    run = check_chain(paths, base, verify=False, base=BaseBackup(h.base_sha256), begins_at=h.start_revision)
+    return run if run.segments else check
 
 
 def events_after(segments: Sequence[SegmentInfo], revision: int, stop: int) -> int:

@@ -90,6 +90,7 @@ class ChainCheck:
     # full backup's chain, a file that is no segment at all (never a gap: nothing of this chain)
     passed: Tuple[Tuple[str, str], ...] = field(default=())
     chosen_because: str = ""  # why its first segment is taken to continue the full backup
+    begins_at: int = 0  # a partial chain (``check_chain``'s ``begins_at``): its first revision here; 0 whole
 
     @property
     def end_revision(self) -> int:
@@ -108,6 +109,7 @@ class ChainCheck:
             "lost": list(self.lost),
             "passed_over": [{"path": p, "why": w} for p, w in self.passed],
             "chosen_because": self.chosen_because,
+            "begins_at": self.begins_at or None,
         }
 
 
@@ -122,6 +124,7 @@ def check_chain(
     opener: Optional[Opener] = None,
     verify_from: Optional[int] = None,
     key: Optional[bytes] = None,
+    begins_at: Optional[int] = None,
 ) -> ChainCheck:
     """Follow the chain that starts after full backup revision ``start_revision``.
 
@@ -141,9 +144,15 @@ def check_chain(
     ``segments.Checkpoint``), and the first verified one's link to them is not checked.
     ``key`` (the manifest key) checks verified segments' signatures; with it or without, a
     segment less authenticated than one before it stops the chain as "forged" (``segsign``).
+    ``begins_at``: a partial chain, its segments before that revision not here (a restore from the
+    bucket fetches only what a replay from a checkpoint reads): it is followed from the segment
+    starting there only if that one, verified whole, is signed with ``key`` and names ``base``'s
+    snapshot sha256 - its signature covers its header, so the daemon wrote it after this very
+    backup; its prev-sha link to the segments not here is not checked. The outline
+    (``verify=False``) goes by the base sha256 its header names; what replays is verified.
     """
     walk = _Walk(_by_start(paths), start_revision, base,
-                 _Loading(verify, max_bytes, not_after_ms, opener, verify_from, key))
+                 _Loading(verify, max_bytes, not_after_ms, opener, verify_from, key), begins_at=begins_at or 0)
     while True:
         chosen, problems = walk.next_segment()
         if chosen is None:
@@ -205,10 +214,11 @@ class _Walk:
     because: str = ""
     prev: Optional[SegmentInfo] = None
     best: int = 0  # the best-proven origin of the segments followed (``segsign.rank``)
+    begins_at: int = 0  # a partial chain's first revision (``check_chain``); 0: from the base
 
     @property
     def expect(self) -> int:
-        return self.prev.end_revision + 1 if self.prev else self.start_revision + 1
+        return self.prev.end_revision + 1 if self.prev else (self.begins_at or self.start_revision + 1)
 
     def take(self, chosen: SegmentInfo) -> None:
         self.good.append(chosen)
@@ -241,7 +251,8 @@ class _Walk:
 
     def judge(self, p: str) -> _Verdict:
         """What this candidate at ``expect`` is to the chain followed so far."""
-        full = self.loading.full(p)
+        anchor = self.prev is None and bool(self.begins_at)  # a partial chain's first: its signature decides
+        full = self.loading.full(p) or (anchor and self.loading.verify)
         try:
             info = self.loading.load(p, full)
         except NotASegment as exc:
@@ -260,7 +271,7 @@ class _Walk:
         forged = segsign.weaker(info, self.best)
         if forged:
             return "forged", None, forged
-        why = self._link(h, full)
+        why = self._anchored(info, full) if anchor else self._link(h, full)
         if why:
             return "mismatch", None, why
         return ("first" if self.prev is None else "fits"), info, ""
@@ -281,6 +292,18 @@ class _Walk:
                                    "another full backup's chain"))
             return True
         return False
+
+    def _anchored(self, info: SegmentInfo, full: bool) -> str:
+        """Why a partial chain's first segment does not prove it continues the full backup ("" if
+        it does): verified, signed with the manifest key, naming the backup's snapshot sha256."""
+        h = info.header
+        lacking = f"the earlier segments (revisions {self.start_revision + 1}..{self.begins_at - 1}) are not here"
+        if not (self.base is not None and self.base.sha256 and h.base_sha256 == self.base.sha256):
+            return f"{lacking} and it does not name this full backup's snapshot sha256 ({names_base(h)})"
+        if full and (self.loading.key is None or info.signature != "valid"):
+            return (f"{lacking} and it is {segsign.describe(info)}: only a segment signed with the manifest key "
+                    "proves it continues this backup without them")
+        return ""
 
     def _link(self, h: SegmentHeader, full: bool) -> str:
         """Why a segment with header ``h`` does not continue the segment before ("" if it does)."""
@@ -315,14 +338,14 @@ class _Walk:
             kind, p, why = problems[0]
             stop = ChainStop(kind, f"{os.path.basename(p)}: {why}", expect, p, last_rev, last_time)
             lost = tuple(sorted({p for _k, p, _w in problems} | {p for _s, p in later}))
-            return ChainCheck(self.start_revision, tuple(self.good), stop, lost, seen, self.because)
+            return ChainCheck(self.start_revision, tuple(self.good), stop, lost, seen, self.because, self.begins_at)
         if later:
             nxt = later[0][0]
             reason = f"no segment covers revisions {expect}..{nxt - 1} (missing file); the next one starts at {nxt}"
             stop = ChainStop("gap", reason, expect, None, last_rev, last_time)
             return ChainCheck(self.start_revision, tuple(self.good), stop, tuple(p for _s, p in later), seen,
-                              self.because)
-        return ChainCheck(self.start_revision, tuple(self.good), None, (), seen, self.because)
+                              self.because, self.begins_at)
+        return ChainCheck(self.start_revision, tuple(self.good), None, (), seen, self.because, self.begins_at)
 
 
 def names_base(h: SegmentHeader) -> str:

@@ -129,6 +129,22 @@ def read_summary(path: str) -> Tuple[SegmentHeader, SegmentFooter]:
     return header, _footer_of(path, raw, 0, len(raw))
 
 
+TAIL_BYTES = REC_HEAD.size + MAX_JSON + TRAILER  # a plain segment's last bytes always hold its whole footer
+
+
+def footer_from_tail(where: str, tail: bytes, size: int) -> SegmentFooter:
+    """A plain segment's footer from its last ``TAIL_BYTES`` (fewer: the whole file) of ``size``,
+    as one ranged read of an object in the bucket gives them: for choosing what to fetch, never
+    for trusting (no digest, no signature checked here). SegmentCorrupt when they hold none."""
+    if size < len(MAGIC) + 4 + REC_HEAD.size + TRAILER or len(tail) < TRAILER or len(tail) > size:
+        raise SegmentCorrupt(where, "truncated (no footer)")
+    (footer_at,) = U64.unpack_from(tail, len(tail) - TRAILER)
+    pos = footer_at - (size - len(tail))
+    if not 0 <= pos <= len(tail) - TRAILER - REC_HEAD.size or footer_at < 12:
+        raise SegmentCorrupt(where, f"footer offset {footer_at} out of bounds")
+    return _footer_of(where, tail, pos, len(tail) - TRAILER)
+
+
 def _footer_of(path: str, data: bytes, pos: int, end: int) -> SegmentFooter:
     kind, ln = REC_HEAD.unpack_from(data, pos)
     if kind != REC_FOOTER or ln > MAX_JSON or pos + REC_HEAD.size + ln != end:

@@ -129,7 +129,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
         more, doc = _entry(e, found, restores, active)
         rows += more
         docs.append(doc)
-    orphans = [c for c in found.chains if not any(e.revision == c.base_revision and c.continues(e.base)
+    orphans = [c for c in found.chains if not any(e.revision == c.base_revision and c.listed_under(e.base)
                                                   for e in entries)]
     rows += _problem_rows(found, orphans, record)
     best, skipped = latest(entries)
@@ -172,6 +172,8 @@ def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Op
     doc = e.to_json()
     doc["before_restore"] = boundary.to_json() if boundary is not None else None
     chain = found.for_full(e.revision, e.base) if e.revision is not None else None
+    if chain is None and e.revision is not None:  # a partial chain fetched from the bucket
+        chain = next((c for c in found.chains if c.base_revision == e.revision and c.listed_under(e.base)), None)
     if e.complete and not e.checkpoint_of:
         live = " (being written now)" if chain is not None and chain.base_revision == active else ""
         rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")

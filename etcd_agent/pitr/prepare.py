@@ -31,9 +31,9 @@ from etcd_agent.chain.chains import events_after
 from etcd_agent.chain.check import BaseBackup, ChainCheck, Opener, check_chain
 from etcd_agent.chain.errors import ReplayError
 from etcd_agent.chain.seal import open_sealed
-from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime
+from etcd_agent.chain.segments import Checkpoint, SegmentInfo, list_segments, ms_to_datetime, parse_name
 from etcd_agent.continuous import status
-from etcd_agent.errors import BackupCorrupt, IdentityRefused, RefusedError, UsageError
+from etcd_agent.errors import BackupCorrupt, IdentityRefused, PartialChainShort, RefusedError, UsageError
 from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
@@ -212,7 +212,10 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     # etcd 3.4 restore) has a chain of its own, whose events are not this backup's history
     chain = _Chain(paths, base, entry.base if base == entry.revision else None, now_ms + SEGMENT_CLOCK_MARGIN_MS,
                    _opener(cfg, identities, staging), _key(cfg))
-    start, passed = choose_start(cfg, entry, chain.outline(), target, skip) if checkpoints else (None, [])
+    outline = chain.outline()
+    if checkpoints and outline.stop is not None and outline.stop.kind == "gap" and not outline.segments:
+        chain, outline = _partial(chain, outline)  # no file at all where the chain begins
+    start, passed = choose_start(cfg, entry, outline, target, skip) if checkpoints else (None, [])
     check, plan, start = _verified(entry, target, chain, start, passed)
     _refuse_before(entry, target, plan)
     _total, breaks = status.read_breaks(cfg.backup.dir)
@@ -253,15 +256,39 @@ class _Chain:
     not_after_ms: int
     opener: Optional[Opener]
     key: Optional[bytes]
+    begins_at: Optional[int] = None  # a partial chain: its first revision here (``check_chain``)
 
     def outline(self) -> ChainCheck:
         """Headers and footers only (where a replay may start)."""
-        return check_chain(self.paths, self.base, verify=False, base=self.of, not_after_ms=self.not_after_ms)
+        return check_chain(self.paths, self.base, verify=False, base=self.of, not_after_ms=self.not_after_ms,
+                           begins_at=self.begins_at)
 
     def verified(self, from_revision: Optional[int] = None) -> ChainCheck:
         """Every segment's bytes verified, from ``from_revision``'s segment on (None: all)."""
         return check_chain(self.paths, self.base, base=self.of, not_after_ms=self.not_after_ms, opener=self.opener,
-                           key=self.key, verify_from=from_revision)
+                           key=self.key, verify_from=from_revision, begins_at=self.begins_at)
+
+    def missing(self) -> str:
+        """A partial chain's segments that are not here, for a sentence."""
+        return (f"its segments for revisions {self.base + 1}..{(self.begins_at or self.base + 1) - 1} are not here "
+                "(a partial chain: a restore from the bucket fetched only those after a checkpoint)")
+
+
+def _partial(chain: _Chain, outline: ChainCheck) -> Tuple[_Chain, ChainCheck]:
+    """A chain whose first segments are not here (a restore from the bucket fetched those a replay
+    from a checkpoint reads, ``bucket.partial``): followed from the first segment of this base
+    that is here, which ``check_chain`` takes only signed with the manifest key and naming this
+    backup's snapshot sha256. Without the key, or nothing of this base here: ``chain`` as it was
+    (the restore then says where it stops, as for any chain missing its first segment)."""
+    if chain.key is None or chain.of is None or not chain.of.sha256:
+        return chain, outline
+    starts = sorted(r[0] for r in (parse_name(os.path.basename(p)) for p in chain.paths)
+                    if r is not None and r[0] > chain.base + 1)
+    if not starts:
+        return chain, outline
+    partial = dataclasses.replace(chain, begins_at=starts[0])
+    run = partial.outline()
+    return (partial, run) if run.segments else (chain, outline)
 
 
 def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Start],
@@ -269,10 +296,21 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
     """The chain verified from ``start``'s lease census on (every segment without one) and the
     replay planned; when the verified chain does not reach ``start``, it is passed over (a line
     in ``passed``) and the whole chain verified instead."""
+    if chain.begins_at and (start is None or start.checkpoint.leases_from < chain.begins_at):
+        # a partial chain: a replay from the full backup, or from a checkpoint whose lease census
+        # is in a segment not here, would miss what those segments hold
+        why = "no checkpoint it vouches for" if start is None else (
+            f"checkpoint {start.name}'s lease census is at revision {start.checkpoint.leases_from}")
+        raise PartialChainShort(f"{target.describe()} cannot be reached from {entry.name}: {chain.missing()}, and "
+                                f"a replay of what is here needs them ({why}); nothing touched")
     check = chain.verified(start.checkpoint.leases_from if start is not None else None)
     plan = _plan(entry, check, target)
     if start is None or (start.revision <= plan.stop_revision and _vouched_in(check, start)):
         return check, plan, start
+    if chain.begins_at:  # the whole chain is not here to fall back on
+        raise PartialChainShort(f"{target.describe()} cannot be reached from {entry.name}: {chain.missing()}, and "
+                                f"the verified run does not reach checkpoint {start.name} "
+                                f"({stop_sentence(Prepared(entry, target, check, plan, ()))}); nothing touched")
     # damage between its lease census and it, or a time target met before it: every segment then
     passed.append(f"{start.name}: the verified chain does not reach it "
                   f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")

@@ -259,15 +259,20 @@ def _time_of_revision(segs: Sequence[SegmentInfo], n: int) -> Optional[int]:
 
 def find_base(paths: Sequence[str], snapshot_revision: int) -> int:
     """The chain to use for a snapshot at ``snapshot_revision``: the one based exactly there, or
-    else the newest chain based before it (the snapshot then overlaps the chain's first events)."""
+    else the newest chain based before it (the snapshot then overlaps the chain's first events).
+    Chains are found by their first segments; a partial chain (no first segment here: fetched
+    from the bucket after a checkpoint, ``check_chain``'s ``begins_at``) by the base its later
+    ones name - else a replay from a checkpoint inside it would look for a chain based at the
+    checkpoint and fold nothing."""
     bases: Set[int] = set()
+    partial: Set[int] = set()
     for p in paths:
         try:
             h = read_header(p)
         except SegmentCorrupt:
             continue
-        if h.seq == 0:
-            bases.add(h.base_revision)
+        (bases if h.seq == 0 else partial).add(h.base_revision)
+    bases = bases or partial
     if snapshot_revision in bases or not bases:
         return snapshot_revision
     earlier = [b for b in bases if b < snapshot_revision]

@@ -38,6 +38,7 @@ unless ``--accept-unsigned-chain`` says to restore it checked from its content a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 from etcd_agent.bucket import fetch, layout
 from etcd_agent.bucket.staging import Stopped, stage_all
 from etcd_agent.config import Config
-from etcd_agent.errors import AgentError, BackupCorrupt, RefusedError
+from etcd_agent.errors import AgentError, BackupCorrupt, PartialChainShort, RefusedError
 from etcd_agent.fs import size_text
 from etcd_agent.restore.orchestrator import stagedchecks
 
@@ -67,6 +68,14 @@ class BucketPlan:
     full: "RemoteObject"
     items: Tuple[fetch.Wanted, ...]
     skipped: Tuple[str, ...] = ()  # what the bucket holds for it that this restore does not need, and why
+    # the chain's segments before the checkpoint's lease census, left in the bucket (``bucket.partial``):
+    # fetched only when the run fetched does not hold what the replay needs
+    rest: Tuple[fetch.Wanted, ...] = ()
+    notes: Tuple[str, ...] = ()  # why what might have been left is fetched
+
+    def whole(self) -> "BucketPlan":
+        """The plan with the segments it left in the bucket fetched too (``rest``)."""
+        return BucketPlan(self.full, tuple(fetch.order(list(self.items) + list(self.rest))), self.skipped[1:])
 
     @property
     def total(self) -> int:
@@ -80,12 +89,14 @@ class BucketPlan:
     def to_json(self) -> Dict[str, Any]:
         return {"backup": self.full.name, "chain": self.full.chain or None, "folder": self.full.folder or None,
                 "bytes": self.total,
-                "objects": [w.to_json() for w in self.items], "not_fetched": list(self.skipped)}
+                "objects": [w.to_json() for w in self.items], "not_fetched": list(self.skipped),
+                "notes": list(self.notes)}
 
     def lines(self, directory: str) -> List[str]:
         out = [f"from the folder of host {self.full.folder} (the prefix's {{host}})"] if self.full.folder else []
         out += [f"fetch {w.name} ({size_text(w.size)})" for w in self.items]
         out += [f"not fetched: {s}" for s in self.skipped]
+        out += list(self.notes)
         out.append(f"{len(self.items)} object(s), {size_text(self.total)}, into {directory} (checked in "
                    f"{os.path.join(directory, fetch.STAGING)} first)")
         return out
@@ -113,8 +124,34 @@ def plan_fetch(cfg: Config, spec: str, target: Optional["Target"], *, checkpoint
             if rng is not None and rng[0] > target.revision:
                 continue
         kept.append(w)
-    return BucketPlan(full, tuple(kept), _skipped(items, kept, f"not needed to reach {target.describe()} (older "
-                                                                "checkpoints, segments after the target)"))
+    skipped = _skipped(items, kept, f"not needed to reach {target.describe()} (older checkpoints, segments after "
+                                    "the target)")
+    if chosen is None:
+        return BucketPlan(full, tuple(kept), skipped)
+    return _from_census(cfg, BucketPlan(full, tuple(kept), skipped), chosen)
+
+
+def _from_census(cfg: Config, bp: BucketPlan, chosen: fetch.Wanted) -> BucketPlan:
+    """``bp`` fetching only what a replay from checkpoint ``chosen`` needs (``bucket.partial``):
+    with the manifest key, the segments before its lease census left in the bucket (``rest``);
+    without it the whole chain, and the plan says why."""
+    from etcd_agent.backup import keys
+    from etcd_agent.bucket import partial, remote
+    from etcd_agent.bucket.client import Bucket
+
+    if keys.local_key(cfg).key is None:
+        return dataclasses.replace(bp, notes=tuple(partial.without_key(bp.items)))
+    b = Bucket(fetch.bound(cfg, bp.full.folder))
+    try:
+        rev = str(remote.checkable(b, chosen.name).metadata.get("revision", ""))
+    except AgentError:
+        return bp  # the fetch names what is wrong with it
+    c = partial.cut(b, bp.items, chosen, int(rev)) if rev.isdigit() else None
+    if c is None:
+        return bp
+    left = set(c.left)
+    return dataclasses.replace(bp, items=tuple(w for w in bp.items if w not in left), rest=c.left,
+                               skipped=(c.line(),) + bp.skipped)
 
 
 def _checkpoint(cfg: Config, cps: Sequence[fetch.Wanted], target: "Target") -> Optional[fetch.Wanted]:
@@ -176,10 +213,12 @@ class Fetched:
     seconds: float
     bytes_read: int
     chain: Optional["CheckedChain"] = None  # the chain's check, for the restore to carry (``Options.checked``)
+    phases: Dict[str, float] = dataclasses.field(default_factory=dict)  # stage, check, publish: seconds
 
     def to_json(self) -> Dict[str, Any]:
         return {**self.plan.to_json(), "objects": [f.to_json() for f in self.objects], "checked": self.checked,
-                "seconds": round(self.seconds, 3), "bytes_read": self.bytes_read}
+                "seconds": round(self.seconds, 3), "bytes_read": self.bytes_read,
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
 
 
 def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
@@ -201,12 +240,30 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     with fetch.staging_locked(directory) as staging:
         try:
             staged = stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress)
+            phases = {"stage": time.monotonic() - t0}
         except Stopped as stop:
             raise stop.sentence("restore --from-bucket", "nothing restored") from None
+        def check() -> Tuple[List[str], Dict[str, Any], Optional["CheckedChain"]]:
+            return stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
+                                             new_cluster=new_cluster, checkpoints=checkpoints,
+                                             accept_unsigned=accept_unsigned, key_file=key_file)
+
         try:
-            checked, facts, chain = stagedchecks.check_staged(cfg, staging, staged, bp, target, identities=identities,
-                                    new_cluster=new_cluster, checkpoints=checkpoints,
-                                    accept_unsigned=accept_unsigned, key_file=key_file)
+            try:
+                checked, facts, chain = check()
+            except PartialChainShort as short:
+                if not bp.rest:
+                    raise
+                # the run fetched does not hold what the replay needs: the rest of the chain, and
+                # the whole of it checked from the full backup on
+                progress(f"{short.message.removesuffix('; nothing touched')}: fetching the {len(bp.rest)} earlier "
+                         "segment(s) too")
+                rest, bp = bp.rest, bp.whole()
+                try:
+                    staged += stage_all(fetch.bound(cfg, bp.full.folder), rest, directory, progress)
+                except Stopped as stop:
+                    raise stop.sentence("restore --from-bucket", "nothing restored") from None
+                checked, facts, chain = check()
         except AgentError as exc:
             # the files were checked under a dir of the staging dir that is gone now: named by name
             exc.message = exc.message.replace(os.path.join(staging, stagedchecks.CHECKED_DIR) + os.sep, "")
@@ -219,6 +276,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                                f"the same command{_with_identity(exc)} does not fetch them again")
             raise
         try:
+            phases["check"] = time.monotonic() - t0 - sum(phases.values())
             objects = [fetch.publish(b, s, directory) for s in staged]
         except BaseException:
             if chain is not None:  # its decrypted copies and lock (an encrypted chain) go with it
@@ -235,12 +293,13 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
             chain.release()
         raise
     took = time.monotonic() - t0
+    phases["publish"] = took - sum(phases.values())
     read = sum(s.bytes_read for s in staged)
     for line in checked:
         progress(f"checked before it was let in: {line}")
     progress(f"{len(objects)} object(s) of {bp.file} checked and in {directory} ({size_text(read)} fetched in "
              f"{took:.1f}s)")
-    return Fetched(bp, objects, checked, took, read, chain)
+    return Fetched(bp, objects, checked, took, read, chain, phases)
 
 
 def _failed_content(exc: AgentError) -> bool:
