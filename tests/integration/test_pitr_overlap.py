@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import List
+from typing import Dict, List, Tuple
 
 import psutil
 import pytest
 
 from etcd_agent.restore.host.facts import work_dir_for
 from etcd_agent.state.locks import holder_of
+from tests.harness.loopback import LoopbackCluster
 from tests.harness.procs import agent_run
 from tests.integration.continuous import agent, dump, put, rpc, start_all, wait_durable, wait_for, wait_watching
 from tests.integration.test_daemon import wait_healthy
@@ -24,17 +25,21 @@ from tests.integration.test_restore import AGENT
 pytestmark = pytest.mark.integration
 
 
-def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing(bed) -> None:  # type: ignore[no-untyped-def]
+def _written(bed, keys: int, value: bytes) -> Tuple[LoopbackCluster, Dict[str, Tuple[bytes, int]]]:  # type: ignore[no-untyped-def]
+    """A bed whose daemons have written ``keys`` puts into their chain; the cluster and its data."""
     d = bed()
     c = d.c
     start_all(d)
     wait_watching(c)
     r = rpc(c)
-    for i in range(200):
-        put(r, f"/k/{i:03d}", b"v" * 100)
-    top = put(r, "/k/top", b"v")
-    wait_durable(c, top)
-    before = dump(r, "/k/")
+    for i in range(keys):
+        put(r, f"/k/{i:03d}", value)
+    wait_durable(c, put(r, "/k/top", b"v"))
+    return c, dump(r, "/k/")
+
+
+def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing(bed) -> None:  # type: ignore[no-untyped-def]
+    c, before = _written(bed, 200, b"v" * 100)
     backup_dir = c.cfg.backup.dir
     tops = [backup_dir, c.cfg.daemon.state_dir]
     cmd = [AGENT, "-c", c.config_path, "restore", "--from", "latest", "--to", "newest", "--yes"]
@@ -81,15 +86,7 @@ def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing
 def test_a_busy_host_refuses_the_replay_and_leaves_nothing(bed) -> None:  # type: ignore[no-untyped-def]
     from etcd_agent.state.locks import Holder, OperationLock, SessionOwner, lock_path_for
 
-    d = bed()
-    c = d.c
-    start_all(d)
-    wait_watching(c)
-    r = rpc(c)
-    for i in range(50):
-        put(r, f"/k/{i:03d}", b"v")
-    wait_durable(c, put(r, "/k/top", b"v"))
-    before = dump(r, "/k/")
+    c, before = _written(bed, 50, b"v")
     tops = [c.cfg.backup.dir, c.cfg.daemon.state_dir]
     other = OperationLock(lock_path_for(c.cfg.backup.dir), "restore --from x",
                           holder=Holder(owner=SessionOwner("restore --from x", "master9", 77, "t")), wait=0.0)
