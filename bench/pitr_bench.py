@@ -40,6 +40,7 @@ median, and per round), the target state's to the full backup's, and each way's 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -78,8 +79,10 @@ def fill(rpc: EtcdRpc, keys: int, size: int) -> Dict[bytes, tuple]:
     return made
 
 
-def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False, whole: bool = False) -> Run:
-    argv = [AGENT, "-c", cfg_path, "--json", "restore", "--from", backup]
+def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False, whole: bool = False,
+                tree: str = "") -> Run:
+    # ``tree``: another checkout's package run instead (its `node serve` children inherit it)
+    argv = (["env", f"PYTHONPATH={tree}"] if tree else []) + [AGENT, "-c", cfg_path, "--json", "restore", "--from", backup]
     if pitr:
         argv += ["--to", "newest"] + (["--no-checkpoint"] if whole else [])
     if new_cluster:  # a backup of the cluster as a later restore replaced it: a rollback point
@@ -107,8 +110,12 @@ def main() -> None:
                          "5 minutes, in the bench's time)")
     ap.add_argument("--keep", action="store_true", help="leave the work dir (backups, config) for profiling")
     ap.add_argument("--json")
+    ap.add_argument("--baseline", default="", help="another checkout (e.g. `git archive` of main): its pitr B and "
+                    "plain B restores interleaved with this tree's, an A/B on the same chain")
     a = ap.parse_args()
     byte_compile()
+    if a.baseline and not compileall.compile_dir(os.path.join(a.baseline, "etcd_agent"), quiet=1, workers=0):
+        raise SystemExit(f"cannot byte-compile {a.baseline}")
     work = tempfile.mkdtemp(prefix="pitr-bench-", dir=a.dir)
     extra = delta_config(a.checkpoint_min_seconds) if a.chain == "live" else ""
     c = LoopbackCluster(os.path.join(work, "c"), 3, extra=extra + EXTRA)
@@ -170,6 +177,9 @@ def main() -> None:
         if a.chain == "live":
             ways["pitr B, whole chain (--no-checkpoint)"] = lambda: restore_run(c.config_path, full_b.path, True,
                                                                                  whole=True)
+        if a.baseline:
+            ways["pitr B (baseline)"] = lambda: restore_run(c.config_path, full_b.path, True, tree=a.baseline)
+            ways["plain B (baseline)"] = lambda: restore_run(c.config_path, full_b.path, False, tree=a.baseline)
         runs = interleave(ways, a.rounds, between=lambda: None, check=lambda: None)
         names = list(ways)
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -183,8 +193,10 @@ def main() -> None:
             out[n] = {"walls": w, "phases": [r.phases for r in runs[n]]}
         pairs = [(names[0], names[1]), (names[3], names[4]), (names[2], names[1]), (names[5], names[4]),
                  (names[0], names[2]), (names[3], names[5])]
-        if len(names) > 6:
+        if a.chain == "live":
             pairs += [(names[3], names[6]), (names[4], names[6])]
+        if a.baseline:
+            pairs += [("plain B (baseline)", "pitr B (baseline)"), ("pitr B (baseline)", names[4])]
         for plain, pitr in pairs:
             pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
             per = [q / p for p, q in zip(pw, qw)]

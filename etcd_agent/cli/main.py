@@ -160,7 +160,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         args = parser.parse_args(args_list)
         setup_logging(args.verbose)
         ctx = Context(config_path=args.config, json=args.json, verbose=args.verbose)
-        if args.command != "status":  # status reports them; every other command cleans them
+        # status reports them; every other command cleans them, but an orchestrator's own helpers
+        # (`node serve`/`node receive`, started while its replay may run): one orphaned by a killed
+        # restore would otherwise sweep them behind the operator's `status`
+        if args.command not in ("status", "node"):
             _clean_leftovers(ctx)
         handler: Callable[[argparse.Namespace, Context], Optional[Output]] = args.func
         out = handler(args, ctx)

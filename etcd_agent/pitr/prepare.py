@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -470,11 +471,17 @@ def scratch_options(cfg: "Config", encrypted: bool = False) -> ScratchOptions:
                           parent_dir=work_dir(cfg, encrypted))
 
 
-def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None) -> Tuple[str, ReplayResult, bool]:
+def kept_path(cfg: "Config", p: Prepared, encrypted: bool) -> str:
+    """Where ``replay_kept`` keeps the replay of ``p``."""
+    return os.path.join(work_dir(cfg, encrypted), p.kept_name)
+
+
+def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] = None, *,
+                stop: Optional[threading.Event] = None) -> Tuple[str, ReplayResult, bool]:
     """Replay into ``<backup dir>/.pitr/<kept name>`` (with ``identities``: ``private_dir``),
-    reused when a crashed run left it: (path, result, reused). Call it holding ``lock``."""
-    d = work_dir(cfg, identities is not None)
-    out = os.path.join(d, p.kept_name)
+    reused when a crashed run left it: (path, result, reused). Call it holding ``lock``.
+    ``stop``: set, the replay ends at its next step (ReplayError), nothing kept."""
+    out = kept_path(cfg, p, identities is not None)
     side = out + ".json"
     if os.path.isfile(out) and os.path.isfile(side):
         try:
@@ -496,7 +503,7 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
                  options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
-                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None)
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop)
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
 

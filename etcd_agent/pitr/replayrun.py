@@ -181,6 +181,7 @@ def replay(
     memory_bytes: int = keyspace.DEFAULT_MEMORY,
     identities: Optional["Identities"] = None,
     checkpoint: Optional[Tuple[str, int]] = None,
+    stop: Optional[threading.Event] = None,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
     ``output``. ``check``: the chain as the caller just checked it (its segments are verified
@@ -189,13 +190,15 @@ def replay(
     ``identities``: decrypt an encrypted full backup (its chain comes opened in ``check``).
     ``checkpoint``: ``full_snapshot`` is a checkpoint inside the chain, which vouches for its
     (snapshot sha256, revision); CheckpointUnusable if it is not exactly that (before anything
-    is started), and the replay folds only the chain after it."""
+    is started), and the replay folds only the chain after it. ``stop``: once set, the replay
+    ends after its current step, before the save (ReplayError; its member stopped, its dir gone):
+    a restore whose hosts refused meanwhile."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
-    lap = _Laps()
+    lap = _Laps(stop)
     # the two tools' checks run while the snapshot is staged and the chain folded
     probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replay-probe")
     try:
@@ -291,17 +294,21 @@ class _Folding:
 class _Laps:
     """Where a replay's time goes: ``lap(name)`` adds the seconds since the previous lap to
     ``name``; ``detail`` names a dict of finer steps timed elsewhere (the scratch member's),
-    read when the phases are taken."""
+    read when the phases are taken. Each lap is also where a set ``stop`` ends the replay, until
+    ``stop`` is dropped (the save: a result written is kept, and reused by the next run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: Optional[threading.Event] = None) -> None:
         self._t = time.monotonic()
         self._seconds: Dict[str, float] = {}
         self._detail: List[Tuple[str, Dict[str, float]]] = []
+        self.stop = stop
 
     def __call__(self, name: str) -> None:
         now = time.monotonic()
         self._seconds[name] = self._seconds.get(name, 0.0) + now - self._t
         self._t = now
+        if self.stop is not None and self.stop.is_set():
+            raise ReplayError(f"the replay was stopped after its step {name!r}: the restore was refused meanwhile")
 
     def detail(self, timings: Dict[str, float], prefix: str) -> None:
         self._detail.append((prefix, timings))
@@ -412,6 +419,7 @@ def _run(
         lap("defragment")
         # no `snapshot status` (another process reading the whole db): the revision is read from
         # the saved db's own pages, as the restore reads it again before shipping it
+        lap.stop = None  # from here the replay ends whole: a stop now would only waste it
         s.save(output)
         saved = _snapshot_revision(output)
         lap("save")

@@ -88,7 +88,7 @@ class Bed:
         """``here``: the hosts that are the master the restore runs on."""
         opts = Options(spec="latest", progress=lambda s: None, **kw)  # type: ignore[arg-type]
         return Restore(self.cfg, opts, nodes=scripted_nodes(self.script, self.hosts, here), cluster=self.cluster,
-                       open_source=lambda cfg, spec, staging, now: self.source)
+                       open_source=lambda cfg, spec, staging, now, meanwhile: self.source)
 
     def order(self, step: str) -> List[str]:
         return [m for _h, s, m in self.script.calls if s == step]

@@ -6,7 +6,8 @@ order, so of two restores started together exactly one gets them all and the oth
 (exit 4) having touched nothing. Every lock lives as long as its session.
 
 Phases: read the archive -> lock every host -> pre-checks everywhere (nothing touched; exit 3
-with a per-host report) -> begin (journals; the daemons go hands-off) -> ship the snapshot to
+with a per-host report; a point-in-time source's replay runs while the hosts are locked and
+pre-checked: ``meanwhile``) -> begin (journals; the daemons go hands-off) -> ship the snapshot to
 every member while etcd still serves (hashed as it is sent and as it lands) -> fence the
 apiservers -> stop the followers, then the leader -> set aside, restore, chown, repair -> start
 -> wait until every member is healthy at one revision -> unfence -> finish. Simple steps go to a
@@ -23,7 +24,7 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from etcd_agent.backup.identity import Evidence, HostIds, Verdict, judge
@@ -56,6 +57,7 @@ from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
 from etcd_agent.restore.orchestrator.finish import finish, served, unfence
 from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
+from etcd_agent.restore.orchestrator.meanwhile import HostsAhead, Meanwhile
 from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
 from etcd_agent.restore.orchestrator.precheck import (
     Resume,
@@ -85,8 +87,9 @@ class Restore:
 
     def __init__(self, cfg: Config, opts: Options, *, nodes: Optional[Callable[[Config], List[HostNode]]] = None,
                  cluster: Optional[LiveCluster] = None,
-                 open_source: Optional[Callable[[Config, str, str, bool], Source]] = None) -> None:
-        # open_source(cfg, --from spec, staging parent dir, hash now): the backup resolved and read
+                 open_source: Optional[Callable[[Config, str, str, bool, Meanwhile], Source]] = None) -> None:
+        # open_source(cfg, --from spec, staging parent dir, hash now, meanwhile): the backup resolved
+        # and read; ``meanwhile.start`` once its own checks passed opens the hosts while it goes on
         self.cfg = cfg
         self.opts = opts
         self.say = opts.progress
@@ -98,7 +101,7 @@ class Restore:
         self.resume = Resume()  # a resumed restore: who finished it, who serves the restored cluster
         self.unanswered: List[str] = []  # the hosts the last rollback could not reach
         self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
-        self._evidence: "Optional[Future[Evidence]]" = None
+        self.evidence: "Optional[Future[Evidence]]" = None  # asked while the hosts pre-check
         self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
         self.cluster: LiveCluster = cluster or EtcdCluster(cfg)
         self._open_source = open_source or source_for(opts)
@@ -127,30 +130,42 @@ class Restore:
         t0 = time.monotonic()
         cfg = self.cfg
         ensure_private_dir(cfg.backup.dir)
-        source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run)
-        self.timings["read"] = time.monotonic() - t0
-        self.timings.update((f"read: {k}", v) for k, v in source.timings.items())
-        self.say(f"read {source.path}")
+        hosts = HostsAhead(self)  # opened while the source is read (``meanwhile``)
+        source: Optional[Source] = None
         try:
-            t = time.monotonic()
-            self.nodes = self._make_nodes(cfg)
-            self.owner = new_owner(self.opts.command or f"restore --from {os.path.basename(source.path)}")
-            self.standby = self._standby()
             try:
-                self.unreachable = open_sessions(cfg, self.nodes, self.owner, self.say, require_all=False,
-                                                 opened=self.standby.start if self.standby else None)
-                self.timings["sessions"] = time.monotonic() - t
-                try:
-                    return self._run(source, t0)
-                finally:
-                    t = time.monotonic()
-                    self._close_standby()
-                    close_sessions(self.nodes)
-                    self.timings["close"] = time.monotonic() - t  # after the outcome's duration
-            finally:
-                self._close_standby()  # when the sessions could not be opened
+                source = self._open_source(cfg, self.opts.spec, cfg.backup.dir, self.opts.dry_run, hosts.meanwhile)
+            except BaseException as exc:
+                hosts.instead_of(exc)  # the hosts' refusal, when the source stopped for it
+                raise
+            self.timings["read"] = time.monotonic() - t0
+            self.timings.update((f"read: {k}", v) for k, v in source.timings.items())
+            self.say(f"read {source.path}")
+            facts, host_problems = hosts.result(source.path)
+            return self._run(source, t0, facts, host_problems)
         finally:
-            source.close()
+            t = time.monotonic()
+            hosts.close()
+            if self.nodes:
+                self.timings["close"] = time.monotonic() - t  # after the outcome's duration
+            if source is not None:
+                source.close()
+
+    def open_hosts(self, name: str) -> None:
+        """Sessions to every host that answers, each holding its lock (the others in
+        ``unreachable``), for a restore of ``name``; with ``--yes`` the receivers start as the
+        sessions open."""
+        t = time.monotonic()
+        self.nodes = self._make_nodes(self.cfg)
+        self.owner = new_owner(self.opts.command or f"restore --from {os.path.basename(name)}")
+        self.standby = self._standby()
+        self.unreachable = open_sessions(self.cfg, self.nodes, self.owner, self.say, require_all=False,
+                                         opened=self.standby.start if self.standby else None)
+        self.timings["sessions"] = time.monotonic() - t
+
+    def close_hosts(self) -> None:
+        self._close_standby()
+        close_sessions(self.nodes)
 
     def _standby(self) -> Optional[Standby]:
         """Unattended (``--yes``), the receivers on the other masters start as soon as their
@@ -166,16 +181,10 @@ class Restore:
             self.standby.close()
             self.standby = None
 
-    def _run(self, source: Source, t0: float) -> Outcome:
+    def _run(self, source: Source, t0: float, facts: Dict[str, NodeFacts], host_problems: Dict[str, List[str]]) -> Outcome:
         t = time.monotonic()
-        # what the running cluster says of itself (read-only), asked while the hosts pre-check
-        with ThreadPoolExecutor(max_workers=1) as ex:
-            self._evidence = ex.submit(self.cluster.evidence)
-            facts, host_problems = self.precheck()
-            self.timings["precheck"] = time.monotonic() - t
-            t = time.monotonic()
-            plan = self._plan(source, facts, host_problems)
-            self.timings["plan"] = time.monotonic() - t
+        plan = self._plan(source, facts, host_problems)
+        self.timings["plan"] = time.monotonic() - t
         outcome = Outcome(plan, timings=self.timings)
         for hp in plan.hosts:
             self.say(f"{hp.member} ({hp.host}): pre-check {'ok' if not hp.problems else 'FAILED: ' + '; '.join(hp.problems)}")
@@ -269,7 +278,7 @@ class Restore:
         and bootstrap record, and every restore lineage recorded on the hosts or in etcd."""
         if source.identity is None:
             raise RefusedError(f"{source.path}: the snapshot's members could not be read; nothing touched")
-        ev = self._evidence.result() if self._evidence is not None else self.cluster.evidence()
+        ev = self.evidence.result() if self.evidence is not None else self.cluster.evidence()
         hosts = list(ev.hosts)
         lineage = list(ev.lineage)
         for name, f in facts.items():

@@ -63,19 +63,25 @@ def check_host(
     resuming: bool,
 ) -> List[str]:
     """Everything that must hold on one host before anything is touched there."""
-    p = _agreement_problems(cfg, member, facts, agent_version)
-    p += _tool_problems(cfg, facts)
+    p = standing_problems(cfg, member, facts, agent_version)
     p += version_problems(snapshot_version, facts)
     if not resuming:
         p += _room_problems(facts, snapshot_size)
-    if not facts.fence_ok:
-        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
-    p += [f"TLS file {f} is missing" for f in facts.tls_missing]
-    p += facts.foreign
     j = facts.journal
     if j is not None and j.open and not resuming:
         p.append(f"an unfinished restore {j.op} (from {j.backup}) is journaled in {facts.work_dir}")
     return p
+
+
+def standing_problems(cfg: Config, member: Member, facts: NodeFacts, agent_version: str) -> List[str]:
+    """What refuses a restore on this host whatever it restores and whether it resumes: a
+    point-in-time restore stops its replay on these, found while it still runs."""
+    p = _agreement_problems(cfg, member, facts, agent_version)
+    p += _tool_problems(cfg, facts)
+    if not facts.fence_ok:
+        p.append(f"apiserver fencing ({cfg.kubernetes.fence}) not possible: {facts.fence_detail}")
+    p += [f"TLS file {f} is missing" for f in facts.tls_missing]
+    return p + list(facts.foreign)
 
 
 def _agreement_problems(cfg: Config, member: Member, facts: NodeFacts, agent_version: str) -> List[str]:

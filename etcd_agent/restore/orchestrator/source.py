@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.pitr.carried import CheckedChain
     from etcd_agent.pitr.prepare import Prepared
     from etcd_agent.pitr.replay import ReplayResult, Target
+    from etcd_agent.restore.orchestrator.meanwhile import Meanwhile
     from etcd_agent.restore.orchestrator.options import Options
 
 log = logging.getLogger(__name__)
@@ -114,15 +115,16 @@ class Source:
             self.lock.release()
 
 
-def source_for(opts: "Options") -> Callable[[Config, str, str, bool], "Source"]:
-    """How a restore asked ``opts`` opens its source: the backup ``--from`` names; with a target,
-    its chain replayed to it first (``open_pitr_source``)."""
-    def opened(cfg: Config, spec: str, staging: str, hash_now: bool) -> Source:
+def source_for(opts: "Options") -> Callable[[Config, str, str, bool, "Meanwhile"], "Source"]:
+    """How a restore asked ``opts`` opens its source: the backup ``--from`` names (read at once:
+    the hosts are opened after it); with a target, its chain replayed to it first
+    (``open_pitr_source``, the hosts opened while it replays)."""
+    def opened(cfg: Config, spec: str, staging: str, hash_now: bool, meanwhile: "Meanwhile") -> Source:
         if opts.target is None:
             return open_source(cfg, spec, staging, hash_now=hash_now, identities=opts.identities)
         return open_pitr_source(cfg, spec, opts.target, staging, progress=opts.progress, identities=opts.identities,
                                 checkpoints=opts.checkpoints, accept_unsigned=opts.accept_unsigned,
-                                checked=opts.checked)
+                                checked=opts.checked, meanwhile=meanwhile)
     return opened
 
 
@@ -179,7 +181,8 @@ def open_source(cfg: Config, spec: Union[str, "Entry"], staging_parent: str, *, 
 def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: str, *,
                      progress: Callable[[str], None] = lambda s: None,
                      identities: Optional["Identities"] = None, checkpoints: bool = True,
-                     accept_unsigned: bool = False, checked: Optional["CheckedChain"] = None) -> Source:
+                     accept_unsigned: bool = False, checked: Optional["CheckedChain"] = None,
+                     meanwhile: Optional["Meanwhile"] = None) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
@@ -188,7 +191,9 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
     starts from the full backup whatever checkpoints its chain vouches for. ``accept_unsigned``:
     a chain not signed with the manifest key is restored (``--accept-unsigned-chain``). ``checked``:
     the chain as a restore from the bucket checked it, taken instead of checking it again while
-    its files are the very ones checked (``pitr.carried.take``)."""
+    its files are the very ones checked (``pitr.carried.take``). ``meanwhile``: started once the
+    chain and the full backup passed their checks (a refusal of the chain comes before any host is
+    opened), its ``stop`` stops the replay at its next step (``restore.orchestrator.meanwhile``)."""
     import shutil
 
     from etcd_agent.chain.errors import CheckpointUnusable
@@ -226,8 +231,11 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
                             f"~{st.events_after} event(s) after it)" if st else prep.entry.name)
                     progress(f"replaying the delta chain onto {onto} up to revision {prep.plan.stop_revision} in a "
                              "throwaway etcd on loopback (nothing live is touched)")
+                    if meanwhile is not None:  # the hosts opened and pre-checked while it replays
+                        meanwhile.start(pitr.kept_path(cfg, prep, identities is not None))
                     t = time.monotonic()
-                    path, res, reused = pitr.replay_kept(cfg, prep, identities)
+                    path, res, reused = pitr.replay_kept(cfg, prep, identities,
+                                                         stop=meanwhile.stop if meanwhile is not None else None)
                     timings["replay"] = time.monotonic() - t
                     timings.update((f"replay: {k}", v) for k, v in res.phases)
                     break
