@@ -36,6 +36,7 @@ from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
 from etcd_agent.continuous import breaks, checkpoints, membership, reporting, status
 from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
+from etcd_agent.continuous.membertrack import MembershipTracker
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
@@ -52,7 +53,6 @@ TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
 RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
-MEMBERS_FRESH = 120.0  # a member list the daemon asked longer ago than this is not compared
 
 
 class DeltaSupervisor:
@@ -91,16 +91,7 @@ class DeltaSupervisor:
         # and when the last one was taken or tried (monotonic)
         self._cp_bytes = 0
         self._cp_at = 0.0
-        # the membership: the member list the daemon's cycle asked (and when), the newest full
-        # backup's snapshot members (read once per backup), how they differ until a full backup
-        # holds the new one, and the member list the last such backup was taken for
-        self._members_seen: "Tuple[Optional[Tuple[MemberInfo, ...]], float]" = (None, 0.0)
-        self._seats: Tuple[object, Tuple[membership.Seat, ...]] = (None, ())
-        self._membership = ""
-        self._membership_fp: object = None
-        self._membership_done: object = None
-        self._half_done_since: Optional[float] = None
-        self._said_membership = ""
+        self._members = MembershipTracker()
 
     # ------------------------------------------------------------ thread
 
@@ -160,9 +151,8 @@ class DeltaSupervisor:
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
             breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
-            checkpoint_due=self._checkpoint_due(cfg), membership=self._membership,
-            membership_half_done=change.half_done,
-            half_done_for=time.monotonic() - self._half_done_since if self._half_done_since is not None else 0.0,
+            checkpoint_due=self._checkpoint_due(cfg), membership=self._members.pending,
+            membership_half_done=change.half_done, half_done_for=self._members.half_done_for(),
         )
 
     def _hold(self, action: str, why: str, facts: Facts) -> None:
@@ -262,7 +252,7 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + RETRY_AFTER
 
     def _backoff_left(self) -> float:
-        if not self._broken and not self._membership:
+        if not self._broken and not self._members.pending:
             return 0.0
         return max(0.0, self._last_chain_backup + break_backoff(self._breaks_in_row) - time.monotonic())
 
@@ -336,68 +326,15 @@ class DeltaSupervisor:
 
     def saw_members(self, members: "Optional[Sequence[MemberInfo]]") -> None:
         """(The daemon's thread) the member list its cycle asked (None: no member answered)."""
-        with self._mu:
-            self._members_seen = (tuple(members) if members is not None else None, time.monotonic())
+        self._members.saw(members)
 
     def _follow_membership(self) -> membership.Change:
-        """The cluster's members against the newest full backup's (``membership.compare``); a new
-        difference counted like a break, so that a membership that keeps changing backs off."""
-        with self._mu:
-            live, seen = self._members_seen
-        if live is not None and time.monotonic() - seen > MEMBERS_FRESH:
-            live = None  # the daemon's cycle is stuck: nothing current to compare with
-        newest = self._newest
-        seats = self._seats_of(newest) if newest is not None and live else ()
-        change = membership.compare(live or (), seats)
-        fp = membership.fingerprint(live or ())
-        if change.what and fp == self._membership_done:
-            # a full backup was taken for exactly this member list and its snapshot still differs:
-            # another one would too
-            if self._said_membership != change.what:
-                log.warning("delta: %s, yet the full backup taken for this membership holds the same members; "
-                            "not taking another until the membership changes", change.what)
-                self._said_membership = change.what
-            change = membership.Change(half_done=change.half_done)
-        if change.what and not self._membership and not self._broken and newest is not None:
-            self._count_break()  # a break's full backup holds the new membership as well
-            log.warning("delta: %s since %s; %s", change.what, newest.name,
-                        f"half-done ({change.half_done}): the full backup waits until it has started" if
-                        change.half_done else "a full backup of the new membership follows, and a new chain from it")
-        elif not change.what and self._membership and live:
-            log.info("delta: the cluster's membership is the newest full backup's again: no full backup for it")
-        self._membership, self._membership_fp = change.what, fp
-        now = time.monotonic()
-        self._half_done_since = (now if self._half_done_since is None else self._half_done_since) if (
-            change.what and change.half_done) else None
+        """The cluster's members against the newest full backup's (``MembershipTracker.follow``); a
+        new difference counted like a break, so that a membership that keeps changing backs off."""
+        change, began = self._members.follow(self._newest, broken=bool(self._broken))
+        if began:
+            self._count_break()
         return change
-
-    def _seats_of(self, full: Full) -> Tuple[membership.Seat, ...]:
-        """The members of ``full``'s snapshot, read from its own db once per backup file: a plain
-        one's pages in place (no key: the manifest's say-so is not what is read), else the ids its
-        writer (or a verify) found there; () unknown."""
-        try:
-            st = os.stat(full.path)
-            key: object = (full.path, st.st_size, st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return ()
-        if self._seats[0] == key:
-            return self._seats[1]
-        from etcd_agent.backup.reader import peek_archive
-
-        seats: Tuple[membership.Seat, ...] = ()
-        try:
-            ident = peek_archive(full.path).identity
-            if ident is not None:
-                seats = tuple(membership.Seat(m.id, m.name, tuple(m.peer_urls)) for m in ident.members)
-        except (AgentError, OSError) as exc:
-            log.debug("delta: the members of %s not read: %s", full.name, exc)
-        if not seats:
-            try:
-                seats = tuple(membership.Seat(int(x, 16)) for x in full.member_ids)
-            except ValueError:
-                seats = ()
-        self._seats = (key, seats)
-        return seats
 
     def _over_bounds(self, cfg: Config) -> str:
         if self.watcher is None:
@@ -439,7 +376,7 @@ class DeltaSupervisor:
         from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
 
-        ending = "" if self._broken else self._membership  # what a membership backup ends the chain for
+        ending = "" if self._broken else self._members.pending  # what a membership backup ends the chain for
         reason = self._broken_reason if self._broken else "membership_changed" if ending else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
@@ -463,9 +400,7 @@ class DeltaSupervisor:
         self._backup_failures = 0
         if self._broken or ending:
             self._last_chain_backup = time.monotonic()
-        if ending:
-            self._membership_done = self._membership_fp
-        self._membership = ""  # compared again with the new backup at the next tick
+        self._members.backed_up(for_change=bool(ending))
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
