@@ -35,6 +35,7 @@ from etcd_agent.chain.errors import ChainBroken
 from etcd_agent.chain.segments import SegmentInfo, parse_name
 from etcd_agent.config import Config, Member
 from etcd_agent.continuous import breaks, checkpoints, membership, reporting, status
+from etcd_agent.continuous.copyqueue import CopyQueue
 from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
 from etcd_agent.continuous.membertrack import MembershipTracker
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
@@ -43,7 +44,7 @@ from etcd_agent.errors import AgentError, BusyError
 from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.bucket.copier import Copier, CopyStatus
+    from etcd_agent.bucket.copier import CopyStatus
     from etcd_agent.etcd.client import MemberInfo
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ class DeltaSupervisor:
         self._breaks_total: Optional[int] = None
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
-        self._copier: "Optional[Copier]" = None  # while [backup.remote] is enabled
-        self._remote_seen: object = None  # the [backup.remote] it runs with
+        self._copies = CopyQueue(source)
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
@@ -104,8 +104,7 @@ class DeltaSupervisor:
         if self._thread is not None:
             self._thread.join(timeout)
         self._stop_watcher("the daemon stops")
-        if self._copier is not None:
-            self._copier.stop()
+        self._copies.stop()
         self._write_textfile(force=True)
 
     def _main(self) -> None:
@@ -123,7 +122,7 @@ class DeltaSupervisor:
         from etcd_agent.state import markers
 
         cfg, me = self._source()
-        self._follow_remote(cfg)
+        self._copies.follow(cfg)
         self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
@@ -185,36 +184,9 @@ class DeltaSupervisor:
         elif action == "checkpoint":
             self._checkpoint(cfg, me, why)
 
-    def _follow_remote(self, cfg: Config) -> None:
-        """The copy queue runs while ``[backup.remote]`` is enabled, with continuous backup or
-        without: a reload that enables or disables it takes effect at this tick, and says so."""
-        on = cfg.backup.remote.enabled
-        why = "[backup.remote] {} by the reloaded config: " if self._remote_seen is not None else "[backup.remote] {}: "
-        if on and self._copier is None:
-            from etcd_agent.bucket.copier import Copier
-
-            self._copier = Copier(self._source)
-            self._copier.start()
-            log.info(why.format("enabled") + "every full backup, checkpoint and segment here is copied to %s",
-                     _where(cfg))
-        elif not on and self._copier is not None:
-            self._copier.stop()
-            self._copier = None
-            log.info(why.format("disabled") + "nothing more is copied off-host")
-        elif on and self._copier is not None and self._remote_seen != cfg.backup.remote:
-            log.info(why.format("changed") + "copies go to %s from now on (what it lacks is copied there; failed "
-                     "copies are tried again now)", _where(cfg))
-            self._copier.retry_now()
-        self._remote_seen = cfg.backup.remote
-
     def copies(self) -> "Optional[CopyStatus]":
         """The copy queue's status (None while [backup.remote] is disabled)."""
-        c = self._copier
-        return c.status() if c is not None else None
-
-    def _nudge(self) -> None:
-        if self._copier is not None:
-            self._copier.nudge()
+        return self._copies.status()
 
     def _follow_encryption(self, cfg: Config) -> None:
         """A changed ``[backup] encrypt_to`` (a reload): the open segment is closed as it was begun
@@ -369,7 +341,7 @@ class DeltaSupervisor:
         if checkpoints.take(cfg, me.name, w) is not None:
             with self._mu:
                 self._cp_bytes = 0
-            self._nudge()
+            self._copies.nudge()
             self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
@@ -404,7 +376,7 @@ class DeltaSupervisor:
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
         self._scan_key = None  # look again: the new backup is the newest
-        self._nudge()
+        self._copies.nudge()
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
         w = self.watcher
         if w is not None:
@@ -437,7 +409,7 @@ class DeltaSupervisor:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
             self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
-        self._nudge()  # a new (or resumed) chain: its full backup first
+        self._copies.nudge()  # a new (or resumed) chain: its full backup first
         w = DeltaWatcher(me.client_url, full.revision, cfg.backup.dir, tls=cfg.tls if cfg.tls.client_enabled else None,
                          options=opts, on_segment=self._on_segment, base=full.base)
         self.watcher, self._full = w, full
@@ -480,7 +452,7 @@ class DeltaSupervisor:
             self._totals = (e + info.footer.events, b + info.size, n + 1)
             if info.footer.events:  # what a replay folds; idle segments add nothing to fold
                 self._cp_bytes += info.size
-        self._nudge()
+        self._copies.nudge()
 
     # ------------------------------------------------------------ status
 
@@ -514,10 +486,3 @@ class DeltaSupervisor:
         self._textfile_at = now
         status.write_textfile(path, self.status(), self.copies())
 
-
-def _where(cfg: Config) -> str:
-    """The bucket and prefix copies go to, as the log names them (never a credential)."""
-    from etcd_agent.bucket.client import expand_prefix
-
-    r = cfg.backup.remote
-    return f"s3://{r.bucket}/{expand_prefix(r.prefix, cfg.cluster.name)}"
