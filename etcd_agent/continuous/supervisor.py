@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.chain.errors import ChainBroken
-from etcd_agent.chain.segments import SegmentInfo, parse_name
+from etcd_agent.chain.segments import SegmentInfo
 from etcd_agent.config import Config, Member
 from etcd_agent.continuous import breaks, checkpoints, membership, reporting, status
 from etcd_agent.continuous.copyqueue import CopyQueue
 from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
 from etcd_agent.continuous.membertrack import MembershipTracker
+from etcd_agent.continuous.newestfull import NewestFull
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
@@ -53,7 +54,6 @@ TICK = 1.0
 TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
-RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
 
 
 class DeltaSupervisor:
@@ -70,8 +70,7 @@ class DeltaSupervisor:
         self._full: Optional[Full] = None  # what the running watcher continues
         self._newest: Optional[Full] = None
         self._unusable = ""
-        self._scan_key: object = None
-        self._scanned_at = -RESCAN_EVERY
+        self._finder = NewestFull()
         self._broken = ""  # why the last watch could not go on, until a full backup is taken
         self._broken_reason = ""  # its metrics label
         self._retry_at = 0.0
@@ -143,7 +142,7 @@ class DeltaSupervisor:
         enabled = cfg.backup.delta.enabled
         change = membership.Change()
         if enabled and not restoring:
-            self._find_newest(cfg)
+            self._newest, self._unusable = self._finder.look(cfg)
             change = self._follow_membership()
         return Facts(
             enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
@@ -267,35 +266,6 @@ class DeltaSupervisor:
             starts.append(w.pos.start_time_ms / 1000.0)
         breaks.record_by_hand(cfg, min(starts, default=0.0), exc)
 
-    def _find_newest(self, cfg: Config) -> None:
-        """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
-        directory = cfg.backup.dir
-        try:
-            names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and parse_name(n) is None)
-            key = tuple((n, os.stat(os.path.join(directory, n)).st_mtime_ns) for n in names)
-        except FileNotFoundError:
-            self._newest, self._unusable = None, ""
-            return
-        except OSError:
-            key = None
-        if key == self._scan_key and time.monotonic() - self._scanned_at < RESCAN_EVERY:
-            return
-        from etcd_agent.backup import catalog, keys
-
-        entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
-        # a checkpoint is taken inside the running chain: never a base to move a chain to
-        best, _skipped = catalog.latest([e for e in entries if not e.checkpoint_of])
-        self._scan_key, self._scanned_at = key, time.monotonic()
-        if best is None:
-            self._newest, self._unusable = None, ""
-        elif best.revision is None:
-            self._newest = None
-            self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
-        else:
-            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "",
-                                best.size, best.member_ids)
-            self._unusable = ""
-
     def saw_members(self, members: "Optional[Sequence[MemberInfo]]") -> None:
         """(The daemon's thread) the member list its cycle asked (None: no member answered)."""
         self._members.saw(members)
@@ -375,7 +345,7 @@ class DeltaSupervisor:
         self._members.backed_up(for_change=bool(ending))
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
-        self._scan_key = None  # look again: the new backup is the newest
+        self._finder.again()  # the new backup is the newest
         self._copies.nudge()
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
         w = self.watcher
