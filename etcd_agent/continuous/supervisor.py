@@ -32,17 +32,20 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.chain.errors import ChainBroken
-from etcd_agent.chain.segments import SegmentInfo, parse_name
+from etcd_agent.chain.segments import SegmentInfo
 from etcd_agent.config import Config, Member
 from etcd_agent.continuous import breaks, checkpoints, membership, reporting, status
+from etcd_agent.continuous.copyqueue import CopyQueue
 from etcd_agent.continuous.decision import BREAK_BACKOFF, STABLE_AFTER, Facts, Full, break_backoff, decide
+from etcd_agent.continuous.membertrack import MembershipTracker
+from etcd_agent.continuous.newestfull import NewestFull
 from etcd_agent.continuous.position import WatcherStatus, WatchOptions
 from etcd_agent.continuous.watcher import DeltaWatcher
 from etcd_agent.errors import AgentError, BusyError
 from etcd_agent.memory import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from etcd_agent.bucket.copier import Copier, CopyStatus
+    from etcd_agent.bucket.copier import CopyStatus
     from etcd_agent.etcd.client import MemberInfo
 
 log = logging.getLogger(__name__)
@@ -51,8 +54,6 @@ TICK = 1.0
 TEXTFILE_EVERY = 5.0
 RETRY_AFTER = 10.0  # a failed watcher start is tried again after this
 BACKUP_RETRY = (2.0, 30.0)  # a failed full backup: again after 2 s, doubling up to 30 s
-RESCAN_EVERY = 60.0  # the newest full backup is looked up again at least this often
-MEMBERS_FRESH = 120.0  # a member list the daemon asked longer ago than this is not compared
 
 
 class DeltaSupervisor:
@@ -69,8 +70,7 @@ class DeltaSupervisor:
         self._full: Optional[Full] = None  # what the running watcher continues
         self._newest: Optional[Full] = None
         self._unusable = ""
-        self._scan_key: object = None
-        self._scanned_at = -RESCAN_EVERY
+        self._finder = NewestFull()
         self._broken = ""  # why the last watch could not go on, until a full backup is taken
         self._broken_reason = ""  # its metrics label
         self._retry_at = 0.0
@@ -81,8 +81,7 @@ class DeltaSupervisor:
         self._breaks_total: Optional[int] = None
         self._full_backups: Dict[str, int] = {}
         self._textfile_at = 0.0
-        self._copier: "Optional[Copier]" = None  # while [backup.remote] is enabled
-        self._remote_seen: object = None  # the [backup.remote] it runs with
+        self._copies = CopyQueue(source)
         self._breaks_in_row = 0
         self._chain_started = 0.0  # monotonic: when the running chain's watcher started
         self._last_chain_backup = -BREAK_BACKOFF[1]  # monotonic: the last full backup taken for a break
@@ -91,16 +90,7 @@ class DeltaSupervisor:
         # and when the last one was taken or tried (monotonic)
         self._cp_bytes = 0
         self._cp_at = 0.0
-        # the membership: the member list the daemon's cycle asked (and when), the newest full
-        # backup's snapshot members (read once per backup), how they differ until a full backup
-        # holds the new one, and the member list the last such backup was taken for
-        self._members_seen: "Tuple[Optional[Tuple[MemberInfo, ...]], float]" = (None, 0.0)
-        self._seats: Tuple[object, Tuple[membership.Seat, ...]] = (None, ())
-        self._membership = ""
-        self._membership_fp: object = None
-        self._membership_done: object = None
-        self._half_done_since: Optional[float] = None
-        self._said_membership = ""
+        self._members = MembershipTracker()
 
     # ------------------------------------------------------------ thread
 
@@ -113,8 +103,7 @@ class DeltaSupervisor:
         if self._thread is not None:
             self._thread.join(timeout)
         self._stop_watcher("the daemon stops")
-        if self._copier is not None:
-            self._copier.stop()
+        self._copies.stop()
         self._write_textfile(force=True)
 
     def _main(self) -> None:
@@ -132,7 +121,7 @@ class DeltaSupervisor:
         from etcd_agent.state import markers
 
         cfg, me = self._source()
-        self._follow_remote(cfg)
+        self._copies.follow(cfg)
         self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
@@ -153,16 +142,15 @@ class DeltaSupervisor:
         enabled = cfg.backup.delta.enabled
         change = membership.Change()
         if enabled and not restoring:
-            self._find_newest(cfg)
+            self._newest, self._unusable = self._finder.look(cfg)
             change = self._follow_membership()
         return Facts(
             enabled=enabled, restore_in_progress=restoring, newest=self._newest, newest_unusable=self._unusable,
             watching_base=self._full.revision if self.watcher is not None and self._full else None,
             broken=self._broken, over_bounds=self._over_bounds(cfg), retry_wait=time.monotonic() < self._retry_at,
             breaks_in_row=self._breaks_in_row, backoff_left=self._backoff_left(),
-            checkpoint_due=self._checkpoint_due(cfg), membership=self._membership,
-            membership_half_done=change.half_done,
-            half_done_for=time.monotonic() - self._half_done_since if self._half_done_since is not None else 0.0,
+            checkpoint_due=self._checkpoint_due(cfg), membership=self._members.pending,
+            membership_half_done=change.half_done, half_done_for=self._members.half_done_for(),
         )
 
     def _hold(self, action: str, why: str, facts: Facts) -> None:
@@ -195,36 +183,9 @@ class DeltaSupervisor:
         elif action == "checkpoint":
             self._checkpoint(cfg, me, why)
 
-    def _follow_remote(self, cfg: Config) -> None:
-        """The copy queue runs while ``[backup.remote]`` is enabled, with continuous backup or
-        without: a reload that enables or disables it takes effect at this tick, and says so."""
-        on = cfg.backup.remote.enabled
-        why = "[backup.remote] {} by the reloaded config: " if self._remote_seen is not None else "[backup.remote] {}: "
-        if on and self._copier is None:
-            from etcd_agent.bucket.copier import Copier
-
-            self._copier = Copier(self._source)
-            self._copier.start()
-            log.info(why.format("enabled") + "every full backup, checkpoint and segment here is copied to %s",
-                     _where(cfg))
-        elif not on and self._copier is not None:
-            self._copier.stop()
-            self._copier = None
-            log.info(why.format("disabled") + "nothing more is copied off-host")
-        elif on and self._copier is not None and self._remote_seen != cfg.backup.remote:
-            log.info(why.format("changed") + "copies go to %s from now on (what it lacks is copied there; failed "
-                     "copies are tried again now)", _where(cfg))
-            self._copier.retry_now()
-        self._remote_seen = cfg.backup.remote
-
     def copies(self) -> "Optional[CopyStatus]":
         """The copy queue's status (None while [backup.remote] is disabled)."""
-        c = self._copier
-        return c.status() if c is not None else None
-
-    def _nudge(self) -> None:
-        if self._copier is not None:
-            self._copier.nudge()
+        return self._copies.status()
 
     def _follow_encryption(self, cfg: Config) -> None:
         """A changed ``[backup] encrypt_to`` (a reload): the open segment is closed as it was begun
@@ -262,7 +223,7 @@ class DeltaSupervisor:
             self._retry_at = time.monotonic() + RETRY_AFTER
 
     def _backoff_left(self) -> float:
-        if not self._broken and not self._membership:
+        if not self._broken and not self._members.pending:
             return 0.0
         return max(0.0, self._last_chain_backup + break_backoff(self._breaks_in_row) - time.monotonic())
 
@@ -305,99 +266,17 @@ class DeltaSupervisor:
             starts.append(w.pos.start_time_ms / 1000.0)
         breaks.record_by_hand(cfg, min(starts, default=0.0), exc)
 
-    def _find_newest(self, cfg: Config) -> None:
-        """The newest good full backup here (re-read when the dir's backups change, or each minute)."""
-        directory = cfg.backup.dir
-        try:
-            names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and parse_name(n) is None)
-            key = tuple((n, os.stat(os.path.join(directory, n)).st_mtime_ns) for n in names)
-        except FileNotFoundError:
-            self._newest, self._unusable = None, ""
-            return
-        except OSError:
-            key = None
-        if key == self._scan_key and time.monotonic() - self._scanned_at < RESCAN_EVERY:
-            return
-        from etcd_agent.backup import catalog, keys
-
-        entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
-        # a checkpoint is taken inside the running chain: never a base to move a chain to
-        best, _skipped = catalog.latest([e for e in entries if not e.checkpoint_of])
-        self._scan_key, self._scanned_at = key, time.monotonic()
-        if best is None:
-            self._newest, self._unusable = None, ""
-        elif best.revision is None:
-            self._newest = None
-            self._unusable = f"{best.name}: its revision is not known without reading it (compressed, unchecked)"
-        else:
-            self._newest = Full(best.name, best.path, best.revision, best.time.timestamp(), best.snapshot_sha256 or "",
-                                best.size, best.member_ids)
-            self._unusable = ""
-
     def saw_members(self, members: "Optional[Sequence[MemberInfo]]") -> None:
         """(The daemon's thread) the member list its cycle asked (None: no member answered)."""
-        with self._mu:
-            self._members_seen = (tuple(members) if members is not None else None, time.monotonic())
+        self._members.saw(members)
 
     def _follow_membership(self) -> membership.Change:
-        """The cluster's members against the newest full backup's (``membership.compare``); a new
-        difference counted like a break, so that a membership that keeps changing backs off."""
-        with self._mu:
-            live, seen = self._members_seen
-        if live is not None and time.monotonic() - seen > MEMBERS_FRESH:
-            live = None  # the daemon's cycle is stuck: nothing current to compare with
-        newest = self._newest
-        seats = self._seats_of(newest) if newest is not None and live else ()
-        change = membership.compare(live or (), seats)
-        fp = membership.fingerprint(live or ())
-        if change.what and fp == self._membership_done:
-            # a full backup was taken for exactly this member list and its snapshot still differs:
-            # another one would too
-            if self._said_membership != change.what:
-                log.warning("delta: %s, yet the full backup taken for this membership holds the same members; "
-                            "not taking another until the membership changes", change.what)
-                self._said_membership = change.what
-            change = membership.Change(half_done=change.half_done)
-        if change.what and not self._membership and not self._broken and newest is not None:
-            self._count_break()  # a break's full backup holds the new membership as well
-            log.warning("delta: %s since %s; %s", change.what, newest.name,
-                        f"half-done ({change.half_done}): the full backup waits until it has started" if
-                        change.half_done else "a full backup of the new membership follows, and a new chain from it")
-        elif not change.what and self._membership and live:
-            log.info("delta: the cluster's membership is the newest full backup's again: no full backup for it")
-        self._membership, self._membership_fp = change.what, fp
-        now = time.monotonic()
-        self._half_done_since = (now if self._half_done_since is None else self._half_done_since) if (
-            change.what and change.half_done) else None
+        """The cluster's members against the newest full backup's (``MembershipTracker.follow``); a
+        new difference counted like a break, so that a membership that keeps changing backs off."""
+        change, began = self._members.follow(self._newest, broken=bool(self._broken))
+        if began:
+            self._count_break()
         return change
-
-    def _seats_of(self, full: Full) -> Tuple[membership.Seat, ...]:
-        """The members of ``full``'s snapshot, read from its own db once per backup file: a plain
-        one's pages in place (no key: the manifest's say-so is not what is read), else the ids its
-        writer (or a verify) found there; () unknown."""
-        try:
-            st = os.stat(full.path)
-            key: object = (full.path, st.st_size, st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return ()
-        if self._seats[0] == key:
-            return self._seats[1]
-        from etcd_agent.backup.reader import peek_archive
-
-        seats: Tuple[membership.Seat, ...] = ()
-        try:
-            ident = peek_archive(full.path).identity
-            if ident is not None:
-                seats = tuple(membership.Seat(m.id, m.name, tuple(m.peer_urls)) for m in ident.members)
-        except (AgentError, OSError) as exc:
-            log.debug("delta: the members of %s not read: %s", full.name, exc)
-        if not seats:
-            try:
-                seats = tuple(membership.Seat(int(x, 16)) for x in full.member_ids)
-            except ValueError:
-                seats = ()
-        self._seats = (key, seats)
-        return seats
 
     def _over_bounds(self, cfg: Config) -> str:
         if self.watcher is None:
@@ -432,14 +311,14 @@ class DeltaSupervisor:
         if checkpoints.take(cfg, me.name, w) is not None:
             with self._mu:
                 self._cp_bytes = 0
-            self._nudge()
+            self._copies.nudge()
             self._full_backups["checkpoint"] = self._full_backups.get("checkpoint", 0) + 1
 
     def _full_backup(self, cfg: Config, me: Member, why: str) -> None:
         from etcd_agent.backup.outstream import low_memory
         from etcd_agent.backup.service import take_backup
 
-        ending = "" if self._broken else self._membership  # what a membership backup ends the chain for
+        ending = "" if self._broken else self._members.pending  # what a membership backup ends the chain for
         reason = self._broken_reason if self._broken else "membership_changed" if ending else (
             "chain_bounds" if self.watcher is not None else "no_full_backup")
         log.info("delta: %s", why)
@@ -463,13 +342,11 @@ class DeltaSupervisor:
         self._backup_failures = 0
         if self._broken or ending:
             self._last_chain_backup = time.monotonic()
-        if ending:
-            self._membership_done = self._membership_fp
-        self._membership = ""  # compared again with the new backup at the next tick
+        self._members.backed_up(for_change=bool(ending))
         self._full_backups[reason] = self._full_backups.get(reason, 0) + 1
         self._broken = self._broken_reason = ""
-        self._scan_key = None  # look again: the new backup is the newest
-        self._nudge()
+        self._finder.again()  # the new backup is the newest
+        self._copies.nudge()
         log.info("delta: full backup %s (revision %s) taken; the next chain continues it", res.path, res.revision)
         w = self.watcher
         if w is not None:
@@ -502,7 +379,7 @@ class DeltaSupervisor:
             self._totals = (existing.events, existing.bytes, existing.usable) if existing else (0, 0, 0)
             self._cp_bytes = checkpoints.bytes_since(cfg, existing) if existing else 0
         self._cp_at = time.monotonic()  # a watch that just started waits checkpoint_min_seconds too
-        self._nudge()  # a new (or resumed) chain: its full backup first
+        self._copies.nudge()  # a new (or resumed) chain: its full backup first
         w = DeltaWatcher(me.client_url, full.revision, cfg.backup.dir, tls=cfg.tls if cfg.tls.client_enabled else None,
                          options=opts, on_segment=self._on_segment, base=full.base)
         self.watcher, self._full = w, full
@@ -545,7 +422,7 @@ class DeltaSupervisor:
             self._totals = (e + info.footer.events, b + info.size, n + 1)
             if info.footer.events:  # what a replay folds; idle segments add nothing to fold
                 self._cp_bytes += info.size
-        self._nudge()
+        self._copies.nudge()
 
     # ------------------------------------------------------------ status
 
@@ -579,10 +456,3 @@ class DeltaSupervisor:
         self._textfile_at = now
         status.write_textfile(path, self.status(), self.copies())
 
-
-def _where(cfg: Config) -> str:
-    """The bucket and prefix copies go to, as the log names them (never a credential)."""
-    from etcd_agent.bucket.client import expand_prefix
-
-    r = cfg.backup.remote
-    return f"s3://{r.bucket}/{expand_prefix(r.prefix, cfg.cluster.name)}"

@@ -131,11 +131,11 @@ def test_the_supervisor_counts_a_change_once_and_never_loops_on_a_backup_that_st
     s.saw_members(grown)
     for _ in range(3):
         assert s._follow_membership().what == "membership changed: member ew2 added"
-    assert s._breaks_in_row == 1 and s._membership
+    assert s._breaks_in_row == 1 and s._members.pending
     # the full backup taken for it (as _full_backup leaves things), its snapshot still without ew2
-    s._membership_done, s._membership = s._membership_fp, ""
+    s._members.backed_up(for_change=True)
     s._last_chain_backup = s._chain_started = time.monotonic()  # and the new chain started from it
-    assert s._follow_membership().what == "" and s._breaks_in_row == 1 and not s._membership
+    assert s._follow_membership().what == "" and s._breaks_in_row == 1 and not s._members.pending
     # the list changes again: a change again, counted
     s.saw_members(grown + [live(3, "ew3", P3)])
     assert s._follow_membership().what.startswith("membership changed: member ew2 added; member ew3 added")
