@@ -487,9 +487,10 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
         try:
             with open_regular(side) as fh:
                 res = ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT), side)
+            as_prepared(p, res)
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
-        except (OSError, ValueError, BackupCorrupt) as exc:
+        except (OSError, ValueError, BackupCorrupt, ReplayError) as exc:
             log.warning("cannot reuse %s (%s): replaying again", out, exc)
     for stale in (out, side):
         if os.path.exists(stale):
@@ -503,9 +504,23 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
                  options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
-                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop)
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan)
+    try:
+        as_prepared(p, res)
+    except ReplayError:
+        remove_kept(out)
+        raise
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
+
+
+def as_prepared(p: Prepared, res: ReplayResult) -> None:
+    """A replay is done only at the revision the operator was shown (``p.plan``), as complete as
+    planned: the replay checks its own plan, this its result (and a kept one's) once more."""
+    if res.reached_revision != p.plan.stop_revision or res.complete != p.plan.complete:
+        raise ReplayError(f"the replay reached revision {res.reached_revision}"
+                          f"{'' if res.complete else ' (incomplete)'}, the prepared plan revision "
+                          f"{p.plan.stop_revision}{'' if p.plan.complete else ' (incomplete)'}: not what was asked")
 
 
 def remove_kept(path: str) -> None:
