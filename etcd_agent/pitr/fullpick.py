@@ -32,24 +32,43 @@ class Reach:
     chain: Optional[ChainSummary]
     revision: int
     time_ms: int
+    # a partial chain's first revision a replay can reach (from its oldest checkpoint whose lease
+    # census is here); 0: any from the backup's own
+    floor: int = 0
+    why_not: str = ""  # why a chain of it here is not used (a partial chain without the key)
 
     def describe(self) -> str:
         e = self.entry
         what = f"{e.name} (revision {e.revision}, taken {e.time.isoformat()})"
+        if self.why_not:
+            return f"{what}: {self.why_not}"
         if self.chain is None:
             return f"{what}, which no delta chain continues"
         return (f"{what}, whose delta chain {self.chain.chain_id[:8]} reaches revision {self.revision} "
                 f"(until {ms_to_datetime(self.time_ms).isoformat(timespec='milliseconds')})")
 
 
-def reach(sc: Scan, e: "Entry") -> Reach:
+def reach(sc: Scan, e: "Entry", key: bool = False) -> Reach:
     """How far ``e`` reaches: the chain that continues it, or one it was taken inside (a replay
-    folds that one from the backup's revision: ``replay.find_base``)."""
+    folds that one from the backup's revision: ``replay.find_base``), or - with the manifest key
+    (``key``), which alone proves whose a run without its first segments is - its partial chain
+    (a restore from the bucket fetched only the segments after a checkpoint's lease census)."""
     taken = int(e.time.timestamp() * 1000)
     rev = e.revision or 0
     c = sc.for_full(rev, e.base)
+    part = None if c is not None else next(
+        (x for x in sc.chains if x.begins_at and x.usable and x.base_revision == rev and x.listed_under(e.base)), None)
+    if part is not None:
+        census = [cp.revision for cp in part.checkpoints if cp.leases_from >= part.begins_at]
+        if not key:
+            return Reach(e, None, rev, taken, why_not=(
+                f"its partial delta chain (revisions {part.begins_at}..{part.end_revision}, the earlier segments not "
+                "here) is followed only with the manifest key, which this host does not have: pass --key-file FILE"))
+        if census:  # else no replay of what is here can start: it reaches nothing past the backup
+            return Reach(e, part, max(rev, part.end_revision), max(taken, part.end_time_ms or 0), floor=min(census))
     if c is None:
-        inside = [x for x in sc.chains if x.usable and x.base_revision < rev <= x.end_revision]
+        # never a partial chain: a replay from inside it would need the segments not here
+        inside = [x for x in sc.chains if x.usable and not x.begins_at and x.base_revision < rev <= x.end_revision]
         c = max(inside, key=lambda x: x.base_revision, default=None)
     if c is None or not c.usable:
         return Reach(e, None, rev, taken)
@@ -58,28 +77,32 @@ def reach(sc: Scan, e: "Entry") -> Reach:
 
 def _reaches(r: Reach, target: Target) -> bool:
     if target.kind == "revision" and target.revision is not None:
-        return r.revision >= target.revision
+        return r.floor <= target.revision <= r.revision if r.floor else r.revision >= target.revision
     if target.kind == "time" and target.time_ms is not None:
         return r.time_ms >= target.time_ms
     return True
 
 
-def pick(sc: Scan, candidates: Sequence["Entry"], target: Target) -> Tuple["Entry", List[str]]:
+def pick(sc: Scan, candidates: Sequence["Entry"], target: Target, key: bool = False) -> Tuple["Entry", List[str]]:
     """Of ``candidates`` (good full backups at or before the target, newest first, none empty)
     the one to restore from, and the plan's lines saying which and why. ``newest``: the one
     reaching the latest point in time (then the furthest revision, then the newer backup: a
     backup taken inside a chain that reaches as far is the shorter replay); a revision or a
     time: the newest whose chain reaches it, else the newest (the restore then refuses, saying
-    where its chain stops)."""
-    rs = [reach(sc, e) for e in candidates]
+    where its chain stops). ``key``: the manifest key is here (a partial chain counts)."""
+    rs = [reach(sc, e, key) for e in candidates]
     if target.kind == "newest":
         best = max(rs, key=lambda r: (r.time_ms, r.revision, r.entry.time))
         why = "the one whose delta chain reaches the newest point"
     else:
         reaching = [r for r in rs if _reaches(r, target)]
-        best = reaching[0] if reaching else rs[0]
+        # none reaching: one whose partial chain is not followed without the key, so that the
+        # refusal says why (``prepare``), else the newest
+        keyless = [r for r in rs if r.why_not]
+        best = reaching[0] if reaching else (keyless or rs)[0]
         why = (f"the newest one whose delta chain reaches {target.describe()}" if reaching else
-               f"the newest one at or before {target.describe()}; none reaches it")
+               f"the newest one at or before {target.describe()}; none reaches it"
+               + (" without the manifest key" if keyless else ""))
     lines = [f"--from latest: {best.describe()}: {why}"]
     for r in rs:
         if r is best or r.entry.time < best.entry.time:

@@ -162,7 +162,8 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
 
     if spec.strip() != "latest":
         return catalog.resolve_from(cfg, spec), []
-    entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+    key = keys.local_key(cfg).key
+    entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=key)
     entries = [e for e in entries if not e.checkpoint_of]
     goods = catalog.good(entries)
     if target.kind == "newest":
@@ -176,7 +177,7 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
              or (target.kind == "revision" and e.revision is not None and target.revision is not None
                  and e.revision <= target.revision)]
     if cands:
-        return fullpick.pick(chains.scan(cfg.backup.dir), cands, target)
+        return fullpick.pick(chains.scan(cfg.backup.dir), cands, target, key is not None)
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")
@@ -214,19 +215,21 @@ def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] =
     chain = _Chain(paths, base, entry.base if base == entry.revision else None, now_ms + SEGMENT_CLOCK_MARGIN_MS,
                    _opener(cfg, identities, staging), _key(cfg))
     outline = chain.outline()
+    keyless = ""
     if checkpoints and outline.stop is not None and outline.stop.kind == "gap" and not outline.segments:
-        chain, outline = _partial(chain, outline)  # no file at all where the chain begins
+        chain, outline, keyless = _partial(chain, outline)  # no file at all where the chain begins
     start, passed = choose_start(cfg, entry, outline, target, skip) if checkpoints else (None, [])
     check, plan, start = _verified(entry, target, chain, start, passed)
     _refuse_before(entry, target, plan)
     _total, breaks = status.read_breaks(cfg.backup.dir)
     mine = tuple(b for b in breaks if b.base_revision == base)
-    choice = tuple(picked + fullpick.chain_lines(entry, check))
+    choice = tuple(picked + fullpick.chain_lines(entry, check) + ([keyless] if keyless else []))
     prep = Prepared(entry, target, check, plan, mine, start, tuple(passed), choice)
     forged = check.stop is not None and check.stop.kind == "forged"
     if not plan.complete and (target.kind != "newest" or forged):  # a forged tail is never cut off silently
-        raise RefusedError(f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}; "
-                           "nothing touched", details=refusal_hints(cfg, prep))
+        raise (PartialChainShort if keyless else RefusedError)(
+            f"{target.describe()} cannot be reached from {entry.name}: {stop_sentence(prep)}"
+            f"{'; ' + keyless if keyless else ''}; nothing touched", details=refusal_hints(cfg, prep))
     return _signed(cfg, prep, chain.key, accept_unsigned)
 
 
@@ -275,21 +278,28 @@ class _Chain:
                 "(a partial chain: a restore from the bucket fetched only those after a checkpoint)")
 
 
-def _partial(chain: _Chain, outline: ChainCheck) -> Tuple[_Chain, ChainCheck]:
+def _partial(chain: _Chain, outline: ChainCheck) -> Tuple[_Chain, ChainCheck, str]:
     """A chain whose first segments are not here (a restore from the bucket fetched those a replay
     from a checkpoint reads, ``bucket.partial``): followed from the first segment of this base
     that is here, which ``check_chain`` takes only signed with the manifest key and naming this
-    backup's snapshot sha256. Without the key, or nothing of this base here: ``chain`` as it was
-    (the restore then says where it stops, as for any chain missing its first segment)."""
-    if chain.key is None or chain.of is None or not chain.of.sha256:
-        return chain, outline
+    backup's snapshot sha256. Nothing of this base here: ``chain`` as it was (the restore then
+    says where it stops, as for any chain missing its first segment); without the key, that too,
+    with a sentence saying why the run here is not followed."""
+    if chain.of is None or not chain.of.sha256:
+        return chain, outline, ""
     starts = sorted(r[0] for r in (parse_name(os.path.basename(p)) for p in chain.paths)
                     if r is not None and r[0] > chain.base + 1)
     if not starts:
-        return chain, outline
+        return chain, outline, ""
     partial = dataclasses.replace(chain, begins_at=starts[0])
-    run = partial.outline()
-    return (partial, run) if run.segments else (chain, outline)
+    run = partial.outline()  # headers and footers: whose run it is by the base it names, no signature
+    if not run.segments:
+        return chain, outline, ""
+    if chain.key is None:
+        return chain, outline, (f"a partial chain of it is here (revisions {starts[0]}..{run.end_revision}, the "
+                                "earlier segments not here), followed only with the manifest key, "
+                                "which this host does not have: pass --key-file FILE")
+    return partial, run, ""
 
 
 def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Start],
@@ -487,9 +497,10 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
         try:
             with open_regular(side) as fh:
                 res = ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT), side)
+            as_prepared(p, res)
             log.info("reusing the replay %s left by an earlier run of this restore", out)
             return out, res, True
-        except (OSError, ValueError, BackupCorrupt) as exc:
+        except (OSError, ValueError, BackupCorrupt, ReplayError) as exc:
             log.warning("cannot reuse %s (%s): replaying again", out, exc)
     for stale in (out, side):
         if os.path.exists(stale):
@@ -503,9 +514,23 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
                  options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
-                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop)
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan)
+    try:
+        as_prepared(p, res)
+    except ReplayError:
+        remove_kept(out)
+        raise
     write_atomic(side, (json.dumps(res.to_json(), indent=1) + "\n").encode(), mode=0o600)
     return out, res, False
+
+
+def as_prepared(p: Prepared, res: ReplayResult) -> None:
+    """A replay is done only at the revision the operator was shown (``p.plan``), as complete as
+    planned: the replay checks its own plan, this its result (and a kept one's) once more."""
+    if res.reached_revision != p.plan.stop_revision or res.complete != p.plan.complete:
+        raise ReplayError(f"the replay reached revision {res.reached_revision}"
+                          f"{'' if res.complete else ' (incomplete)'}, the prepared plan revision "
+                          f"{p.plan.stop_revision}{'' if p.plan.complete else ' (incomplete)'}: not what was asked")
 
 
 def remove_kept(path: str) -> None:

@@ -112,6 +112,20 @@ def _own_chain(full_snapshot: str, got: Optional[str], restored: int, check: Cha
                           "not replayed onto it")
 
 
+def _as_planned(planned: Plan, plan: Plan, restored: int) -> None:
+    """The replay's own plan (it checks the chain again when the check it was handed has another
+    base) must be the one the operator was shown: else the restore would write another revision
+    than asked - less, when the chain changed since - and report success."""
+    reached = max(restored, plan.stop_revision)
+    if (reached, plan.stop_revision, plan.complete, plan.base_revision) == (
+            planned.stop_revision, planned.stop_revision, planned.complete, planned.base_revision):
+        return
+    raise ReplayError(f"the replay's own plan reaches revision {reached} from the chain after revision "
+                      f"{plan.base_revision} ({plan.because}), the prepared plan revision {planned.stop_revision} "
+                      f"from the chain after revision {planned.base_revision} ({planned.because}): the chain changed "
+                      "since it was checked; nothing replayed")
+
+
 def _checkpoint_file(path: str, workdir: str, identities: Optional["Identities"], sha256: str,
                      revision: int) -> str:
     """A checkpoint's snapshot, staged as ``_snapshot_file`` does, and only if it is what the chain
@@ -182,6 +196,7 @@ def replay(
     identities: Optional["Identities"] = None,
     checkpoint: Optional[Tuple[str, int]] = None,
     stop: Optional[threading.Event] = None,
+    planned: Optional[Plan] = None,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
     ``output``. ``check``: the chain as the caller just checked it (its segments are verified
@@ -192,7 +207,8 @@ def replay(
     (snapshot sha256, revision); CheckpointUnusable if it is not exactly that (before anything
     is started), and the replay folds only the chain after it. ``stop``: once set, the replay
     ends after its current step, before the save (ReplayError; its member stopped, its dir gone):
-    a restore whose hosts refused meanwhile."""
+    a restore whose hosts refused meanwhile. ``planned``: the plan the caller made and showed
+    (``pitr.prepare``); a replay whose own plan is another is refused before anything is loaded."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
@@ -221,6 +237,8 @@ def replay(
             check = check_chain(segment_paths, base)
         _own_chain(full_snapshot, got, restored, check)
         plan = plan_replay(check, target)
+        if planned is not None:
+            _as_planned(planned, plan, restored)
         log.info("replaying %d segment(s) onto revision %d, stopping at %d (%s)", len(plan.segments), restored,
                  plan.stop_revision, plan.because)
         if restored < plan.base_revision:
