@@ -321,7 +321,8 @@ class DeltaSupervisor:
         from etcd_agent.backup import catalog, keys
 
         entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
-        entries = catalog.chain_checkpoints(entries, chains.scan(directory))  # without the manifest key too
+        if any(e.signature != "valid" for e in entries):  # a checkpoint's unsigned manifest: its chain says
+            entries = catalog.chain_checkpoints(entries, chains.scan(directory))
         # a checkpoint is taken inside the running chain: never a base to move a chain to
         best, _skipped = catalog.latest([e for e in entries if not e.checkpoint_of])
         self._scan_key, self._scanned_at = key, time.monotonic()
