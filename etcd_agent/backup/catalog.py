@@ -43,6 +43,7 @@ class DrillSummary(Protocol):
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.chain.chains import Scan
     from etcd_agent.chain.check import BaseBackup
     from etcd_agent.config import Config
     from etcd_agent.etcd.snapdb import SnapshotIdentity
@@ -292,6 +293,28 @@ def list_backups(
 def good(entries: List[Entry]) -> List[Entry]:
     """The good backups, newest first."""
     return sorted((e for e in entries if e.complete), key=lambda e: (e.time, e.name), reverse=True)
+
+
+def chain_checkpoints(entries: List[Entry], found: "Scan") -> List[Entry]:
+    """``entries`` with every checkpoint a delta chain here vouches for marked as that chain's
+    (``checkpoint_of``), and without a file of a vouched name whose snapshot is not known to be
+    the one vouched for. Who a checkpoint is comes from its chain; a manifest says so only when
+    signed, and a master restored from the bucket has no manifest key until its daemon's first
+    full backup fetches it from etcd: taken for a full backup meanwhile, a checkpoint was copied
+    to the bucket as the start of a chain of its own and became the base of a new watch."""
+    vouched = {cp.name: (c.chain_id, cp.sha256) for c in found.chains for cp in c.checkpoints}
+    out: List[Entry] = []
+    for e in entries:
+        if e.checkpoint_of or e.name not in vouched:
+            out.append(e)
+            continue
+        chain_id, sha = vouched[e.name]
+        if e.snapshot_sha256 == sha and chain_id:
+            out.append(replace(e, checkpoint_of=chain_id))
+        else:  # a checkpoint's name, and a snapshot not known to be it: neither a base nor a copy
+            log.debug("%s: named as a checkpoint of delta chain %s, its snapshot not known to be the one vouched "
+                      "for", e.name, chain_id[:8])
+    return out
 
 
 def latest(entries: List[Entry]) -> Tuple[Optional[Entry], List[str]]:

@@ -278,9 +278,12 @@ def scan_local(cfg: Config, caches: Caches) -> List[LocalFile]:
     directory = cfg.backup.dir
     if not os.path.isdir(directory):
         return []
-    entries = _backups(cfg, caches)
+    from etcd_agent.backup.catalog import chain_checkpoints
+
+    found = chains.scan(directory)
+    entries = chain_checkpoints(_backups(cfg, caches), found)
     fulls, full_key = _fulls(entries, caches.local_sha)
-    segments, chain_key = _segments(chains.scan(directory), entries, full_key)
+    segments, chain_key = _segments(found, entries, full_key)
     checkpoints = [LocalFile(layout.CHECKPOINT, e.path, e.size, _mtime(e.path), chain_key.get(e.checkpoint_of, ""),
                              int(e.time.timestamp()), e.manifest or {}) for e in entries if e.checkpoint_of]
     return fulls + segments + checkpoints

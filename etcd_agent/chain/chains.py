@@ -303,7 +303,7 @@ def plan_prune(scan_: Scan, fulls: Sequence[FullRef], *, active: Optional[int] =
 
 def _chain_decision(c: ChainSummary, fulls: Sequence[FullRef], active: Optional[int]) -> ChainDecision:
     """A chain is kept with a kept full backup it continues, or while the daemon writes it."""
-    same = [f for f in fulls if f.revision == c.base_revision and (c.first is None or c.continues(f.base))]
+    same = [f for f in fulls if f.revision == c.base_revision and _goes_with(c, f)]
     kept = [f for f in same if f.keep]
     if kept:
         return ChainDecision(c.base_revision, True, f"continues {kept[0].name} (kept)", c.paths, c.chain_id)
@@ -318,6 +318,18 @@ def _chain_decision(c: ChainSummary, fulls: Sequence[FullRef], active: Optional[
         c.base_revision, False,
         f"orphaned: no full backup here that it continues (revision {c.base_revision}: deleted by hand, "
         "or never finished); without it the segments restore nothing", c.paths, c.chain_id)
+
+
+def _goes_with(c: ChainSummary, f: FullRef) -> bool:
+    """Is ``c`` the chain of the full backup ``f`` (at its revision)? A partial chain has no first
+    segment to tell: it goes with the backup whose snapshot sha256 its earliest segment names,
+    never with another at that revision (which would keep it after its own is pruned, or prune
+    it with the other); by revision alone only when neither digest is known."""
+    if c.first is not None:
+        return c.continues(f.base)
+    if c.named_base and f.base is not None and f.base.sha256:
+        return c.named_base == f.base.sha256
+    return True
 
 
 def _unreadable_decisions(unreadable: Sequence[Tuple[str, str]], fulls: Sequence[FullRef]) -> List[ChainDecision]:

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Callable, Optional, Tuple
 
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import parse_name
 from etcd_agent.config import Config
 from etcd_agent.continuous.decision import Full
@@ -43,6 +44,8 @@ class NewestFull:
         from etcd_agent.backup import catalog, keys
 
         entries = catalog.list_backups(directory, utc=cfg.backup.utc, cfg=cfg, key=keys.local_key(cfg).key)
+        if any(e.signature != "valid" for e in entries):  # a checkpoint's unsigned manifest: its chain says
+            entries = catalog.chain_checkpoints(entries, chains.scan(directory))
         # a checkpoint is taken inside the running chain: never a base to move a chain to
         best, _skipped = catalog.latest([e for e in entries if not e.checkpoint_of])
         self._key, self._at = key, self._clock()

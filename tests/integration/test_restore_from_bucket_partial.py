@@ -19,6 +19,7 @@ import pytest
 
 from etcd_agent.chain.segments import parse_name
 from etcd_agent.cli.main import main
+from etcd_agent.errors import OperationFailed
 from etcd_agent.etcd.rpc import EtcdRpc
 from tests.harness.rgw import RgwBed
 from tests.integration.continuous import dump, full_backups, rpc, segment_files, wait_durable, wait_for
@@ -52,8 +53,14 @@ def _lost(bed: Any, rgw: RgwBed, tmp_path: Any) -> Tuple[Any, str, str, int, int
         time.sleep(1.3)
     wait_durable(c, rev)
     directory = c.cfg.backup.dir
-    wait_for(lambda: [x for x in vouched(directory) if x[1] >= rev], 240,
-             f"a checkpoint after revision {rev} that the chain vouches for")
+    for i in range(4, 12):  # a checkpoint taken while the writes ran is before ``rev``: more writes bring the next
+        try:
+            _vouched_after(directory, rev)
+            break
+        except OperationFailed:
+            rev = workload(r, f"p{i}", 25, lease)
+            wait_durable(c, rev)
+    _vouched_after(directory, rev)
     cp_rev = max(x[1] for x in vouched(directory))
     last = workload(r, "tail", 20, lease)
     wait_durable(c, last)
@@ -62,6 +69,11 @@ def _lost(bed: Any, rgw: RgwBed, tmp_path: Any) -> Tuple[Any, str, str, int, int
     wait_for(lambda: landed(rgw, bucket, want), 120, f"the {len(want)} files copied")
     key = _disaster(_d, c, str(tmp_path / "offsite"))
     return c, bucket, key, cp_rev, last, live
+
+
+def _vouched_after(directory: str, rev: int) -> None:
+    wait_for(lambda: [x for x in vouched(directory) if x[1] >= rev], 60,
+             f"a checkpoint after revision {rev} that the chain vouches for")
 
 
 def _segments(rgw: RgwBed, bucket: str) -> List[str]:

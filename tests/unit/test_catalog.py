@@ -167,3 +167,34 @@ def test_only_a_signed_manifest_makes_a_backup_a_checkpoint(tmp_path: Any) -> No
         e = got[case]
         assert e.complete and e.checkpoint_of == want, (case, e.checkpoint_of, e.signature)
         assert e.origin == ("daemon" if case in ("signed", "bad-id", "not-a-dict") else "operator"), (case, e.origin)
+
+
+def test_a_checkpoint_its_chain_vouches_for_is_one_without_the_manifest_key(tmp_path):
+    """A master restored from the bucket has no manifest key until its daemon's first full backup
+    fetches it: the fetched checkpoint's manifest is unsigned there. Its chain says what it is (its
+    file name and snapshot sha256), so it is neither copied as a full backup of a chain of its own
+    nor the base of a new watch; a file of that name whose snapshot is not known to be it is neither."""
+    from etcd_agent.backup.catalog import Entry, chain_checkpoints
+    from etcd_agent.chain import chains
+    from etcd_agent.chain.segments import Checkpoint, SegmentHeader, Txn
+    from etcd_agent.chain.writer import SegmentWriter
+    from tests.unit.test_chain_segments import put
+
+    cp_name, full_name = "etcd-2026-12-05-10-00-00.tar", "etcd-2026-12-05-09-00-00.tar"
+    w = SegmentWriter(str(tmp_path), SegmentHeader("ab" * 16, 0, 100, 101, "", 1_700_000_000_000))
+    for rev in range(101, 106):
+        w.add_txn(Txn(rev, 1_700_000_000_000 + rev, (put(rev, b"k"),)))
+    w.close(1_700_000_000_200, confirmed=True, checkpoints=[Checkpoint(cp_name, "c" * 64, 104, 102)])
+    found = chains.scan(str(tmp_path))
+
+    def entry(name, sha, checkpoint_of=None):
+        return Entry(name, str(tmp_path / name), datetime(2026, 12, 5, tzinfo=timezone.utc), 1, 100, True, "none",
+                     snapshot_sha256=sha, checkpoint_of=checkpoint_of)
+
+    full = entry(full_name, "f" * 64)
+    got = chain_checkpoints([full, entry(cp_name, "c" * 64)], found)
+    assert [(e.name, e.checkpoint_of) for e in got] == [(full_name, None), (cp_name, "ab" * 16)]
+    for sha in (None, "d" * 64):  # not known to be what the chain vouches for: left out
+        assert [e.name for e in chain_checkpoints([full, entry(cp_name, sha)], found)] == [full_name]
+    signed = entry(cp_name, None, checkpoint_of="ab" * 16)  # a signed manifest said so: as it was
+    assert chain_checkpoints([signed], found) == [signed]

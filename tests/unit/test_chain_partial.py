@@ -100,3 +100,29 @@ def test_a_segment_s_footer_is_read_from_its_last_bytes_alone(tmp_path: Any) -> 
             footer_from_tail(p, tail[:-1] + b"\0", len(raw) + 1)  # not where the trailer says
     with pytest.raises(SegmentCorrupt):
         footer_from_tail("x", b"\0" * 100, 100)
+
+
+def test_the_prune_plan_keeps_a_partial_chain_with_its_own_full_backup_only(tmp_path: Any) -> None:
+    """A partial chain has no first segment to match a full backup by: it goes with the backup
+    whose snapshot sha256 its earliest segment names, never with another one at its revision (an
+    etcd 3.4 restore keeps the revision), and is orphaned when that backup is gone."""
+    from etcd_agent.chain import chains
+
+    _partial(tmp_path)
+    scan = chains.scan(str(tmp_path))
+    [part] = scan.chains
+    assert part.begins_at == 111 and part.named_base == SHA and part.first is None, part
+    mine, other = BaseBackup(SHA), BaseBackup("cd" * 32)
+
+    def keep(*fulls: chains.FullRef) -> bool:
+        [d] = chains.plan_prune(scan, fulls)
+        return d.keep
+
+    assert keep(chains.FullRef("mine.tar", 100, True, base=mine))
+    assert not keep(chains.FullRef("mine.tar", 100, False, reason="pruned", base=mine))
+    assert not keep(chains.FullRef("mine.tar", 100, False, reason="pruned", base=mine),
+                    chains.FullRef("other.tar", 100, True, base=other))
+    assert keep(chains.FullRef("other.tar", 100, False, reason="pruned", base=other),
+                chains.FullRef("mine.tar", 100, True, base=mine))
+    [d] = chains.plan_prune(scan, [chains.FullRef("other.tar", 100, True, base=other)])
+    assert not d.keep and d.reason.startswith("orphaned"), d
