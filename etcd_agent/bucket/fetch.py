@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent.backup.catalog import DATE_SPEC_RE, STAMP_RE
+from etcd_agent.backup.manifest import SNAPSHOT
 from etcd_agent.bucket import layout, transfer
 from etcd_agent.bucket.digests import READ_CHUNK, mismatches
 from etcd_agent.chain.segments import parse_name as parse_segment_name
@@ -196,7 +197,7 @@ def here_first(cfg: "Config", objs: Sequence["RemoteObject"]) -> List["RemoteObj
         except (OSError, AgentError):
             return True
         # its checked sha256, else its manifest's word: an order only, the fetch compares the bytes
-        claimed = ((e.manifest or {}).get("files") or {}).get("etcd_snapshot.db") or {}
+        claimed = ((e.manifest or {}).get("files") or {}).get(SNAPSHOT) or {}
         here = e.snapshot_sha256 or (claimed.get("sha256") if isinstance(claimed, dict) else None)
         return not o.chain or here != o.chain
 
