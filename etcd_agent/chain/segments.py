@@ -192,6 +192,12 @@ class Checkpoint(Document):
             return "checkpoint revision out of range"
         return None
 
+    def served_from(self, begins_at: int) -> bool:
+        """Does a run of the chain that begins at revision ``begins_at`` (a partial chain: the
+        segments before it not here) hold all that a replay from this checkpoint reads: the
+        segment of its lease census and every one after it?"""
+        return self.leases_from >= begins_at
+
 
 def signature_json(sig: Tuple[str, str]) -> Dict[str, str]:
     """A signature (key id, hex mac) as a footer or a seal writes it."""

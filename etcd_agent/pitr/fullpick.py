@@ -59,7 +59,7 @@ def reach(sc: Scan, e: "Entry", key: bool = False) -> Reach:
     part = None if c is not None else next(
         (x for x in sc.chains if x.begins_at and x.usable and x.base_revision == rev and x.listed_under(e.base)), None)
     if part is not None:
-        census = [cp.revision for cp in part.checkpoints if cp.leases_from >= part.begins_at]
+        census = [cp.revision for cp in part.checkpoints if cp.served_from(part.begins_at)]
         if not key:
             return Reach(e, None, rev, taken, why_not=(
                 f"its partial delta chain (revisions {part.begins_at}..{part.end_revision}, the earlier segments not "

@@ -307,7 +307,7 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
     """The chain verified from ``start``'s lease census on (every segment without one) and the
     replay planned; when the verified chain does not reach ``start``, it is passed over (a line
     in ``passed``) and the whole chain verified instead."""
-    if chain.begins_at and (start is None or start.checkpoint.leases_from < chain.begins_at):
+    if chain.begins_at and (start is None or not start.checkpoint.served_from(chain.begins_at)):
         # a partial chain: a replay from the full backup, or from a checkpoint whose lease census
         # is in a segment not here, would miss what those segments hold
         why = "no checkpoint it vouches for" if start is None else (
