@@ -19,8 +19,10 @@ from tests.harness.loopback import LoopbackCluster
 from tests.harness.procs import agent_run
 from tests.integration.continuous import agent, dump, put, rpc, start_all, wait_durable, wait_for, wait_watching
 from tests.integration.test_daemon import wait_healthy
+from tests.integration.test_delta_faults import _live
 from tests.integration.test_pitr_leftovers import _scratch_etcds
 from tests.integration.test_restore import AGENT
+from tests.integration.test_upgrade import who_serves
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +45,9 @@ def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing
     backup_dir = c.cfg.backup.dir
     tops = [backup_dir, c.cfg.daemon.state_dir]
     cmd = [AGENT, "-c", c.config_path, "restore", "--from", "latest", "--to", "newest", "--yes"]
+    # what the hosts show, not what a journal says: which etcd serves each member (pid, binary,
+    # start time), the members and cluster id they answer with, what their data dirs hold
+    live, serving = _live(c), who_serves(c)
 
     def restore_holds_the_lock() -> bool:
         h = holder_of(backup_dir)
@@ -70,6 +75,8 @@ def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing
     # the live cluster untouched: every member serves the same data, no member journaled a restore
     wait_healthy(c.cfg, 3, 60)
     assert dump(rpc(c), "/k/") == before
+    assert who_serves(c) == serving, "another etcd serves a member after a restore killed before it touched any"
+    assert _live(c) == live
     for m in c.cfg.members:
         journal = os.path.join(work_dir_for(c.cfg.data_dir(m.name), m.name), "journal.json")
         assert not os.path.exists(journal), f"{m.name} journaled a restore that never began: {journal}"
