@@ -30,6 +30,11 @@ TLS_FILE_LIMIT = 16 << 20
 
 Options = List[Tuple[str, int]]
 
+# the least time a connect attempt is given (see ``options``): 20x a loaded machine's slowest
+# handshake seen here, yet an attempt into a cut link (SYN dropped) still gives way to the next
+# within 2 s once the link is back
+CONNECT_TIMEOUT_MS = 2000
+
 
 def parse_endpoint(url: str) -> Tuple[str, int, bool]:
     """``https://10.0.0.1:2379`` -> (host, port, secure)."""
@@ -54,10 +59,15 @@ def options(
     """A channel's options: ``max_receive`` (and ``max_send``) bound the messages; ``keepalive``
     for long streams; ``single_threaded_streams`` reads server streams on the caller's thread;
     ``fixed_window`` holds the receive window at 1 MiB (one long download)."""
-    # gRPC's reconnect backoff grows to 120 s by default; an agent polling a restarted etcd wants ~1 s
+    # gRPC's reconnect backoff grows to 120 s by default; an agent polling a restarted etcd wants
+    # ~1 s. `min_reconnect_backoff_ms` is not part of that wait: it is the least time one connect
+    # attempt is given (TCP, TLS and the server's HTTP/2 SETTINGS; MIN_CONNECT_TIMEOUT of gRPC's
+    # connection-backoff protocol). At 100 ms a loaded master's etcd, or one still starting with its
+    # port open, was never reached ("timed out before receiving SETTINGS frame"); each call's own
+    # deadline still bounds the wait.
     out: Options = [
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.max_receive_message_length", max_receive),
     ]

@@ -15,7 +15,7 @@ PKG = os.path.join(ROOT, "etcd_agent")
 
 RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 2000),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
