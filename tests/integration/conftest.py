@@ -13,10 +13,12 @@ from tests.harness.releases import DEFAULT, release
 # The tier's files with few tests but long ones (its --durations), dealt to the xdist workers
 # first. With --dist loadfile a file is one unit of work, and pytest-xdist's default order (most
 # tests first) dealt these last: a 77 s file taken at the end kept one worker busy while the other
-# had nothing left. Longest first, the tail is the short files. Not demo ports: test_demo and
-# test_readme_rehearsal hold them one at a time, so only one of them is here.
-LONG_FILES = ("test_orphans.py", "test_pitr_checkpoints.py", "test_pitr_disaster.py", "test_readme_rehearsal.py",
-              "test_delta_faults.py", "test_restore_daemon.py", "test_daemon.py")
+# had nothing left (a one-test file of 144 s dealt last did the same). Longest first, the tail is
+# the short files. Not demo ports: test_demo and test_readme_rehearsal hold them one at a time, so
+# only one of them is here.
+LONG_FILES = ("test_orphans.py", "test_restore_from_bucket_partial.py", "test_pitr_checkpoints.py",
+              "test_pitr_disaster.py", "test_readme_rehearsal.py", "test_delta_faults.py", "test_restore_daemon.py",
+              "test_daemon.py", "test_bucket_partial_chain_rgw.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: "list[pytest.Item]") -> None:

@@ -53,13 +53,17 @@ def _lost(bed: Any, rgw: RgwBed, tmp_path: Any) -> Tuple[Any, str, str, int, int
         time.sleep(1.3)
     wait_durable(c, rev)
     directory = c.cfg.backup.dir
-    for i in range(4, 12):  # a checkpoint taken while the writes ran is before ``rev``: more writes bring the next
+    # a checkpoint taken while the writes ran is before ``rev``: the next one is due once the chain
+    # grew by checkpoints.MIN_GROWTH (1 MiB) more, so more writes bring it - a phase at a time,
+    # looking for it a few seconds after each (due at the next tick, then vouched for once a segment
+    # closes) rather than a minute for one that is not due yet
+    for i in range(4, 40):
         try:
-            _vouched_after(directory, rev)
+            wait_for(lambda: [x for x in vouched(directory) if x[1] >= rev], 4,
+                     f"a checkpoint after revision {rev} that the chain vouches for")
             break
         except OperationFailed:
-            rev = workload(r, f"p{i}", 25, lease)
-            wait_durable(c, rev)
+            wait_durable(c, workload(r, f"p{i}", 25, lease))
     _vouched_after(directory, rev)
     cp_rev = max(x[1] for x in vouched(directory))
     last = workload(r, "tail", 20, lease)
