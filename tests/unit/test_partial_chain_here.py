@@ -1,0 +1,159 @@
+"""A backup dir after a point-in-time restore from the bucket, before the manifest key is back on
+this host: the full backup F, the checkpoint C the restore started from, and the partial chain
+of F (its segments from C's lease census on; the earlier ones are in the bucket only). F's and
+C's manifests are signed with the cluster's key, which this host does not have, so C reads as an
+operator's full backup; only its chain says what it is (``catalog.chain_checkpoints``).
+
+Real archives of tests/data's etcd snapshots, real segments written and signed by the segment
+writer; no etcd (retention and a restore's choices are made before any etcd is asked)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from datetime import datetime, timedelta, timezone
+from typing import Any, Dict, Iterator, List, NamedTuple
+
+import pytest
+
+from etcd_agent.backup import archive
+from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
+from etcd_agent.backup.manifest import FileEntry, Manifest
+from etcd_agent.backup.service import _record_check, prune_backups
+from etcd_agent.chain import chains
+from etcd_agent.chain.segments import Checkpoint, LeaseRecord, SegmentHeader, Txn
+from etcd_agent.chain.writer import SegmentWriter
+from etcd_agent.config import parse_text
+
+from .test_chain_segments import put
+from .test_pitr_hostile_chains import DATA
+
+KEY = bytes(range(32))  # the cluster's manifest key: the daemon signed with it; this host lacks it
+CHAIN = "c4" * 16
+T0 = datetime(2019, 8, 7, 13, 0, 0, tzinfo=timezone.utc)
+
+
+def _snap(name: str) -> bytes:
+    with open(os.path.join(DATA, name), "rb") as fh:
+        return fh.read()
+
+
+SNAP_F = _snap("snap-a.db")  # cluster "a", revision 3 (each of them)
+SNAP_C = _snap("snap-a-reboot.db")
+SNAP_OP = _snap("snap-a-34.db")
+
+
+def _ms(t: datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+def _name(t: datetime) -> str:
+    return archive.archive_name(t)
+
+
+class Bed(NamedTuple):
+    cfg: Any
+    dir: str
+    full: str  # F
+    checkpoint: str  # C
+    operators: List[str]  # the operator's own backups, oldest first
+    segments: List[str]  # the partial chain here
+    gone: List[str]  # its segments left in the bucket
+
+
+def _archive(d: str, when: datetime, snap: bytes, *, snapshot: Dict[str, Any], key: Any, record: bool) -> str:
+    def build(infos: Dict[str, archive.FileInfo], facts: Any, ident: Any) -> Manifest:
+        return Manifest(files={n: FileEntry(i.size, i.sha256) for n, i in infos.items()}, revision=ident.revision,
+                        missing={"etcd.service": "not found"}, verified=True, snapshot=snapshot)
+
+    w = archive.write_archive(d, _name(when), chunks=iter([snap]), files={"etcd.conf": b"ETCD_NAME=m1\n"},
+                              build_manifest=build, mtime=int(when.timestamp()), key=key)
+    if record:  # its content checked here (a fetch's `remember`, a `backup verify`): its sha256 known
+        _record_check(d, w.path, "fetch", SYSTEM_WALL_CLOCK, revision=w.revision,
+                      sha256=hashlib.sha256(snap).hexdigest())
+    return os.path.basename(w.path)
+
+
+def _segment(d: str, seq: int, first: int, last: int, at: datetime, prev: str,
+             checkpoints: List[Checkpoint] = ()) -> Any:  # type: ignore[assignment]
+    """Revisions ``first..last`` one a second from ``at``, signed with the cluster's key."""
+    h = SegmentHeader(CHAIN, seq, 3, first, prev, _ms(at), base_sha256=hashlib.sha256(SNAP_F).hexdigest())
+    w = SegmentWriter(d, h, sign_key=KEY)
+    t = _ms(at)
+    for rev in range(first, last + 1):
+        t += 1000
+        w.add_txn(Txn(rev, t, (put(rev, b"k%d" % rev, b"v%d" % rev),)))
+    w.add_lease(LeaseRecord(0x10, 60, 50, t))
+    return w.close(t + 1000, confirmed=True, checkpoints=list(checkpoints))
+
+
+def make_bed(tmp_path: Any, *, checkpoint_known: bool = True, keep_last: int = 3) -> Bed:
+    """F at 13:00 (revision 3); its chain: 4..7 from 13:05 (in the bucket only), 8..10 from 13:10
+    (C vouched for at revision 10, its lease census at 8), 11..15 from 13:40; C taken at 13:20;
+    the operator's backups at 13:10 and 14:00. ``checkpoint_known``: C's snapshot sha256 is
+    recorded here (a verify), else only its chain names it."""
+    d = str(tmp_path / "backups")
+    os.makedirs(d, mode=0o700)
+    members = "".join(f'[[member]]\nname = "m{i}"\nhost = "127.0.0.1"\npeer_url = "http://127.0.0.1:{p}"\n'
+                      f'client_url = "http://127.0.0.1:{p - 1}"\n' for i, p in ((1, 17380), (2, 17382), (3, 17384)))
+    cfg, errors = parse_text(f'[cluster]\nname = "a"\n[backup]\ndir = "{d}"\nkeep_last = {keep_last}\n'
+                             f'keep_hourly = 0\nkeep_daily = 0\n[daemon]\nstate_dir = "{tmp_path}/state"\n' + members)
+    assert cfg is not None, errors
+    etc = tmp_path / "etc"
+    os.makedirs(etc, mode=0o700)
+    cfg = dataclasses.replace(cfg, path=str(etc / "agent.toml"))  # no manifest key beside it
+    daemon = {"taken_by": "daemon"}
+    full = _archive(d, T0, SNAP_F, snapshot=daemon, key=KEY, record=True)
+    cp_time = T0 + timedelta(minutes=20)
+    cp = _archive(d, cp_time, SNAP_C, snapshot={**daemon, "checkpoint": {"chain_id": CHAIN}}, key=KEY,
+                  record=checkpoint_known)
+    ops = [_archive(d, T0 + timedelta(minutes=m), SNAP_OP, snapshot={"taken_by": "operator"}, key=None, record=True)
+           for m in (10, 60)]
+    vouch = Checkpoint(cp, hashlib.sha256(SNAP_C).hexdigest(), 10, 8)
+    s0 = _segment(d, 0, 4, 7, T0 + timedelta(minutes=5), "")
+    s1 = _segment(d, 1, 8, 10, T0 + timedelta(minutes=10), s0.sha256, [vouch])
+    s2 = _segment(d, 2, 11, 15, T0 + timedelta(minutes=40), s1.sha256)
+    os.unlink(s0.path)  # fetched after C: the segments before its lease census stay in the bucket
+    return Bed(cfg, d, full, cp, ops, [s1.path, s2.path], [s0.path])
+
+
+@pytest.fixture
+def bed(tmp_path: Any) -> Iterator[Bed]:
+    yield make_bed(tmp_path)
+
+
+# ---------------------------------------------------------------- retention
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["checkpoint-sha-known", "checkpoint-sha-unknown"])
+def test_prune_gives_a_fetched_checkpoint_no_slot_of_the_operators(tmp_path: Any, known: bool) -> None:
+    """keep_last = 3 and three real full backups (F and the operator's two): prune deletes none of
+    them, and keeps C with its chain. Counted as an operator's backup, C took a slot, pushed F out
+    and F's chain with it (C then kept, a checkpoint with no chain to start a replay in)."""
+    b = make_bed(tmp_path, checkpoint_known=known)
+    (part,) = chains.scan(b.dir).chains
+    assert part.begins_at == 8 and [c.name for c in part.checkpoints] == [b.checkpoint], part
+    before = set(os.listdir(b.dir))
+    decisions = prune_backups(b.cfg, dry_run=False)
+    why = {d.name: (d.keep, d.reason) for d in decisions}
+    print("\nFIGURE prune with a fetched checkpoint, no manifest key:\n  "
+          + "\n  ".join(f"{n}: {'keep' if k else 'DELETE'} ({r})" for n, (k, r) in why.items()))
+    assert set(os.listdir(b.dir)) == before, sorted(before - set(os.listdir(b.dir)))
+    for name in [b.full] + b.operators:
+        assert why[name][0] and "one of the last 3" in why[name][1], (name, why[name])
+    assert why[b.checkpoint][0] and "checkpoint" in why[b.checkpoint][1], why[b.checkpoint]
+    assert "one of the last" not in why[b.checkpoint][1], why[b.checkpoint]
+    (chain,) = [d for d in decisions if d.name.startswith("delta chain")]
+    assert chain.keep and b.full in chain.reason, chain
+
+
+def test_the_operators_backups_still_push_out_their_own_oldest(tmp_path: Any) -> None:
+    """The slots are the operator's again once C is counted apart: with keep_last = 2 the oldest
+    real full backup is the one to go (with its chain, and C whose chain goes)."""
+    b = make_bed(tmp_path, keep_last=2)
+    decisions = {d.name: d for d in prune_backups(b.cfg, dry_run=True)}
+    assert not decisions[b.full].keep, decisions[b.full]
+    assert all(decisions[n].keep for n in b.operators), decisions
+    assert not decisions[b.checkpoint].keep and "pruned or gone" in decisions[b.checkpoint].reason, \
+        decisions[b.checkpoint]
+    assert set(os.listdir(b.dir)) >= {b.full, b.checkpoint, *b.operators}  # a dry run: nothing removed
