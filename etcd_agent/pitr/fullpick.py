@@ -83,6 +83,16 @@ def _reaches(r: Reach, target: Target) -> bool:
     return True
 
 
+def reaches(sc: Scan, e: "Entry", target: Target, key: bool = False) -> bool:
+    """Would a restore from ``e`` reach ``target``, as far as headers and footers tell (the
+    restore verifies): ``e`` at or before it, and its chain reaching it."""
+    if target.kind == "revision" and (e.revision is None or target.revision is None or target.revision < e.revision):
+        return False
+    if target.kind == "time" and (target.time_ms is None or e.time.timestamp() * 1000 > target.time_ms):
+        return False
+    return _reaches(reach(sc, e, key), target)
+
+
 def pick(sc: Scan, candidates: Sequence["Entry"], target: Target, key: bool = False) -> Tuple["Entry", List[str]]:
     """Of ``candidates`` (good full backups at or before the target, newest first, none empty)
     the one to restore from, and the plan's lines saying which and why. ``newest``: the one

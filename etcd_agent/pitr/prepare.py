@@ -452,20 +452,28 @@ def b_reason(b: status.BreakRecord) -> str:
 
 
 def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
+    """What to run instead, naming only restores that would be accepted: up to the last good
+    point, or a newer full backup whose own chain reaches the target. Never a checkpoint (known as
+    one by the chain that vouches for it, also before the manifest key is on this host): it is
+    no chain's base, so ``--from`` it is refused again, or restores it as an operator's backup."""
     c = p.check
     last = c.stop.last_good_revision if c.stop is not None else c.end_revision
     hints = [f"restore up to that point: --from {p.entry.name} --to-revision {last}"]
-    from etcd_agent.backup import catalog
+    from etcd_agent.backup import catalog, keys
 
+    key = keys.local_key(cfg).key
     try:
-        goods = catalog.good(catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc))
+        found = chains.scan(cfg.backup.dir)
+        entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=key)
+        goods = [e for e in catalog.good(catalog.chain_checkpoints(entries, found)) if not e.checkpoint_of]
     except Exception:  # noqa: BLE001 - a hint is not worth failing for
-        goods = []
-    newer = [e for e in goods if e.revision is not None and e.revision > last]
+        return hints
+    newer = [e for e in goods if e.revision is not None and e.revision > last
+             and fullpick.reaches(found, e, p.target, key is not None)]
     if newer:
         n = newer[-1]  # the oldest full backup after the stop
         hints.append(f"or from {n.name} (revision {n.revision}, taken after the chain stopped), whose own chain "
-                     f"continues from there: --from {n.name}")
+                     f"reaches {p.target.describe()}: --from {n.name}")
     return hints
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 from datetime import datetime, timedelta, timezone
-from typing import Any, Dict, Iterator, List, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import pytest
 
@@ -24,6 +25,10 @@ from etcd_agent.chain import chains
 from etcd_agent.chain.segments import Checkpoint, LeaseRecord, SegmentHeader, Txn
 from etcd_agent.chain.writer import SegmentWriter
 from etcd_agent.config import parse_text
+from etcd_agent.errors import RefusedError
+from etcd_agent.pitr import prepare as pitr
+from etcd_agent.pitr.replay import Target
+from tests.harness.chains import tree
 
 from .test_chain_segments import put
 from .test_pitr_hostile_chains import DATA
@@ -39,7 +44,7 @@ def _snap(name: str) -> bytes:
 
 
 SNAP_F = _snap("snap-a.db")  # cluster "a", revision 3 (each of them)
-SNAP_C = _snap("snap-a-reboot.db")
+SNAP_C = _snap("snap-a-r12.db")  # cluster "a" at revision 12: the checkpoint
 SNAP_OP = _snap("snap-a-34.db")
 
 
@@ -75,9 +80,10 @@ def _archive(d: str, when: datetime, snap: bytes, *, snapshot: Dict[str, Any], k
 
 
 def _segment(d: str, seq: int, first: int, last: int, at: datetime, prev: str,
-             checkpoints: List[Checkpoint] = ()) -> Any:  # type: ignore[assignment]
-    """Revisions ``first..last`` one a second from ``at``, signed with the cluster's key."""
-    h = SegmentHeader(CHAIN, seq, 3, first, prev, _ms(at), base_sha256=hashlib.sha256(SNAP_F).hexdigest())
+             checkpoints: Sequence[Checkpoint] = (), chain: str = CHAIN, base: bytes = SNAP_F) -> Any:
+    """Revisions ``first..last`` one a second from ``at``, closed a second after the last, signed
+    with the cluster's key."""
+    h = SegmentHeader(chain, seq, 3, first, prev, _ms(at), base_sha256=hashlib.sha256(base).hexdigest())
     w = SegmentWriter(d, h, sign_key=KEY)
     t = _ms(at)
     for rev in range(first, last + 1):
@@ -88,8 +94,8 @@ def _segment(d: str, seq: int, first: int, last: int, at: datetime, prev: str,
 
 
 def make_bed(tmp_path: Any, *, checkpoint_known: bool = True, keep_last: int = 3) -> Bed:
-    """F at 13:00 (revision 3); its chain: 4..7 from 13:05 (in the bucket only), 8..10 from 13:10
-    (C vouched for at revision 10, its lease census at 8), 11..15 from 13:40; C taken at 13:20;
+    """F at 13:00 (revision 3); its chain: 4..7 from 13:05 (in the bucket only), 8..12 from 13:19:50
+    (C vouched for at revision 12, its lease census at 8), 13..15 from 13:40; C taken at 13:20;
     the operator's backups at 13:10 and 14:00. ``checkpoint_known``: C's snapshot sha256 is
     recorded here (a verify), else only its chain names it."""
     d = str(tmp_path / "backups")
@@ -104,15 +110,14 @@ def make_bed(tmp_path: Any, *, checkpoint_known: bool = True, keep_last: int = 3
     cfg = dataclasses.replace(cfg, path=str(etc / "agent.toml"))  # no manifest key beside it
     daemon = {"taken_by": "daemon"}
     full = _archive(d, T0, SNAP_F, snapshot=daemon, key=KEY, record=True)
-    cp_time = T0 + timedelta(minutes=20)
-    cp = _archive(d, cp_time, SNAP_C, snapshot={**daemon, "checkpoint": {"chain_id": CHAIN}}, key=KEY,
-                  record=checkpoint_known)
+    cp = _archive(d, T0 + timedelta(minutes=20), SNAP_C, snapshot={**daemon, "checkpoint": {"chain_id": CHAIN}},
+                  key=KEY, record=checkpoint_known)
     ops = [_archive(d, T0 + timedelta(minutes=m), SNAP_OP, snapshot={"taken_by": "operator"}, key=None, record=True)
            for m in (10, 60)]
-    vouch = Checkpoint(cp, hashlib.sha256(SNAP_C).hexdigest(), 10, 8)
+    vouch = Checkpoint(cp, hashlib.sha256(SNAP_C).hexdigest(), 12, 8)
     s0 = _segment(d, 0, 4, 7, T0 + timedelta(minutes=5), "")
-    s1 = _segment(d, 1, 8, 10, T0 + timedelta(minutes=10), s0.sha256, [vouch])
-    s2 = _segment(d, 2, 11, 15, T0 + timedelta(minutes=40), s1.sha256)
+    s1 = _segment(d, 1, 8, 12, T0 + timedelta(minutes=19, seconds=50), s0.sha256, [vouch])
+    s2 = _segment(d, 2, 13, 15, T0 + timedelta(minutes=40), s1.sha256)
     os.unlink(s0.path)  # fetched after C: the segments before its lease census stay in the bucket
     return Bed(cfg, d, full, cp, ops, [s1.path, s2.path], [s0.path])
 
@@ -157,3 +162,56 @@ def test_the_operators_backups_still_push_out_their_own_oldest(tmp_path: Any) ->
     assert not decisions[b.checkpoint].keep and "pruned or gone" in decisions[b.checkpoint].reason, \
         decisions[b.checkpoint]
     assert set(os.listdir(b.dir)) >= {b.full, b.checkpoint, *b.operators}  # a dry run: nothing removed
+
+
+# ---------------------------------------------------------------- a restore's refusal
+
+
+def _hinted(hints: List[str]) -> List[Tuple[str, Optional[int]]]:
+    """The restores the hints name: (--from, --to-revision or None: the same target)."""
+    out = []
+    for h in hints:
+        m = re.search(r"--from (\S+)(?: --to-revision (\d+))?", h)
+        assert m is not None, h
+        out.append((m.group(1), int(m.group(2)) if m.group(2) else None))
+    return out
+
+
+def test_a_refusal_offers_only_restores_it_would_accept(bed: Bed) -> None:
+    """Refused for want of the manifest key, a restore names what to run instead. C (revision 12,
+    after where the chain here stops without the key) is a checkpoint: offered as a backup "to
+    start from", the restore named is refused again (``--from C``: no chain of its own here to
+    follow), or would restore a checkpoint as if it were an operator's backup."""
+    b, cfg = bed, bed.cfg
+    target = Target.to_revision(14)
+    before = tree(b.dir)
+    with pytest.raises(RefusedError) as exc:
+        pitr.prepare(cfg, b.full, target)
+    assert tree(b.dir) == before
+    hints = exc.value.details
+    print(f"\nFIGURE no key: {exc.value.message}\n  hints: " + "\n  ".join(hints))
+    assert hints, exc.value
+    assert not any(b.checkpoint in h for h in hints), hints
+    for name, rev in _hinted(hints):
+        p = pitr.prepare(cfg, name, Target.to_revision(rev) if rev is not None else target)
+        assert p.entry.name == name and p.plan.complete, (name, rev, p.plan)
+
+
+def test_a_refusal_offers_a_newer_full_backup_only_when_its_chain_reaches_the_target(bed: Bed) -> None:
+    """A newer full backup G (revision 12) with a whole chain of its own, 13..14: offered for
+    revision 14, which its chain reaches, not for revision 16, which it does not."""
+    g_time = T0 + timedelta(minutes=50)
+    g = _archive(bed.dir, g_time, SNAP_C, snapshot={"taken_by": "daemon"}, key=KEY, record=True)
+    h = SegmentHeader("9a" * 16, 0, 12, 13, "", _ms(g_time), base_sha256=hashlib.sha256(SNAP_C).hexdigest())
+    w = SegmentWriter(bed.dir, h, sign_key=KEY)
+    for rev in (13, 14):
+        w.add_txn(Txn(rev, _ms(g_time) + rev * 1000, (put(rev, b"g%d" % rev, b"v"),)))
+    w.close(_ms(g_time) + 20_000, confirmed=True)
+    for rev, offered in ((14, True), (16, False)):
+        with pytest.raises(RefusedError) as exc:
+            pitr.prepare(bed.cfg, bed.full, Target.to_revision(rev))
+        hints = exc.value.details
+        assert any(f"--from {g}" in x for x in hints) == offered, (rev, hints)
+        for name, to in _hinted(hints):
+            p = pitr.prepare(bed.cfg, name, Target.to_revision(to if to is not None else rev))
+            assert p.entry.name == name and p.plan.complete, (name, to, p.plan)
