@@ -310,7 +310,7 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
     if chain.begins_at and (start is None or not start.checkpoint.served_from(chain.begins_at)):
         # a partial chain: a replay from the full backup, or from a checkpoint whose lease census
         # is in a segment not here, would miss what those segments hold
-        why = "no checkpoint it vouches for" if start is None else (
+        why = _reachable_here(chain) if start is None else (
             f"checkpoint {start.name}'s lease census is at revision {start.checkpoint.leases_from}")
         raise PartialChainShort(f"{target.describe()} cannot be reached from {entry.name}: {chain.missing()}, and "
                                 f"a replay of what is here needs them ({why}); nothing touched")
@@ -327,6 +327,17 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
                   f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
     check = chain.verified()
     return check, _plan(entry, check, target), None
+
+
+def _reachable_here(chain: _Chain) -> str:
+    """Why no replay of a partial chain starts for the target, and what it reaches instead."""
+    run = chain.outline()
+    floor = chains.served_floor(run.segments, chain.begins_at or 0)
+    if floor is None:
+        return "no checkpoint it vouches for"
+    cp, at = floor
+    return (f"what is here reaches from checkpoint {cp.name} (revision {cp.revision}, from {when_text(at)}) to "
+            f"revision {run.end_revision} at {when_text(run.end_time_ms)}")
 
 
 def _refuse_before(entry: "Entry", target: Target, plan: Plan) -> None:

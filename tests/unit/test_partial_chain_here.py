@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import pytest
 
-from etcd_agent.backup import archive
+from etcd_agent.backup import archive, keys
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK
 from etcd_agent.backup.manifest import FileEntry, Manifest
 from etcd_agent.backup.service import _record_check, prune_backups
@@ -46,6 +46,7 @@ def _snap(name: str) -> bytes:
 SNAP_F = _snap("snap-a.db")  # cluster "a", revision 3 (each of them)
 SNAP_C = _snap("snap-a-r12.db")  # cluster "a" at revision 12: the checkpoint
 SNAP_OP = _snap("snap-a-34.db")
+SNAP_R = _snap("snap-a-reboot.db")
 
 
 def _ms(t: datetime) -> int:
@@ -80,9 +81,10 @@ def _archive(d: str, when: datetime, snap: bytes, *, snapshot: Dict[str, Any], k
 
 
 def _segment(d: str, seq: int, first: int, last: int, at: datetime, prev: str,
-             checkpoints: Sequence[Checkpoint] = (), chain: str = CHAIN, base: bytes = SNAP_F) -> Any:
-    """Revisions ``first..last`` one a second from ``at``, closed a second after the last, signed
-    with the cluster's key."""
+             checkpoints: Sequence[Checkpoint] = (), chain: str = CHAIN, base: bytes = SNAP_F,
+             end: Optional[datetime] = None) -> Any:
+    """Revisions ``first..last`` one a second from ``at``, closed at ``end`` (default: a second
+    after the last), signed with the cluster's key."""
     h = SegmentHeader(chain, seq, 3, first, prev, _ms(at), base_sha256=hashlib.sha256(base).hexdigest())
     w = SegmentWriter(d, h, sign_key=KEY)
     t = _ms(at)
@@ -90,7 +92,7 @@ def _segment(d: str, seq: int, first: int, last: int, at: datetime, prev: str,
         t += 1000
         w.add_txn(Txn(rev, t, (put(rev, b"k%d" % rev, b"v%d" % rev),)))
     w.add_lease(LeaseRecord(0x10, 60, 50, t))
-    return w.close(t + 1000, confirmed=True, checkpoints=list(checkpoints))
+    return w.close(_ms(end) if end else t + 1000, confirmed=True, checkpoints=list(checkpoints))
 
 
 def make_bed(tmp_path: Any, *, checkpoint_known: bool = True, keep_last: int = 3) -> Bed:
@@ -215,3 +217,54 @@ def test_a_refusal_offers_a_newer_full_backup_only_when_its_chain_reaches_the_ta
         for name, to in _hinted(hints):
             p = pitr.prepare(bed.cfg, name, Target.to_revision(to if to is not None else rev))
             assert p.entry.name == name and p.plan.complete, (name, to, p.plan)
+
+
+# ---------------------------------------------------------------- time targets and the partial chain
+
+
+def _with_key(cfg: Any) -> None:
+    with open(keys.key_path(cfg), "w") as fh:
+        fh.write(KEY.hex() + "\n")
+    os.chmod(keys.key_path(cfg), 0o600)
+
+
+def _older_whole_chain(b: Bed) -> str:
+    """F0 at 12:00 (another snapshot, revision 3) and its whole chain: 4..6 from 12:00:10, 7..8
+    from 13:06 (closed 13:08): it covers 13:07, which F's partial chain here does not."""
+    f0_time = T0 - timedelta(hours=1)
+    f0 = _archive(b.dir, f0_time, SNAP_R, snapshot={"taken_by": "daemon"}, key=KEY, record=True)
+    a = _segment(b.dir, 0, 4, 6, f0_time + timedelta(seconds=10), "", chain="f0" * 16, base=SNAP_R)
+    _segment(b.dir, 1, 7, 8, T0 + timedelta(minutes=6), a.sha256, chain="f0" * 16, base=SNAP_R,
+             end=T0 + timedelta(minutes=8))
+    return f0
+
+
+def test_latest_for_a_time_before_the_partial_chain_takes_a_backup_that_reaches_it(bed: Bed) -> None:
+    """13:07 is after F (13:00) but before anything F's partial chain here can replay to (a replay
+    starts from C, served by the segment closed at 13:19:56): `latest` must take F0, whose whole
+    chain covers 13:07, never F, as it does for a revision before the partial chain's floor."""
+    _with_key(bed.cfg)
+    f0 = _older_whole_chain(bed)
+    at = Target.to_time(T0 + timedelta(minutes=7))
+    p = pitr.prepare(bed.cfg, "latest", at)
+    print("\nFIGURE --from latest --to-time 13:07:\n  " + "\n  ".join(p.choice))
+    assert p.entry.name == f0 and p.plan.complete and p.plan.stop_revision == 8, (p.entry.name, p.plan)
+    assert any(f"passed over {bed.full}" in ln and "does not reach" in ln for ln in p.choice), p.choice
+    by_rev = pitr.prepare(bed.cfg, "latest", Target.to_revision(7))  # the revision rule, as it was
+    assert by_rev.entry.name == f0, by_rev.entry.name
+
+
+def test_a_time_before_the_partial_chain_with_no_backup_reaching_it_is_refused_saying_what_is_here(bed: Bed) -> None:
+    _with_key(bed.cfg)
+    before = tree(bed.dir)
+    with pytest.raises(RefusedError) as exc:
+        pitr.prepare(bed.cfg, "latest", Target.to_time(T0 + timedelta(minutes=7)))
+    assert tree(bed.dir) == before
+    msg = exc.value.message
+    print(f"\nFIGURE --from latest --to-time 13:07, nothing reaches it: {msg}")
+    assert "\n" not in msg and msg.endswith("nothing touched"), msg
+    assert "2019-08-07T13:19:56" in msg and bed.checkpoint in msg, msg  # from when what is here reaches
+    # after the floor it is reached from C
+    p = pitr.prepare(bed.cfg, "latest", Target.to_time(T0 + timedelta(minutes=30)))
+    assert p.entry.name == bed.full and p.start is not None and p.start.name == bed.checkpoint, p
+    assert p.plan.complete and p.plan.stop_revision == 12, p.plan
