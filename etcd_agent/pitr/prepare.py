@@ -533,7 +533,8 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
                  options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
-                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan)
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan,
+                 from_base=st is None and p.entry.revision == p.check.base_revision)
     try:
         as_prepared(p, res)
     except ReplayError:
