@@ -449,10 +449,16 @@ def _checkpoints_by_chain(goods: List[catalog.Entry], found: "Scan"
     named = {e.name for e in marked}
     vouchers = {cp.name: c.chain_id for c in found.chains for cp in c.checkpoints}
     unproven = [retention.Decision(e.name, True, (
-        f"named as a checkpoint by delta chain {vouchers.get(e.name, '?')[:8]}, its snapshot not known to be the one "
-        "vouched for (no check recorded, no manifest key): kept, takes no slot (`etcd-agent backup verify` it)",))
+        f"named as a checkpoint by delta chain {vouchers.get(e.name, '?')[:8]}, {_unproven(e)}: kept, takes no slot",))
         for e in goods if e.name not in named]
     return marked, unproven
+
+
+def _unproven(e: catalog.Entry) -> str:
+    if e.snapshot_sha256:  # another snapshot under a checkpoint's name: never deleted by a rule
+        return f"but its snapshot is another one (sha256 {e.snapshot_sha256[:16]}...)"
+    return ("its snapshot not known to be the one vouched for (no check recorded, no manifest key; "
+            "`etcd-agent backup verify` checks it)")
 
 
 def _chain_plan(found: "Scan", directory: str, decisions: List[retention.Decision], goods: List[catalog.Entry],

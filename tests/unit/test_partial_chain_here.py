@@ -132,12 +132,17 @@ def bed(tmp_path: Any) -> Iterator[Bed]:
 # ---------------------------------------------------------------- retention
 
 
-@pytest.mark.parametrize("known", [True, False], ids=["checkpoint-sha-known", "checkpoint-sha-unknown"])
-def test_prune_gives_a_fetched_checkpoint_no_slot_of_the_operators(tmp_path: Any, known: bool) -> None:
+@pytest.mark.parametrize("known", ["checkpoint-sha-known", "checkpoint-sha-unknown", "another-snapshot-there"])
+def test_prune_gives_a_fetched_checkpoint_no_slot_of_the_operators(tmp_path: Any, known: str) -> None:
     """keep_last = 3 and three real full backups (F and the operator's two): prune deletes none of
     them, and keeps C with its chain. Counted as an operator's backup, C took a slot, pushed F out
-    and F's chain with it (C then kept, a checkpoint with no chain to start a replay in)."""
-    b = make_bed(tmp_path, checkpoint_known=known)
+    and F's chain with it (C then kept, a checkpoint with no chain to start a replay in). A file
+    under C's name whose snapshot is not known to be C's, or is known to be another, is kept too,
+    in no slot, saying so."""
+    b = make_bed(tmp_path, checkpoint_known=known != "checkpoint-sha-unknown")
+    if known == "another-snapshot-there":
+        _record_check(b.dir, os.path.join(b.dir, b.checkpoint), "verify", SYSTEM_WALL_CLOCK, revision=12,
+                      sha256="d" * 64)
     (part,) = chains.scan(b.dir).chains
     assert part.begins_at == 8 and [c.name for c in part.checkpoints] == [b.checkpoint], part
     before = set(os.listdir(b.dir))
@@ -150,6 +155,8 @@ def test_prune_gives_a_fetched_checkpoint_no_slot_of_the_operators(tmp_path: Any
         assert why[name][0] and "one of the last 3" in why[name][1], (name, why[name])
     assert why[b.checkpoint][0] and "checkpoint" in why[b.checkpoint][1], why[b.checkpoint]
     assert "one of the last" not in why[b.checkpoint][1], why[b.checkpoint]
+    if known == "another-snapshot-there":
+        assert "another one (sha256 dddddddddddddddd...)" in why[b.checkpoint][1], why[b.checkpoint]
     (chain,) = [d for d in decisions if d.name.startswith("delta chain")]
     assert chain.keep and b.full in chain.reason, chain
 
