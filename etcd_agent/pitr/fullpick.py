@@ -91,14 +91,16 @@ def _reaches(r: Reach, target: Target) -> bool:
     return True
 
 
-def reaches(sc: Scan, e: "Entry", target: Target, key: bool = False) -> bool:
+def reaches(sc: Scan, e: "Entry", target: Target, key: bool = False, live: bool = False) -> bool:
     """Would a restore from ``e`` reach ``target``, as far as headers and footers tell (the
-    restore verifies): ``e`` at or before it, and its chain reaching it."""
+    restore verifies): ``e`` at or before it, and its chain reaching it - or, ``live``, its chain
+    is the one being written now (it reaches further every second, from its first segment on: a
+    target past its end is only not reached yet)."""
     if target.kind == "revision" and (e.revision is None or target.revision is None or target.revision < e.revision):
         return False
     if target.kind == "time" and (target.time_ms is None or e.time.timestamp() * 1000 > target.time_ms):
         return False
-    return _reaches(reach(sc, e, key), target)
+    return live or _reaches(reach(sc, e, key), target)
 
 
 def pick(sc: Scan, candidates: Sequence["Entry"], target: Target, key: bool = False) -> Tuple["Entry", List[str]]:

@@ -479,12 +479,13 @@ def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
         goods = [e for e in catalog.good(catalog.chain_checkpoints(entries, found)) if not e.checkpoint_of]
     except Exception:  # noqa: BLE001 - a hint is not worth failing for
         return hints
+    active = chains.active_base(cfg.backup.dir)  # the chain the daemon writes now
     newer = [e for e in goods if e.revision is not None and e.revision > last
-             and fullpick.reaches(found, e, p.target, key is not None)]
+             and fullpick.reaches(found, e, p.target, key is not None, live=e.revision == active)]
     if newer:
         n = newer[-1]  # the oldest full backup after the stop
         hints.append(f"or from {n.name} (revision {n.revision}, taken after the chain stopped), whose own chain "
-                     f"reaches {p.target.describe()}: --from {n.name}")
+                     f"continues from there: --from {n.name}")
     return hints
 
 
