@@ -13,7 +13,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from etcd_agent import __version__
 from etcd_agent.backup import archive, boundaries, catalog, checks, keys, retention
@@ -27,6 +27,9 @@ from etcd_agent.etcd.snapdb import SnapshotIdentity
 from etcd_agent.fs import ensure_private_dir, open_regular
 from etcd_agent.locality import local_member
 from etcd_agent.state.locks import OperationLock, lock_path_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from etcd_agent.chain.chains import Scan
 
 log = logging.getLogger(__name__)
 
@@ -392,9 +395,12 @@ def prune_backups(
 ) -> List[retention.Decision]:
     """Apply the retention policy to the good backups in the backup dir; quarantined files are
     listed after them (kept, never deleted, no slot). Returns every decision, newest first."""
+    from etcd_agent.chain import chains
+
     directory = cfg.backup.dir
     entries = catalog.list_backups(directory, utc=cfg.backup.utc, clock=clock, cfg=cfg, evidence=evidence, key=key)
-    goods = catalog.good(entries)
+    found = chains.scan(directory)
+    goods, unproven = _checkpoints_by_chain(catalog.good(entries), found)
     record = boundaries.load(directory)
     held = boundaries.holds(record.boundaries,
                             [boundaries.BackupAt(e.name, e.time.timestamp(), e.snapshot_sha256) for e in goods],
@@ -413,12 +419,13 @@ def prune_backups(
     )
     quarantined = [retention.Decision(e.name, True, (f"quarantined: {e.problem} (not deleted, takes no slot)",))
                    for e in entries if not e.complete]
-    chain_plan = _chain_plan(directory, decisions, goods, entries)
+    chain_plan = _chain_plan(found, directory, decisions, goods, entries)
     chain_decisions = [retention.Decision(c.label, c.keep, (c.reason,)) for c in chain_plan]
     decisions += retention.plan_checkpoints(
         [retention.BackupRef(e.name, e.time, e.verified, e.origin, chain=e.checkpoint_of or "") for e in checkpoints],
         live_chains={c.chain_id for c in chain_plan if c.keep and c.chain_id},
         keep=cfg.backup.delta.checkpoint_keep, protect=protect, holds=holds)
+    decisions += unproven
     if record.problem:  # what it protects is unknown: fail closed, delete nothing
         why = boundaries.unreadable_message(record.problem)
         log.warning("prune held: %s", why)
@@ -428,7 +435,33 @@ def prune_backups(
     return decisions + chain_decisions + quarantined
 
 
-def _chain_plan(directory: str, decisions: List[retention.Decision], goods: List[catalog.Entry],
+def _checkpoints_by_chain(goods: List[catalog.Entry], found: "Scan"
+                          ) -> Tuple[List[catalog.Entry], List[retention.Decision]]:
+    """``goods`` with every checkpoint a chain here vouches for known as one, whatever its manifest
+    can say here (``catalog.chain_checkpoints``): a master restored from the bucket has no manifest
+    key until its daemon's first full backup, and a fetched checkpoint read as an operator's backup
+    took an operator's slot and pushed a real backup out (with its chain). A file of a vouched name
+    whose snapshot is not known to be the one vouched for is neither counted nor deleted: a keep
+    saying why (its own check, `backup verify`, tells)."""
+    if all(e.signature == "valid" for e in goods):  # every manifest has said what it is
+        return goods, []
+    marked = catalog.chain_checkpoints(goods, found)
+    named = {e.name for e in marked}
+    vouchers = {cp.name: c.chain_id for c in found.chains for cp in c.checkpoints}
+    unproven = [retention.Decision(e.name, True, (
+        f"named as a checkpoint by delta chain {vouchers.get(e.name, '?')[:8]}, {_unproven(e)}: kept, takes no slot",))
+        for e in goods if e.name not in named]
+    return marked, unproven
+
+
+def _unproven(e: catalog.Entry) -> str:
+    if e.snapshot_sha256:  # another snapshot under a checkpoint's name: never deleted by a rule
+        return f"but its snapshot is another one (sha256 {e.snapshot_sha256[:16]}...)"
+    return ("its snapshot not known to be the one vouched for (no check recorded, no manifest key; "
+            "`etcd-agent backup verify` checks it)")
+
+
+def _chain_plan(found: "Scan", directory: str, decisions: List[retention.Decision], goods: List[catalog.Entry],
                 entries: List[catalog.Entry]) -> List[Any]:
     """What becomes of each delta chain: a full backup and the chain that continues it go together
     (a quarantined one is never deleted: its chain stays with it)."""
@@ -437,7 +470,7 @@ def _chain_plan(directory: str, decisions: List[retention.Decision], goods: List
     fulls = [chains.FullRef(d.name, by_rev.revision, d.keep, reason=d.reason, base=by_rev.base) for d in decisions
              for by_rev in goods if by_rev.name == d.name]
     fulls += [chains.FullRef(e.name, e.revision, True, good=False, base=e.base) for e in entries if not e.complete]
-    return chains.plan_prune(chains.scan(directory), fulls, active=chains.active_base(directory))
+    return chains.plan_prune(found, fulls, active=chains.active_base(directory))
 
 
 def _held_back(decisions: List[retention.Decision], why: str) -> List[retention.Decision]:

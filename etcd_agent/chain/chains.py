@@ -77,6 +77,8 @@ class ChainSummary:
     events_after_checkpoint: Optional[int] = None  # events after the newest of them (None: none)
     begins_at: int = 0  # a partial chain (its first segments not here: ``check_chain``): its first revision
     named_base: str = ""  # a partial chain: the snapshot sha256 its earliest segment names
+    # a partial chain: the time from which a replay of it reaches a time target (``served_floor``); 0: none
+    floor_time_ms: int = 0
 
     @property
     def base_sha256(self) -> str:
@@ -210,6 +212,7 @@ def scan(directory: str) -> Scan:
             stop=check.stop, chain_id=k[1], first=firsts.get(k), checkpoints=cps,
             events_after_checkpoint=None if newest is None else events_after(segs, newest, check.end_revision),
             begins_at=check.begins_at, named_base=check.segments[0].header.base_sha256 if check.begins_at else "",
+            floor_time_ms=_floor_ms(segs, check.begins_at),
         ))
     return Scan(tuple(chains), tuple(unreadable), tuple(junk))
 
@@ -229,6 +232,24 @@ def _partial_outline(paths: Sequence[str], base: int, check: ChainCheck) -> Chai
         return check
     run = check_chain(paths, base, verify=False, base=BaseBackup(h.base_sha256), begins_at=h.start_revision)
     return run if run.segments else check
+
+
+def served_floor(segments: Sequence[SegmentInfo], begins_at: int) -> Optional[Tuple[Checkpoint, int]]:
+    """A partial chain's floor: the oldest checkpoint a replay of what is here can start from (its
+    lease census here) and the time from which it serves a time target - the end of the first
+    segment reaching its revision (a restore takes a checkpoint for a time target only once a
+    segment reaching it had closed: ``pitr.prepare.choose_start``). None: it serves none."""
+    served = [c for s in segments for c in s.footer.checkpoints if c.served_from(begins_at)]
+    if not served:
+        return None
+    cp = min(served, key=lambda c: c.revision)
+    at = next((s.footer.end_time_ms for s in segments if s.end_revision >= cp.revision), None)
+    return None if at is None else (cp, at)
+
+
+def _floor_ms(segments: Sequence[SegmentInfo], begins_at: int) -> int:
+    found = served_floor(segments, begins_at) if begins_at else None
+    return found[1] if found is not None else 0
 
 
 def events_after(segments: Sequence[SegmentInfo], revision: int, stop: int) -> int:

@@ -35,6 +35,7 @@ class Reach:
     # a partial chain's first revision a replay can reach (from its oldest checkpoint whose lease
     # census is here); 0: any from the backup's own
     floor: int = 0
+    floor_ms: int = 0  # likewise the first time it can reach (``chains.served_floor``); 0: any from the backup's
     why_not: str = ""  # why a chain of it here is not used (a partial chain without the key)
 
     def describe(self) -> str:
@@ -44,6 +45,11 @@ class Reach:
             return f"{what}: {self.why_not}"
         if self.chain is None:
             return f"{what}, which no delta chain continues"
+        if self.floor:
+            return (f"{what}, whose partial delta chain {self.chain.chain_id[:8]} here reaches revisions "
+                    f"{self.floor}..{self.revision} (from {ms_to_datetime(self.floor_ms).isoformat(timespec='milliseconds')}"
+                    f" until {ms_to_datetime(self.time_ms).isoformat(timespec='milliseconds')}; the earlier "
+                    "segments not here)")
         return (f"{what}, whose delta chain {self.chain.chain_id[:8]} reaches revision {self.revision} "
                 f"(until {ms_to_datetime(self.time_ms).isoformat(timespec='milliseconds')})")
 
@@ -65,7 +71,8 @@ def reach(sc: Scan, e: "Entry", key: bool = False) -> Reach:
                 f"its partial delta chain (revisions {part.begins_at}..{part.end_revision}, the earlier segments not "
                 "here) is followed only with the manifest key, which this host does not have: pass --key-file FILE"))
         if census:  # else no replay of what is here can start: it reaches nothing past the backup
-            return Reach(e, part, max(rev, part.end_revision), max(taken, part.end_time_ms or 0), floor=min(census))
+            return Reach(e, part, max(rev, part.end_revision), max(taken, part.end_time_ms or 0), floor=min(census),
+                         floor_ms=part.floor_time_ms)
     if c is None:
         # never a partial chain: a replay from inside it would need the segments not here
         inside = [x for x in sc.chains if x.usable and not x.begins_at and x.base_revision < rev <= x.end_revision]
@@ -79,8 +86,21 @@ def _reaches(r: Reach, target: Target) -> bool:
     if target.kind == "revision" and target.revision is not None:
         return r.floor <= target.revision <= r.revision if r.floor else r.revision >= target.revision
     if target.kind == "time" and target.time_ms is not None:
-        return r.time_ms >= target.time_ms
+        # a partial chain reaches no time before its floor, as no revision before it
+        return r.floor_ms <= target.time_ms <= r.time_ms if r.floor else r.time_ms >= target.time_ms
     return True
+
+
+def reaches(sc: Scan, e: "Entry", target: Target, key: bool = False, live: bool = False) -> bool:
+    """Would a restore from ``e`` reach ``target``, as far as headers and footers tell (the
+    restore verifies): ``e`` at or before it, and its chain reaching it - or, ``live``, its chain
+    is the one being written now (it reaches further every second, from its first segment on: a
+    target past its end is only not reached yet)."""
+    if target.kind == "revision" and (e.revision is None or target.revision is None or target.revision < e.revision):
+        return False
+    if target.kind == "time" and (target.time_ms is None or e.time.timestamp() * 1000 > target.time_ms):
+        return False
+    return live or _reaches(reach(sc, e, key), target)
 
 
 def pick(sc: Scan, candidates: Sequence["Entry"], target: Target, key: bool = False) -> Tuple["Entry", List[str]]:

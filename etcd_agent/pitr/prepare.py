@@ -310,7 +310,7 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
     if chain.begins_at and (start is None or not start.checkpoint.served_from(chain.begins_at)):
         # a partial chain: a replay from the full backup, or from a checkpoint whose lease census
         # is in a segment not here, would miss what those segments hold
-        why = "no checkpoint it vouches for" if start is None else (
+        why = _reachable_here(chain) if start is None else (
             f"checkpoint {start.name}'s lease census is at revision {start.checkpoint.leases_from}")
         raise PartialChainShort(f"{target.describe()} cannot be reached from {entry.name}: {chain.missing()}, and "
                                 f"a replay of what is here needs them ({why}); nothing touched")
@@ -327,6 +327,17 @@ def _verified(entry: "Entry", target: Target, chain: _Chain, start: Optional[Sta
                   f"({stop_sentence(Prepared(entry, target, check, plan, ()))})")
     check = chain.verified()
     return check, _plan(entry, check, target), None
+
+
+def _reachable_here(chain: _Chain) -> str:
+    """Why no replay of a partial chain starts for the target, and what it reaches instead."""
+    run = chain.outline()
+    floor = chains.served_floor(run.segments, chain.begins_at or 0)
+    if floor is None:
+        return "no checkpoint it vouches for"
+    cp, at = floor
+    return (f"what is here reaches from checkpoint {cp.name} (revision {cp.revision}, from {when_text(at)}) to "
+            f"revision {run.end_revision} at {when_text(run.end_time_ms)}")
 
 
 def _refuse_before(entry: "Entry", target: Target, plan: Plan) -> None:
@@ -452,16 +463,25 @@ def b_reason(b: status.BreakRecord) -> str:
 
 
 def refusal_hints(cfg: "Config", p: Prepared) -> List[str]:
+    """What to run instead, naming only restores that would be accepted: up to the last good
+    point, or a newer full backup whose own chain reaches the target. Never a checkpoint (known as
+    one by the chain that vouches for it, also before the manifest key is on this host): it is
+    no chain's base, so ``--from`` it is refused again, or restores it as an operator's backup."""
     c = p.check
     last = c.stop.last_good_revision if c.stop is not None else c.end_revision
     hints = [f"restore up to that point: --from {p.entry.name} --to-revision {last}"]
-    from etcd_agent.backup import catalog
+    from etcd_agent.backup import catalog, keys
 
+    key = keys.local_key(cfg).key
     try:
-        goods = catalog.good(catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc))
+        found = chains.scan(cfg.backup.dir)
+        entries = catalog.list_backups(cfg.backup.dir, utc=cfg.backup.utc, cfg=cfg, key=key)
+        goods = [e for e in catalog.good(catalog.chain_checkpoints(entries, found)) if not e.checkpoint_of]
     except Exception:  # noqa: BLE001 - a hint is not worth failing for
-        goods = []
-    newer = [e for e in goods if e.revision is not None and e.revision > last]
+        return hints
+    active = chains.active_base(cfg.backup.dir)  # the chain the daemon writes now
+    newer = [e for e in goods if e.revision is not None and e.revision > last
+             and fullpick.reaches(found, e, p.target, key is not None, live=e.revision == active)]
     if newer:
         n = newer[-1]  # the oldest full backup after the stop
         hints.append(f"or from {n.name} (revision {n.revision}, taken after the chain stopped), whose own chain "
@@ -514,7 +534,8 @@ def replay_kept(cfg: "Config", p: Prepared, identities: Optional["Identities"] =
     res = replay(st.path if st else p.entry.path, paths, p.target, output=out,
                  options=scratch_options(cfg, identities is not None),
                  check=p.check, identities=identities,
-                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan)
+                 checkpoint=(st.checkpoint.sha256, st.revision) if st else None, stop=stop, planned=p.plan,
+                 from_base=st is None and p.entry.revision == p.check.base_revision)
     try:
         as_prepared(p, res)
     except ReplayError:

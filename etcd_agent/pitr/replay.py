@@ -272,8 +272,13 @@ def find_base(paths: Sequence[str], snapshot_revision: int) -> int:
         except SegmentCorrupt:
             continue
         (bases if h.seq == 0 else partial).add(h.base_revision)
+    # a partial chain at exactly this revision counts beside whole ones: the daemon's next full
+    # backup after a restore from the bucket starts a whole chain, and the partial one of the
+    # backup restored from must still be found
+    if snapshot_revision in bases or snapshot_revision in partial:
+        return snapshot_revision
     bases = bases or partial
-    if snapshot_revision in bases or not bases:
+    if not bases:
         return snapshot_revision
     earlier = [b for b in bases if b < snapshot_revision]
     if not earlier:

@@ -48,6 +48,7 @@ from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import RawEvent, scan_segment
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
+from etcd_agent.errors import RefusedError
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
@@ -98,18 +99,23 @@ def _snapshot_file(full_snapshot: str, workdir: str,
     return dest, src.sha256
 
 
-def _own_chain(full_snapshot: str, got: Optional[str], restored: int, check: ChainCheck) -> None:
+def _own_chain(full_snapshot: str, got: Optional[str], restored: int, check: ChainCheck, from_base: bool) -> None:
     """The chain names exactly this snapshot (the sha256 of the bytes just read) when it names
     one: the catalogue may not have known the backup's sha256 (no check recorded, no signed
-    manifest) and matched the chain by time; the content decides before anything is replayed."""
+    manifest) and matched the chain by time, or the file may have been swapped since it was
+    checked; the content decides before anything is replayed. ``from_base``: the restore planned
+    this snapshot as the chain's own full backup, so it is compared whatever revision it holds (a
+    swapped one of another revision looks like a backup taken inside the chain); otherwise only
+    when it is at the chain's base (a backup taken inside the chain is not the one it names)."""
     first = check.segments[0].header if check.segments else None
-    if first is None or not first.base_sha256 or got is None or check.base_revision != restored:
+    if first is None or not first.base_sha256 or got is None or got == first.base_sha256:
         return
-    if got != first.base_sha256:
-        raise ReplayError(f"the delta chain's first segment {os.path.basename(check.segments[0].disk_path)} names the "
-                          f"full backup with snapshot sha256 {first.base_sha256[:16]}..., but "
-                          f"{os.path.basename(full_snapshot)}'s snapshot is {got[:16]}...: another backup's chain, "
-                          "not replayed onto it")
+    if not from_base and check.base_revision != restored:
+        return
+    raise RefusedError(f"{os.path.basename(full_snapshot)}'s snapshot (revision {restored}) is sha256 {got[:16]}..., "
+                       f"but the delta chain's first segment {os.path.basename(check.segments[0].disk_path)} names "
+                       f"the full backup with snapshot sha256 {first.base_sha256[:16]}...: another backup's chain, or "
+                       "this file swapped or changed since it was checked; nothing replayed, nothing touched")
 
 
 def _as_planned(planned: Plan, plan: Plan, restored: int) -> None:
@@ -197,6 +203,7 @@ def replay(
     checkpoint: Optional[Tuple[str, int]] = None,
     stop: Optional[threading.Event] = None,
     planned: Optional[Plan] = None,
+    from_base: bool = False,
 ) -> ReplayResult:
     """Replay ``segment_paths`` onto ``full_snapshot`` up to ``target``; save the result to
     ``output``. ``check``: the chain as the caller just checked it (its segments are verified
@@ -208,7 +215,9 @@ def replay(
     is started), and the replay folds only the chain after it. ``stop``: once set, the replay
     ends after its current step, before the save (ReplayError; its member stopped, its dir gone):
     a restore whose hosts refused meanwhile. ``planned``: the plan the caller made and showed
-    (``pitr.prepare``); a replay whose own plan is another is refused before anything is loaded."""
+    (``pitr.prepare``); a replay whose own plan is another is refused before anything is loaded.
+    ``from_base``: ``full_snapshot`` is the full backup the chain continues (not one taken inside
+    it): refused unless its bytes hash to the sha256 the chain names, whatever its revision."""
     t0 = time.monotonic()
     if os.path.exists(output):
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
@@ -235,7 +244,7 @@ def replay(
         base = find_base(segment_paths, restored)
         if check is None or check.base_revision != base:
             check = check_chain(segment_paths, base)
-        _own_chain(full_snapshot, got, restored, check)
+        _own_chain(full_snapshot, got, restored, check, from_base and checkpoint is None)
         plan = plan_replay(check, target)
         if planned is not None:
             _as_planned(planned, plan, restored)

@@ -6,6 +6,7 @@
 - snap-a-reboot.db  the same names and peer URLs re-bootstrapped by hand with token tok-a2 (other ids)
 - snap-b.db         another cluster: members x1..x3 on 127.0.0.1:17390/17392/17394, token tok-b
 - snap-a-34.db      cluster "a" again, made by etcd 3.4.23 (/usr/bin/etcd)
+- snap-a-r12.db     cluster "a" (the ids of snap-a.db), 9 more puts: revision 12, another revision
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make(etcd_dir: str, names, peers, token: str, out: str) -> None:
+def make(etcd_dir: str, names, peers, token: str, out: str, more: int = 0) -> None:
     etcd = os.path.join(etcd_dir, "etcd")
     ctl = os.path.join(etcd_dir, "etcdctl")
     base = tempfile.mkdtemp()
@@ -42,6 +43,9 @@ def make(etcd_dir: str, names, peers, token: str, out: str) -> None:
             time.sleep(0.2)
         subprocess.run([ctl, "--endpoints", ep, "put", "/registry/secrets/default/s", "x" * 100], env=env, check=True,
                        capture_output=True)
+        for i in range(more):
+            subprocess.run([ctl, "--endpoints", ep, "put", f"/registry/more/{i}", "y" * 10], env=env, check=True,
+                           capture_output=True)
         subprocess.run([ctl, "--endpoints", ep, "snapshot", "save", out], env=env, check=True, capture_output=True)
     finally:
         for p in procs:
@@ -57,3 +61,4 @@ if __name__ == "__main__":
     make(d, *a, "tok-a2", os.path.join(HERE, "snap-a-reboot.db"))
     make(d, [f"x{i}" for i in (1, 2, 3)], [17390, 17392, 17394], "tok-b", os.path.join(HERE, "snap-b.db"))
     make("/usr/bin", *a, "tok-a", os.path.join(HERE, "snap-a-34.db"))
+    make(d, *a, "tok-a", os.path.join(HERE, "snap-a-r12.db"), more=9)

@@ -220,7 +220,6 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     """No check recorded, no signed manifest: the catalogue cannot tell the backup's sha256 and
     matches the chain by time; the replay reads the snapshot's bytes and refuses a chain naming
     another one before it starts anything."""
-    from etcd_agent.chain.errors import ReplayError
     from etcd_agent.pitr.replayrun import replay
     from etcd_agent.scratch.member import ScratchOptions
 
@@ -234,7 +233,7 @@ def test_a_backup_of_unknown_sha256_is_judged_by_its_snapshot_before_any_replay(
     out = str(tmp_path / "out.db")
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(ReplayError) as exc:
+    with pytest.raises(RefusedError) as exc:  # exit 3: nothing touched
         replay(p.entry.path, forged, p.target, output=out, options=ScratchOptions(parent_dir=str(work)), check=p.check)
     print(f"\nFIGURE unknown sha256, chain naming another: {exc.value.message}")
     assert os.path.basename(forged[0]) in exc.value.message and "another backup's chain" in exc.value.message
@@ -250,3 +249,60 @@ def test_a_chain_stopping_at_its_first_segment_names_the_backups_time_not_a_ques
     open(segs[0], "wb").write(bytes(raw))
     msg = refused(cfg, d, FULL, Target.to_time(pitr.ms_to_datetime(FULL_MS + 1300)))
     assert "its last good point is revision 3 at 2019-08-07T13:00:00.000+00:00" in msg, msg
+
+
+# ---------------------------------------------------------------- a full backup swapped after its check
+
+
+SNAP12 = open(os.path.join(DATA, "snap-a-r12.db"), "rb").read()  # cluster "a" again, revision 12
+SNAP12_SHA = hashlib.sha256(SNAP12).hexdigest()
+
+
+@pytest.mark.parametrize("manifest", ["its-own", "the-old-one"])
+def test_a_full_backup_swapped_for_one_of_another_revision_is_refused_by_content(
+        tmp_path: Any, bed: Any, manifest: str) -> None:
+    """The restore prepared FULL (revision 3, the chain's base); before the replay reads it the file
+    is replaced by another backup of the cluster at revision 12 under the same name, with a
+    manifest of its own (consistent) or FULL's (claiming the old bytes). The snapshot is no longer
+    the one the chain's first segment names: refused in one sentence naming both sha256, before
+    any etcd starts, nothing written. (Its revision is not the chain's base, and the replay once
+    compared only at the base: it folded revisions 13..15 onto the other backup's data.)"""
+    cfg, d, segs = bed
+    cfg = dataclasses.replace(cfg, etcd=dataclasses.replace(  # what a replay runs, were it let start
+        cfg.etcd, binary="/opt/etcd/3.5.16/etcd", etcdctl="/opt/etcd/3.5.16/etcdctl",
+        etcdutl="/opt/etcd/3.5.16/etcdutl"))
+    p = prep(cfg, FULL, Target.to_revision(END))
+    assert p.start is None and p.check.base_revision == 3 and p.plan.stop_revision == END
+    path = os.path.join(d, FULL)
+    if manifest == "its-own":
+        os.unlink(path)
+        w = archive.write_archive(d, FULL, chunks=iter([SNAP12]), files={"etcd.conf": b"ETCD_NAME=m1\n"},
+                                  build_manifest=plain.build, mtime=FULL_MS // 1000)
+        assert w.revision == 12
+    else:  # the snapshot member's bytes replaced in place, FULL's manifest left as it was
+        import io
+        import tarfile
+        with tarfile.open(path) as t:
+            members = [(m, t.extractfile(m).read()) for m in t.getmembers()]  # type: ignore[union-attr]
+        with tarfile.open(path + ".new", "w", format=tarfile.USTAR_FORMAT) as t:
+            for m, data in members:
+                if m.name == "etcd_snapshot.db":
+                    data = SNAP12
+                    m.size = len(data)
+                t.addfile(m, io.BytesIO(data))
+        os.rename(path + ".new", path)
+    root = os.path.dirname(d)
+    before = tree(root)
+    with pytest.raises(RefusedError) as exc:
+        pitr.replay_kept(cfg, p)
+    msg = exc.value.message
+    print(f"\nFIGURE full backup swapped ({manifest} manifest): {msg}")
+    if manifest == "its-own":  # the content decides: both digests named
+        assert "\n" not in msg and msg.endswith("nothing touched"), msg
+        assert SNAP_SHA[:16] in msg and SNAP12_SHA[:16] in msg, msg
+    else:  # the reader refuses bytes its manifest does not describe, before the content is compared
+        assert FULL in msg and "the manifest says" in msg, msg
+    after = tree(root)
+    work = os.path.join(d, ".pitr")  # the replays' work dir, made before the replay read anything: left empty
+    assert {k: v for k, v in after.items() if k != work and k != d} == {k: v for k, v in before.items() if k != d}
+    assert not os.path.exists(work) or os.listdir(work) == [], os.listdir(work)
