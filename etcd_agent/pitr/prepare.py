@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.chain import sign as segsign
@@ -171,7 +171,7 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
         for s in skipped:
             log.warning("%s", s)
         if not goods:
-            raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
+            raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}" + _quarantined(entries))
     cands = [e for e in goods if target.kind == "newest"
              or (target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms)
              or (target.kind == "revision" and e.revision is not None and target.revision is not None
@@ -181,6 +181,16 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")
+
+
+def _quarantined(entries: Sequence["Entry"]) -> str:
+    """Why the backups here are not good (a clock that jumped leaves every one "modified in the
+    future"): said with the refusal, not only by `backup list`."""
+    bad = [e for e in entries if not e.complete]
+    if not bad:
+        return ""
+    return (f" ({len(bad)} quarantined: " + "; ".join(f"{e.name}: {e.problem}" for e in bad[:3])
+            + ("; ..." if len(bad) > 3 else "") + ")")
 
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,

@@ -8,16 +8,24 @@ checkpoints makes the chain (shared by the module; each test puts back what it c
 chain is made partial by removing the segments before the newest checkpoint's lease census."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import stat
+import subprocess
+import tarfile
 import time
 from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
 
 import pytest
 
+from etcd_agent.backup import keys
 from etcd_agent.chain import chains
+from etcd_agent.chain.reader import read_segment
 from etcd_agent.chain.segments import name_time_ms, parse_name, segment_name
+from etcd_agent.chain.writer import SegmentWriter
 from tests.integration.continuous import (
     agent,
     beds,
@@ -34,6 +42,7 @@ from tests.integration.test_pitr_latest_partial import past_a_checkpoint
 
 pytestmark = pytest.mark.integration
 
+ETCDCTL = "/opt/etcd/3.5.16/etcdctl"
 ETCDCTL = "/opt/etcd/3.5.16/etcdctl"
 YEAR_S = 366 * 86400
 
@@ -163,6 +172,122 @@ def test_non_regular_files_named_like_segments_are_passed_over_or_named(partial:
                 os.rmdir(p)
             elif os.path.lexists(p):
                 os.unlink(p)
+
+
+def _future_segment(b: Bed) -> str:
+    """An idle segment after the chain's end, signed with the manifest key as the daemon would
+    write it, whose clock had jumped a year ahead: header, footer and name dated then."""
+    last = os.path.join(b.directory, b.run[-1])
+    seg = read_segment(last)
+    ahead = int(time.time() * 1000) + YEAR_S * 1000
+    h = dataclasses.replace(seg.info.header, seq=seg.info.header.seq + 1, start_revision=b.end + 1,
+                            prev_sha256=hashlib.sha256(open(last, "rb").read()).hexdigest(), start_time_ms=ahead)
+    key = keys.read_key_file(keys.key_path(b.c.cfg)).key
+    assert key
+    w = SegmentWriter(b.directory, h, sign_key=key)
+    return w.close(ahead + 1000, confirmed=True).path
+
+
+def _dated(b: Bed, name: str, seconds: float) -> None:
+    path = os.path.join(b.directory, name)
+    at = os.stat(path).st_mtime + seconds
+    os.utime(path, (at, at))
+
+
+def test_files_dated_in_the_future_are_neither_picked_nor_deleted_wrongly(partial: Bed) -> None:
+    """A clock that jumped a year ahead, step by step: a segment the daemon signed then (after the
+    chain's end), then the mtimes of the last segment, the checkpoint and the full backup."""
+    b = partial
+    _l0, _j0, _p0, prune0 = _views(b)
+    keeps0 = _keeps(prune0)
+    future = _future_segment(b)
+    steps = [("a signed segment dated +1 year after the end", ""), ("+ the last segment's mtime", b.run[-1]),
+             ("+ the checkpoint's mtime", b.checkpoint), ("+ the full backup's mtime", b.full)]
+    moved: List[str] = []
+    figures = []
+    try:
+        for label, name in steps:
+            if name:
+                _dated(b, name, YEAR_S)
+                moved.append(name)
+            rc_l, listing = _cli(b, "backup", "list")
+            rc_p, plan = _cli(b, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+            rc_r, prune = _cli(b, "backup", "prune", "--dry-run")
+            assert rc_l == 0 and rc_r == 0, (listing, prune)
+            keeps = _keeps(prune)
+            for n in (b.full, b.checkpoint):  # never deleted: kept, or quarantined (never deleted either)
+                assert keeps.get(n, "keep").startswith("keep") == keeps0[n].startswith("keep"), (label, n, keeps.get(n))
+            said = [ln.strip() for ln in plan.splitlines() if "future" in ln or "error" in ln]
+            if not name:  # the segment after the end is never replayed, and named
+                assert rc_p == 0 and b.full in plan and f"reached revision {b.end} at" in plan, plan
+                assert any(os.path.basename(future) in ln and "dated in the future" in ln for ln in said), said
+            elif name == b.run[-1]:  # the chain stops before the segment modified in the future, and says so
+                assert rc_p == 0 and b.full in plan and f"reached revision {b.end} at" not in plan, plan
+                assert any(name in ln and "modified in the future" in ln for ln in said), said
+            elif name == b.checkpoint:  # the partial chain's only checkpoint is quarantined: refused, and the
+                # listing does not promise a restore from it
+                assert rc_p == 3 and "a partial chain" in plan, plan
+                cp_lines = [ln.strip() for ln in listing.splitlines() if f"checkpoint {b.checkpoint}" in ln]
+                assert any("quarantined" in ln and "no restore starts from it" in ln for ln in cp_lines), cp_lines
+            else:  # nothing good is left: refused, saying why
+                assert rc_p == 2, plan
+                assert "quarantined" in plan and f"{b.full}: modified in the future" in plan, plan
+            said += [ln.strip() for ln in listing.splitlines() if f"checkpoint {b.checkpoint}" in ln
+                     and "no restore starts" in ln]
+            figures.append(f"{label}: restore rc {rc_p}: " + " | ".join(x[:300] for x in said))
+    finally:
+        os.unlink(future)
+        for n in moved:
+            _dated(b, n, -YEAR_S)
+    print("\nFIGURE " + "\n  ".join(figures))
+
+
+def _runbook(b: Bed, out: str, work: str) -> None:
+    """What the manual runbook leaves: `etcdctl snapshot save` and a `tar czf` of etcd.conf,
+    etcd.service and etcd_snapshot.db - no manifest."""
+    os.makedirs(work, exist_ok=True)
+    subprocess.run([ETCDCTL, "--endpoints", b.c.cfg.members[0].client_url, "snapshot", "save",
+                    os.path.join(work, "etcd_snapshot.db")], check=True, capture_output=True, timeout=60,
+                   env={**os.environ, "ETCDCTL_API": "3"})
+    with open(os.path.join(work, "etcd.conf"), "w") as fh:
+        fh.write("ETCD_NAME=m0\nETCD_DATA_DIR=/var/lib/etcd\n")
+    with open(os.path.join(work, "etcd.service"), "w") as fh:
+        fh.write("[Service]\nExecStart=/usr/bin/etcd\n")
+    with tarfile.open(out, "w:gz") as tar:
+        for n in ("etcd.conf", "etcd.service", "etcd_snapshot.db"):
+            tar.add(os.path.join(work, n), arcname=n)
+
+
+def test_a_runbook_tarball_under_the_checkpoint_s_name_is_never_the_checkpoint(partial: Bed, tmp_path: Any) -> None:
+    b = partial
+    cp = os.path.join(b.directory, b.checkpoint)
+    aside = str(tmp_path / b.checkpoint)
+    shutil.move(cp, aside)
+    try:
+        _runbook(b, cp, str(tmp_path / "runbook"))
+        # the chain's footer names the checkpoint's snapshot sha256: the runbook's tarball is not
+        # it, so no replay starts from it; the partial chain has nothing else to start from: refused
+        rc, plan = _cli(b, "restore", "--from", "latest", "--to", "newest", "--dry-run")
+        assert rc == 3, plan
+        errors = [ln.strip() for ln in plan.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and "a partial chain" in errors[0], plan
+        assert not any(f"point in time: checkpoint {b.checkpoint}" in ln for ln in plan.splitlines()), plan
+        rc2, explicit = _cli(b, "restore", "--from", b.checkpoint, "--to", "newest", "--dry-run")
+        assert rc2 != 0, explicit
+        # and the listing does not promise a restore from it
+        rc3, listing = _cli(b, "backup", "list")
+        assert rc3 == 0, listing
+        said = [ln.strip() for ln in listing.splitlines() if f"checkpoint {b.checkpoint}" in ln]
+        assert any("is not it (a runbook backup" in ln and "no restore starts from it" in ln for ln in said), said
+        rc4, js = _cli(b, "--json", "backup", "list")
+        doc = next(x for x in json.loads(js[: js.rindex("}") + 1])["backups"] if x["name"] == b.full)
+        assert len(doc["chain"]["checkpoints_not_here"]) == 1, doc["chain"]
+        print(f"\nFIGURE a runbook tarball under {b.checkpoint}: --from latest --to newest: rc {rc}: {errors[0][:400]}"
+              f"\n  --from {b.checkpoint}: rc {rc2}: " + explicit.strip().splitlines()[-1][:300]
+              + "\n  list: " + " | ".join(said))
+    finally:
+        os.unlink(cp)
+        shutil.move(aside, cp)
 
 
 def test_the_daemon_lives_with_non_regular_segment_names(partial: Bed) -> None:
