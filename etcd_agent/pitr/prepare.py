@@ -127,9 +127,14 @@ def choose_start(cfg: "Config", entry: "Entry", outline: ChainCheck, target: Tar
             e = catalog.entry_for(path, utc=cfg.backup.utc, key=key)
         except OSError:
             continue
-        if not e.complete or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
-            why = (f"checkpoint {cp.name} is not the one its chain vouches for "
-                   f"({e.problem or 'another snapshot sha256'}): not a starting point")
+        # a runbook tarball under the name (no manifest: nothing says which snapshot it holds, and
+        # the daemon's checkpoints always have one) is never taken on its name: were its content
+        # judged only when the replay reads it, a partial chain would be staged and published
+        # around it and the restore refused late instead of fetching the rest
+        if not e.complete or e.kind == "runbook" or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
+            what = e.problem or ("a runbook tarball under its name, no manifest" if e.kind == "runbook"
+                                 else "another snapshot sha256")
+            why = f"checkpoint {cp.name} is not the one its chain vouches for ({what}): not a starting point"
             log.warning("%s", why)
             passed.append(why)
             continue
