@@ -14,7 +14,7 @@ import json
 import os
 import tarfile
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -136,7 +136,31 @@ def test_what_the_bucket_lies_about_decides_no_more_than_what_is_fetched(bed, rg
         outcome = _one_error(err)[:400]
         assert rc == 3 and not _outside_staging(directory), (err, _outside_staging(directory))
     figures.append(f"a runbook tarball uploaded as the checkpoint: rc {rc}: {outcome}")
+
+    # whatever the backup dir now holds under the checkpoint's name, `backup push` copies nothing
+    # over the chain's objects in the bucket, and adds none to it
+    here = os.path.join(directory, cp_obj.rsplit("/", 1)[-1])
+    held = "absent" if not os.path.exists(here) else (
+        "the runbook tarball" if open(here, "rb").read() == runbook else "another file")
+    assert held != "the runbook tarball", held  # not let in: the chain did not start from it
+    before = _etags(s3, bucket)
+    rc, out, err = _run(capsys, "-c", conf, "backup", "push")
+    after = _etags(s3, bucket)
+    chain_dir = cp_obj.rsplit("/", 1)[0] + "/"
+    changed = sorted(n for n in set(before) | set(after) if n.startswith(chain_dir) and before.get(n) != after.get(n))
+    assert not changed, (changed, out, err)
+    assert "Traceback" not in err, err
+    figures.append(f"then in the backup dir under the checkpoint's name: {held}; `backup push`: rc {rc}, "
+                   f"{len([n for n in after if n not in before])} object(s) added outside the chain, none in it")
     print("\nFIGURE " + "\n  ".join(figures))
+
+
+def _etags(s3: Any, bucket: str) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="p/"):
+        for o in page.get("Contents", []):
+            out[o["Key"][2:]] = str(o["ETag"])
+    return out
 
 
 @contextmanager
