@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -357,10 +358,12 @@ def _unreadable_decisions(unreadable: Sequence[Tuple[str, str]], fulls: Sequence
     """Unreadable files go only when they lie wholly before the oldest kept full backup."""
     kept_revs = [f.revision for f in fulls if f.keep and f.revision is not None]
     oldest = min(kept_revs) if kept_revs else None
-    doomed, stay = [], []
+    doomed, stay, alien = [], [], []
     for p, _why in unreadable:
         rng = parse_name(os.path.basename(p))
-        if oldest is not None and rng is not None and max(rng) < oldest:
+        if not _regular(p):
+            alien.append(p)
+        elif oldest is not None and rng is not None and max(rng) < oldest:
             doomed.append(p)
         else:
             stay.append(p)
@@ -371,7 +374,22 @@ def _unreadable_decisions(unreadable: Sequence[Tuple[str, str]], fulls: Sequence
     if stay:
         out.append(ChainDecision(-1, True, "unreadable segments kept: a kept full backup may need them "
                                            "(`backup list` names the damage)", tuple(stay)))
+    if alien:  # a directory, FIFO, device or symlink: not written by the agent, not its to remove
+        out.append(ChainDecision(-1, True, "not regular files, named like segments: never written as one, "
+                                           "never deleted (`backup list` names them; remove them by hand)",
+                                 tuple(alien)))
     return out
+
+
+def _regular(path: str) -> bool:
+    """Is ``path`` itself (not what a symlink names) a regular file? A vanished one counts as
+    regular: deleting it is a no-op."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def apply(decisions: Iterable[ChainDecision]) -> List[str]:
@@ -387,4 +405,6 @@ def apply(decisions: Iterable[ChainDecision]) -> List[str]:
                 removed.append(p)
             except FileNotFoundError:
                 pass
+            except IsADirectoryError:  # made a directory since the plan (which keeps those)
+                log.warning("not pruning %s: a directory, not a segment", p)
     return removed

@@ -1,9 +1,11 @@
 """The delta feature's errors, inside the agent's one hierarchy (exit codes come with the base)."""
 from __future__ import annotations
 
+import errno
 from typing import Optional, Sequence
 
 from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
+from etcd_agent.fs import NotARegularFile
 
 
 class DeltaError(BackupError):
@@ -23,6 +25,17 @@ class NotASegment(SegmentCorrupt):
     """The file does not begin as a segment does (its magic): junk under a segment's name, not a
     damaged segment of any chain. A chain passes it over, naming it: a gap or a loss is decided
     by what the segments hold, never by a file's name."""
+
+
+def unopenable(path: str, exc: OSError, verb: str) -> SegmentCorrupt:
+    """What a file under a segment's name that cannot be ``verb``-ed is. One that is no regular
+    file (a FIFO, directory, device, a symlink: ``fs.regular_fd`` refuses them) was never written
+    as a segment: it is junk under the name (``NotASegment``), passed over and named, never a
+    damaged segment that stops its chain and calls everything after it lost. Any other failure
+    (permissions, I/O, too large) may be a damaged segment."""
+    if isinstance(exc, NotARegularFile) and exc.errno != errno.EFBIG:
+        return NotASegment(path, exc.strerror or str(exc))
+    return SegmentCorrupt(path, f"cannot {verb}: {exc.strerror or exc}")
 
 
 class ChainBroken(DeltaError):

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 from etcd_agent import safejson
 from etcd_agent.chain import sign as segsign
-from etcd_agent.chain.errors import NotASegment, SegmentCorrupt
+from etcd_agent.chain.errors import NotASegment, SegmentCorrupt, unopenable
 from etcd_agent.chain.seal import read_seal
 from etcd_agent.chain.segments import (
     DELETE,
@@ -50,7 +50,7 @@ def _read_file(path: str, max_bytes: int) -> bytes:
     try:
         fd = regular_fd(path)
     except OSError as exc:
-        raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
+        raise unopenable(path, exc, "open") from None
     try:
         size = os.fstat(fd).st_size
         if size > max_bytes:
@@ -100,7 +100,7 @@ def read_header(path: str) -> SegmentHeader:
         with open_regular(path) as fh:
             data = fh.read(12 + MAX_JSON)
     except OSError as exc:
-        raise SegmentCorrupt(path, f"cannot read: {exc.strerror or exc}") from None
+        raise unopenable(path, exc, "read") from None
     return _header_of(path, data)[0]
 
 
@@ -125,7 +125,7 @@ def read_summary(path: str) -> Tuple[SegmentHeader, SegmentFooter]:
             fh.seek(footer_at)
             raw = fh.read(size - TRAILER - footer_at)
     except OSError as exc:
-        raise SegmentCorrupt(path, f"cannot read: {exc.strerror or exc}") from None
+        raise unopenable(path, exc, "read") from None
     return header, _footer_of(path, raw, 0, len(raw))
 
 

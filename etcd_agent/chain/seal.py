@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Iterator, List, Optional, Sequence, Tuple
 
 from etcd_agent import safejson
-from etcd_agent.chain.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged
+from etcd_agent.chain.errors import NotASegment, ReplayError, SegmentCorrupt, SegmentForged, unopenable
 from etcd_agent.chain.segments import (
     MAX_SEGMENT,
     SEALED_EXT,
@@ -175,7 +175,7 @@ def _open(path: str) -> Tuple[int, int]:
     try:
         fd = regular_fd(path)
     except OSError as exc:
-        raise SegmentCorrupt(path, f"cannot open: {exc.strerror or exc}") from None
+        raise unopenable(path, exc, "open") from None
     try:
         return fd, os.fstat(fd).st_size
     except OSError as exc:

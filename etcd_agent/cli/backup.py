@@ -126,7 +126,7 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     rows: List[str] = [f"{'NAME':<36} {'TIME':<25} {'SIZE':>10} {'REVISION':>9} {'KIND':<8} {'SIGNED':<11} VERIFIED"]
     docs = []
     for e in entries:
-        more, doc = _entry(e, found, restores, active)
+        more, doc = _entry(e, found, restores, active, entries)
         rows += more
         docs.append(doc)
     orphans = [c for c in found.chains if not any(e.revision == c.base_revision and c.listed_under(e.base)
@@ -148,8 +148,8 @@ def cmd_list(args: argparse.Namespace, ctx: Context) -> Output:
     return Output(data, "\n".join(rows))
 
 
-def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Optional[int]
-           ) -> Tuple[List[str], Dict[str, Any]]:
+def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Optional[int],
+           entries: Sequence["Entry"]) -> Tuple[List[str], Dict[str, Any]]:
     """One backup's lines of ``backup list`` and its JSON document."""
     from etcd_agent.backup import boundaries
 
@@ -178,7 +178,38 @@ def _entry(e: "Entry", found: "Scan", restores: Sequence["Boundary"], active: Op
         live = " (being written now)" if chain is not None and chain.base_revision == active else ""
         rows.append(f"{'':<36}   delta chain{live}: {chain.describe() if chain else 'none'}")
     doc["chain"] = chain.to_json() if chain else None
+    missing = _checkpoints_not_here(chain, entries) if chain is not None and e.complete and not e.checkpoint_of else []
+    rows += [f"{'':<36}   {m}" for m in missing]
+    if doc["chain"] is not None:
+        doc["chain"]["checkpoints_not_here"] = missing
     return rows, doc
+
+
+def _checkpoints_not_here(chain: "ChainSummary", entries: Sequence["Entry"]) -> List[str]:
+    """The checkpoints ``chain`` vouches for (by name, from its footers) that no good backup here
+    is: the file under the name is missing, quarantined, or not that checkpoint (a runbook tarball
+    or another backup: not a checkpoint of this chain, or a snapshot other than the one the
+    footer names by sha256). A restore never starts from those (``pitr.prepare`` checks the same):
+    the listing must not promise it."""
+    out = []
+    for cp in chain.checkpoints:
+        e = next((x for x in entries if x.name == cp.name), None)
+        if e is None:
+            why = "not here"
+        elif not e.complete:
+            why = f"quarantined ({e.problem})"
+        elif e.checkpoint_of != chain.chain_id or e.base.sha256 != cp.sha256:
+            why = (f"the file under its name is not it (a {e.kind} backup"
+                   + (", no checkpoint of this chain" if e.checkpoint_of != chain.chain_id else "")
+                   + (f", snapshot sha256 {(e.base.sha256 or 'unknown')[:12]}..., the chain vouches for "
+                      f"{cp.sha256[:12]}...)" if e.base.sha256 != cp.sha256 else ")"))
+        else:
+            continue
+        after = ("a partial chain needs a checkpoint from its own segments on: without one here a restore from "
+                 "it is refused" if chain.begins_at else "a restore starts from an older one here or the full backup")
+        out.append(f"checkpoint {cp.name} (revision {cp.revision}), which the chain vouches for: {why}; no restore "
+                   f"starts from it ({after})")
+    return out
 
 
 def _origin_rows(e: "Entry", found: "Scan") -> List[str]:

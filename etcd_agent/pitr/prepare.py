@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.chain import chains
 from etcd_agent.chain import sign as segsign
@@ -127,9 +127,14 @@ def choose_start(cfg: "Config", entry: "Entry", outline: ChainCheck, target: Tar
             e = catalog.entry_for(path, utc=cfg.backup.utc, key=key)
         except OSError:
             continue
-        if not e.complete or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
-            why = (f"checkpoint {cp.name} is not the one its chain vouches for "
-                   f"({e.problem or 'another snapshot sha256'}): not a starting point")
+        # a runbook tarball under the name (no manifest: nothing says which snapshot it holds, and
+        # the daemon's checkpoints always have one) is never taken on its name: were its content
+        # judged only when the replay reads it, a partial chain would be staged and published
+        # around it and the restore refused late instead of fetching the rest
+        if not e.complete or e.kind == "runbook" or (e.snapshot_sha256 and e.snapshot_sha256 != cp.sha256):
+            what = e.problem or ("a runbook tarball under its name, no manifest" if e.kind == "runbook"
+                                 else "another snapshot sha256")
+            why = f"checkpoint {cp.name} is not the one its chain vouches for ({what}): not a starting point"
             log.warning("%s", why)
             passed.append(why)
             continue
@@ -171,7 +176,7 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
         for s in skipped:
             log.warning("%s", s)
         if not goods:
-            raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}")
+            raise UsageError(f"--from latest: no good full backup in {cfg.backup.dir}" + _quarantined(entries))
     cands = [e for e in goods if target.kind == "newest"
              or (target.kind == "time" and target.time_ms is not None and e.time.timestamp() * 1000 <= target.time_ms)
              or (target.kind == "revision" and e.revision is not None and target.revision is not None
@@ -181,6 +186,16 @@ def resolve_full(cfg: "Config", spec: str, target: Target) -> Tuple["Entry", Lis
     oldest = f"the oldest good one is {goods[-1].name} (revision {goods[-1].revision})" if goods else "there is none"
     raise UsageError(f"--from latest --to {target.describe()}: no full backup in {cfg.backup.dir} at or before it "
                      f"({oldest})")
+
+
+def _quarantined(entries: Sequence["Entry"]) -> str:
+    """Why the backups here are not good (a clock that jumped leaves every one "modified in the
+    future"): said with the refusal, not only by `backup list`."""
+    bad = [e for e in entries if not e.complete]
+    if not bad:
+        return ""
+    return (f" ({len(bad)} quarantined: " + "; ".join(f"{e.name}: {e.problem}" for e in bad[:3])
+            + ("; ..." if len(bad) > 3 else "") + ")")
 
 
 def prepare(cfg: "Config", spec: str, target: Target, *, now_ms: Optional[int] = None,

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import pytest
 
 from etcd_agent.backup import keys
 from etcd_agent.chain import chains
+from etcd_agent.etcd.rpc import EtcdRpc
 from tests.integration.continuous import agent, dump, full_backups, rpc, wait_durable, wait_for
 from tests.integration.test_daemon import wait_healthy
 from tests.integration.test_pitr_checkpoints import live_at, same_state, user_keys, vouched, watched, workload
@@ -23,13 +25,9 @@ pytestmark = pytest.mark.integration
 BED_MEMBERS = 1
 
 
-def test_latest_takes_the_backup_whose_partial_chain_reaches_the_target(bed) -> None:  # type: ignore[no-untyped-def]
-    d, c, directory, r, lease = watched(bed)
-    (daemons,) = full_backups(c)
-    time.sleep(1.1)  # a backup name is to the second
-    op = agent(c, "backup")  # the operator's, no write since the daemon's: newer, same revision, no chain
-    assert op.returncode == 0, op.stdout + op.stderr
-    operators = next(n for n in full_backups(c) if n != daemons)
+def past_a_checkpoint(c: Any, r: EtcdRpc, lease: int) -> int:
+    """Writes over several segments, a checkpoint the chain vouches for, then a tail after it: its
+    last revision, durable."""
     rev = 0
     for i in range(4):  # segments close every second: several before any checkpoint
         rev = workload(r, f"p{i}", 25, lease)
@@ -37,9 +35,20 @@ def test_latest_takes_the_backup_whose_partial_chain_reaches_the_target(bed) -> 
     wait_durable(c, rev)
     # 100 puts of 16 KiB grow the chain past one checkpoint's worth (1 MiB), maybe not past two:
     # any vouched one will do, whose lease census is after the chain's first segments
-    wait_for(lambda: vouched(directory), 240, "a checkpoint the chain vouches for")
+    wait_for(lambda: vouched(c.cfg.backup.dir), 240, "a checkpoint the chain vouches for")
     n = workload(r, "tail", 20, lease)
     wait_durable(c, n)
+    return n
+
+
+def test_latest_takes_the_backup_whose_partial_chain_reaches_the_target(bed) -> None:  # type: ignore[no-untyped-def]
+    d, c, directory, r, lease = watched(bed)
+    (daemons,) = full_backups(c)
+    time.sleep(1.1)  # a backup name is to the second
+    op = agent(c, "backup")  # the operator's, no write since the daemon's: newer, same revision, no chain
+    assert op.returncode == 0, op.stdout + op.stderr
+    operators = next(n for n in full_backups(c) if n != daemons)
+    n = past_a_checkpoint(c, r, lease)
     live = user_keys(live_at(r, n))
     d.stop()  # nothing writes into the dir while its chain is cut
     c.members[0].backend.start()

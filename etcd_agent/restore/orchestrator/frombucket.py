@@ -277,6 +277,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
             raise
         try:
             phases["check"] = time.monotonic() - t0 - sum(phases.values())
+            staged = _unless_unused(staged, chain, directory, progress)
             objects = [fetch.publish(b, s, directory) for s in staged]
         except BaseException:
             if chain is not None:  # its decrypted copies and lock (an encrypted chain) go with it
@@ -300,6 +301,25 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
     progress(f"{len(objects)} object(s) of {bp.file} checked and in {directory} ({size_text(read)} fetched in "
              f"{took:.1f}s)")
     return Fetched(bp, objects, checked, took, read, chain, phases)
+
+
+def _unless_unused(staged: List[fetch.Staged], chain: Optional["CheckedChain"], directory: str,
+                   progress: Callable[[str], None]) -> List[fetch.Staged]:
+    """``staged`` without a checkpoint fetched that the checked chain does not start its replay
+    from (not the snapshot it vouches for: a runbook tarball uploaded under its name): it is not
+    let into the backup dir, where it would sit under a checkpoint's name and a date newer than
+    its full backup - ``--from latest`` of a plain restore's to take."""
+    start = chain.prepared.start if chain is not None else None
+    kept = []
+    for s in staged:
+        w = s.fetched.wanted
+        if w.kind == layout.CHECKPOINT and s.part is not None and (start is None or start.name != w.file):
+            fetch.discard_part(s.part)
+            progress(f"{w.file}: fetched as the checkpoint, but the chain does not start its replay from it: "
+                     f"not kept in {directory}")
+            continue
+        kept.append(s)
+    return kept
 
 
 def _failed_content(exc: AgentError) -> bool:
