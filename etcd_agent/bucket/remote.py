@@ -21,7 +21,7 @@ attributes only, docs/bucket-speed.md). Until then the object carries no sha256,
 it as a copy: the queue copies it again, a fetch refuses it. Above ``MAX_SELF_COPY``, or on a
 store that refused such a copy, the sha256 is computed first (two passes).
 What a correct copy shows is ``remotedigests``'; the client, its credentials and its errors are
-``remotebucket``'s (the only importer of boto3).
+``remotebucket``'s (the only importer of the SDK).
 """
 from __future__ import annotations
 

@@ -84,16 +84,20 @@ class UploadParts:
         count = max(1, -(-size // part_size))
         self._total = size
         whole = hashlib.sha256()
-        sent: List[Tuple[bytes, bytes, str]] = []  # (md5, sha256, ETag) of parts 1, 2, ...
+        sent: Dict[int, Tuple[bytes, bytes, str]] = {}  # part number -> its (md5, sha256, ETag)
         width = buffer_parts(part_size)
         free: Deque[bytearray] = collections.deque(bytearray(min(part_size, size)) for _ in range(width + 1))
-        inflight: Deque[Tuple["concurrent.futures.Future[Tuple[bytes, bytes, str]]", bytearray]] = \
-            collections.deque()
+        inflight: Dict["concurrent.futures.Future[Tuple[bytes, bytes, str]]", Tuple[int, bytearray]] = {}
 
-        def settle() -> None:  # the oldest request's end: its buffer free, its failure raised here
-            future, buf = inflight.popleft()
-            sent.append(future.result())
-            free.append(buf)
+        def settle() -> None:
+            """Whichever requests ended: their buffers free, the first failure raised here. Not
+            the oldest first: a request that ends late (a loaded gateway) would hold back the
+            reading of the next part and leave the store fewer parts in flight."""
+            done, _ = concurrent.futures.wait(inflight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                number, buf = inflight.pop(future)
+                sent[number] = future.result()
+                free.append(buf)
 
         with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="upload") as pool, \
                 open_regular(path) as fh:
@@ -110,7 +114,7 @@ class UploadParts:
                         raise BackupCorrupt(f"{path} shrank while it was copied (part {number} of {count} is "
                                             f"{got} bytes, not {want}): the upload is aborted")
                     whole.update(body)
-                    inflight.append((pool.submit(self._part, number, count, body), buf))
+                    inflight[pool.submit(self._part, number, count, body)] = (number, buf)
                 if fh.read(1):
                     raise BackupCorrupt(f"{path} grew while it was copied: the upload is aborted")
                 if _stamp(fh.fileno()) != before:  # written meanwhile: what was read may be a mix
@@ -126,12 +130,12 @@ class UploadParts:
             raise BackupCorrupt(f"{path} changed while it was copied: its bytes hash to {got_sha}, not to the "
                                 f"{sha256} it was named by; the upload is aborted")
         done: List[Dict[str, Any]] = []
-        for number, (_md5, sha, etag) in enumerate(sent, start=1):
+        for number, (_md5, sha, etag) in sorted(sent.items()):
             part: Dict[str, Any] = {"PartNumber": number, "ETag": etag}
             if self.checksum:
                 part["ChecksumSHA256"] = b64(sha)
             done.append(part)
-        parts = tuple((md5, sha) for md5, sha, _etag in sent)
+        parts = tuple(sent[number][:2] for number in sorted(sent))
         return Digests(size=size, sha256=got_sha, part_size=part_size, parts=parts), done
 
     def _part(self, number: int, count: int, data: bytearray) -> Tuple[bytes, bytes, str]:

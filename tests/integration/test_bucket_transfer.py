@@ -74,6 +74,41 @@ def test_an_upload_named_by_its_sha256_lands_whole_with_its_metadata_and_progres
     assert hashlib.sha256(got).hexdigest() == sha
 
 
+def test_a_part_that_ends_first_frees_its_buffer_for_the_next_part_while_an_older_one_is_still_sent(
+        rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests end in any order (a slow one on a loaded gateway): the next part is read into the
+    buffer of whichever request ended, not held behind the oldest, so the store keeps as many
+    parts in flight as the buffers allow. Part 1 here waits, inside its request, for part 6 (which
+    needs a buffer freed by another part) to begin; the parts still land in order."""
+    from etcd_agent.bucket import client as remotebucket
+
+    cfg = remote_config(rgw)  # 5 MiB parts, 4 in flight, 5 buffers: part 6 needs one freed
+    path = tmp_path / NAME
+    size = 7 * 5 * MiB + 17  # 8 parts
+    sha = _file(path, size)
+    sixth = threading.Event()
+    saw: List[bool] = []
+
+    def begun(params: Any, **_: Any) -> None:
+        if params["PartNumber"] == 6:
+            sixth.set()
+        elif params["PartNumber"] == 1 and not saw:
+            saw.append(sixth.wait(GUARD))  # a guard: before, part 6 waited for part 1 to end
+
+    real = remotebucket._client
+
+    def hooked(*a: Any, **kw: Any) -> Any:
+        c = real(*a, **kw)
+        c.meta.events.register("before-parameter-build.s3.UploadPart", begun)
+        return c
+    monkeypatch.setattr(remotebucket, "_client", hooked)
+    obj = remote.upload_file(cfg, str(path), NAME, sha256=sha)
+    assert saw == [True]  # part 6 began while part 1 was still being sent
+    assert (obj.sha256, obj.size, obj.verified_by) == (sha, size, "etag") and obj.etag.endswith("-8"), obj
+    got = rgw.client().get_object(Bucket=cfg.backup.remote.bucket, Key=obj.key)["Body"].read()
+    assert hashlib.sha256(got).hexdigest() == sha
+
+
 def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
         rgw: RgwBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = remote_config(rgw)

@@ -2,6 +2,10 @@
 wait within a minute; the new keys are validated; "virtual" on an IP endpoint is said."""
 from __future__ import annotations
 
+from typing import List
+
+import pytest
+
 from etcd_agent.bucket.client import client_error_text
 from etcd_agent.config import RemoteSection, parse_text, security_warnings
 from etcd_agent.config.model import REMOTE_VERIFY_MODES
@@ -61,3 +65,25 @@ def test_an_s3_error_without_a_message_names_the_status_and_code() -> None:
     assert client_error_text(aws) == "HTTP 403 AccessDenied: Access Denied"
     head = {"Error": {"Code": "404", "Message": "Not Found"}, "ResponseMetadata": {"HTTPStatusCode": 404}}
     assert client_error_text(head) == "HTTP 404: Not Found"
+
+
+def test_a_second_bucket_client_parses_no_model_file_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy makes a Bucket: the S3 model, its endpoint rules and the partitions (~0.1 CPU s
+    and ~13 MB each time, the bench's upload paying it in its timing) are parsed once a process."""
+    import botocore.loaders
+
+    from etcd_agent.bucket.client import Bucket
+
+    cfg, errors = parse_text(_remote('access_key = "AKIDEXAMPLE"\nsecret_key = "not-a-secret"\n'))
+    assert not errors and cfg is not None
+    Bucket(cfg)  # the first client of the process (or of the test run) may parse them
+    parsed: List[str] = []
+    real = botocore.loaders.JSONFileLoader.load_file
+
+    def counted(self: object, file_path: str) -> object:
+        parsed.append(file_path)
+        return real(self, file_path)  # type: ignore[arg-type]
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file", counted)
+    second = Bucket(cfg)
+    assert parsed == []
+    assert second.client.meta.endpoint_url == "http://10.0.0.5:7480" and second.client.meta.region_name
