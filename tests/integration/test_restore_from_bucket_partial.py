@@ -104,6 +104,7 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     assert max(_span(s)[1] for s in left) < _span(run[0])[0] <= cp_rev, (left, run, cp_rev)
     line = next(n for n in plan["not_fetched"] if "lease census" in n)
     assert f"{len(left)} segment(s), revisions {_span(left[0])[0]}..{_span(left[-1])[1]}" in line, line
+    full_obj = "p/" + next(o["name"] for o in plan["objects"] if o["kind"] == "full")
     figure = f"FIGURE partial fetch: {len(run)} of {len(run) + len(left)} segment(s) fetched; not fetched: {line}"
 
     # (c) without the key: the whole chain, and the plan says why
@@ -147,6 +148,24 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     assert "its footer does not match its signature" in err, err
     assert not [n for n in os.listdir(c.cfg.backup.dir) if n.startswith("etcd-")], os.listdir(c.cfg.backup.dir)
     s3.put_object(Bucket=bucket, Key="p/" + inside, Body=body, Metadata=meta)
+
+    # (e) the run fine, the full backup's bytes damaged under its sha256 metadata: a replay from the
+    # checkpoint reads nothing of its snapshot, but the chain is bound to it by that snapshot's
+    # sha256 and the restore leaves it in the backup dir - refused before any master is touched
+    full_key = full_obj
+    full_body = s3.get_object(Bucket=bucket, Key=full_key)["Body"].read()
+    full_meta = s3.head_object(Bucket=bucket, Key=full_key)["Metadata"]
+    mid = len(full_body) // 2
+    s3.put_object(Bucket=bucket, Key=full_key, Metadata=full_meta,
+                  Body=full_body[:mid] + bytes([full_body[mid] ^ 0xFF]) + full_body[mid + 1:])
+    rc, out, err = _run(capsys, "-c", conf, "restore", "--from-bucket", "latest", *to, "--key-file", key, "--yes")
+    assert rc == 1, out + err
+    errors = [x for x in err.splitlines() if x.startswith("etcd-agent: error:")]
+    assert len(errors) == 1 and "failed its checksum on fetch: nothing of it kept" in errors[0], err
+    assert ".;" not in errors[0] and "nothing restored" in errors[0], errors
+    assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
+    assert not [n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")], os.listdir(c.cfg.backup.dir)
+    s3.put_object(Bucket=bucket, Key=full_key, Body=full_body, Metadata=full_meta)
 
     # (a) the restore fetches the run only (the damaged segment before it never read) and restores the state
     rc, out, err = _run(capsys, "-c", conf, "--json", "restore", "--from-bucket", "latest", *to, "--key-file", key,
