@@ -174,6 +174,10 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     done = json.loads(out)
     got = sorted((o["name"] for o in done["bucket"]["objects"] if o["kind"] == "segment"), key=_span)
     assert got == run, (got, run)
+    # each object's fetch leg, from the fetch's start (what says which object held the others up)
+    legs = {o["file"]: (o["began"], o["seconds"]) for o in done["bucket"]["objects"]}
+    assert all(0 <= b and 0 <= s and b + s <= done["bucket"]["seconds"] for b, s in legs.values()), legs
+    assert {o["kind"] for o in done["bucket"]["objects"]} == {"full", "checkpoint", "segment"}, legs
     wait_healthy(c.cfg, 1, 60)
     diff = same_state(live, user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))))
     assert not diff, diff[:10]  # keys, values and which keys share a lease (a restore grants new lease ids)
