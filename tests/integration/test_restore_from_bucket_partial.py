@@ -165,6 +165,25 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     assert ".;" not in errors[0] and "nothing restored" in errors[0], errors
     assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
     assert not [n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")], os.listdir(c.cfg.backup.dir)
+    # (f) the same damage with the object's sha256 metadata made to match (the metadata vouches for
+    # nothing but the bytes it came with): the snapshot no longer hashes to the sha256 its signed
+    # manifest names - which is what the chain's first signed segment names - so it is refused too
+    import io
+    import tarfile
+
+    from etcd_agent.backup.manifest import SNAPSHOT
+
+    with tarfile.open(fileobj=io.BytesIO(full_body)) as tar:
+        snap = tar.getmember(SNAPSHOT)
+    at = snap.offset_data + snap.size - 1  # etcd's sha256 trailer: the db's pages still read as before
+    bad = full_body[:at] + bytes([full_body[at] ^ 0xFF]) + full_body[at + 1:]
+    s3.put_object(Bucket=bucket, Key=full_key, Body=bad, Metadata={**full_meta, "sha256": hashlib.sha256(bad).hexdigest()})
+    rc, out, err = _run(capsys, "-c", conf, "restore", "--from-bucket", "latest", *to, "--key-file", key, "--yes")
+    assert rc == 1, out + err
+    errors = [x for x in err.splitlines() if x.startswith("etcd-agent: error:")]
+    assert len(errors) == 1 and f"{SNAPSHOT}: sha256 trailer does not match the data" in errors[0], err
+    assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
+    assert not [n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")], os.listdir(c.cfg.backup.dir)
     s3.put_object(Bucket=bucket, Key=full_key, Body=full_body, Metadata=full_meta)
 
     # (a) the restore fetches the run only (the damaged segment before it never read) and restores the state
