@@ -233,6 +233,24 @@ def _credentials(r: RemoteSection) -> Tuple[Optional[str], Optional[str]]:
     return access, secret
 
 
+# one SDK session for every Bucket whose credentials the config holds: a fresh one loads and
+# parses the S3 model again for each client (~0.1-0.2 CPU s), and a restore from the bucket makes
+# one per fetch worker (a deadline is per object) and per step of its plan; its clients are
+# botocore's (no boto3 transfer methods: none is called here), each with its own event hooks
+_SESSION: Any = None
+_SESSION_MU = threading.Lock()
+
+
+def _shared_session() -> Any:
+    """The process's SDK session (under ``_SESSION_MU``)."""
+    global _SESSION
+    if _SESSION is None:
+        import botocore.session
+
+        _SESSION = botocore.session.get_session()
+    return _SESSION
+
+
 def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], deadline_hook: Any) -> Any:
     import boto3.session  # lazy: importing boto3 costs ~0.3 s
     from botocore.config import Config as BotoConfig
@@ -258,9 +276,14 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], dead
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    session = boto3.session.Session(aws_access_key_id=access, aws_secret_access_key=secret)
     verify: Any = r.ca_bundle if r.ca_bundle else r.verify_tls
-    client = session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
+    if access is None:  # boto3's default chain (environment, profile, instance role): a session of its own, as read now
+        session = boto3.session.Session(aws_access_key_id=access, aws_secret_access_key=secret)
+        client = session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
+    else:
+        with _SESSION_MU:  # a session is not thread-safe; its clients are
+            client = _shared_session().create_client("s3", endpoint_url=r.endpoint, config=config, verify=verify,
+                                                      aws_access_key_id=access, aws_secret_access_key=secret)
     # before every attempt, retries included: an object past its deadline gets no more requests
     client.meta.events.register("before-send.s3", deadline_hook)
     return client
