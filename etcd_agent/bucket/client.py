@@ -277,7 +277,7 @@ def _client(r: RemoteSection, access: Optional[str], secret: Optional[str], dead
         response_checksum_validation="when_required",
     )
     verify: Any = r.ca_bundle if r.ca_bundle else r.verify_tls
-    if access is None:  # boto3's default chain (environment, profile, instance role): a session of its own, as read now
+    if access is None or secret is None:  # boto3's default chain (environment, profile, instance role): a session of its own, as read now
         session = boto3.session.Session(aws_access_key_id=access, aws_secret_access_key=secret)
         client = session.client("s3", endpoint_url=r.endpoint, config=config, verify=verify)
     else:
