@@ -80,7 +80,13 @@ def timed_restore(argv: List[str]) -> Run:
     if "bucket" in out:
         phases["fetch"] = float(out["bucket"]["seconds"])
         phases.update((f"fetch: {k}", float(v)) for k, v in out["bucket"].get("phases", {}).items())
-        phases["fetch: segments"] = float(sum(1 for o in out["bucket"]["objects"] if o["kind"] == "segment"))
+        objs = out["bucket"]["objects"]
+        phases["fetch: segments"] = float(sum(1 for o in objs if o["kind"] == "segment"))
+        for kind in ("full", "checkpoint", "segment"):  # each kind's leg: from its first start to its last end
+            legs = [(o["began"], o["began"] + o["seconds"]) for o in objs if o["kind"] == kind and "began" in o]
+            if legs:
+                phases[f"fetch: {kind} leg"] = max(e for _b, e in legs) - min(b for b, _e in legs)
+                phases[f"fetch: {kind} ends at"] = max(e for _b, e in legs)
     return Run(wall, phases)
 
 

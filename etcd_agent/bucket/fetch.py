@@ -70,9 +70,14 @@ class Fetched:
     wanted: Wanted
     how: str  # fetched | resumed | already here
     resumed_at: int = 0
+    # its leg of a staging run (``staging.stage_all``): seconds from the run's start, and its own
+    # length; what shows which object held the others up
+    began: Optional[float] = None
+    seconds: Optional[float] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {**self.wanted.to_json(), "how": self.how, "resumed_at": self.resumed_at}
+        legs = {k: round(v, 3) for k, v in (("began", self.began), ("seconds", self.seconds)) if v is not None}
+        return {**self.wanted.to_json(), "how": self.how, "resumed_at": self.resumed_at, **legs}
 
 
 def local_file(name: str) -> Tuple[str, str]:

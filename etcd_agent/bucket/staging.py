@@ -13,6 +13,7 @@ stagedchecks``), before it publishes.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -79,13 +80,15 @@ def fetch_into(cfg: "Config", items: Sequence[fetch.Wanted], *,
 
 
 def stage_all(cfg: "Config", items: Sequence[fetch.Wanted], directory: str,
-              progress: Callable[[str], None]) -> List[fetch.Staged]:
+              progress: Callable[[str], None], *, since: Optional[float] = None) -> List[fetch.Staged]:
     """Every object staged, ``FETCH_WORKERS`` at a time (a chain is hundreds of small segments:
     one at a time, the round trips, not the bytes, set the pace), in the plan's order; the first
     failure stops what has not begun and is raised (``Stopped``) once the others in flight have
-    ended. The caller holds ``fetch.staging_locked(directory)``."""
+    ended. Each object's leg (``Fetched.began``, ``seconds``) is timed from ``since`` (a
+    ``time.monotonic()``; now by default). The caller holds ``fetch.staging_locked(directory)``."""
     from etcd_agent.bucket.client import Bucket
 
+    since = time.monotonic() if since is None else since
     room(cfg, items, directory)
     local = threading.local()
     stop = threading.Event()
@@ -96,7 +99,7 @@ def stage_all(cfg: "Config", items: Sequence[fetch.Wanted], directory: str,
         if not hasattr(local, "bucket"):  # a Bucket's per-object deadline is its own: one per thread
             local.bucket = Bucket(cfg)
         try:
-            return _stage(local.bucket, w, directory, f"[{i}/{len(items)}]", progress)
+            return _stage(local.bucket, w, directory, f"[{i}/{len(items)}]", progress, since)
         except Exception:
             stop.set()
             raise
@@ -160,9 +163,9 @@ def room(cfg: "Config", items: Sequence[fetch.Wanted], directory: str) -> None:
 
 
 def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
-           progress: Callable[[str], None]) -> fetch.Staged:
+           progress: Callable[[str], None], since: float) -> fetch.Staged:
     """One object staged, with a line when it begins, every ``PROGRESS_EVERY`` seconds of a long
-    one (bytes, MB/s, ETA) and when it is whole."""
+    one (bytes, MB/s, ETA) and when it is whole; its leg timed from ``since``."""
     began = time.monotonic()
     last = [began]
     start_at = [-1]
@@ -188,7 +191,7 @@ def _stage(b: "Bucket", w: fetch.Wanted, directory: str, counter: str,
         at = f", continued at byte {s.fetched.resumed_at}" if s.fetched.resumed_at else ""
         progress(f"{counter} {w.file}: {size_text(s.bytes_read)} in {took:.1f}s "
                  f"({s.bytes_read / max(took, 1e-6) / 1e6:.1f} MB/s{at}), sha256 matches its metadata")
-    return s
+    return dataclasses.replace(s, fetched=dataclasses.replace(s.fetched, began=began - since, seconds=took))
 
 
 def named_as_they_hold(staged: Sequence[fetch.Staged], where: Callable[[fetch.Staged], str], outcome: str) -> None:

@@ -108,6 +108,7 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     assert max(_span(s)[1] for s in left) < _span(run[0])[0] <= cp_rev, (left, run, cp_rev)
     line = next(n for n in plan["not_fetched"] if "lease census" in n)
     assert f"{len(left)} segment(s), revisions {_span(left[0])[0]}..{_span(left[-1])[1]}" in line, line
+    full_obj = "p/" + next(o["name"] for o in plan["objects"] if o["kind"] == "full")
     figure = f"FIGURE partial fetch: {len(run)} of {len(run) + len(left)} segment(s) fetched; not fetched: {line}"
 
     # (c) without the key: the whole chain, and the plan says why
@@ -152,6 +153,43 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     assert not [n for n in os.listdir(c.cfg.backup.dir) if n.startswith("etcd-")], os.listdir(c.cfg.backup.dir)
     s3.put_object(Bucket=bucket, Key="p/" + inside, Body=body, Metadata=meta)
 
+    # (e) the run fine, the full backup's bytes damaged under its sha256 metadata: a replay from the
+    # checkpoint reads nothing of its snapshot, but the chain is bound to it by that snapshot's
+    # sha256 and the restore leaves it in the backup dir - refused before any master is touched
+    full_key = full_obj
+    full_body = s3.get_object(Bucket=bucket, Key=full_key)["Body"].read()
+    full_meta = s3.head_object(Bucket=bucket, Key=full_key)["Metadata"]
+    mid = len(full_body) // 2
+    s3.put_object(Bucket=bucket, Key=full_key, Metadata=full_meta,
+                  Body=full_body[:mid] + bytes([full_body[mid] ^ 0xFF]) + full_body[mid + 1:])
+    rc, out, err = _run(capsys, "-c", conf, "restore", "--from-bucket", "latest", *to, "--key-file", key, "--yes")
+    assert rc == 1, out + err
+    errors = [x for x in err.splitlines() if x.startswith("etcd-agent: error:")]
+    assert len(errors) == 1 and "failed its checksum on fetch: nothing of it kept" in errors[0], err
+    assert ".;" not in errors[0] and "nothing restored" in errors[0], errors
+    assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
+    assert not [n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")], os.listdir(c.cfg.backup.dir)
+    # (f) the same damage with the object's sha256 metadata made to match (the metadata vouches for
+    # nothing but the bytes it came with): the snapshot no longer hashes to the sha256 its signed
+    # manifest names - which is what the chain's first signed segment names - so it is refused too
+    import io
+    import tarfile
+
+    from etcd_agent.backup.manifest import SNAPSHOT
+
+    with tarfile.open(fileobj=io.BytesIO(full_body)) as tar:
+        snap = tar.getmember(SNAPSHOT)
+    at = snap.offset_data + snap.size - 1  # etcd's sha256 trailer: the db's pages still read as before
+    bad = full_body[:at] + bytes([full_body[at] ^ 0xFF]) + full_body[at + 1:]
+    s3.put_object(Bucket=bucket, Key=full_key, Body=bad, Metadata={**full_meta, "sha256": hashlib.sha256(bad).hexdigest()})
+    rc, out, err = _run(capsys, "-c", conf, "restore", "--from-bucket", "latest", *to, "--key-file", key, "--yes")
+    assert rc == 1, out + err
+    errors = [x for x in err.splitlines() if x.startswith("etcd-agent: error:")]
+    assert len(errors) == 1 and f"{SNAPSHOT}: sha256 trailer does not match the data" in errors[0], err
+    assert not os.path.exists(c.cfg.data_dir(c.cfg.members[0].name)), "the member was touched"
+    assert not [n for n in os.listdir(c.cfg.backup.dir) if not n.startswith(".")], os.listdir(c.cfg.backup.dir)
+    s3.put_object(Bucket=bucket, Key=full_key, Body=full_body, Metadata=full_meta)
+
     # (a) the restore fetches the run only (the damaged segment before it never read) and restores the state
     rc, out, err = _run(capsys, "-c", conf, "--json", "restore", "--from-bucket", "latest", *to, "--key-file", key,
                         "--yes")
@@ -159,6 +197,10 @@ def test_a_restore_from_the_bucket_fetches_only_the_segments_its_replay_reads(be
     done = json.loads(out)
     got = sorted((o["name"] for o in done["bucket"]["objects"] if o["kind"] == "segment"), key=_span)
     assert got == run, (got, run)
+    # each object's fetch leg, from the fetch's start (what says which object held the others up)
+    legs = {o["file"]: (o["began"], o["seconds"]) for o in done["bucket"]["objects"]}
+    assert all(0 <= b and 0 <= s and b + s <= done["bucket"]["seconds"] for b, s in legs.values()), legs
+    assert {o["kind"] for o in done["bucket"]["objects"]} == {"full", "checkpoint", "segment"}, legs
     wait_healthy(c.cfg, 1, 60)
     diff = same_state(live, user_keys(dump(EtcdRpc(c.cfg.members[0].client_url, timeout=5.0))))
     assert not diff, diff[:10]  # keys, values and which keys share a lease (a restore grants new lease ids)

@@ -239,7 +239,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                  "master's folder found)")
     with fetch.staging_locked(directory) as staging:
         try:
-            staged = stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress)
+            staged = stage_all(fetch.bound(cfg, bp.full.folder), bp.items, directory, progress, since=t0)
             phases = {"stage": time.monotonic() - t0}
         except Stopped as stop:
             raise stop.sentence("restore --from-bucket", "nothing restored") from None
@@ -260,7 +260,7 @@ def fetch_checked(cfg: Config, bp: BucketPlan, target: Optional["Target"], *,
                          "segment(s) too")
                 rest, bp = bp.rest, bp.whole()
                 try:
-                    staged += stage_all(fetch.bound(cfg, bp.full.folder), rest, directory, progress)
+                    staged += stage_all(fetch.bound(cfg, bp.full.folder), rest, directory, progress, since=t0)
                 except Stopped as stop:
                     raise stop.sentence("restore --from-bucket", "nothing restored") from None
                 checked, facts, chain = check()

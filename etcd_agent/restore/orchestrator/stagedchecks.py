@@ -62,8 +62,10 @@ def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: 
         before = {os.path.join(checked, s.file): inode(os.path.join(checked, s.file)) for s in staged}
         named_as_they_hold(staged, lambda s: os.path.join(checked, s.file), "nothing restored")
         here = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=checked))
+        # a point in time ships the replay's db, never this snapshot: nothing later would hash it
+        # against the sha256 its manifest names (and its chain's first segment), so it is hashed here
         lines, facts = _check_full(here, bp.file, identities=identities, new_cluster=new_cluster,
-                                   key_file=key_file)
+                                   key_file=key_file, hash_now=target is not None)
         chain = None
         if target is not None:
             more, chain = _check_chain(cfg, here, bp.file, target, before, identities=identities,
@@ -75,13 +77,13 @@ def check_staged(cfg: Config, staging: str, staged: Sequence[fetch.Staged], bp: 
 
 
 def _check_full(here: Config, file: str, *, identities: Optional["Identities"], new_cluster: bool,
-                key_file: Optional[str]) -> Tuple[List[str], Dict[str, Any]]:
+                key_file: Optional[str], hash_now: bool) -> Tuple[List[str], Dict[str, Any]]:
     from etcd_agent.backup.identity import layout_problems
     from etcd_agent.backup.keys import key_path, local_key
     from etcd_agent.restore.orchestrator.source import open_source
 
     key = local_key(here)
-    src = open_source(here, file, here.backup.dir, hash_now=False, identities=identities)
+    src = open_source(here, file, here.backup.dir, hash_now=hash_now, identities=identities)
     try:
         arc = src.archive
         signature = arc.signature if arc is not None else "unsigned"
