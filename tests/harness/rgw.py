@@ -125,9 +125,13 @@ class RgwBed:
     ``addr`` is where S3 is served (the mon and OSD stay on loopback): 127.0.0.1, or a bridge
     address (a NetnsBed's ``gateway``) so that namespace hosts reach it."""
 
-    def __init__(self, workdir: str, *, addr: str = "127.0.0.1") -> None:
+    def __init__(self, workdir: str, *, addr: str = "127.0.0.1", store_bytes: int = 2 << 30) -> None:
         self.dir = os.path.abspath(workdir)
         self.addr = addr
+        # the OSD's memstore: what the store holds, in RAM. Full (past the OSD's full ratio, 95 %),
+        # Ceph blocks writes and the gateway stops answering: a bench chain and its checkpoints
+        # near 2 GiB need more
+        self.store_bytes = store_bytes
         self.conf = os.path.join(self.dir, "ceph.conf")
         self.mon_port = 0
         self.port = 0
@@ -325,7 +329,7 @@ class RgwBed:
         mon = self.mon_port
         with open(self.conf, "w") as fh:
             fh.write(_CONF.format(fsid=fsid, mon=mon, lo=mon + 1, hi=mon + 10, d=d, addr=self.addr,
-                                  port=self.port))
+                                  port=self.port, store=self.store_bytes))
         at = "/usr/bin/ceph-authtool"
         keys = {
             "admin.keyring": ("client.admin", ["mon", "allow *", "osd", "allow *", "mgr", "allow *"]),
@@ -460,7 +464,7 @@ rocksdb_cache_size = 33554432
 osd_data = {d}/osd/$id
 keyring = {d}/osd/$id/keyring
 osd_objectstore = memstore
-memstore_device_bytes = 2147483648
+memstore_device_bytes = {store}
 osd_memory_target = 939524096
 osd_crush_initial_weight = 1
 osd_op_num_shards = 2
