@@ -195,10 +195,14 @@ def test_a_crashed_point_in_time_restore_resumes_with_the_same_command(bed) -> N
     wait_durable(c, top)
     cmd = [AGENT, "-c", c.config_path, "restore", "--from", "latest", "--to", "newest", "--yes"]
     journal = os.path.join(work_dir_for(c.cfg.data_dir("m2"), "m2"), "journal.json")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    said = open(os.path.join(c.dir, "restore-killed.stderr"), "w+b")  # what it said, should it end early
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=said, start_new_session=True)
     try:
         def aside() -> bool:
-            assert proc.poll() is None, "the restore ended before it could be killed"
+            if proc.poll() is not None:
+                said.seek(0)
+                raise AssertionError(f"the restore ended (rc {proc.returncode}) before it could be killed: "
+                                     + said.read().decode(errors="replace")[-3000:])
             try:
                 with open(journal) as fh:
                     j = json.load(fh)
@@ -213,6 +217,7 @@ def test_a_crashed_point_in_time_restore_resumes_with_the_same_command(bed) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        said.close()
     kept = [n for n in os.listdir(os.path.join(c.cfg.backup.dir, ".pitr")) if n.endswith(".db")]
     assert len(kept) == 1, "the replay of the crashed restore is gone"
     t = time.monotonic()
