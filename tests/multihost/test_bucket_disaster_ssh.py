@@ -113,10 +113,16 @@ def bucket_keys(rgw: RgwBed, bucket: str) -> List[str]:
             for o in page.get("Contents", [])]
 
 
-def reach(rgw: RgwBed, bucket: str, chains_wanted: int) -> int:
-    """The revision every chain in the bucket has reached (0 until there are ``chains_wanted``)."""
-    ends = chain_ends(rgw, bucket)
-    return min(ends.values()) if len(ends) >= chains_wanted else 0
+def reach(rgw: RgwBed, bucket: str, hosts_wanted: int) -> int:
+    """The revision every master's copies in the bucket have reached: per host the furthest end of
+    its chains (a daemon that took a new full backup - the cluster's membership changed since its
+    first one - starts a new chain and leaves the old one where it ended), then the least of
+    them; 0 until ``hosts_wanted`` hosts have a chain."""
+    per_host: Dict[str, int] = {}
+    for chain, end in chain_ends(rgw, bucket).items():
+        host = chain.split("/", 1)[0]
+        per_host[host] = max(per_host.get(host, 0), end)
+    return min(per_host.values()) if len(per_host) >= hosts_wanted else 0
 
 
 def wait_reach(rgw: RgwBed, bucket: str, revision: int) -> None:
