@@ -96,6 +96,11 @@ class LocalHost:
         pass
 
 
+# how long closing a session waits for the end of its child's stderr (its last lines; only a
+# process the child started and left holding the pipe makes it wait at all)
+ERR_DRAIN_WAIT = 0.2
+
+
 class PipeSession:
     """The caller's end of a session over pipes: ``stdin`` written, ``out_fd`` read by lines with
     a deadline. LocalSession's child process is one other end; the test harness's scripted hosts
@@ -153,9 +158,18 @@ class LocalSession(PipeSession):
         self._err_thread.start()
 
     def _drain_stderr(self) -> None:
-        assert self._proc.stderr is not None
-        for raw in self._proc.stderr:
-            self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
+        """Read to the end of the child's stderr, then close it: this thread is its only reader
+        and its closer. A process the child started may hold the pipe open after the child ended
+        (no end of file until it ends too); closed from ``close`` under a blocked read, the read
+        woke on a freed buffer (`ValueError: PyMemoryView_FromBuffer()`, a traceback in the
+        operator's terminal)."""
+        fh = self._proc.stderr
+        assert fh is not None
+        try:
+            for raw in fh:
+                self._err.append(raw.decode("utf-8", "replace").rstrip("\n"))
+        finally:
+            fh.close()
 
     def abort(self) -> None:
         """End the command now (SIGTERM to its pid: a receiver removes its temp file on the way out)."""
@@ -173,9 +187,11 @@ class LocalSession(PipeSession):
             # after its input closed: node.server); reap it then
             threading.Thread(target=self._proc.wait, name=f"reap-{self.where}", daemon=True).start()
             return
-        for fh in (self._proc.stdout, self._proc.stderr):
-            if fh is not None:
-                fh.close()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        # what it said last is read before anyone asks for it (stderr_tail); its drain thread
+        # closes stderr at its end, later if a process it started still holds the pipe
+        self._err_thread.join(ERR_DRAIN_WAIT)
 
     def exit_code(self) -> Optional[int]:
         return self._proc.poll()

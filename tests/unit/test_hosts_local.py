@@ -107,3 +107,27 @@ def test_read_exists_put_get(host: LocalHost, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         host.put(str(tmp_path / "missing"), str(tmp_path / "x"))
     assert sorted(os.listdir(tmp_path)) == ["back.db", "dst.db", "src.db"]
+
+
+def test_a_session_closed_while_its_stderr_is_read_raises_nothing_in_any_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LocalSession.close`` closed the child's stderr while the thread draining it was still
+    reading (a process the child started holds the pipe open: no end of file when the child
+    ends): `ValueError: PyMemoryView_FromBuffer(): info->buf must not be NULL` printed as a
+    traceback in `restore --dry-run` (seen in CI). No exception in any thread; what the child
+    said before it ended is kept."""
+    import sys
+    import threading
+
+    from etcd_agent.hosts.local import LocalSession
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(repr(args.exc_value)))
+    late = "import sys, time\ntime.sleep(0.3)\nsys.stderr.write('late\\n')\n"
+    script = (f"import subprocess, sys\nsys.stderr.write('early\\n')\nsys.stderr.flush()\n"
+              f"subprocess.Popen([sys.executable, '-c', {late!r}])\n")
+    sessions = [LocalSession("here", [sys.executable, "-c", script]) for _ in range(3)]
+    for s in sessions:
+        s.close()
+    time.sleep(1.0)  # the grandchildren write and end: the drain threads wake
+    assert raised == []
+    assert all("early" in s.stderr_tail() for s in sessions), [s.stderr_tail() for s in sessions]
