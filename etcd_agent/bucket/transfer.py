@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.bucket.digests import READ_CHUNK, Digests, b64
-from etcd_agent.errors import BackupCorrupt
+from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import open_regular, start_writeback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,14 +191,20 @@ def get_ranges(b: Bucket, obj: Any, out: Any, offset: int, sha: "hashlib._Hash",
             b.check_deadline(what)
 
         with b.errors(what):
-            body = b.client.get_object(Bucket=b.bucket, Key=obj.key, Range=f"bytes={start}-{end - 1}",
-                                       **extra)["Body"]
+            resp = b.client.get_object(Bucket=b.bucket, Key=obj.key, Range=f"bytes={start}-{end - 1}", **extra)
+            body = resp["Body"]
             try:
                 got = _read_into(body, view, tick)
             finally:
                 body.close()
         if got > want:
             raise BackupCorrupt(f"{b.where(obj.name)} sent more than the {want} bytes asked from byte {start}")
+        if got != want and resp.get("ContentLength") == want:
+            # the answer promised every byte asked, and its connection ended first: a cut (a
+            # gateway stopped, a link lost), not a shorter object; what was written stays a
+            # prefix to continue
+            raise BackupError(f"{b.where(obj.name)}: the connection ended after {got} of the {want} bytes "
+                              f"asked from byte {start}")
         if got != want:  # a body that ended cleanly, short: the object is not the size HEAD claimed
             raise BackupCorrupt(f"{b.where(obj.name)} sent {got} bytes for the {want} asked from byte {start}: it is "
                                 f"shorter than the {obj.size} bytes it claims; nothing of it kept")
