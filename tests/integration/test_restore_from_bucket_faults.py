@@ -34,6 +34,7 @@ import pytest
 
 from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket.digests import READ_CHUNK
+from etcd_agent.chain import chains
 from etcd_agent.chain.segments import Txn, parse_name
 from tests.harness.cutproxy import CutProxy
 from tests.harness.rgw import RgwBed, remote_table
@@ -116,7 +117,7 @@ def world(rgw: RgwBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wor
             d = make(tables=remote_table(rgw, bucket, prefix="p/", keep_last=10, connect_timeout=2, read_timeout=20).replace(rgw.endpoint, proxy.endpoint))
             c = d.c
             start_all(d)
-            wait_watching(c)
+            first = wait_watching(c)
             r = rpc(c)
             big = {f"/big/{i:02d}": os.urandom(128 * 1024) for i in range(BIG_KEYS)}
             for k, v in big.items():
@@ -124,6 +125,10 @@ def world(rgw: RgwBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wor
             made = agent(c, "backup")  # the full backup `latest` names; the daemon's chain moves onto it
             assert made.returncode == 0, made.stdout + made.stderr
             full = full_backups(c)[-1]
+            # the batches below go into the new chain only once the watch moved onto it: written
+            # before, the old watch closes a segment with them and the new chain's first segment
+            # holds two batches (CI 45: two segments where three were asked)
+            wait_for(lambda: chains.active_base(c.cfg.backup.dir) not in (None, first), 60, "the watch on the new chain")
             for batch in range(3):  # three closed segments at least
                 wait_durable(c, _written(c, 4, f"/b{batch}/"))
             want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
