@@ -135,6 +135,12 @@ def decode_keepalive(buf: bytes, limit: int) -> Tuple[int, int]:
     return m.ID, m.TTL
 
 
+def decode_db_sizes(buf: bytes, limit: int) -> Tuple[int, int]:
+    """A StatusResponse's (dbSize, dbSizeInUse): the db file's bytes and those its pages in use hold."""
+    m = parse(rpc_pb2.StatusResponse, buf, limit)
+    return m.dbSize, m.dbSizeInUse
+
+
 # ---------------------------------------------------------------- watch
 
 

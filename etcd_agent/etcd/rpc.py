@@ -122,6 +122,11 @@ class EtcdRpc:
         """Maintenance.Defragment of this member: its db file rewritten with only the pages in use."""
         self._unary("/etcdserverpb.Maintenance/Defragment", rpc_pb2.DefragmentRequest(), timeout)
 
+    def db_sizes(self) -> Tuple[int, int]:
+        """Maintenance.Status of this member: (its db file's size, the bytes its pages in use hold)."""
+        raw = self._unary("/etcdserverpb.Maintenance/Status", rpc_pb2.StatusRequest())
+        return self._decode("Status", proto.decode_db_sizes, raw)
+
     # ------------------------------------------------------------ leases
 
     def lease_grant(self, ttl: int, lease_id: int = 0) -> Tuple[int, int]:

@@ -383,6 +383,18 @@ def _fold(plan: Plan, restored: int, ks: keyspace.KeySpace, cancel: Optional[thr
     return used
 
 
+DEFRAGMENT_FREE_SHARE = 0.5  # the replayed db is defragmented when more than this share of it is free pages
+
+
+def _worth_defragmenting(size: int, in_use: int) -> bool:
+    """Whether the replayed db's free pages (``size - in_use`` of ``size`` bytes) are worth a
+    defragmentation: more than ``DEFRAGMENT_FREE_SHARE`` of the file. A status that makes no sense
+    (in use more than the file, nothing in use) is defragmented, as before this rule."""
+    if size <= 0 or in_use <= 0 or in_use > size:
+        return True
+    return size - in_use > DEFRAGMENT_FREE_SHARE * size
+
+
 def _run(
     s: ScratchEtcd,
     plan: Plan,
@@ -441,9 +453,16 @@ def _run(
         lap("compact")
         # and without the free pages the full backup or checkpoint brought along (a cluster's db
         # file only grows: compaction frees pages, only a defragmentation gives them back): every
-        # member then ships, restores and starts only the data
-        rpc.defragment(timeout=600.0)
-        lap("defragment")
+        # member then ships, restores and starts only the data. A db mostly in use (a lean
+        # checkpoint and a short tail) is not rewritten: copying its data costs more than
+        # shipping its few free pages (docs/delta-segments.md, "The replayed db defragmented only when mostly free")
+        size, in_use = rpc.db_sizes()
+        worth = _worth_defragmenting(size, in_use)
+        if worth:
+            rpc.defragment(timeout=600.0)
+        lap("defragment" if worth else "defragment skipped (mostly in use)")
+        log.info("replayed db: %d bytes, %d in use: %s", size, in_use,
+                 "defragmented" if worth else "not defragmented (mostly in use)")
         # no `snapshot status` (another process reading the whole db): the revision is read from
         # the saved db's own pages, as the restore reads it again before shipping it
         lap.stop = None  # from here the replay ends whole: a stop now would only waste it
