@@ -397,8 +397,32 @@ class ScratchEtcd:
 
     def save(self, dest: str, *, timeout: float = 3600.0) -> None:
         """``snapshot_save`` without the status (a full read of the saved db by another process):
-        for a caller that reads what it needs from the db itself."""
-        self._save(dest, timeout, status=False)
+        for a caller that reads what it needs from the db itself. Streamed by the agent itself
+        (``Maintenance.Snapshot``, as a backup is), not by an etcdctl process: the same bytes,
+        written 0600, fsynced, then linked to ``dest``, without a Go process's start and connect
+        (0.17-0.24 s against 0.09-0.11 s for a 12.5 MB db here)."""
+        directory = os.path.dirname(os.path.abspath(dest))
+        tmp = os.path.join(directory, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
+        t = time.monotonic()
+        client = self.client(timeout=timeout)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                for chunk in client.snapshot_chunks(self.endpoint, timeout=timeout):
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._took("save", t)
+            os.link(tmp, dest)
+            fsync_dir(directory)
+        except EtcdError as exc:
+            raise ScratchError(f"snapshot save from the scratch etcd failed: {exc.message}") from None
+        except OSError as exc:
+            raise ScratchError(f"writing {dest} failed: {exc.strerror or exc}") from None
+        finally:
+            client.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
     def _save(self, dest: str, timeout: float, *, status: bool) -> Optional[SnapshotStatus]:
         directory = os.path.dirname(os.path.abspath(dest))
