@@ -19,7 +19,7 @@ from etcd_agent.bucket.client import Bucket
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
 from etcd_agent.waiting import NotYet, poll
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, on_agent_clients
 from tests.integration.test_backup_fetch import small_backup_dir  # noqa: F401  # a fixture
 from tests.integration.test_backup_remote import remote_config
 
@@ -80,8 +80,6 @@ def test_a_part_that_ends_first_frees_its_buffer_for_the_next_part_while_an_olde
     buffer of whichever request ended, not held behind the oldest, so the store keeps as many
     parts in flight as the buffers allow. Part 1 here waits, inside its request, for part 6 (which
     needs a buffer freed by another part) to begin; the parts still land in order."""
-    from etcd_agent.bucket import client as remotebucket
-
     cfg = remote_config(rgw)  # 5 MiB parts, 4 in flight, 5 buffers: part 6 needs one freed
     path = tmp_path / NAME
     size = 7 * 5 * MiB + 17  # 8 parts
@@ -95,13 +93,7 @@ def test_a_part_that_ends_first_frees_its_buffer_for_the_next_part_while_an_olde
         elif params["PartNumber"] == 1 and not saw:
             saw.append(sixth.wait(GUARD))  # a guard: before, part 6 waited for part 1 to end
 
-    real = remotebucket._client
-
-    def hooked(*a: Any, **kw: Any) -> Any:
-        c = real(*a, **kw)
-        c.meta.events.register("before-parameter-build.s3.UploadPart", begun)
-        return c
-    monkeypatch.setattr(remotebucket, "_client", hooked)
+    on_agent_clients(monkeypatch, "before-parameter-build.s3.UploadPart", begun)
     obj = remote.upload_file(cfg, str(path), NAME, sha256=sha)
     assert saw == [True]  # part 6 began while part 1 was still being sent
     assert (obj.sha256, obj.size, obj.verified_by) == (sha, size, "etag") and obj.etag.endswith("-8"), obj
