@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import IO, TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Union
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Union
 
 import psutil
 import pytest
@@ -97,6 +97,24 @@ def rgw_config(rgw: "RgwBed", bucket: str, *, backup_dir: Optional[str] = None, 
     cfg, errors = parse_text(rgw_config_text(rgw, bucket, backup_dir=backup_dir, **keys))
     assert not errors and cfg is not None, errors
     return cfg
+
+
+def on_agent_clients(monkeypatch: pytest.MonkeyPatch, event: str, handler: Callable[..., Any]) -> None:
+    """``handler`` registered for botocore's ``event`` (``before-call.s3.GetObject``,
+    ``before-parameter-build.s3.UploadPart`` ...) on every S3 client the agent makes from now on
+    (``etcd_agent.bucket.client._client``), until the test ends: to count or watch the agent's
+    requests, hold one, or answer one in the store's place (a before-call handler's return value
+    is the response). Called again, the handlers add up."""
+    from etcd_agent.bucket import client as remotebucket
+
+    made = remotebucket._client
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        client = made(*args, **kwargs)
+        client.meta.events.register(event, handler)
+        return client
+
+    monkeypatch.setattr(remotebucket, "_client", hooked)
 
 
 def _toml(v: TomlValue) -> str:

@@ -23,7 +23,7 @@ from etcd_agent.bucket import fetch, layout
 from etcd_agent.bucket.staging import fetch_into
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, on_agent_clients
 from tests.integration.continuous import agent, full_backups, put, rpc, segment_files, wait_durable, wait_for
 from tests.integration.test_backup_remote import remote_config
 from tests.integration.test_bucket_queue import landed, started
@@ -303,14 +303,7 @@ def test_objects_are_fetched_at_once(rgw: RgwBed, tmp_path: Path, monkeypatch: p
             gate.wait_for(lambda: waiting[0] >= FETCH_WORKERS, timeout=GUARD)
             opened.set()
 
-    made = remotebucket._client
-
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        client = made(*args, **kwargs)
-        client.meta.events.register("before-call.s3.GetObject", held)
-        return client
-
-    monkeypatch.setattr(remotebucket, "_client", hooked)
+    on_agent_clients(monkeypatch, "before-call.s3.GetObject", held)
     assert main(["-c", conf, "backup", "fetch", "latest"]) == 0
     assert most[0] == FETCH_WORKERS, f"{most[0]} GET(s) at once"
     assert len(_landed(cfg)) == 1 + 2 * FETCH_WORKERS, _landed(cfg)

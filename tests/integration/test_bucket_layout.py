@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 
 from etcd_agent.bucket import remote
 from etcd_agent.config import Config
-from tests.harness.rgw import RgwBed, rgw_config
+from tests.harness.rgw import RgwBed, on_agent_clients, rgw_config
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,6 @@ def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, m
     of the bucket each, for the copies and their chains. Each full backup still gets one HEAD: its sha256 and revision (what
     the listing shows, and where a legacy chain is found) are object metadata, which a listing
     does not return."""
-    from etcd_agent.bucket import client as remotebucket
     from etcd_agent.cli.backup import _list_remote
 
     bucket = rgw.new_bucket()
@@ -90,15 +89,8 @@ def test_backup_list_remote_lists_the_bucket_once(rgw: RgwBed, tmp_path: Path, m
               f"chains/{K_NEW}/checkpoints/{CP}"]:
         put(cfg, tmp_path, n, {"revision": "10"} if n == OLD else {"revision": "30"} if n.endswith(NEW) else {})
 
-    calls: List[str] = []
-    made = remotebucket._client
-
-    def counted(*a: Any, **kw: Any) -> Any:  # every client the agent makes, its API calls counted
-        c = made(*a, **kw)
-        c.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
-        return c
-
-    monkeypatch.setattr(remotebucket, "_client", counted)
+    calls: List[str] = []  # every client the agent makes, its API calls counted
+    on_agent_clients(monkeypatch, "before-call.s3", lambda model, **_: calls.append(model.name))
     out = _list_remote(cfg)
     assert calls.count("ListObjectsV2") == 1, calls
     assert calls.count("HeadObject") == 2 and set(calls) == {"ListObjectsV2", "HeadObject"}, calls

@@ -16,12 +16,11 @@ from typing import Any, Callable, List, Optional
 import pytest
 
 from etcd_agent.backup.service import take_backup
-from etcd_agent.bucket import client as remotebucket
 from etcd_agent.bucket import copier, digests, fetch, layout, queue, remote, transfer
 from etcd_agent.bucket.client import Bucket
 from etcd_agent.errors import BackupCorrupt, BackupError
 from etcd_agent.fs import open_regular
-from tests.harness.rgw import RgwBed, remote_table
+from tests.harness.rgw import RgwBed, on_agent_clients, remote_table
 from tests.integration.test_backup_remote import remote_config
 from tests.integration.test_bucket_transfer import _file
 
@@ -49,14 +48,9 @@ def on_copy(monkeypatch: pytest.MonkeyPatch, handler: Callable[..., Any]) -> Lis
     """``handler`` on every CopyObject of the clients made from now on (botocore's before-call:
     what it returns, if anything, is the response); the list of the copies' destination keys."""
     seen: List[str] = []
-    real = remotebucket._client
-
-    def hooked(*a: Any, **kw: Any) -> Any:
-        c = real(*a, **kw)
-        c.meta.events.register("before-parameter-build.s3.CopyObject", lambda params, **_: seen.append(params["Key"]))
-        c.meta.events.register("before-call.s3.CopyObject", handler)
-        return c
-    monkeypatch.setattr(remotebucket, "_client", hooked)
+    on_agent_clients(monkeypatch, "before-parameter-build.s3.CopyObject",
+                     lambda params, **_: seen.append(params["Key"]))
+    on_agent_clients(monkeypatch, "before-call.s3.CopyObject", handler)
     return seen
 
 

@@ -1,16 +1,18 @@
 """The bytes of a copy to and from a real S3 server (Ceph RGW), several requests at once
 (bucket/transfer.py): an upload checks the bytes it sends against the sha256 it was named by, a
-large download comes as ranges written in order, so a run stopped halfway leaves a part the next
-one continues."""
+large download comes as ranges written in order, so a run stopped halfway (the gateway stopped, a
+range's connection ended mid-body, the disk full) leaves a part the next one continues."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
+import subprocess
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -19,9 +21,9 @@ from etcd_agent.bucket.client import Bucket
 from etcd_agent.config import Config
 from etcd_agent.errors import BackupCorrupt, BackupError, OperationFailed
 from etcd_agent.waiting import NotYet, poll
-from tests.harness.rgw import RgwBed
+from tests.harness.rgw import RgwBed, on_agent_clients
 from tests.integration.test_backup_fetch import small_backup_dir  # noqa: F401  # a fixture
-from tests.integration.test_backup_remote import remote_config
+from tests.integration.test_backup_remote import _with, remote_config
 
 pytestmark = pytest.mark.integration
 
@@ -80,8 +82,6 @@ def test_a_part_that_ends_first_frees_its_buffer_for_the_next_part_while_an_olde
     buffer of whichever request ended, not held behind the oldest, so the store keeps as many
     parts in flight as the buffers allow. Part 1 here waits, inside its request, for part 6 (which
     needs a buffer freed by another part) to begin; the parts still land in order."""
-    from etcd_agent.bucket import client as remotebucket
-
     cfg = remote_config(rgw)  # 5 MiB parts, 4 in flight, 5 buffers: part 6 needs one freed
     path = tmp_path / NAME
     size = 7 * 5 * MiB + 17  # 8 parts
@@ -95,13 +95,7 @@ def test_a_part_that_ends_first_frees_its_buffer_for_the_next_part_while_an_olde
         elif params["PartNumber"] == 1 and not saw:
             saw.append(sixth.wait(GUARD))  # a guard: before, part 6 waited for part 1 to end
 
-    real = remotebucket._client
-
-    def hooked(*a: Any, **kw: Any) -> Any:
-        c = real(*a, **kw)
-        c.meta.events.register("before-parameter-build.s3.UploadPart", begun)
-        return c
-    monkeypatch.setattr(remotebucket, "_client", hooked)
+    on_agent_clients(monkeypatch, "before-parameter-build.s3.UploadPart", begun)
     obj = remote.upload_file(cfg, str(path), NAME, sha256=sha)
     assert saw == [True]  # part 6 began while part 1 was still being sent
     assert (obj.sha256, obj.size, obj.verified_by) == (sha, size, "etag") and obj.etag.endswith("-8"), obj
@@ -140,6 +134,120 @@ def test_a_ranged_download_stopped_halfway_leaves_a_part_the_next_run_continues(
     assert (done.how, done.resumed_at) == ("resumed", len(part))
     assert hashlib.sha256(Path(cfg.backup.dir, NAME).read_bytes()).digest() == hashlib.sha256(body).digest()
     assert os.listdir(cfg.backup.dir) == [NAME]  # the staging dir went with its last part
+
+
+def _spans(asked: Sequence[Tuple[str, str, str]]) -> List[Tuple[int, int]]:
+    """(first byte, end) of each ranged GET among the requests a CutProxy saw."""
+    out = []
+    for method, _path, rng in asked:
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", rng)
+        if method == "GET" and m:
+            out.append((int(m.group(1)), int(m.group(2)) + 1))
+    return out
+
+
+CUT_IN = 3 * MiB  # where in its range's response the connection ends: its head and 3 MiB less a few bytes
+
+
+@pytest.mark.parametrize("cut", [2, 3], ids=["2nd-range", "3rd-range"])
+def test_a_range_whose_connection_ends_mid_body_keeps_the_ranges_before_it_and_the_same_fetch_continues(
+        cut: int, rgw: RgwBed, tmp_path: Path) -> None:
+    """A download of 8 MiB ranges, 4 at once, whose ``cut``-th range's connection ends cleanly 3 MiB
+    into a body its Content-Length promised whole (a gateway stopped mid-body, CI 41): a fault to
+    continue, said in one sentence (a BackupError, not the "shorter than it claims" of a short
+    object, which would discard the part); the part holds exactly the ranges before it, none of
+    the cut one; the same call continues from it, asking for no byte it holds, and ends with the
+    whole object. The proxy cuts that range's response only, whichever of the 4 at once comes first."""
+    from tests.harness.cutproxy import CutProxy
+
+    proxy = CutProxy(("127.0.0.1", rgw.port))
+    try:
+        cfg = _with(remote_config(rgw), endpoint=proxy.endpoint)
+        cfg = dataclasses.replace(cfg, backup=dataclasses.replace(cfg.backup, dir=str(tmp_path / "backups")))
+        size = 5 * transfer.RANGE_BYTES + 12345  # ranged from the start and from the part alike
+        assert transfer.RANGE_BYTES == 8 * MiB and transfer.RANGE_WORKERS == 4  # the download's own ranges
+        b = Bucket(cfg)
+        body, obj = _stored(rgw, b, size)
+        start = (cut - 1) * transfer.RANGE_BYTES
+        proxy.cut_after(CUT_IN, request=f"Range: bytes={start}-")
+        want = fetch.Wanted(obj.name, NAME, layout.FULL, size)
+        with fetch.staging_locked(cfg.backup.dir) as staging:
+            with pytest.raises(BackupError) as info:
+                fetch.fetch_one(b, want, cfg.backup.dir)
+            assert proxy.fired.is_set()
+            msg = info.value.message
+            assert not isinstance(info.value, BackupCorrupt), msg
+            m = re.fullmatch(rf"{re.escape(b.where(obj.name))}: the connection ended after (\d+) of the "
+                             rf"{transfer.RANGE_BYTES} bytes asked from byte {start}", msg)
+            assert m and CUT_IN - 4096 < int(m.group(1)) < CUT_IN, msg  # one sentence, the cut range's
+            part = Path(staging, NAME + ".part").read_bytes()
+            assert len(part) == start, len(part)  # the ranges before the cut one, whole, in order
+            assert hashlib.sha256(part).digest() == hashlib.sha256(body[:start]).digest()
+            assert not Path(cfg.backup.dir, NAME).exists()
+            assert _download_threads() == []
+            before = len(proxy.asked)
+            done = fetch.fetch_one(Bucket(cfg), want, cfg.backup.dir)
+        asked = _spans(proxy.asked[before:])
+    finally:
+        proxy.close()
+    assert (done.how, done.resumed_at) == ("resumed", start)
+    # continued: ranges from the part's end on, each byte once, fewer than the object's
+    assert min(a for a, _ in asked) == start and sorted(asked) == [
+        (a, min(a + transfer.RANGE_BYTES, size)) for a in range(start, size, transfer.RANGE_BYTES)], asked
+    assert sum(e - a for a, e in asked) == size - start < size
+    assert hashlib.sha256(Path(cfg.backup.dir, NAME).read_bytes()).digest() == hashlib.sha256(body).digest()
+    assert os.listdir(cfg.backup.dir) == [NAME]  # the staging dir went with its last part
+
+
+def test_backup_fetch_cut_mid_range_fails_in_one_sentence_and_the_same_command_continues(
+        rgw: RgwBed, tmp_path: Path) -> None:
+    """`backup fetch` of a 40 MiB backup whose 2nd range's connection ends mid-body: exit 1, one
+    error line saying the same command continues, nothing in the backup dir but the staging dir,
+    the part the first range; the same command again continues at byte 8 MiB (asking for none
+    before it) and the backup lands whole."""
+    from tests.harness.cutproxy import CutProxy
+    from tests.harness.rgw import rgw_config, rgw_config_text
+    from tests.integration.test_restore import AGENT
+
+    proxy = CutProxy(("127.0.0.1", rgw.port))
+    try:
+        bucket, directory = rgw.new_bucket(), str(tmp_path / "backups")
+        conf = tmp_path / "agent.toml"  # the agent's: through the proxy
+        conf.write_text(rgw_config_text(rgw, bucket, backup_dir=directory).replace(rgw.endpoint, proxy.endpoint))
+        conf.chmod(0o600)
+        b = Bucket(rgw_config(rgw, bucket, backup_dir=directory))  # the test's: straight to the store
+        size = 5 * transfer.RANGE_BYTES + 12345
+        body, obj = _stored(rgw, b, size)
+        start = transfer.RANGE_BYTES
+        proxy.cut_after(CUT_IN, request=f"Range: bytes={start}-")
+        res = subprocess.run([AGENT, "-c", str(conf), "backup", "fetch", "latest"], capture_output=True, text=True,
+                             timeout=300)
+        assert proxy.fired.is_set()
+        assert res.returncode == 1, res.stdout + res.stderr
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("etcd-agent: error: ")]
+        assert len(errors) == 1 and res.stderr.rstrip("\n").endswith(errors[0]), res.stderr
+        assert re.fullmatch(rf"etcd-agent: error: backup fetch: 0 of 1 object\(s\) fetched, then: "
+                            rf"{re.escape(b.where(obj.name))}: the connection ended after \d+ of the "
+                            rf"{transfer.RANGE_BYTES} bytes asked from byte {start}; nothing moved into "
+                            rf"{re.escape(directory)} - the same command continues the fetch where it stopped",
+                            errors[0]), errors[0]
+        assert [n for n in os.listdir(directory) if not n.startswith(".")] == [], os.listdir(directory)
+        part = Path(directory, fetch.STAGING, NAME + ".part").read_bytes()
+        assert hashlib.sha256(part).digest() == hashlib.sha256(body[:start]).digest(), len(part)
+        before = len(proxy.asked)
+        again = subprocess.run([AGENT, "-c", str(conf), "backup", "fetch", "latest"], capture_output=True,
+                               text=True, timeout=300)
+        asked = _spans(proxy.asked[before:])
+    finally:
+        proxy.close()
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"continued at byte {start}" in again.stderr, again.stderr
+    out = res.stdout + res.stderr + again.stdout + again.stderr
+    assert rgw.secret_key not in out and rgw.access_key not in out, "a credential in the output"
+    assert min(a for a, _ in asked) == start and sum(e - a for a, e in asked) == size - start, asked
+    assert hashlib.sha256(Path(directory, NAME).read_bytes()).digest() == hashlib.sha256(body).digest()
+    assert os.listdir(directory) == [NAME], os.listdir(directory)
+    print(f"\nrefused (exit 1): {errors[0]}")
 
 
 @pytest.mark.parametrize("way", ["socket", "wrapped"])
@@ -181,7 +289,6 @@ def test_a_range_that_stalls_mid_body_fails_as_a_gateway_that_did_not_answer(
     and says so in one sentence, a BackupError (the part is kept to be continued), whichever way
     the range is read."""
     from tests.harness.cutproxy import CutProxy
-    from tests.integration.test_backup_remote import _with
 
     monkeypatch.setattr(transfer, "RANGE_BYTES", MiB)
     if way == "wrapped":
