@@ -111,7 +111,10 @@ def layout_problems(snapshot: SnapshotIdentity, cfg: "Config") -> List[str]:
             represented.add(hit.name)
     missing = [m.name for m in cfg.members if m.name not in represented]
     if missing and not problems:
-        problems.append(f"config member(s) {', '.join(missing)} are not in the snapshot's cluster")
+        listed = "; ".join(f"{sm.name or sm.id_hex + ' (unnamed)'} {','.join(sm.peer_urls) or 'no peer URL'}"
+                           + (" (learner)" if sm.is_learner else "") for sm in snapshot.members)
+        problems.append(f"config member(s) {', '.join(missing)} are not in the snapshot's cluster (it lists "
+                        f"{listed})")
     return problems
 
 

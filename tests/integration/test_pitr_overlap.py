@@ -57,7 +57,9 @@ def test_killed_while_the_hosts_are_prechecked_during_the_replay_touches_nothing
     with agent_run(cmd) as proc:
         def replay_member() -> List[psutil.Process]:
             assert proc.poll() is None, "the restore ended before its replay could be frozen"
-            return [p for p in _scratch_etcds(tops) if p.name() == "etcd"]
+            # the name as listed (p.info): asked again, a process that ended meanwhile (the replay's
+            # etcdutl, done restoring) raises NoSuchProcess (CI 46)
+            return [p for p in _scratch_etcds(tops) if p.info["name"] == "etcd"]
 
         frozen = wait_for(replay_member, 180, "the replay's throwaway etcd running", interval=0.01)
         for p in frozen:  # the replay cannot go on, let alone end, until the test has seen the hosts

@@ -117,3 +117,16 @@ def test_shares_members_tells_history_from_another_cluster() -> None:
     assert shares_members(SNAP["a"], config((17380, 17382, 17384, 17386), ("m1", "m2", "m3", "m4")))  # scale-up
     assert shares_members(SNAP["a"], config((17380, 17382), ("m1", "m2")))  # scale-down
     assert not shares_members(SNAP["b"], CFG)
+
+
+def test_a_config_member_missing_from_the_snapshot_is_named_with_what_the_snapshot_lists() -> None:
+    """(CI 46: a replay's full backup refused for lacking m1, the message saying nothing of what
+    it held.) A config of four members, the snapshot of three: the fourth is named, and so is every
+    member the snapshot lists, with its peer URL."""
+    from etcd_agent.backup.identity import layout_problems
+
+    cfg4 = config((17380, 17382, 17384, 17386), ("m1", "m2", "m3", "m4"))
+    problems = layout_problems(SNAP["a"], cfg4)
+    assert len(problems) == 1 and problems[0].startswith("config member(s) m4 are not in the snapshot's cluster "), problems
+    for m in SNAP["a"].members:
+        assert f"{m.name} {','.join(m.peer_urls)}" in problems[0], problems[0]
