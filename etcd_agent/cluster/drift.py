@@ -59,7 +59,7 @@ def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str],
     for m in members:
         cfgm = next((by_peer[u] for u in m.peer_urls if u in by_peer), None)
         label = cfgm.name if cfgm else (m.name or m.hex_id)
-        if not m.started:
+        if not m.name:  # added by `member add`, never ran (a static bootstrap's unstarted members have names)
             out.append(Finding(ZOMBIE, label, f"member {m.hex_id} ({','.join(m.peer_urls)}) was added but never "
                                               "started", m.id))
         elif cfgm is None:
@@ -68,7 +68,7 @@ def analyze(cfg: Config, members: List[MemberInfo], confs: Dict[str, str],
         elif m.name != cfgm.name:
             out.append(Finding(NAME_MISMATCH, label, f"member {m.hex_id} at {cfgm.peer_url} calls itself {m.name!r}, "
                                                      f"the config {cfgm.name!r}", m.id))
-    names = Counter(m.name for m in members if m.started)
+    names = Counter(m.name for m in members if m.name)
     for name, n in names.items():
         if n > 1:
             out.append(Finding(DUP_NAME, name, f"{n} members are named {name!r}"))
@@ -188,7 +188,7 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clo
                 for z in zombies:
                     members = c.members()
                     target = next((m for m in members if m.id == z.member_id), None)
-                    if target is None or target.started:
+                    if target is None or target.name:
                         done.append(f"member {z.member_id:x} started or left meanwhile: left alone")
                         continue
                     voting = [m for m in members if not m.is_learner]
@@ -203,11 +203,11 @@ def execute_repair(cfg: Config, fixes: List[Fix], grace: float = 5.0, clock: Clo
             if not (fx.safe and fx.kind == CONF_DRIFT):
                 continue
             m = cfg.member(fx.target)
-            pairs = sorted((x.name, x.peer_urls[0]) for x in members if x.started and x.peer_urls)
+            pairs = sorted((x.name, x.peer_urls[0]) for x in members if x.name and x.peer_urls)
             if cfg.cluster.bootstrap == "static" and pairs == sorted((y.name, y.peer_url) for y in cfg.members):
                 boot = static_bootstrap(cfg, m)
             else:
-                boot = join_bootstrap(cfg, m, [(x.name, x.peer_urls[0]) for x in members if x.started and x.peer_urls])
+                boot = join_bootstrap(cfg, m, [(x.name, x.peer_urls[0]) for x in members if x.name and x.peer_urls])
             lm = LocalMember(with_local(cfg, m.name), m)
             from etcd_agent.topology import render_conf
 

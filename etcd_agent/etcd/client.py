@@ -53,8 +53,11 @@ class MemberInfo:
 
     @property
     def started(self) -> bool:
-        """A member added but never started has no name and no client URLs yet."""
-        return bool(self.name)
+        """Whether the member has run: it published its client URLs. Not its name: a member
+        added by ``member add`` has none until it runs, but the members of a static bootstrap are
+        listed by their ``--initial-cluster`` names before they ever ran (no client URLs), and one
+        taken as started was "replaced" instead of starting in the forming cluster."""
+        return bool(self.client_urls)
 
     @property
     def hex_id(self) -> str:

@@ -191,7 +191,7 @@ def add_member_idempotent(client: EtcdClient, member: Member, *, learner: bool =
     def _add() -> MemberInfo:
         existing = find_member(client.members(), member)
         if existing is not None:
-            if existing.started and existing.name != member.name:
+            if existing.name and existing.name != member.name:
                 raise RefusedError(
                     f"peer URL {member.peer_url} already belongs to member {existing.name!r} ({existing.hex_id})"
                 )

@@ -126,6 +126,35 @@ def test_daemons_bootstrap_heal_and_replace(daemons, bootstrap):
     assert not any(lm.backend.is_active() for lm in d.c.members), "daemon stop left etcd running"
 
 
+def test_a_static_member_whose_daemon_starts_late_joins_the_forming_cluster_not_replaced(daemons):
+    """Static bootstrap, m1's daemon started only once m2 and m3 formed the cluster (quorum):
+    etcd lists m1 by its --initial-cluster name although it never ran (no client URLs). Taken as
+    started, m1 was "replaced" (member remove, member add, a new id): a full backup taken meanwhile
+    held two members, and a restore of it was refused (CI 46: test_pitr, test_bucket_disaster_ssh).
+    It starts with state=new on its bootstrap id instead."""
+    d = daemons("static")
+    cfg = d.c.cfg
+    for m in ("m2", "m3"):
+        d.start(m)
+
+    def two_healthy():
+        rows = {r.name: r.healthy for r in cluster_status(cfg, timeout=1.0)}
+        return rows.get("m2") and rows.get("m3")
+
+    poll(two_healthy, timeout=90, what="m2 and m3 forming the static cluster", interval=0.3)
+    with EtcdClient.from_config(cfg) as c:
+        listed = {m.name: m for m in c.members()}
+    assert "m1" in listed and not listed["m1"].client_urls, listed  # named by the bootstrap, never ran
+    assert not listed["m1"].started
+    d.start("m1")
+    wait_healthy(cfg, 3, 90)
+    with EtcdClient.from_config(cfg) as c:
+        now = {m.name: m.id for m in c.members()}
+    assert now["m1"] == listed["m1"].id, "m1 was replaced (a new member id) instead of starting on its bootstrap one"
+    log = d.log("m1")
+    assert "-> replace" not in log and "starting with state=new" in log, log
+
+
 def test_daemon_respects_leave_until_join(daemons):
     """`leave` with the daemon still running: the daemon must not bring the member back by
     itself; `join` hands it back to the daemon."""
