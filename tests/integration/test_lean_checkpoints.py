@@ -38,13 +38,13 @@ def live_db(c: Any) -> Tuple[int, Tuple[str, ...]]:
     return st.db_size, ids
 
 
-def overwritten_and_compacted(bed: Any, lean: bool) -> Tuple[Any, Any, str, Any, str, Dict[str, Any]]:
+def overwritten_and_compacted(bed: Any, lean: bool, backup: str = "") -> Tuple[Any, Any, str, Any, str, Dict[str, Any]]:
     """A one-member bed whose 20 keys were overwritten 50 times with 16 KiB values and whose
     history was then compacted; more puts until the daemon vouched for a checkpoint taken after
     the compaction. (daemons, cluster, backup dir, rpc, that checkpoint's path, its manifest)."""
     # a checkpoint each 1 MiB the chain grows (checkpoints.MIN_GROWTH), whatever its full backup's size
     delta = dict(CHECKPOINTS, checkpoint_ratio="0.01")
-    d = bed(delta=delta if lean else dict(delta, lean_checkpoints="false"))  # on by default
+    d = bed(delta=delta if lean else dict(delta, lean_checkpoints="false"), backup=backup)  # on by default
     start_all(d)
     c, directory = d.c, d.c.cfg.backup.dir
     wait_watching(c)
@@ -136,3 +136,24 @@ def test_without_lean_checkpoints_a_checkpoint_is_the_live_db_as_etcd_streams_it
     assert size > man["db_size"] // 2, (size, man["db_size"])
     assert size > 10 * 1024 * 1024, size  # 1000 overwrites of 16 KiB, compacted but not defragmented
     assert not os.path.exists(os.path.join(c.cfg.daemon.state_dir, "checkpoint-stage"))
+
+
+def test_an_encrypted_lean_checkpoint_is_staged_outside_the_backup_dir_and_verifies(bed, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd_agent import age
+
+    secret, recipient = age.generate_identity()
+    key = tmp_path / "backup-key.txt"
+    key.write_text(secret + "\n")
+    os.chmod(key, 0o600)
+    _d, c, directory, _r, cp, man = overwritten_and_compacted(bed, lean=True, backup=f'encrypt_to = ["{recipient}"]\n')
+    assert SNAP + ".age" in man["files"] and SNAP not in man["files"], man["files"]
+    size, from_bytes = man["encryption"]["plaintext_size"], man["snapshot"]["lean"]["from_bytes"]
+    assert size < from_bytes // 2, (size, from_bytes)
+    assert man["snapshot"]["pages"] * man["snapshot"]["page_size"] + 32 == size
+    # the plaintext was staged under the state dir, never in the backup dir (copied off-host)
+    assert os.path.isdir(os.path.join(c.cfg.daemon.state_dir, "checkpoint-stage"))
+    assert not os.path.commonpath([c.cfg.daemon.state_dir, directory]) == directory
+    ver = agent(c, "backup", "verify", "--identity", str(key), cp)
+    assert ver.returncode == 0, ver.stdout + ver.stderr
+    print(f"\nFIGURE encrypted lean checkpoint: {size} bytes of plaintext (defragmented from {from_bytes}), "
+          "verified with its identity")
