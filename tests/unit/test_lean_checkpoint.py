@@ -220,3 +220,20 @@ def test_only_the_daemons_checkpoints_are_staged_and_a_missing_tool_streams_as_t
     st, streamed = stage(ok, "c" * 32)
     assert streamed == 1 and st.lean and st.from_bytes == len(SNAP)
     assert stages(ok) == []
+
+
+def test_the_manifest_says_what_a_lean_snapshot_came_from_and_old_ones_read_as_before() -> None:
+    from etcd_agent.backup.manifest import Manifest
+
+    def man(snapshot: Any) -> Manifest:
+        from etcd_agent.backup.manifest import FileEntry
+
+        return Manifest(files={"etcd_snapshot.db": FileEntry(len(SNAP), hashlib.sha256(SNAP).hexdigest())},
+                        snapshot=snapshot)
+
+    assert man({"taken_by": "daemon", "lean": {"from_bytes": 11354144}}).lean_from == 11354144
+    assert man({"taken_by": "daemon"}).lean_from is None  # before lean checkpoints, or not one
+    for junk in ({"from_bytes": "1"}, {"from_bytes": True}, {"from_bytes": 0}, [1], None):
+        assert man({"lean": junk}).lean_from is None
+    m = man({"taken_by": "daemon", "lean": {"from_bytes": 4096}})
+    assert Manifest.from_json(m.to_json(), "manifest").lean_from == 4096
