@@ -15,7 +15,8 @@ and etcd's meta (consistent index) are unchanged; the history is not compacted.
 It never costs a checkpoint: a defrag tool that is missing or fails leaves the checkpoint as today
 (the snapshot as etcd streamed it, checked), said in one log line. Too little room to stage it is a
 refusal: that checkpoint is not taken (the next try comes). The stage is removed on every path, and
-what a killed run left is swept by the next backup on this host (``sweep``, under the backup lock).
+what a killed run left is swept when the daemon starts and by the next backup on this host
+(``sweep``, under the backup lock).
 """
 from __future__ import annotations
 
@@ -73,6 +74,24 @@ def sweep(cfg: "Config") -> List[str]:
     if removed:
         log.warning("removed what a killed checkpoint left staged: %s", ", ".join(removed))
     return removed
+
+
+def sweep_at_start(cfg: "Config") -> List[str]:
+    """``sweep`` when the daemon starts, if the backup dir's lock is free (a backup running now
+    is the only one that stages, and the next backup sweeps anyway); the paths removed."""
+    from etcd_agent.errors import BusyError
+    from etcd_agent.state.locks import OperationLock, lock_path_for
+
+    if not os.path.isdir(stage_parent(cfg)) or not os.path.isdir(cfg.backup.dir):
+        return []
+    try:
+        with OperationLock(lock_path_for(cfg.backup.dir), "sweep of checkpoint stages"):
+            return sweep(cfg)
+    except BusyError:
+        return []
+    except (AgentError, OSError) as exc:  # the next backup sweeps them
+        log.warning("checkpoint stages not swept at start: %s", getattr(exc, "message", exc))
+        return []
 
 
 def strip_trailer(path: str) -> bytes:

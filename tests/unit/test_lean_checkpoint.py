@@ -237,3 +237,16 @@ def test_the_manifest_says_what_a_lean_snapshot_came_from_and_old_ones_read_as_b
         assert man({"lean": junk}).lean_from is None
     m = man({"taken_by": "daemon", "lean": {"from_bytes": 4096}})
     assert Manifest.from_json(m.to_json(), "manifest").lean_from == 4096
+
+
+def test_the_daemons_start_sweeps_a_killed_stage_unless_a_backup_holds_the_lock(tmp_path: Any) -> None:
+    from etcd_agent.state.locks import OperationLock, lock_path_for
+
+    cfg = cfg_for(tmp_path, "/usr/bin/etcdutl")
+    assert lean.sweep_at_start(cfg) == []  # nothing was ever staged here
+    left = os.path.join(lean.stage_parent(cfg), lean.STAGE_PREFIX + "killed")
+    os.makedirs(os.path.join(left, "member", "snap"))
+    os.makedirs(cfg.backup.dir, mode=0o700)
+    with OperationLock(lock_path_for(cfg.backup.dir), "backup"):  # a checkpoint being taken: its stage
+        assert lean.sweep_at_start(cfg) == [] and os.path.isdir(left)
+    assert lean.sweep_at_start(cfg) == [left] and not os.path.exists(left)
