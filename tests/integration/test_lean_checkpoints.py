@@ -13,9 +13,10 @@ from typing import Any, Dict, Tuple
 
 import pytest
 
-from etcd_agent.backup import archive, catalog, keys
+from etcd_agent.backup import archive, catalog, keys, lean
 from etcd_agent.errors import AgentError
 from etcd_agent.etcd.client import EtcdClient
+from tests.harness.releases import DEFAULT, LEGACY
 from tests.integration.continuous import agent, delete, dump, put, start_all, wait_durable, wait_for, wait_watching
 from tests.integration.continuous import rpc as rpc_of
 from tests.integration.test_daemon import wait_healthy
@@ -163,3 +164,27 @@ def test_an_encrypted_lean_checkpoint_is_staged_outside_the_backup_dir_and_verif
     assert ver.returncode == 0, ver.stdout + ver.stderr
     print(f"\nFIGURE encrypted lean checkpoint: {size} bytes of plaintext (defragmented from {from_bytes}), "
           "verified with its identity")
+
+
+@pytest.mark.parametrize("version", [LEGACY, DEFAULT])
+def test_each_releases_offline_defrag_keeps_the_snapshots_kv_hash_and_revision(tmp_path, version) -> None:  # type: ignore[no-untyped-def]
+    """etcd 3.4's `ETCDCTL_API=3 etcdctl defrag --data-dir` and 3.5's etcdutl, on a real snapshot
+    of that release: `snapshot status` reads the same KV hash, revision and keys before and after."""
+    from etcd_agent.config import parse_text
+    from etcd_agent.etcd.tools import snapshot_status
+    from etcd_agent.hosts.local import LocalHost
+    from tests.harness.releases import release
+
+    data = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                        "snap-a-34.db" if version == LEGACY else "snap-a.db")
+    with open(data, "rb") as fh:
+        snap = fh.read()
+    cfg, errors = parse_text(f'[cluster]\nname = "c"\n[etcd]\n{release(version).toml()}[daemon]\n'
+                             f'state_dir = "{tmp_path}/state"\n[[member]]\nname = "a"\nhost = "10.0.0.1"\n')
+    assert errors == [] and cfg is not None, errors
+    before = snapshot_status(LocalHost(), cfg, data)
+    with lean.staged(cfg, LocalHost(), lambda: iter([snap]), len(snap)) as st:
+        assert st.lean, version
+        after = snapshot_status(LocalHost(), cfg, st.path)
+    for k in ("hash", "revision", "totalKey"):
+        assert after[k] == before[k], (version, before, after)
