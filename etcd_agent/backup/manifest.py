@@ -169,6 +169,15 @@ class Manifest(Document):
         return cid if isinstance(cid, str) and _CHAIN_ID.match(cid) and self.origin == "daemon" else None
 
     @property
+    def lean_from(self) -> Optional[int]:
+        """The snapshot's size as etcd streamed it, when the daemon defragmented it offline before
+        archiving it (a lean checkpoint, ``backup.lean``); None for any other backup (and for every
+        manifest written before it)."""
+        v = self.snapshot.get("lean")
+        n = v.get("from_bytes") if isinstance(v, dict) else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    @property
     def snapshot_member(self) -> str:
         """The snapshot's member name: ``etcd_snapshot.db``, or ``etcd_snapshot.db.age`` encrypted."""
         return SNAPSHOT_AGE if self.encryption is not None else SNAPSHOT

@@ -13,10 +13,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from etcd_agent import __version__
-from etcd_agent.backup import archive, boundaries, catalog, checks, keys, retention
+from etcd_agent.backup import archive, boundaries, catalog, checks, keys, lean, retention
 from etcd_agent.backup.checks import SYSTEM_WALL_CLOCK, WallClock
 from etcd_agent.backup.manifest import ClusterClaim, FileEntry, Manifest, ManifestMember
 from etcd_agent.backup.snapcheck import SnapshotFacts
@@ -210,6 +210,7 @@ def _take(
     m, notes = _choose(cfg, member_name, lambda x: EtcdClient.from_config(cfg, endpoints=[x.client_url], timeout=5.0))
     with OperationLock(lock_path_for(directory), "backup", wait=lock_wait) if hold_lock else contextlib.nullcontext():
         archive.remove_partials(directory)
+        lean.sweep(cfg)  # a checkpoint's stage a killed run left
         client = EtcdClient.from_config(cfg, endpoints=[m.client_url], timeout=10.0)
         try:
             # a linearizable read through this member first: it then has applied everything
@@ -273,23 +274,26 @@ def _take(
                     rendered=rendered,
                     snapshot={"page_size": facts.page_size, "pages": facts.high_water, "txid": facts.txid,
                               "checks": checks, "status": None, "taken_by": origin,
-                              **({"checkpoint": {"chain_id": checkpoint_of}} if checkpoint_of else {})},
+                              **({"checkpoint": {"chain_id": checkpoint_of}} if checkpoint_of else {}),
+                              # defragmented offline (``lean``): the size etcd streamed
+                              **({"lean": {"from_bytes": stage.from_bytes}} if stage and stage.lean else {})},
                     verified=True,
                 )
 
             recipients = recipients_of(cfg)
             log.info("backing up member %s (%s, db %d bytes) to %s%s", m.name, m.client_url, st.db_size, name,
                      f", encrypted to {len(recipients)} age recipient(s)" if recipients else "")
-            written = archive.write_archive(
-                directory,
-                name,
-                chunks=client.snapshot_chunks(m.client_url),
-                files=files,
-                build_manifest=build,
-                mtime=int(when.timestamp()),
-                encrypt_to=recipients,
-                key=keystate.key,
-            )
+            with _checkpoint_stage(cfg, host, client, m, st.db_size, checkpoint_of) as stage:
+                written = archive.write_archive(
+                    directory,
+                    name,
+                    chunks=stage.chunks() if stage else client.snapshot_chunks(m.client_url),
+                    files=files,
+                    build_manifest=build,
+                    mtime=int(when.timestamp()),
+                    encrypt_to=recipients,
+                    key=keystate.key,
+                )
         finally:
             client.close()
         ids = tuple(x.id_hex for x in written.identity.members)
@@ -329,6 +333,20 @@ def _take(
                 result.warnings.append(f"prune failed: {exc}")
                 log.warning("prune after backup failed: %s", exc)
     return result
+
+
+def _checkpoint_stage(cfg: Config, host: Any, client: Any, m: Member, db_size: int,
+                      checkpoint_of: Optional[str]) -> ContextManager[Optional[lean.Staged]]:
+    """A checkpoint's snapshot staged and defragmented offline (``backup.lean``) with
+    ``[backup.delta] lean_checkpoints``; None (streamed straight from etcd, as every other backup)
+    otherwise, or when the defrag tool is missing (said in one log line)."""
+    if checkpoint_of is None or not cfg.backup.delta.lean_checkpoints:
+        return contextlib.nullcontext(None)
+    missing = lean.tool_missing(cfg)
+    if missing:
+        log.warning("delta: checkpoint taken as etcd streams it, not defragmented: %s", missing)
+        return contextlib.nullcontext(None)
+    return lean.staged(cfg, host, lambda: client.snapshot_chunks(m.client_url), db_size)
 
 
 def recipients_of(cfg: Config) -> Tuple[Any, ...]:

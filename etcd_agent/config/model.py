@@ -178,6 +178,10 @@ class DeltaSection:
     checkpoint_ratio: float = 0.5
     checkpoint_min_seconds: float = 60.0
     checkpoint_keep: int = 2  # the newest of each chain kept (they take no retention slot)
+    # a checkpoint's snapshot defragmented offline before it is archived (staged under [daemon]
+    # state_dir): a replay starts from the data, not from the live db's free pages; false: the
+    # snapshot as etcd streams it, as every other backup
+    lean_checkpoints: bool = True
     # the member unwatchable this long: the chain is broken (a full backup once it is back)
     max_outage: float = 300.0
     # node_exporter textfile of the delta metrics; None: beside [backup] metrics_file, named

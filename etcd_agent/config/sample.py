@@ -133,6 +133,9 @@ host = "10.0.0.13"
 #                                     # one, whatever the chain's length; 0: none
 # checkpoint_min_seconds = 60.0       # at most one checkpoint this often
 # checkpoint_keep = 2                 # the newest of each chain kept (they take no retention slot)
+# lean_checkpoints = true             # a checkpoint's snapshot defragmented offline before it is
+#                                     # archived (staged under [daemon] state_dir, twice its size
+#                                     # free there): a replay starts from the data, not free pages
 # max_outage = 300.0                  # member unwatchable this long: chain broken, full backup when back
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom"
 #                                     # default: beside [backup] metrics_file (none when that is unset)

@@ -125,6 +125,9 @@ class DeltaSupervisor:
         self._follow_encryption(cfg)
         if self._breaks_total is None:
             self._breaks_total = status.read_breaks(cfg.backup.dir)[0] if os.path.isdir(cfg.backup.dir) else 0
+            from etcd_agent.backup.lean import sweep_at_start
+
+            sweep_at_start(cfg)  # a checkpoint's stage a killed daemon left (plaintext, when encrypted)
         restoring = bool(markers.read_restore(cfg, me.name))
         self._collect_watcher(cfg, restoring)
         facts = self._look(cfg, restoring)
