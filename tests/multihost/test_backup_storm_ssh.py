@@ -126,7 +126,12 @@ def still_there_and_one_chain(bed: Bed, h: str, older: List[str],
     gone = [n for n in older if n not in have]
     assert not gone, f"{h}: the operator's backups from before the restore pruned: {gone}"
     full_backups, broke = counts
-    assert full_backups <= 1 and broke <= 1, (h, counts, bed.log(h)[-3000:])
+    if full_backups > 1 or broke > 1:  # what the daemon said of its backups and chains, whole lines (CI 46
+        # showed a tuple's repr cut in the middle, the reason of a second full backup lost)
+        said = [line for line in bed.log(h).splitlines()
+                if any(w in line for w in ("ERROR", "WARNING", "full backup", "CHAIN BROKEN", "membership", "delta:"))]
+        raise AssertionError(f"{h}: {full_backups} daemon full backup(s) and {broke} break(s) since the restore, "
+                             "at most one of each wanted; its log on them:\n" + "\n".join(said[-40:]))
 
     def continued() -> Tuple[str, chains.ChainSummary]:
         try:
