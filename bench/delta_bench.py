@@ -295,6 +295,9 @@ def main() -> None:
     ap.add_argument("--encrypt", action="store_true", help="[backup] encrypt_to set: everything in age")
     ap.add_argument("--no-synthetic", action="store_true", help="skip part 2's synthetic chain")
     ap.add_argument("--batch-seconds", help="[backup.delta] batch_seconds (default: the product's, 1.0; 0 streams)")
+    ap.add_argument("--lean", choices=("true", "false"),
+                    help="[backup.delta] lean_checkpoints (default: the product's, true): what defragmenting each "
+                         "checkpoint offline costs the daemon and the writer")
     args = ap.parse_args()
     if args.role == "writer":
         role_writer(args)
@@ -328,6 +331,9 @@ def main() -> None:
     if args.batch_seconds is not None:
         delta["batch_seconds"] = str(float(args.batch_seconds))
     report["batch_seconds"] = float(args.batch_seconds) if args.batch_seconds is not None else "default"
+    if args.lean is not None:
+        delta["lean_checkpoints"] = args.lean
+    report["lean_checkpoints"] = args.lean or "default"
     bed = make_bed(os.path.join(work, "c"), 1, delta=delta, backup=backup)
     c = bed.c
     try:
