@@ -147,6 +147,30 @@ def test_incremental_bootstrap_of_three(ed: NspawnBed) -> None:
             time.sleep(0.2)
 
 
+def test_the_daemon_caches_the_manifest_key_and_its_backups_list_as_its_own(ed: NspawnBed) -> None:
+    """Under its unit's hardening (ProtectSystem=strict) the daemon caches the cluster's manifest
+    key beside agent.toml (0600), so that a listing on the host verifies its backups' manifests:
+    without the key every daemon backup listed as an operator's ("unknown-key", its claims
+    trusted for nothing), took an operator's retention slot, and CI 47 saw one taken during the
+    backup unit's run counted as a second operator backup."""
+    import json
+
+    c = ed[0]
+    key = "/etc/etcd-agent/manifest.key"
+    deadline = time.monotonic() + 90
+    while True:  # the daemon's first full backup (its chain's base) fetches or creates the key
+        listing = json.loads(c.exec(["etcd-agent", "--json", "backup", "list"], check=True).stdout)
+        if listing["backups"] or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert listing["backups"], "the daemon took no full backup in 90 s"
+    st = c.exec(["stat", "-c", "%a %U", key])
+    assert st.returncode == 0 and st.stdout.split() == ["600", "root"], (
+        f"{key} not cached by the daemon: {st.stderr.strip()}\n" + journal(c, "etcd-agent")[-2000:])
+    daemon = [b for b in listing["backups"] if b["signature"] != "valid" or b["origin"] != "daemon"]
+    assert not daemon, daemon
+
+
 def test_killed_etcd_back_to_healthy(ed: NspawnBed) -> None:
     cfg = config_of(ed.containers[:3])
     before = members_by_name(cfg)
