@@ -18,16 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from etcd_agent.cluster.health import cluster_health, statuses, wait_cluster_healthy
 from etcd_agent.config import Config
 from etcd_agent.errors import EtcdError, OperationFailed, RefusedError
-from etcd_agent.etcd.client import EndpointStatus, EtcdClient
+from etcd_agent.etcd.client import EndpointStatus, EtcdClient, free_share
 
 log = logging.getLogger(__name__)
 
 
 def fragmentation(st: EndpointStatus) -> float:
     """Share of the db file not in use (0.0 when etcd does not report the in-use size)."""
-    if st.db_size <= 0 or st.db_size_in_use <= 0:
-        return 0.0
-    return max(0.0, 1.0 - st.db_size_in_use / st.db_size)
+    return free_share(st.db_size, st.db_size_in_use) or 0.0
 
 
 @dataclass

@@ -64,6 +64,15 @@ class MemberInfo:
         return f"{self.id:x}"
 
 
+def free_share(db_size: int, db_size_in_use: int) -> Optional[float]:
+    """The share of a member's db file its free pages hold (``1 - in use / size``, from its
+    Status); None when the two make no sense together (either not reported, or more in use than
+    the file holds). The daemon's defragmentation and the replay's judge by it."""
+    if db_size <= 0 or db_size_in_use <= 0 or db_size_in_use > db_size:
+        return None
+    return 1.0 - db_size_in_use / db_size
+
+
 @dataclass(frozen=True)
 class EndpointStatus:
     endpoint: str

@@ -49,6 +49,7 @@ from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorr
 from etcd_agent.chain.reader import RawEvent, scan_segment
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
 from etcd_agent.errors import RefusedError
+from etcd_agent.etcd.client import free_share
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import MIN_TTL, fate_of
@@ -390,9 +391,8 @@ def _worth_defragmenting(size: int, in_use: int) -> bool:
     """Whether the replayed db's free pages (``size - in_use`` of ``size`` bytes) are worth a
     defragmentation: more than ``DEFRAGMENT_FREE_SHARE`` of the file. A status that makes no sense
     (in use more than the file, nothing in use) is defragmented, as before this rule."""
-    if size <= 0 or in_use <= 0 or in_use > size:
-        return True
-    return size - in_use > DEFRAGMENT_FREE_SHARE * size
+    share = free_share(size, in_use)
+    return share is None or share > DEFRAGMENT_FREE_SHARE
 
 
 def _run(
