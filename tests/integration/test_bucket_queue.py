@@ -145,7 +145,9 @@ def test_wrong_credentials_then_fixed(bed, rgw: RgwBed) -> None:  # type: ignore
     d.procs[c.members[0].member.name].send_signal(signal.SIGHUP)
     want = full_backups(c) + [os.path.basename(s) for s in segment_files(c)]
     wait_for(lambda: landed(rgw, bucket, want), 60, f"the {len(want)} files here copied with the right credentials")
-    assert "failed copies are tried again now" in logs(d)
+    # the copier reads the reloaded config on its own back-off and may land the copies first; the
+    # supervisor's next tick (after any work of its own) says the change and resets the back-off
+    wait_for(lambda: "failed copies are tried again now" in logs(d), 60, "the reload's line on the copy queue")
     assert wrong not in logs(d)
 
 
