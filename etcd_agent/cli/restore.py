@@ -124,7 +124,9 @@ def cmd_restore(args: argparse.Namespace, ctx: Context) -> Output:
     data = {**out.to_json(), **({"bucket": fetched.to_json()} if fetched else {})}
     text = render_plan(out.plan)
     if args.dry_run:
-        replayed = " (the point-in-time replay ran in a throwaway etcd on loopback)" if target else ""
+        replayed = "" if not target else (
+            " (the point-in-time tail would be written into the restored members; nothing was folded or replayed)"
+            if out.plan.tail_to is not None else " (the point-in-time replay ran in a throwaway etcd on loopback)")
         return Output(data, text + (f"dry run: nothing changed{replayed}\n" if out.plan.ok
                                     else "dry run: pre-checks FAILED\n"),
                       exit_code=0 if out.plan.ok else EXIT_REFUSED)

@@ -15,6 +15,7 @@ from etcd_agent.config.model import (
     HOSTNAME_RE,
     NAME_RE,
     PATH_RE,
+    POINT_IN_TIME_LOADS,
     PREFIX_RE,
     REMOTE_VERIFY_MODES,
     SECTIONS,
@@ -42,7 +43,7 @@ from etcd_agent.config.security import security_warnings
 
 __all__ = [
     "ADDRESSING_STYLES", "BOOTSTRAP_MODES", "BUCKET_RE", "COMPRESSIONS", "DEFAULT_PATH", "FENCE_METHODS",
-    "HOSTNAME_RE", "NAME_RE", "PATH_RE", "PREFIX_RE", "REMOTE_VERIFY_MODES", "SECTIONS", "SERVICE_MANAGERS",
+    "POINT_IN_TIME_LOADS", "HOSTNAME_RE", "NAME_RE", "PATH_RE", "PREFIX_RE", "REMOTE_VERIFY_MODES", "SECTIONS", "SERVICE_MANAGERS",
     "UNIT_RE", "BackupSection", "ClusterSection", "Config", "DaemonSection", "DeltaSection", "DrillSection",
     "EtcdSection", "KubernetesSection", "LocalSection", "MaintenanceSection", "Member", "MemberSection",
     "RemoteSection", "SshSection", "TlsSection",

@@ -29,6 +29,11 @@ BOOTSTRAP_MODES = ("static", "incremental")
 SERVICE_MANAGERS = ("systemd", "process")
 COMPRESSIONS = ("none", "zstd", "gzip")  # zstd recommended; gzip spools the snapshot first
 FENCE_METHODS = ("none", "unit", "manifest")
+# how a point-in-time restore gets from its start snapshot to the target: "scratch" replays the
+# chain in a throwaway member and restores its saved db; "members" restores the start snapshot and
+# writes the chain into the restored cluster before its apiservers start; "auto": "members" when
+# [kubernetes] fence stops the apiservers, else "scratch" (nothing to keep clients out meanwhile)
+POINT_IN_TIME_LOADS = ("auto", "members", "scratch")
 SSH_STREAMS = ("auto", "openssh", "paramiko")  # what carries a restore's snapshot (ssh.stream)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 REMOTE_VERIFY_MODES = ("auto", "checksum", "etag", "download")
@@ -182,6 +187,9 @@ class DeltaSection:
     # state_dir): a replay starts from the data, not from the live db's free pages; false: the
     # snapshot as etcd streams it, as every other backup
     lean_checkpoints: bool = True
+    # a point-in-time restore's way to the target (POINT_IN_TIME_LOADS; docs/delta-segments.md,
+    # "The tail loaded into the restored members")
+    point_in_time_load: str = "auto"
     # the member unwatchable this long: the chain is broken (a full backup once it is back)
     max_outage: float = 300.0
     # node_exporter textfile of the delta metrics; None: beside [backup] metrics_file, named

@@ -21,6 +21,7 @@ from etcd_agent.config.model import (
     HOSTNAME_RE,
     IONICE_RE,
     NAME_RE,
+    POINT_IN_TIME_LOADS,
     PREFIX_RE,
     REMOTE_VERIFY_MODES,
     SERVICE_MANAGERS,
@@ -307,6 +308,9 @@ def _validate_delta(d: DeltaSection) -> List[str]:
     errs.extend(_seconds(f"{w}.checkpoint_min_seconds", d.checkpoint_min_seconds))
     if not 1 <= d.checkpoint_keep <= 10:
         errs.append(f"{w}.checkpoint_keep must be between 1 and 10")
+    if d.point_in_time_load not in POINT_IN_TIME_LOADS:
+        errs.append(f"{w}.point_in_time_load must be one of {', '.join(POINT_IN_TIME_LOADS)}, "
+                    f"got {d.point_in_time_load!r}")
     return errs
 
 

@@ -18,6 +18,7 @@ from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 from etcd_agent.etcd.rpc import EtcdRpc, KeepAliveStream
 from etcd_agent.pitr.leases import lease_fates
 from etcd_agent.pitr.replay import LeaseOutcome
+from etcd_agent.pitr.txns import send
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,12 @@ class LeaseKeeper:
 
 
 def grant(rpc: EtcdRpc, lease_id: int, ttl: int) -> None:
-    """Lease ``lease_id`` granted again on the scratch member, with ``ttl``."""
+    """Lease ``lease_id`` granted again (on the throwaway member or the restored cluster), with ``ttl``."""
     try:
         rpc.lease_grant(ttl, lease_id)
     except EtcdError as exc:
         raise ReplayError(
-            f"granting lease {lease_id:x} (TTL {ttl}s) on the scratch member failed: {exc.message}"
+            f"granting lease {lease_id:x} (TTL {ttl}s) failed: {exc.message}"
         ) from None
 
 
@@ -81,6 +82,7 @@ def apply_lease_rule(
     at_ms: int,
     min_ttl: int,
     keeper: LeaseKeeper,
+    chunk: int = FIXUP_CHUNK,
 ) -> Tuple[LeaseOutcome, List[int]]:
     """Drop the keys of leases expired at ``at_ms``; move keys of snapshot leases whose TTL is
     longer than what they had left to a lease with the remaining TTL. Returns fix-up revisions."""
@@ -91,7 +93,7 @@ def apply_lease_rule(
             moves.drop(rpc, lid)
         elif lid in snapshot_leases and fate.ttl is not None and fate.ttl < present[lid]:
             moves.reattach(rpc, lid, fate.ttl, keeper)
-    fixups = _write_fixups(rpc, moves.ops)
+    fixups = _write_fixups(rpc, moves.ops, chunk)
     for lid in moves.revoke:  # keyless now: revoking them writes no revision
         keeper.release(lid)
         rpc.lease_revoke(lid)
@@ -137,12 +139,10 @@ class _LeaseMoves:
         self.revoke.append(lid)
 
 
-def _write_fixups(rpc: EtcdRpc, ops: List[RequestOp]) -> List[int]:
-    """The lease rule's ops written in transactions of ``FIXUP_CHUNK``; their revisions."""
+def _write_fixups(rpc: EtcdRpc, ops: List[RequestOp], chunk: int) -> List[int]:
+    """The lease rule's ops written in transactions of ``chunk`` (split further when the etcd
+    refuses one for its size); their revisions."""
     fixups: List[int] = []
-    for i in range(0, len(ops), FIXUP_CHUNK):
-        try:
-            fixups.append(rpc.txn(ops[i : i + FIXUP_CHUNK], timeout=120.0).revision)
-        except EtcdError as exc:
-            raise ReplayError(f"applying the lease rule failed: {exc.message}") from None
+    for i in range(0, len(ops), chunk):
+        fixups += send(rpc, ops[i : i + chunk], "applying the lease rule", timeout=120.0)
     return fixups

@@ -42,18 +42,18 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import RawEvent, scan_segment
-from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
+from etcd_agent.chain.segments import ms_to_datetime
 from etcd_agent.errors import RefusedError
 from etcd_agent.etcd.client import free_share
 from etcd_agent.pitr import keyspace
-from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
-from etcd_agent.pitr.leases import MIN_TTL, fate_of
-from etcd_agent.pitr.loadtail import LOAD_BYTES, Batches, load
+from etcd_agent.pitr.leasefix import LeaseKeeper
+from etcd_agent.pitr.leases import MIN_TTL
+from etcd_agent.pitr.loadtail import LOAD_BYTES, SCRATCH, Batches, Limits, target_ms, write_tail
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.machine import etcd_flags
 from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, start_scratch
@@ -263,7 +263,7 @@ def replay(
             # the chain is folded in a thread while this one restores and starts the throwaway
             # member (etcdutl's and etcd's processes): the fold's time is hidden behind theirs.
             # The member is started from this, the main thread: it then dies with a killed run
-            folding = _Folding(plan, restored, ks)
+            folding = Folding(plan, restored, ks)
             s: Optional[ScratchEtcd] = None
             try:
                 if bump:
@@ -289,23 +289,23 @@ def replay(
         shutil.rmtree(work, ignore_errors=True)
 
 
-class _Folding:
+class Folding:
     """``_fold`` of the plan into ``ks`` in a thread of its own, then the load's first transactions
     built (``Batches.prebuild``: up to ``PREBUILD_BYTES``, and only while the key space is all in
     memory - its spill file is not read from two threads); ``result()`` waits for it: (segments
     used, seconds, the load's transactions); ``abandon()`` stops the fold at its next revision
     and waits for that."""
 
-    def __init__(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> None:
+    def __init__(self, plan: Plan, restored: int, ks: keyspace.KeySpace, limits: Limits = SCRATCH) -> None:
         self._cancel = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-fold")
-        self._fut = self._pool.submit(self._run, plan, restored, ks)
+        self._fut = self._pool.submit(self._run, plan, restored, ks, limits)
         self._pool.shutdown(wait=False)
 
-    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace) -> Tuple[int, float, "Batches"]:
+    def _run(self, plan: Plan, restored: int, ks: keyspace.KeySpace, limits: Limits) -> Tuple[int, float, "Batches"]:
         t = time.monotonic()
         used = _fold(plan, restored, ks, self._cancel)
-        batches = Batches(ks, restored)
+        batches = Batches(ks, restored, limits)
         if not ks.spilled:
             batches.prebuild(PREBUILD_BYTES)
         return used, time.monotonic() - t, batches
@@ -413,39 +413,15 @@ def _run(
     lap = lap or _Laps()
     lap("scratch restore and start")
     rpc = s.rpc
-    at_ms = plan.stop_time_ms if plan.stop_time_ms is not None else int(time.time() * 1000)
+    at_ms = target_ms(plan)
     start_rev = rpc.header().revision
     if start_rev != restored + bump:
         raise ReplayError(f"the scratch member starts at revision {start_rev}, expected {restored + bump}")
     keeper = LeaseKeeper(rpc)
     try:
-        t_load = time.monotonic()
-        present: Dict[int, int] = {}  # lease id -> granted TTL in the scratch store
-        snapshot_leases: Set[int] = set()
-        for lid in rpc.lease_list():
-            granted = rpc.lease_ttl(lid).granted_ttl
-            present[lid] = granted
-            snapshot_leases.add(lid)
-            keeper.hold(lid, granted)
-        by_lease: Dict[int, List[LeaseRecord]] = {}
-        for rec in plan.records:
-            by_lease.setdefault(rec.lease_id, []).append(rec)
-        for lid in ks.leases:
-            if lid in present:
-                continue
-            fate = fate_of(lid, by_lease.get(lid, ()), at_ms, min_ttl=min_ttl)
-            # an expired lease still holds its keys until the rule removes them at the end
-            ttl = fate.ttl if fate.alive and fate.ttl is not None else (unknown_ttl if fate.alive else 60)
-            grant(rpc, lid, ttl)
-            present[lid] = ttl
-            keeper.hold(lid, ttl)
-        lap("leases")
-        keys, loads = load(rpc, batches, start_rev)
-        load_seconds = time.monotonic() - t_load
-        lap("load")
-        outcome, fixups = apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper)
+        w = write_tail(rpc, plan, ks, batches, start_rev=start_rev, at_ms=at_ms, min_ttl=min_ttl,
+                       unknown_ttl=unknown_ttl, keeper=keeper, lap=lap)
         final = rpc.header().revision
-        lap("lease rule")
         # keeps the saved db lean (the snapshot's overwritten values go); at final - 1, so the
         # newest revision's own events (a delete's tombstone) stay and `snapshot status` names it
         if final - 1 > start_rev:
@@ -485,13 +461,13 @@ def _run(
         + (f" (the snapshot already held revisions up to {restored})" if restored > plan.base_revision else ""),
         complete=plan.complete,
         lost_after=plan.lost,
-        leases=outcome,
-        fixup_revisions=tuple(fixups),
+        leases=w.leases,
+        fixup_revisions=tuple(w.fixups),
         snapshot_revision=saved,
         seconds=time.monotonic() - t0,
-        replay_seconds=fold_seconds + load_seconds,
-        keys_loaded=keys,
-        load_revisions=tuple(loads),
+        replay_seconds=fold_seconds + w.seconds,
+        keys_loaded=w.keys,
+        load_revisions=tuple(w.load_revisions),
     )
 
 

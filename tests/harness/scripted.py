@@ -382,3 +382,7 @@ class ScriptedCluster:
 
     def wait_ready(self, member: object) -> Optional[float]:
         return None
+
+    def writer(self) -> Any:
+        raise AssertionError("the scripted cluster takes no writes: a point-in-time tail loaded into the members "
+                             "needs a real etcd")

@@ -74,25 +74,25 @@ def test_out_of_order_revision_is_refused(tmp_path):
             ks.apply(Txn(5, 1, (Event(PUT, b"a", b"2", 5, 5, 2, 0),)))
 
 
-def test_the_loads_transactions_are_the_same_built_ahead_or_not(tmp_path, monkeypatch):
+def test_the_loads_transactions_are_the_same_built_ahead_or_not(tmp_path):
     """The replay builds the load's first transactions while its throwaway member starts
     (``loadtail.Batches.prebuild``): the same transactions in the same order either way, the
     deletes in transactions of their own before the first put, never two ops on one key in one."""
     from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
     from etcd_agent.pitr import loadtail
 
-    monkeypatch.setattr(loadtail, "LOAD_OPS", 7)  # many transactions out of a small chain
+    small = loadtail.Limits(7, loadtail.LOAD_BYTES)  # many transactions out of a small chain
     txns, last = chain(300)
     restored = 150  # keys created after it and never deleted need no delete
     with KeySpace(str(tmp_path)) as ks:
         for t in txns:
             ks.apply(t)
-        plain = loadtail.Batches(ks, restored)
-        want = [[op.SerializeToString() for op in ops] for ops in plain]
+        plain = loadtail.Batches(ks, restored, small)
+        want = [[op.SerializeToString() for op in ops] for _kind, ops in plain]
         for ahead in (0, 1, 5_000, 1 << 30):
-            b = loadtail.Batches(ks, restored)
+            b = loadtail.Batches(ks, restored, small)
             b.prebuild(ahead)
-            got = [[op.SerializeToString() for op in ops] for ops in b]
+            got = [[op.SerializeToString() for op in ops] for _kind, ops in b]
             assert got == want, ahead
             assert b.keys == plain.keys == len(last)
     kinds = [[RequestOp.FromString(op).WhichOneof("request") for op in ops] for ops in want]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict
 
-from etcd_agent.errors import OperationFailed
+from etcd_agent.errors import EtcdError, OperationFailed
 from etcd_agent.restore.orchestrator import plan as P
 from etcd_agent.restore.orchestrator.options import Outcome
 from etcd_agent.restore.orchestrator.source import Source
@@ -23,6 +23,38 @@ def served(r: Restore, plan: P.Plan, source: Source) -> None:
     bumped revision; a member that is not fails the restore, which then rolls back."""
     least = source.revision + P.BUMP_REVISION if plan.bump and source.revision is not None else None
     r.phase("serving", lambda m: r.call(m, "serving", min_revision=least))
+
+
+def load_tail(r: Restore, plan: P.Plan, source: Source, outcome: Outcome) -> None:
+    """A point-in-time restore that loads its tail into the restored members: once they serve,
+    the apiservers still fenced, the chain after the start snapshot is written into the cluster
+    (``pitr.members.Tail``). A failure fails the restore, which then rolls every member back
+    (none has finished yet); a resumed run loads it again, whatever part of it is there."""
+    from etcd_agent.chain.errors import ReplayError
+    from etcd_agent.pitr import report
+
+    assert source.tail is not None and source.revision is not None
+    t = time.monotonic()
+    laps: Dict[str, float] = {}
+    mark = [t]
+
+    def lap(name: str) -> None:
+        now = time.monotonic()
+        laps[name] = laps.get(name, 0.0) + now - mark[0]
+        mark[0] = now
+
+    start = source.revision + (P.BUMP_REVISION if plan.bump else 0)
+    try:
+        with r.cluster.writer() as rpc:
+            res = source.tail.load(rpc, start, lap, resuming=plan.resuming)
+    except (ReplayError, EtcdError) as exc:
+        raise OperationFailed(f"loading the point-in-time tail into the restored members failed: {exc.message}") \
+            from None
+    r.timings["load"] = time.monotonic() - t
+    r.timings.update((f"load: {k}", v) for k, v in laps.items())
+    outcome.point_in_time = report.describe(None, res)
+    for line in outcome.point_in_time:
+        r.say(line)
 
 
 def unfence(r: Restore, outcome: Outcome) -> None:

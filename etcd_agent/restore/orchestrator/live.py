@@ -11,6 +11,7 @@ from etcd_agent.cluster.health import wait_converged
 from etcd_agent.config import Config, Member
 from etcd_agent.errors import AgentError
 from etcd_agent.etcd.lineage import record_lineage
+from etcd_agent.etcd.rpc import EtcdRpc
 
 Progress = Callable[[str], None]
 
@@ -45,6 +46,11 @@ class LiveCluster(Protocol):
 
     def wait_ready(self, member: Member) -> Optional[float]:
         """Wait for the member's apiserver /readyz; seconds, or None when no URL is set."""
+        ...
+
+    def writer(self) -> EtcdRpc:
+        """A connection for writing into the restored cluster (its leader's, when one answers):
+        a point-in-time restore's tail is loaded through it."""
         ...
 
 
@@ -100,3 +106,8 @@ class EtcdCluster:
         from etcd_agent.cluster.kubernetes import wait_ready
 
         return wait_ready(self.cfg, member)
+
+    def writer(self) -> EtcdRpc:
+        leader = self.leader()
+        m = next((m for m in self.cfg.members if m.name == leader), self.cfg.members[0])
+        return EtcdRpc(m.client_url, tls=self.cfg.tls, timeout=30.0)

@@ -59,6 +59,7 @@ class Outcome:
     downtime: Optional[float] = None  # fence -> unfence
     cleanup: List[str] = field(default_factory=list)  # what the Kubernetes cleanup did
     ready: Dict[str, str] = field(default_factory=dict)  # member -> its apiserver's /readyz wait
+    point_in_time: List[str] = field(default_factory=list)  # a tail loaded into the members: what it reached
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class Outcome:
             "revisions": self.revisions,
             "kubernetes_cleanup": self.cleanup,
             "apiservers": self.ready,
+            "point_in_time": self.point_in_time,
         }
 
 

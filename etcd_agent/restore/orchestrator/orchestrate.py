@@ -55,7 +55,7 @@ from etcd_agent.node.sessions import (
 from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
-from etcd_agent.restore.orchestrator.finish import finish, served, unfence
+from etcd_agent.restore.orchestrator.finish import finish, load_tail, served, unfence
 from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
 from etcd_agent.restore.orchestrator.meanwhile import HostsAhead, Meanwhile
 from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
@@ -257,6 +257,11 @@ class Restore:
                             host_of={m.name: n.where for n in self.nodes for m in n.members}, facts=facts,
                             new_cluster=new_cluster, resuming=resume is not None)
         plan.problems += rproblems + (list(verdict.refused) if verdict is not None else [])
+        if source.tail is not None and not plan.bump:
+            plan.problems.append(
+                f"the point-in-time tail is loaded into the restored members at revisions above any the cluster "
+                f"reached, which needs the revision bumped on every member ({plan.bump_note}); set [backup.delta] "
+                "point_in_time_load = \"scratch\" to replay it in a throwaway etcd instead")
         for hp in plan.hosts:
             hp.problems += host_problems.get(hp.member, [])
             if hp.member in facts:
@@ -374,6 +379,7 @@ class Restore:
         except BaseException as exc:
             self._failed(plan, exc, began)
         finish(self, plan, source)
+        source.keep_record = False  # done: nothing is left to resume
 
     def _through(self, plan: P.Plan, source: Source, facts: Dict[str, NodeFacts], outcome: Outcome,
                  began: List[Member]) -> None:
@@ -386,6 +392,7 @@ class Restore:
                       size=source.size, backup=plan.backup, bump=P.BUMP_REVISION if plan.bump else None,
                       fence_owner=owners[m.name], new_cluster=plan.new_cluster)
             began.append(m)
+            source.keep_record = True  # its journal names the record: `--from <record>` resumes it
 
         self.phase("begin", begin)
         stage(self, source, facts)
@@ -406,6 +413,8 @@ class Restore:
             self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
         )
         outcome.timings["wait"] = time.monotonic() - t
+        if source.tail is not None:  # the apiservers still fenced
+            load_tail(self, plan, source, outcome)
         served(self, plan, source)
         t = time.monotonic()
         self.cluster.record_lineage(list(source.member_ids))

@@ -57,6 +57,7 @@ class Plan:
     kubernetes: List[str] = field(default_factory=list)  # what the Kubernetes cleanup will delete
     hosts: List[HostPlan] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)  # cluster-wide
+    tail_to: Optional[int] = None  # a point-in-time tail loaded into the restored members: to this revision
 
     @property
     def ok(self) -> bool:
@@ -73,6 +74,7 @@ class Plan:
             "bump_note": self.bump_note,
             "new_cluster": self.new_cluster,
             "resuming": self.resuming,
+            "tail_to": self.tail_to,
             "kind": self.kind,
             "evidence": self.evidence,
             "kubernetes": self.kubernetes,
@@ -99,6 +101,8 @@ class SourceFacts:
     size: int
     sha256: Optional[str]
     lines: Tuple[str, ...]  # checked / proven / not proven, one line each
+    # a point-in-time restore's tail loaded into the restored members: to which revision ("": none)
+    tail_to: Optional[int] = None
 
 
 def fence_owners(cfg: Config, host_of: Mapping[str, str]) -> Dict[str, bool]:
@@ -186,6 +190,8 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
     spec = f"{cfg.etcd.user}:{cfg.etcd.group}"
     if not source.sha256:
         claim = "the sha256 the sender computes"
+    elif source.tail_to is not None:
+        claim = f"the sha256 {source.sha256[:16]}... its delta chain vouches for"
     elif source.kind == "runbook":  # no manifest: the hash is the reader's, of the tarball's own bytes
         claim = f"the sha256 {source.sha256[:16]}... read from the tarball"
     else:
@@ -219,6 +225,11 @@ def _host_plan(cfg: Config, m: Member, f: Optional[NodeFacts], *, where: str, ow
         Step("wait", f"wait until every member is healthy at the same revision (>= {source.revision}); "
                      f"record the snapshot's member ids as this cluster's lineage ({LINEAGE_KEY})"),
     ]
+    if source.tail_to is not None:
+        steps.insert(len(steps) - 1, Step(
+            "load", f"write the delta chain after revision {source.revision} up to revision {source.tail_to} into the "
+                    "restored cluster (once, through its leader; the apiservers still fenced): leases, deletes, puts, "
+                    "the lease rule, then a compaction at the final revision"))
     if owner and cfg.kubernetes.fence != "none":
         steps.append(Step("unfence", _unfence_text(cfg, m)))
     steps.append(Step("finish", f"journal marked done (kept in {wd} until the next restore); the shipped snapshot "
@@ -246,7 +257,8 @@ def build_plan(
     masters, _unknown = master_addresses(cfg, resolve=False)
     plan = Plan(op, backup, token, ic, source.revision, bump, note, new_cluster, resuming, kind=source.kind,
                 evidence=list(source.lines),
-                kubernetes=[f"after etcd is healthy, before the apiservers start: {rule_text(cfg, masters)}"])
+                kubernetes=[f"after etcd is healthy, before the apiservers start: {rule_text(cfg, masters)}"],
+                tail_to=source.tail_to)
     owners = fence_owners(cfg, host_of)
     for m in cfg.members:
         plan.hosts.append(_host_plan(cfg, m, facts.get(m.name), where=host_of[m.name], owner=owners[m.name], ic=ic,

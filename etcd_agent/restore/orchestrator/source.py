@@ -20,6 +20,7 @@ captured from this cluster (every segment links to the full backup's revision by
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.age import Identities
     from etcd_agent.backup.catalog import Entry
     from etcd_agent.pitr.carried import CheckedChain
+    from etcd_agent.pitr.members import Record, Tail
     from etcd_agent.pitr.prepare import Prepared
     from etcd_agent.pitr.replay import ReplayResult, Target
     from etcd_agent.restore.orchestrator.meanwhile import Meanwhile
@@ -67,6 +69,13 @@ class Source:
     remove_on_close: Optional[str] = None
     lock: Optional[OperationLock] = None  # ... and the lock that makes it this restore's own
     timings: Dict[str, float] = dataclasses.field(default_factory=dict)  # a replay's phases (the restore's JSON)
+    # a point-in-time restore that loads its tail into the restored members: the tail (folding
+    # meanwhile), and the record its journals name as their backup - kept once a member began,
+    # until the restore is done, so that `--from <record>` resumes it
+    tail: "Optional[Tail]" = None
+    record: Optional[str] = None
+    keep_record: bool = False
+    tail_to: Optional[int] = None  # a dry run's: the revision the tail would be loaded to (no tail folded)
 
     @property
     def member_ids(self) -> Tuple[str, ...]:
@@ -102,9 +111,15 @@ class Source:
             os.close(fd)
 
     def facts(self, lines: Tuple[str, ...] = ()) -> SourceFacts:
-        return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines)
+        tail_to = self.tail.prep.plan.stop_revision if self.tail is not None else self.tail_to
+        return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines, tail_to)
 
     def close(self) -> None:
+        if self.tail is not None:
+            self.tail.close()
+        if self.record is not None and not self.keep_record:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.record)
         if self.archive is not None:
             self.archive.close()
         if self.remove_on_close is not None:
@@ -124,7 +139,7 @@ def source_for(opts: "Options") -> Callable[[Config, str, str, bool, "Meanwhile"
             return open_source(cfg, spec, staging, hash_now=hash_now, identities=opts.identities)
         return open_pitr_source(cfg, spec, opts.target, staging, progress=opts.progress, identities=opts.identities,
                                 checkpoints=opts.checkpoints, accept_unsigned=opts.accept_unsigned,
-                                checked=opts.checked, meanwhile=meanwhile)
+                                checked=opts.checked, meanwhile=meanwhile, dry_run=hash_now)
     return opened
 
 
@@ -134,15 +149,22 @@ def open_source(cfg: Config, spec: Union[str, "Entry"], staging_parent: str, *, 
     a dry run does; otherwise it is hashed as it is shipped). An encrypted one is decrypted with
     ``identities`` (IdentityRefused without them, or with a wrong key: exit 3, nothing touched)."""
     from etcd_agent.backup.catalog import resolve_from
-    from etcd_agent.backup.keys import local_key
 
     if isinstance(spec, str):
-        kept = _kept_replay(cfg, spec)
+        kept = _kept_replay(cfg, spec) or _kept_tail(cfg, spec, staging_parent, identities, hash_now)
         if kept is not None:
             return kept
         path = resolve_from(cfg, spec).path
     else:  # the entry a point-in-time restore resolved already (--from is resolved once)
         path = spec.path
+    return _archive_source(cfg, path, staging_parent, hash_now, identities)
+
+
+def _archive_source(cfg: Config, path: str, staging_parent: str, hash_now: bool,
+                    identities: Optional["Identities"]) -> Source:
+    """The backup tarball (or a checkpoint's) at ``path``, read and checked as ``open_source`` says."""
+    from etcd_agent.backup.keys import local_key
+
     if identities is not None:  # its plaintext never under the backup dir (copied off-host)
         from etcd_agent.pitr.workdirs import work_dir
 
@@ -182,7 +204,8 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
                      progress: Callable[[str], None] = lambda s: None,
                      identities: Optional["Identities"] = None, checkpoints: bool = True,
                      accept_unsigned: bool = False, checked: Optional["CheckedChain"] = None,
-                     meanwhile: Optional["Meanwhile"] = None) -> Source:
+                     meanwhile: Optional["Meanwhile"] = None, dry_run: bool = False,
+                     members: Optional[bool] = None) -> Source:
     """The full backup ``spec`` names (``latest``: the newest at or before the target), its chain
     replayed to ``target`` (``newest``, a revision, an ISO time with its zone). The dry run
     replays too (nothing live is touched) and the result is removed when the restore ends.
@@ -193,12 +216,16 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
     the chain as a restore from the bucket checked it, taken instead of checking it again while
     its files are the very ones checked (``pitr.carried.take``). ``meanwhile``: started once the
     chain and the full backup passed their checks (a refusal of the chain comes before any host is
-    opened), its ``stop`` stops the replay at its next step (``restore.orchestrator.meanwhile``)."""
+    opened), its ``stop`` stops the replay at its next step (``restore.orchestrator.meanwhile``).
+    ``members`` (default: ``[backup.delta] point_in_time_load``): no replay here - the source is
+    the start snapshot itself, with the chain after it folding meanwhile (``Source.tail``), loaded
+    into the restored members by the restore (``pitr.members``). ``dry_run``: hashed, not folded."""
     import shutil
 
     from etcd_agent.chain.errors import CheckpointUnusable
     from etcd_agent.pitr import carried, report, workdirs
     from etcd_agent.pitr import prepare as pitr
+    from etcd_agent.pitr.members import Record, members_load
 
     parsed = target
     t0 = time.monotonic()
@@ -212,6 +239,8 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
     staging = (taken.private if taken is not None and taken.private is not None
                else workdirs.open_staging(cfg) if identities is not None else None)
     skip: Dict[str, str] = {}  # checkpoints the replay found unusable: prepared again without them
+    into_members = members_load(cfg) if members is None else members
+    tail_src: Optional[Source] = None
     try:
         try:  # the decrypted segments live only until the replay has run (or failed)
             while True:
@@ -222,10 +251,18 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
                     prep = pitr.prepare(cfg, spec, parsed, identities=identities, staging=staging,
                                         checkpoints=checkpoints, skip=skip, accept_unsigned=accept_unsigned)
                 timings["prepare"] = time.monotonic() - t0
-                base = open_source(cfg, prep.entry, staging_parent, hash_now=False, identities=identities)
+                base = open_source(cfg, prep.entry, staging_parent, hash_now=dry_run and into_members,
+                                   identities=identities)
                 timings["full backup"] = time.monotonic() - t0 - timings["prepare"]
                 try:
                     _chain_matches(prep, base)
+                    if into_members:
+                        rec = Record(prep.entry.name, prep.plan.stop_revision, checkpoints, accept_unsigned)
+                        tail_src = _tail_source(cfg, prep, base, staging_parent, identities, staging, rec, dry_run,
+                                                meanwhile, progress)
+                        if tail_src.tail is not None:
+                            staging = None  # the tail's now: removed once folded
+                        break
                     st = prep.start
                     onto = (f"checkpoint {st.name} (revision {st.revision}, inside the chain of {prep.entry.name}; "
                             f"~{st.events_after} event(s) after it)" if st else prep.entry.name)
@@ -247,10 +284,15 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
                         shutil.rmtree(staging, ignore_errors=True)
                         os.mkdir(staging, 0o700)
                 finally:
-                    base.close()
+                    if tail_src is None or tail_src.archive is not base.archive:
+                        base.close()
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
+        if tail_src is not None:
+            tail_src.lock = held
+            tail_src.timings = timings
+            return tail_src
         progress(f"reusing the replay an interrupted run of this restore left: {path}" if reused else
                  f"replayed {res.events_applied} event(s) in {res.replay_seconds:.1f}s: revision {res.reached_revision}")
         lines = report.describe(prep, res, reused=reused) + [f"full backup: {x}" for x in base.checked]
@@ -264,6 +306,90 @@ def open_pitr_source(cfg: Config, spec: str, target: "Target", staging_parent: s
     src.lock = held
     src.timings = timings
     return src
+
+
+def _tail_source(cfg: Config, prep: "Prepared", base: Source, staging_parent: str,
+                 identities: Optional["Identities"], staging: Optional[str], rec: "Record", dry_run: bool,
+                 meanwhile: Optional["Meanwhile"], progress: Callable[[str], None]) -> Source:
+    """The start snapshot of ``prep`` as the source every member restores - the full backup
+    ``base``, or the checkpoint the chain vouches for (CheckpointUnusable unless its sha256 and
+    revision are the ones vouched for) - named by the tail record, with the chain after it
+    folding meanwhile (``Tail``: it takes ``staging`` over). The sha256 the chain vouches for is
+    the one the shipped bytes must hash to before any member keeps them."""
+    from etcd_agent.chain.errors import CheckpointUnusable
+    from etcd_agent.errors import AgentError
+    from etcd_agent.pitr import report, workdirs
+    from etcd_agent.pitr.members import Tail, record_path, write_record
+
+    st = prep.start
+    work = workdirs.work_dir(cfg, identities is not None)
+    path = record_path(work, prep)
+    if meanwhile is not None:  # the hosts opened and pre-checked while the snapshot is read
+        meanwhile.start(path)
+    onto = (f"checkpoint {st.name} (revision {st.revision}, inside the chain of {prep.entry.name})" if st
+            else prep.entry.name)
+    progress(f"restoring {onto} on every member; the delta chain after it up to revision {prep.plan.stop_revision} is "
+             "folded meanwhile and written into the restored members once they serve (no throwaway etcd)")
+    if st is None:
+        src = base
+    else:
+        try:
+            src = _archive_source(cfg, st.path, staging_parent, dry_run, identities)
+        except (AgentError, OSError) as exc:
+            msg = exc.message if isinstance(exc, AgentError) else str(exc)
+            raise CheckpointUnusable(f"checkpoint {st.name} cannot be read: {msg}") from None
+    tail: Optional[Tail] = None
+    try:
+        if src.identity is None:
+            raise RefusedError(f"{src.path}: the snapshot's members could not be read; nothing touched")
+        restored = max(1, src.revision or 0)
+        first = prep.check.segments[0].header if prep.check.segments else None
+        if st is not None:
+            want: Optional[str] = st.checkpoint.sha256
+            if restored != st.revision:
+                raise CheckpointUnusable(f"checkpoint {st.name}: its snapshot is at revision {restored}, the chain "
+                                         f"vouches for revision {st.revision}")
+        else:  # the chain names its full backup's snapshot by sha256 (the one it continues)
+            from_base = prep.entry.revision == prep.check.base_revision or restored == prep.check.base_revision
+            want = first.base_sha256 if first is not None and first.base_sha256 and from_base else None
+        if want and src.sha256 and src.sha256 != want:
+            what = f"checkpoint {st.name}" if st is not None else os.path.basename(src.path)
+            msg = (f"{what}: its snapshot is sha256 {src.sha256[:16]}..., the chain vouches for {want[:16]}...: "
+                   "another backup's chain, or this file swapped or changed since; nothing touched")
+            raise CheckpointUnusable(msg) if st is not None else RefusedError(msg)
+        sha = src.sha256 or want  # unknown until shipped: then it must hash to what the chain vouches for
+        lines = report.describe_tail(prep, restored)
+        lines += [f"{'checkpoint' if st is not None else 'full backup'}: {x}" for x in src.checked]
+        lines += _encryption_lines(prep) + ([prep.signatures] if prep.signatures else [])
+        if not dry_run:
+            tail = Tail(prep, restored, work, staging)
+            write_record(path, rec)
+        return dataclasses.replace(src, path=path, sha256=sha, checked=tuple(lines), tail=tail, record=path,
+                                   remove_on_close=None, lock=None, tail_to=prep.plan.stop_revision)
+    except BaseException:
+        if tail is not None:
+            tail.close()
+        if src is not base:
+            src.close()
+        raise
+
+
+def _kept_tail(cfg: Config, spec: str, staging_parent: str, identities: Optional["Identities"],
+               dry_run: bool) -> Optional[Source]:
+    """``--from`` naming the record of a point-in-time restore that loads its tail into the
+    restored members (what its journals name): the same restore, prepared again from the record."""
+    from etcd_agent.pitr.members import RECORD_SUFFIX, read_record
+    from etcd_agent.pitr.replay import Target
+    from etcd_agent.pitr.workdirs import pitr_dir, private_dir
+
+    path = os.path.abspath(spec)
+    if not path.endswith(RECORD_SUFFIX) or os.path.dirname(path) not in (
+            os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg))) or not os.path.isfile(path):
+        return None
+    rec = read_record(path)
+    return open_pitr_source(cfg, rec.backup, Target.to_revision(rec.revision), staging_parent, identities=identities,
+                            checkpoints=rec.checkpoints, accept_unsigned=rec.accept_unsigned, dry_run=dry_run,
+                            members=True)
 
 
 def _encryption_lines(prep: "Prepared") -> List[str]:
