@@ -79,6 +79,33 @@ def fill(rpc: EtcdRpc, keys: int, size: int) -> Dict[bytes, tuple]:
     return made
 
 
+def members_config(cfg_path: str) -> str:
+    """A copy of the bench cluster's config whose point-in-time restores load the tail into the
+    restored members (``[backup.delta] point_in_time_load = "members"``): the same cluster."""
+    with open(cfg_path) as fh:
+        text = fh.read()
+    line = 'point_in_time_load = "members"\n'
+    text = text.replace("[backup.delta]\n", "[backup.delta]\n" + line, 1) if "[backup.delta]\n" in text else (
+        text + "\n[backup.delta]\n" + line)
+    out = os.path.join(os.path.dirname(cfg_path), "agent-members.toml")
+    with open(out, "w") as fh:
+        fh.write(text)
+    return out
+
+
+def state_digest(c: LoopbackCluster) -> str:
+    """sha256 of every key, value and lease the cluster serves now (the two ways must agree)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with EtcdRpc(c.cfg.members[0].client_url, timeout=60.0, max_message=1 << 30) as r:
+        for kv in sorted(r.range(b"\0", b"\0").kvs, key=lambda kv: kv.key):
+            if kv.key.startswith(b"/etcd-agent/"):  # the agent's own lineage record differs by design
+                continue
+            h.update(b"%d:%s%d:%s%d;" % (len(kv.key), kv.key, len(kv.value), kv.value, kv.lease))
+    return h.hexdigest()
+
+
 def restore_run(cfg_path: str, backup: str, pitr: bool, new_cluster: bool = False, whole: bool = False,
                 tree: str = "") -> Run:
     # ``tree``: another checkout's package run instead (its `node serve` children inherit it)
@@ -108,11 +135,14 @@ def main() -> None:
     ap.add_argument("--compact-seconds", type=float, default=10.0,
                     help="live chains: compact every this often to the revision of this long before (the apiserver's "
                          "5 minutes, in the bench's time)")
+    ap.add_argument("--members", choices=("true", "false"), default="true",
+                    help="also pitr B with the tail loaded into the restored members (point_in_time_load = members)")
     ap.add_argument("--keep", action="store_true", help="leave the work dir (backups, config) for profiling")
     ap.add_argument("--json")
     ap.add_argument("--baseline", default="", help="another checkout (e.g. `git archive` of main): its pitr B and "
                     "plain B restores interleaved with this tree's, an A/B on the same chain")
     a = ap.parse_args()
+    a.members = a.members == "true"
     byte_compile()
     if a.baseline and not compileall.compile_dir(os.path.join(a.baseline, "etcd_agent"), quiet=1, workers=0):
         raise SystemExit(f"cannot byte-compile {a.baseline}")
@@ -161,8 +191,10 @@ def main() -> None:
         # the floor: a full backup already holding each target's state (taken of the cluster a
         # point-in-time restore just left), restored plainly - what no replay design can beat
         at_target = {}
+        digests: Dict[str, str] = {}
         for name, full in (("A", full_a), ("B", full_b)):
             restore_run(c.config_path, full.path, True)  # exits the bench if it fails
+            digests[name] = state_digest(c)
             at_target[name] = take_backup(c.cfg, member="m1")
             chains[name]["target_state_backup_bytes"] = at_target[name].size
             print(f"full backup of {name}'s target state: {at_target[name].size / 1e6:.1f} MB", flush=True)
@@ -174,6 +206,18 @@ def main() -> None:
             f"pitr B (+{a.long_events} events)": lambda: restore_run(c.config_path, full_b.path, True),
             "plain B@target": lambda: restore_run(c.config_path, at_target["B"].path, False, True),
         }
+        if a.members:
+            members = members_config(c.config_path)
+
+            def members_b() -> Run:
+                run = restore_run(members, full_b.path, True)
+                got = state_digest(c)  # untimed: the same data as the throwaway member's replay left
+                if got != digests["B"]:
+                    raise SystemExit(f"pitr B, members load: the cluster holds another state (sha256 {got[:16]}) "
+                                     f"than the replay's ({digests['B'][:16]})")
+                return run
+
+            ways[f"pitr B, members load (+{a.long_events} events)"] = members_b
         if a.chain == "live":
             ways["pitr B, whole chain (--no-checkpoint)"] = lambda: restore_run(c.config_path, full_b.path, True,
                                                                                  whole=True)
@@ -197,6 +241,9 @@ def main() -> None:
             pairs += [(names[3], names[6]), (names[4], names[6])]
         if a.baseline:
             pairs += [("plain B (baseline)", "pitr B (baseline)"), ("pitr B (baseline)", names[4])]
+        if a.members:
+            way = f"pitr B, members load (+{a.long_events} events)"
+            pairs += [(names[3], way), (names[5], way), (names[4], way)]
         for plain, pitr in pairs:
             pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
             per = [q / p for p, q in zip(pw, qw)]
