@@ -206,6 +206,9 @@ def main() -> None:
             f"pitr B (+{a.long_events} events)": lambda: restore_run(c.config_path, full_b.path, True),
             "plain B@target": lambda: restore_run(c.config_path, at_target["B"].path, False, True),
         }
+        if a.chain == "live":
+            ways["pitr B, whole chain (--no-checkpoint)"] = lambda: restore_run(c.config_path, full_b.path, True,
+                                                                                 whole=True)
         if a.members:
             members = members_config(c.config_path)
 
@@ -218,9 +221,6 @@ def main() -> None:
                 return run
 
             ways[f"pitr B, members load (+{a.long_events} events)"] = members_b
-        if a.chain == "live":
-            ways["pitr B, whole chain (--no-checkpoint)"] = lambda: restore_run(c.config_path, full_b.path, True,
-                                                                                 whole=True)
         if a.baseline:
             ways["pitr B (baseline)"] = lambda: restore_run(c.config_path, full_b.path, True, tree=a.baseline)
             ways["plain B (baseline)"] = lambda: restore_run(c.config_path, full_b.path, False, tree=a.baseline)
@@ -243,7 +243,7 @@ def main() -> None:
             pairs += [("plain B (baseline)", "pitr B (baseline)"), ("pitr B (baseline)", names[4])]
         if a.members:
             way = f"pitr B, members load (+{a.long_events} events)"
-            pairs += [(names[3], way), (names[5], way), (names[4], way)]
+            pairs += [(names[3], way), (names[5], way), (names[4], way)]  # plain B, plain B@target, pitr B
         for plain, pitr in pairs:
             pw, qw = [r.wall for r in runs[plain]], [r.wall for r in runs[pitr]]
             per = [q / p for p, q in zip(pw, qw)]

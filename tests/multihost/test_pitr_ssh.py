@@ -166,7 +166,25 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         yield b
 
 
-def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
+@contextlib.contextmanager
+def point_in_time_load(bed: Bed, way: str) -> Iterator[None]:
+    """ez1's agent.toml with ``[backup.delta] point_in_time_load = way`` while the block runs."""
+    path = os.path.join(bed.net.hosts[0].etc_dir, "etcd-agent", "agent.toml")
+    with open(path) as fh:
+        before = fh.read()
+    with open(path, "w") as fh:
+        fh.write(before.replace("[backup.delta]\n", f'[backup.delta]\npoint_in_time_load = "{way}"\n', 1))
+    try:
+        yield
+    finally:
+        with open(path, "w") as fh:
+            fh.write(before)
+
+
+@pytest.mark.parametrize("way", ["scratch", "members"])
+def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed, way: str) -> None:
+    """``way``: the chain replayed in a throwaway etcd on ez1, or its tail written into the
+    restored members over the cluster's client API once they serve (``point_in_time_load``)."""
     cfg = bed.cfg()
     for h in bed.net.hosts:  # every host's daemon watches its own member into its own dir
         poll(lambda h=h: chains.active_base(bed.cfg(h.name).backup.dir), timeout=90,
@@ -196,13 +214,16 @@ def test_disaster_over_ssh_restores_to_seconds_before(bed: Bed) -> None:
     w.stop()
     time.sleep(3)  # the operator's first look; ez1's watch has closed its segment by then
     t, began = time.monotonic(), time.time()
-    res = bed.agent(bed.net.hosts[0], "restore", "--from", "latest", "--to", "newest", "--yes")
+    with point_in_time_load(bed, way):
+        res = bed.agent(bed.net.hosts[0], "restore", "--from", "latest", "--to", "newest", "--yes")
     wall, ended = time.monotonic() - t, time.time()
     assert res.returncode == 0, res.stdout + res.stderr
+    said = "written into the restored members" if way == "members" else "in a throwaway etcd on loopback"
+    assert said in res.stderr, res.stderr
     poll(lambda: healthy(cfg), timeout=60, what="healthy after the restore", interval=0.5)
     got = dump(EtcdRpc(cfg.members[1].client_url, timeout=5.0))
     r = account(sorted(w.acks, key=lambda a: a.revision), got, w.short_expiry, disaster)
-    print(f"\nFIGURE netns/ssh disaster: {len(w.acks)} acknowledged writes over {disaster - began:.0f} s; missing after "
+    print(f"\nFIGURE netns/ssh disaster ({way}): {len(w.acks)} acknowledged writes over {disaster - began:.0f} s; missing after "
           f"`restore --from latest --to newest --yes` on ez1: {len(r['missing_old'])} older than {SLACK:.0f} s, "
           f"{len(r['missing_recent'])} within the last {SLACK:.0f} s (oldest lost {r['lag']:.3f}s before); deleted "
           f"keys present: {len(r['resurrected'])}; expired-lease keys present: {len(r['expired_present'])}; "
