@@ -16,14 +16,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
-from etcd_agent.chain.segments import LeaseRecord
+from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
 from etcd_agent.etcd import proto
 from etcd_agent.etcd.pb.rpc_pb2 import RequestOp
 from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper, apply_lease_rule, grant
 from etcd_agent.pitr.leases import fate_of
-from etcd_agent.pitr.replay import LeaseOutcome, Plan
+from etcd_agent.pitr.replay import LeaseOutcome, Plan, ReplayResult
 from etcd_agent.pitr.txns import send
 
 # a load transaction on the throwaway member: large enough that round trips do not count
@@ -180,6 +180,34 @@ def write_tail(rpc: EtcdRpc, plan: Plan, ks: keyspace.KeySpace, batches: Batches
                                        chunk=limits.ops)
     lap("lease rule")
     return Written(keys, loads, outcome, fixups, present, seconds)
+
+
+def replay_result(plan: Plan, ks: keyspace.KeySpace, w: Written, *, restored: int, segments: int, at_ms: int,
+                  fold_seconds: float, snapshot_path: str, snapshot_revision: int, seconds: float,
+                  started_from: str = "") -> ReplayResult:
+    """What a replay reports, whichever etcd the tail was written into."""
+    return ReplayResult(
+        snapshot_path=snapshot_path,
+        base_revision=plan.base_revision,
+        reached_revision=max(restored, plan.stop_revision),
+        reached_time=ms_to_datetime(at_ms) if plan.stop_time_ms is not None else None,
+        events_applied=ks.events,
+        revisions_applied=ks.revisions,
+        segments_applied=segments,
+        stopped_because=plan.because
+        + (f" (the snapshot already held revisions up to {restored})" if restored > plan.base_revision else ""),
+        complete=plan.complete,
+        lost_after=plan.lost,
+        leases=w.leases,
+        fixup_revisions=tuple(w.fixups),
+        snapshot_revision=snapshot_revision,
+        seconds=seconds,
+        replay_seconds=fold_seconds + w.seconds,
+        keys_loaded=w.keys,
+        load_revisions=tuple(w.load_revisions),
+        started_from=started_from,
+        started_revision=restored,
+    )
 
 
 def target_ms(plan: Plan, now: Optional[float] = None) -> int:

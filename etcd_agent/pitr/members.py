@@ -24,12 +24,11 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 from etcd_agent.chain.errors import ReplayError
-from etcd_agent.chain.segments import ms_to_datetime
 from etcd_agent.etcd.rpc import EtcdRpc
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper
 from etcd_agent.pitr.leases import MIN_TTL
-from etcd_agent.pitr.loadtail import CLUSTER, Batches, target_ms, write_tail
+from etcd_agent.pitr.loadtail import CLUSTER, Batches, replay_result, target_ms, write_tail
 from etcd_agent.pitr.prepare import Prepared
 from etcd_agent.pitr.replay import ReplayResult
 from etcd_agent.pitr.replayrun import Folding
@@ -108,28 +107,10 @@ class Tail:
             lap("compact")
         finally:
             keeper.close()
-        return ReplayResult(
-            snapshot_path="",
-            base_revision=plan.base_revision,
-            reached_revision=max(self.restored, plan.stop_revision),
-            reached_time=ms_to_datetime(at_ms) if plan.stop_time_ms is not None else None,
-            events_applied=self._ks.events,
-            revisions_applied=self._ks.revisions,
-            segments_applied=segs,
-            stopped_because=plan.because + (f" (the snapshot already held revisions up to {self.restored})"
-                                             if self.restored > plan.base_revision else ""),
-            complete=plan.complete,
-            lost_after=plan.lost,
-            leases=w.leases,
-            fixup_revisions=tuple(w.fixups),
-            snapshot_revision=final,
-            seconds=time.monotonic() - t0,
-            replay_seconds=fold_seconds + w.seconds,
-            keys_loaded=w.keys,
-            load_revisions=tuple(w.load_revisions),
-            started_from=self.prep.start.name if self.prep.start is not None else "",
-            started_revision=self.restored,
-        )
+        return replay_result(plan, self._ks, w, restored=self.restored, segments=segs, at_ms=at_ms,
+                             fold_seconds=fold_seconds, snapshot_path="", snapshot_revision=final,
+                             seconds=time.monotonic() - t0,
+                             started_from=self.prep.start.name if self.prep.start is not None else "")
 
     def _drop_staging(self) -> None:
         if self._staging is not None:

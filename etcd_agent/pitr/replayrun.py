@@ -47,13 +47,12 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 from etcd_agent.chain.check import ChainCheck, check_chain
 from etcd_agent.chain.errors import CheckpointUnusable, ReplayError, SegmentCorrupt
 from etcd_agent.chain.reader import RawEvent, scan_segment
-from etcd_agent.chain.segments import ms_to_datetime
 from etcd_agent.errors import RefusedError
 from etcd_agent.etcd.client import free_share
 from etcd_agent.pitr import keyspace
 from etcd_agent.pitr.leasefix import LeaseKeeper
 from etcd_agent.pitr.leases import MIN_TTL
-from etcd_agent.pitr.loadtail import LOAD_BYTES, SCRATCH, Batches, Limits, target_ms, write_tail
+from etcd_agent.pitr.loadtail import LOAD_BYTES, SCRATCH, Batches, Limits, replay_result, target_ms, write_tail
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.scratch.machine import etcd_flags
 from etcd_agent.scratch.member import ScratchEtcd, ScratchOptions, start_scratch
@@ -449,25 +448,8 @@ def _run(
         keeper.close()
     if saved != final:
         raise ReplayError(f"the saved snapshot is at revision {saved}, expected {final}")
-    return ReplayResult(
-        snapshot_path=output,
-        base_revision=plan.base_revision,
-        reached_revision=max(restored, plan.stop_revision),
-        reached_time=ms_to_datetime(at_ms) if plan.stop_time_ms is not None else None,
-        events_applied=ks.events,
-        revisions_applied=ks.revisions,
-        segments_applied=segments_applied,
-        stopped_because=plan.because
-        + (f" (the snapshot already held revisions up to {restored})" if restored > plan.base_revision else ""),
-        complete=plan.complete,
-        lost_after=plan.lost,
-        leases=w.leases,
-        fixup_revisions=tuple(w.fixups),
-        snapshot_revision=saved,
-        seconds=time.monotonic() - t0,
-        replay_seconds=fold_seconds + w.seconds,
-        keys_loaded=w.keys,
-        load_revisions=tuple(w.load_revisions),
-    )
+    return replay_result(plan, ks, w, restored=restored, segments=segments_applied, at_ms=at_ms,
+                         fold_seconds=fold_seconds, snapshot_path=output, snapshot_revision=saved,
+                         seconds=time.monotonic() - t0)
 
 
