@@ -25,6 +25,19 @@ def served(r: Restore, plan: P.Plan, source: Source) -> None:
     r.phase("serving", lambda m: r.call(m, "serving", min_revision=least))
 
 
+def folded(source: Source) -> None:
+    """Wait for the point-in-time tail's fold (it ran while the hosts opened and the snapshot
+    shipped): a chain that fails to fold fails the restore before anything live is touched."""
+    from etcd_agent.chain.errors import ReplayError
+
+    assert source.tail is not None
+    try:
+        source.tail.folded()
+    except ReplayError as exc:
+        raise OperationFailed(f"folding the point-in-time tail failed: {exc.message}; nothing live was touched") \
+            from None
+
+
 def load_tail(r: Restore, plan: P.Plan, source: Source, outcome: Outcome) -> None:
     """A point-in-time restore that loads its tail into the restored members: once they serve,
     the apiservers still fenced, the chain after the start snapshot is written into the cluster

@@ -55,7 +55,7 @@ from etcd_agent.node.sessions import (
 from etcd_agent.restore.host.facts import NodeFacts
 from etcd_agent.restore.host.journal import JournalSummary
 from etcd_agent.restore.orchestrator import plan as P
-from etcd_agent.restore.orchestrator.finish import finish, load_tail, served, unfence
+from etcd_agent.restore.orchestrator.finish import finish, folded, load_tail, served, unfence
 from etcd_agent.restore.orchestrator.live import EtcdCluster, LiveCluster
 from etcd_agent.restore.orchestrator.meanwhile import HostsAhead, Meanwhile
 from etcd_agent.restore.orchestrator.options import LEFT_AS_IS, Options, Outcome, new_op_id
@@ -396,6 +396,10 @@ class Restore:
 
         self.phase("begin", begin)
         stage(self, source, facts)
+        if source.tail is not None:  # a chain that cannot be folded is refused before anything live is touched
+            t = time.monotonic()
+            folded(source)
+            self.timings["fold (its wait)"] = time.monotonic() - t
         t = time.monotonic()
         followers = self._followers()
         self.timings["leader"] = time.monotonic() - t
