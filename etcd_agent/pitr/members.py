@@ -32,6 +32,7 @@ from etcd_agent.pitr.loadtail import CLUSTER, Batches, replay_result, target_ms,
 from etcd_agent.pitr.prepare import Prepared
 from etcd_agent.pitr.replay import ReplayResult
 from etcd_agent.pitr.replayrun import Folding
+from etcd_agent.pitr.workdirs import TAIL_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
     from etcd_agent.config import Config
@@ -63,7 +64,7 @@ class Tail:
         self.prep = prep
         self.restored = restored
         self._staging = staging
-        self._work = tempfile.mkdtemp(prefix="etcd-tail-", dir=work_parent)  # 0700
+        self._work = tempfile.mkdtemp(prefix=TAIL_PREFIX, dir=work_parent)  # 0700; a killed run's is swept
         self._ks: Optional[keyspace.KeySpace] = keyspace.KeySpace(self._work, memory_bytes=memory_bytes)
         self._folding: Optional[Folding] = Folding(prep.plan, restored, self._ks, CLUSTER)
         self._folded: Optional[Tuple[int, float, Batches]] = None

@@ -22,7 +22,8 @@ PITR_DIR = ".pitr"
 PRIVATE_DIR = "decrypted"  # under [daemon] state_dir: the plaintext of encrypted backups and chains
 OPEN_PREFIX = "etcd-open-"  # a restore's decrypted segments, under PRIVATE_DIR
 # what a replay makes in its work dir: a dead run's are removed (``sweep``)
-WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX)
+TAIL_PREFIX = "etcd-tail-"  # a tail folded for the restored members (``pitr.members``)
+WORK_PREFIXES = ("etcd-replay-", "etcd-scratch-", OPEN_PREFIX, TAIL_PREFIX)
 
 
 def pitr_dir(cfg: "Config") -> str:
