@@ -32,7 +32,9 @@ FENCE_METHODS = ("none", "unit", "manifest")
 # how a point-in-time restore gets from its start snapshot to the target: "scratch" replays the
 # chain in a throwaway member and restores its saved db; "members" restores the start snapshot and
 # writes the chain into the restored cluster before its apiservers start; "auto": "members" when
-# [kubernetes] fence stops the apiservers, else "scratch" (nothing to keep clients out meanwhile)
+# [kubernetes] fence stops the apiservers, else "scratch" (nothing to keep clients out meanwhile).
+# The default is "scratch": measured equal in wall time (bench/pitr_bench.py, 2026-12-08), and its
+# replay runs before the fence, so the apiservers are down for less (docs/delta-segments.md)
 POINT_IN_TIME_LOADS = ("auto", "members", "scratch")
 SSH_STREAMS = ("auto", "openssh", "paramiko")  # what carries a restore's snapshot (ssh.stream)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
@@ -189,7 +191,7 @@ class DeltaSection:
     lean_checkpoints: bool = True
     # a point-in-time restore's way to the target (POINT_IN_TIME_LOADS; docs/delta-segments.md,
     # "The tail loaded into the restored members")
-    point_in_time_load: str = "auto"
+    point_in_time_load: str = "scratch"
     # the member unwatchable this long: the chain is broken (a full backup once it is back)
     max_outage: float = 300.0
     # node_exporter textfile of the delta metrics; None: beside [backup] metrics_file, named

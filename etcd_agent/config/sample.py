@@ -136,12 +136,12 @@ host = "10.0.0.13"
 # lean_checkpoints = true             # a checkpoint's snapshot defragmented offline before it is
 #                                     # archived (staged under [daemon] state_dir, twice its size
 #                                     # free there): a replay starts from the data, not free pages
-# point_in_time_load = "auto"         # how a point-in-time restore reaches its target: "members"
-#                                     # restores the start snapshot (checkpoint or full backup) and
-#                                     # writes the chain into the restored cluster while the
-#                                     # apiservers are still fenced; "scratch" replays it in a
-#                                     # throwaway etcd first; "auto": members when [kubernetes]
-#                                     # fence is not "none"
+# point_in_time_load = "scratch"      # how a point-in-time restore reaches its target: "scratch"
+#                                     # replays the chain in a throwaway etcd before anything is
+#                                     # touched; "members" restores the start snapshot (checkpoint
+#                                     # or full backup) and writes the chain into the restored
+#                                     # cluster while the apiservers are still fenced; "auto":
+#                                     # members when [kubernetes] fence is not "none"
 # max_outage = 300.0                  # member unwatchable this long: chain broken, full backup when back
 # metrics_file = "/var/lib/node_exporter/textfile_collector/etcd_agent_delta.prom"
 #                                     # default: beside [backup] metrics_file (none when that is unset)

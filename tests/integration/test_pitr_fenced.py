@@ -1,5 +1,5 @@
-"""With a fence configured, a point-in-time restore takes the default way (``point_in_time_load =
-"auto"``): the tail is written into the restored members while the apiserver's manifest is still
+"""With a fence configured, a point-in-time restore with ``point_in_time_load = "auto"`` loads
+the tail into the members: the tail is written into the restored members while the apiserver's manifest is still
 moved aside, and nothing of the start snapshot's state is left readable in the history once it
 is back. Real etcd 3.5.16, three members, one daemon per member writing the chain."""
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_with_a_fence_the_tail_is_loaded_into_the_members_before_the_apiserver_r
     manifest = os.path.join(str(tmp_path), "kube-apiserver.yaml")
     with open(manifest, "w") as fh:
         fh.write("kind: Pod\n")
-    d = bed(tables=f'[kubernetes]\nfence = "manifest"\nmanifest = "{manifest}"\n'
+    d = bed(delta={"point_in_time_load": '"auto"'}, tables=f'[kubernetes]\nfence = "manifest"\nmanifest = "{manifest}"\n'
                    f'manifest_aside_dir = "{tmp_path}/manifests-aside"\n')
     c = d.c
     start_all(d)
@@ -75,7 +75,7 @@ def test_with_a_fence_the_tail_is_loaded_into_the_members_before_the_apiserver_r
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout)
     timings: Dict[str, float] = out["timings"]
-    # the default way under a fence: no throwaway member, the load inside the fenced window
+    # auto under a fence: no throwaway member, the load inside the fenced window
     assert "load" in timings and not any(k.startswith("read: replay") for k in timings), sorted(timings)
     assert "written into the restored members" in res.stderr, res.stderr
     assert out["plan"]["tail_to"] == target, out["plan"]
