@@ -58,9 +58,9 @@ class Tail:
 
     def __init__(self, prep: Prepared, restored: int, work_parent: str, staging: Optional[str] = None,
                  memory_bytes: int = keyspace.DEFAULT_MEMORY) -> None:
-        if restored < prep.plan.base_revision or restored > max(restored, prep.plan.stop_revision):
-            raise ReplayError(f"the start snapshot is at revision {restored}, outside its chain's plan "
-                              f"({prep.plan.base_revision}..{prep.plan.stop_revision})")
+        if restored < prep.plan.base_revision:
+            raise ReplayError(f"the start snapshot is at revision {restored}, before its chain's base "
+                              f"{prep.plan.base_revision}")
         self.prep = prep
         self.restored = restored
         self._staging = staging
