@@ -69,6 +69,13 @@ def ids(c: LoopbackCluster) -> Dict[str, Tuple[int, int]]:
     return out
 
 
+def kept(c: LoopbackCluster) -> List[str]:
+    """What a point-in-time restore keeps under the backup dir's .pitr: a replay's db, a tail's
+    record (kept only while a restore it names can be resumed)."""
+    pitr = os.path.join(c.cfg.backup.dir, ".pitr")
+    return sorted(n for n in (os.listdir(pitr) if os.path.isdir(pitr) else []) if n.endswith((".db", ".tail")))
+
+
 def start_revision(dry_stdout: str) -> int:
     """The revision of the snapshot a point-in-time restore starts from, as its plan names it."""
     m = re.search(r"point in time: (?:checkpoint|full backup) \S+ \(revision (\d+)", dry_stdout)
@@ -137,7 +144,7 @@ def test_members_load_restores_the_same_state_from_a_checkpoint_and_from_the_ful
         res = agent(c, "--json", "restore", *how, "--to-revision", str(target), "--yes")
         assert res.returncode == 0, res.stdout + res.stderr
         out = json.loads(res.stdout)
-        assert out["done"] is True
+        assert out["done"] is True and not kept(c), kept(c)
         assert "load" in out["timings"] and "read: replay" not in out["timings"], (how, out["timings"])
         wait_healthy(c.cfg, 3, 60)
         r = rpc(c)
@@ -189,8 +196,7 @@ def test_dry_run_says_the_tail_goes_into_the_restored_members_and_touches_nothin
     assert dump(rpc(c)) == before
     now = os.listdir(c.cfg.backup.dir)
     assert set(backups) <= set(now), sorted(set(backups) - set(now))
-    pitr = os.path.join(c.cfg.backup.dir, ".pitr")
-    assert not [n for n in (os.listdir(pitr) if os.path.isdir(pitr) else []) if n.endswith(".db")]
+    assert not kept(c), kept(c)
     print(f"\nFIGURE members load dry run: {line.strip()}")
 
 
@@ -296,6 +302,7 @@ def test_a_restore_killed_mid_load_resumes_with_the_same_command(bed) -> None:  
     assert res.returncode == 0, res.stdout + res.stderr
     resuming = next((ln for ln in res.stderr.splitlines() if "resuming restore" in ln), None)
     assert resuming is not None, res.stderr
+    assert not kept(c), kept(c)  # done: nothing left to resume
     wait_healthy(c.cfg, 3, 60)
     with EtcdRpc(c.cfg.members[0].client_url, timeout=60.0) as r2:
         got = dump(r2)
@@ -348,4 +355,4 @@ def test_a_load_that_fails_rolls_every_member_back(bed) -> None:  # type: ignore
     assert backups <= set(full_backups(c)) | set(segment_files(c)), "a backup went"
     said = next(ln for ln in res.stderr.splitlines() if "loading the point-in-time tail" in ln)
     print(f"\nFIGURE members load failure: {said.strip()[:300]}; every member back on its data "
-          f"({len(before)} keys, the same member ids)")
+          f"({len(before)} keys, the same member ids); left in .pitr: {kept(c)}")
