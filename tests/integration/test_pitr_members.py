@@ -119,7 +119,7 @@ def after_target(r: EtcdRpc, new_lease: int) -> int:
 
 
 def test_members_load_restores_the_same_state_from_a_checkpoint_and_from_the_full_backup(bed) -> None:  # type: ignore[no-untyped-def]
-    _d, c, _base, r = started(bed, CHECKPOINTS)
+    _d, c, base, r = started(bed, CHECKPOINTS)
     directory = c.cfg.backup.dir
     lease, _ = r.lease_grant(900)
     n1 = workload(r, "p1", 80, lease)  # 16 KiB values: past a checkpoint's worth (1 MiB)
@@ -139,6 +139,9 @@ def test_members_load_restores_the_same_state_from_a_checkpoint_and_from_the_ful
     assert f"point in time: checkpoint {max(vouched(directory), key=lambda x: x[1])[0]} (revision {cp}" in dry.stdout, (
         cp, dry.stdout)
     assert INTO_MEMBERS in dry.stdout and SCRATCH_WORDING not in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+    full = agent(c, "restore", "--from", "latest", "--to-revision", str(target), "--no-checkpoint", "--dry-run")
+    assert full.returncode == 0 and INTO_MEMBERS in full.stdout, full.stdout + full.stderr
+    assert "point in time: full backup" in full.stdout and start_revision(full.stdout) == base, (base, full.stdout)
 
     for how in (["--from", "latest"], ["--from", "latest", "--no-checkpoint"]):
         res = agent(c, "--json", "restore", *how, "--to-revision", str(target), "--yes")
@@ -158,9 +161,8 @@ def test_members_load_restores_the_same_state_from_a_checkpoint_and_from_the_ful
         ttl = lease_ttl(r, "/tail/leased/a")
         assert ttl is not None and 30 <= ttl <= 900, ttl
         # the restored cluster's revisions: the start snapshot's + BUMP_REVISION, then the load's above it
-        start = cp if "--no-checkpoint" not in how else None
-        if start is not None:
-            assert r.header().revision > start + BUMP_REVISION, (r.header().revision, start)
+        start = base if "--no-checkpoint" in how else cp
+        assert r.header().revision > start + BUMP_REVISION, (r.header().revision, start)
         print(f"\nFIGURE members load {' '.join(how)} --to-revision {target}: {len(live)} keys equal to the "
               f"original's Range(rev={target}); timings load {out['timings']['load']:.2f}s")
 
