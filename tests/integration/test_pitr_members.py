@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from etcd_agent.backup import boundaries
 from etcd_agent.errors import EtcdError
 from etcd_agent.etcd import proto
 from etcd_agent.etcd.rpc import EtcdRpc
@@ -163,6 +164,10 @@ def test_members_load_restores_the_same_state_from_a_checkpoint_and_from_the_ful
         # the restored cluster's revisions: the start snapshot's + BUMP_REVISION, then the load's above it
         start = base if "--no-checkpoint" in how else cp
         assert r.header().revision > start + BUMP_REVISION, (r.header().revision, start)
+        # recorded as from the full backup, its chain and the target (as test_pitr's scratch way
+        # is): not from the tail's record, a file removed once the restore is done
+        [rec] = [b for b in boundaries.read(directory) if b.op == out["plan"]["op"]]
+        assert rec.from_backup in full_backups(c) and rec.to_revision == target and rec.chain_id, rec
         print(f"\nFIGURE members load {' '.join(how)} --to-revision {target}: {len(live)} keys equal to the "
               f"original's Range(rev={target}); timings load {out['timings']['load']:.2f}s")
 
