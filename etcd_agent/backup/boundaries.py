@@ -167,14 +167,17 @@ def record(directory: str, b: Boundary) -> bool:
     return True
 
 
-REPLAY_RE = re.compile(r"^(?P<full>.+)\.to-(?P<revision>\d{1,19})\.db$")  # ``delta.pitr.Prepared.kept_name``
+# ``pitr.prepare.Prepared.kept_name`` (a replay's db), ``pitr.members.record_path`` (a tail's record)
+REPLAY_RE = re.compile(r"^(?P<full>.+)\.to-(?P<revision>\d{1,19})\.(?:db|tail)$")
 
 
 def source_of(backup: str, sha256: Optional[str]) -> Tuple[Optional[str], Optional[str], Optional[int]]:
     """What a restore of ``backup`` (the path its journal names) came from: (the backup's name,
     its snapshot's sha256, the revision a point-in-time restore replayed to). A point-in-time
-    restore ships a throwaway replay, ``<full backup>.to-<revision>.db``: it came from the full
-    backup (and its chain), whose sha256 the replay's bytes are not."""
+    restore ships a throwaway replay, ``<full backup>.to-<revision>.db``, or names the record of a
+    tail loaded into the members, ``<full backup>.to-<revision>.tail`` (it ships a checkpoint or
+    the full backup): it came from the full backup and its chain, whose sha256 the shipped bytes
+    need not be."""
     name = os.path.basename(backup) or None
     m = REPLAY_RE.match(name or "")
     if m is None:

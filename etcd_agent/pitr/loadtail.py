@@ -118,7 +118,7 @@ def load(rpc: EtcdRpc, batches: Batches, start_rev: int, in_flight: int = 1) -> 
     no revision."""
     revs: List[int] = []
     pending: List["Future[List[int]]"] = []
-    what = "loading the replayed key space"
+    what = "writing the chain's key space"
     with ThreadPoolExecutor(max_workers=max(1, in_flight), thread_name_prefix="tail-load") as pool:
         for kind, ops in batches:
             if kind == "delete" or in_flight <= 1:

@@ -360,6 +360,7 @@ def test_a_load_that_fails_rolls_every_member_back(bed) -> None:  # type: ignore
     after = dump(rpc(c))
     assert after.keys() == before.keys() and after == before, sorted(after.keys() ^ before.keys())
     assert backups <= set(full_backups(c)) | set(segment_files(c)), "a backup went"
+    assert not kept(c), f"rolled back, nothing to resume, yet .pitr keeps {kept(c)}"
     said = next(ln for ln in res.stderr.splitlines() if "loading the point-in-time tail" in ln)
     print(f"\nFIGURE members load failure: {said.strip()[:300]}; every member back on its data "
           f"({len(before)} keys, the same member ids); left in .pitr: {kept(c)}")

@@ -100,6 +100,7 @@ class Restore:
         self.unreachable: Dict[str, str] = {}
         self.resume = Resume()  # a resumed restore: who finished it, who serves the restored cluster
         self.unanswered: List[str] = []  # the hosts the last rollback could not reach
+        self.rolled_back = False  # the last rollback put every member back
         self.timings: Dict[str, float] = {}  # phase -> seconds, reported in the Outcome
         self.evidence: "Optional[Future[Evidence]]" = None  # asked while the hosts pre-check
         self.standby: Optional[Standby] = None  # receivers started ahead (``restore.ship``)
@@ -377,7 +378,11 @@ class Restore:
         try:
             self._through(plan, source, facts, outcome, began)
         except BaseException as exc:
-            self._failed(plan, exc, began)
+            try:
+                self._failed(plan, exc, began)
+            finally:
+                if self.rolled_back:  # nothing is left to resume
+                    source.keep_record = False
         finish(self, plan, source)
         source.keep_record = False  # done: nothing is left to resume
 
@@ -419,6 +424,10 @@ class Restore:
         outcome.timings["wait"] = time.monotonic() - t
         if source.tail is not None:  # the apiservers still fenced
             load_tail(self, plan, source, outcome)
+            t = time.monotonic()  # what the members serve now, the tail in
+            outcome.revisions = self.cluster.converged(
+                self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say)
+            outcome.timings["wait"] += time.monotonic() - t
         served(self, plan, source)
         t = time.monotonic()
         self.cluster.record_lineage(list(source.member_ids))
@@ -444,6 +453,7 @@ class Restore:
             ok, lines = self.rollback(began or [m for n in self.nodes for m in n.members])
         except StopWaiting:
             raise Interrupted(f"restore {self.op}: its rollback interrupted twice: " + LEFT_AS_IS) from exc
+        self.rolled_back = ok
         raise OperationFailed(self._rolled_back(exc, ok), details=list(details) + lines) from exc
 
     def _rolled_back(self, exc: BaseException, ok: bool) -> str:
