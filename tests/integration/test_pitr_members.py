@@ -44,7 +44,7 @@ from tests.integration.test_restore import AGENT
 
 pytestmark = pytest.mark.integration
 
-MEMBERS = {"point_in_time_load": '"members"'}  # the default ("auto") is the scratch way without a fence
+MEMBERS = {"point_in_time_load": '"members"'}  # the default is the scratch way
 NO_CHECKPOINTS = {"checkpoint_ratio": "0.0"}  # the start is the full backup: the whole chain is the tail
 INTO_MEMBERS = "into the restored members"
 SCRATCH_WORDING = "in a throwaway etcd"  # the scratch way's plan and dry run (the members way says "no throwaway ...")
