@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from etcd_agent.chain.segments import LeaseRecord, ms_to_datetime
@@ -136,13 +136,12 @@ def load(rpc: EtcdRpc, batches: Batches, start_rev: int, in_flight: int = 1) -> 
 @dataclass
 class Written:
     """What ``write_tail`` did: the keys loaded, their revisions, the lease rule's outcome and
-    fix-up revisions, the leases granted (id -> TTL) and the snapshot's own, and the seconds."""
+    fix-up revisions, and the seconds."""
 
     keys: int
     load_revisions: List[int]
     leases: LeaseOutcome
     fixups: List[int]
-    present: Dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -181,7 +180,7 @@ def write_tail(rpc: EtcdRpc, plan: Plan, ks: keyspace.KeySpace, batches: Batches
     outcome, fixups = apply_lease_rule(rpc, present, snapshot_leases, plan.records, at_ms, min_ttl, keeper,
                                        chunk=limits.ops)
     lap("lease rule")
-    return Written(keys, loads, outcome, fixups, present, seconds)
+    return Written(keys, loads, outcome, fixups, seconds)
 
 
 def replay_result(plan: Plan, ks: keyspace.KeySpace, w: Written, *, restored: int, segments: int, at_ms: int,

@@ -39,7 +39,7 @@ from etcd_agent.fs import open_regular, write_atomic
 from etcd_agent.pitr import fullpick
 from etcd_agent.pitr.replay import Plan, ReplayResult, Target, find_base, plan_replay
 from etcd_agent.pitr.replayrun import replay
-from etcd_agent.pitr.workdirs import pitr_dir, private_dir, work_dir
+from etcd_agent.pitr.workdirs import in_work_dir, work_dir
 from etcd_agent.safejson import load as load_json
 from etcd_agent.scratch.member import EtcdBinaries, ScratchOptions
 
@@ -580,8 +580,7 @@ def remove_kept(path: str) -> None:
 def kept_result(cfg: "Config", spec: str) -> Optional[Tuple[str, ReplayResult]]:
     """``--from`` naming a kept replay (what a crashed point-in-time restore's journal names)."""
     path = os.path.abspath(spec)
-    if os.path.dirname(path) not in (os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg))) \
-            or not os.path.isfile(path + ".json"):
+    if not in_work_dir(cfg, path) or not os.path.isfile(path + ".json"):
         return None
     with open_regular(path + ".json") as fh:
         return path, ReplayResult.from_json(load_json(fh, max_bytes=MAX_KEPT_RESULT), path + ".json")

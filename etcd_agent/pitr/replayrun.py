@@ -223,7 +223,7 @@ def replay(
         raise ReplayError(f"{output} exists; a replay never overwrites a file")
     options = options or ScratchOptions()
     work = tempfile.mkdtemp(prefix="etcd-replay-", dir=options.parent_dir)  # 0700
-    lap = _Laps(stop)
+    lap = Laps(stop)
     # the two tools' checks run while the snapshot is staged and the chain folded
     probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replay-probe")
     try:
@@ -318,7 +318,7 @@ class Folding:
             self._fut.result()
 
 
-class _Laps:
+class Laps:
     """Where a replay's time goes: ``lap(name)`` adds the seconds since the previous lap to
     ``name``; ``detail`` names a dict of finer steps timed elsewhere (the scratch member's),
     read when the phases are taken. Each lap is also where a set ``stop`` ends the replay, until
@@ -407,9 +407,9 @@ def _run(
     fold_seconds: float,
     min_ttl: int,
     unknown_ttl: int,
-    lap: Optional["_Laps"] = None,
+    lap: Optional["Laps"] = None,
 ) -> ReplayResult:
-    lap = lap or _Laps()
+    lap = lap or Laps()
     lap("scratch restore and start")
     rpc = s.rpc
     at_ms = target_ms(plan)

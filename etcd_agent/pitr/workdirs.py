@@ -43,6 +43,12 @@ def work_dir(cfg: "Config", encrypted: bool) -> str:
     return d
 
 
+def in_work_dir(cfg: "Config", path: str) -> bool:
+    """``path`` (absolute) lies directly in ``pitr_dir`` or ``private_dir``: what a crashed
+    point-in-time restore's journal may name (a kept replay, a tail's record)."""
+    return os.path.dirname(path) in (os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg)))
+
+
 def lock(cfg: "Config") -> OperationLock:
     """One point-in-time restore at a time on this host (held from the replay to the restore's
     end: the kept replay is its own); what a dead one left in ``.pitr`` is cleared."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING
 
 from etcd_agent.errors import EtcdError, OperationFailed
 from etcd_agent.restore.orchestrator import plan as P
@@ -45,17 +45,11 @@ def load_tail(r: Restore, plan: P.Plan, source: Source, outcome: Outcome) -> Non
     (none has finished yet); a resumed run loads it again, whatever part of it is there."""
     from etcd_agent.chain.errors import ReplayError
     from etcd_agent.pitr import report
+    from etcd_agent.pitr.replayrun import Laps
 
     assert source.tail is not None and source.revision is not None
     t = time.monotonic()
-    laps: Dict[str, float] = {}
-    mark = [t]
-
-    def lap(name: str) -> None:
-        now = time.monotonic()
-        laps[name] = laps.get(name, 0.0) + now - mark[0]
-        mark[0] = now
-
+    lap = Laps()
     start = source.revision + (P.BUMP_REVISION if plan.bump else 0)
     try:
         with r.cluster.writer() as rpc:
@@ -64,7 +58,7 @@ def load_tail(r: Restore, plan: P.Plan, source: Source, outcome: Outcome) -> Non
         raise OperationFailed(f"loading the point-in-time tail into the restored members failed: {exc.message}") \
             from None
     r.timings["load"] = time.monotonic() - t
-    r.timings.update((f"load: {k}", v) for k, v in laps.items())
+    r.timings.update((f"load: {k}", v) for k, v in lap.phases())
     outcome.point_in_time = report.describe(None, res)
     for line in outcome.point_in_time:
         r.say(line)

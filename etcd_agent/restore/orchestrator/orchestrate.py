@@ -417,16 +417,14 @@ class Restore:
         self.batch("stop", [(m, ["halt"]) for m in followers])
         self.batch("prepare", [(m, ["stop"] + PREPARE) for m in everyone])
         self.batch("start", [(m, ["start"]) for m in everyone])
+        healthy_within = self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2)
         t = time.monotonic()
-        outcome.revisions = self.cluster.converged(
-            self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say
-        )
+        outcome.revisions = self.cluster.converged(healthy_within, self.say)
         outcome.timings["wait"] = time.monotonic() - t
         if source.tail is not None:  # the apiservers still fenced
             load_tail(self, plan, source, outcome)
             t = time.monotonic()  # what the members serve now, the tail in
-            outcome.revisions = self.cluster.converged(
-                self.opts.health_timeout or max(60.0, self.cfg.etcd.start_timeout * 2), self.say)
+            outcome.revisions = self.cluster.converged(healthy_within, self.say)
             outcome.timings["wait"] += time.monotonic() - t
         served(self, plan, source)
         t = time.monotonic()

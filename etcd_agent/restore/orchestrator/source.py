@@ -75,7 +75,7 @@ class Source:
     tail: "Optional[Tail]" = None
     record: Optional[str] = None
     keep_record: bool = False
-    tail_to: Optional[int] = None  # a dry run's: the revision the tail would be loaded to (no tail folded)
+    tail_to: Optional[int] = None  # the revision the tail is loaded to (a dry run's too, which folds none)
 
     @property
     def member_ids(self) -> Tuple[str, ...]:
@@ -111,8 +111,7 @@ class Source:
             os.close(fd)
 
     def facts(self, lines: Tuple[str, ...] = ()) -> SourceFacts:
-        tail_to = self.tail.prep.plan.stop_revision if self.tail is not None else self.tail_to
-        return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines, tail_to)
+        return SourceFacts(self.kind, self.revision, self.size, self.sha256, tuple(self.checked) + lines, self.tail_to)
 
     def close(self) -> None:
         if self.tail is not None:
@@ -380,11 +379,10 @@ def _kept_tail(cfg: Config, spec: str, staging_parent: str, identities: Optional
     restored members (what its journals name): the same restore, prepared again from the record."""
     from etcd_agent.pitr.members import RECORD_SUFFIX, read_record
     from etcd_agent.pitr.replay import Target
-    from etcd_agent.pitr.workdirs import pitr_dir, private_dir
+    from etcd_agent.pitr.workdirs import in_work_dir
 
     path = os.path.abspath(spec)
-    if not path.endswith(RECORD_SUFFIX) or os.path.dirname(path) not in (
-            os.path.abspath(pitr_dir(cfg)), os.path.abspath(private_dir(cfg))) or not os.path.isfile(path):
+    if not path.endswith(RECORD_SUFFIX) or not in_work_dir(cfg, path) or not os.path.isfile(path):
         return None
     rec = read_record(path)
     return open_pitr_source(cfg, rec.backup, Target.to_revision(rec.revision), staging_parent, identities=identities,
